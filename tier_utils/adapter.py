@@ -1,0 +1,222 @@
+"""The one place that knows how to call a model and read it: calling convention, logits,
+task kind, vocab size, max length, number of classes.
+
+Batches everywhere in tier_utils are dicts: `input_ids` (B, T) long, `labels` ((B, T) next
+tokens for a causal LM, (B,) class ids for classification), optional `attention_mask` (B, T).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import AdapterError
+
+TASKS = ("causal-lm", "classification")
+
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
+_VOCAB_KEYS = ("vocab_size", "n_vocab")
+_PROBE_LEN = 8
+
+
+@dataclass
+class ModelAdapter:
+    model: nn.Module
+    task: str
+    vocab_size: int
+    max_len: int
+    num_classes: int | None
+    takes_input_ids_kwarg: bool
+    takes_attention_mask: bool
+    takes_inputs_embeds: bool
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def name(self) -> str:
+        return type(self.model).__name__
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        """Call the model the way it expects; returns its raw output."""
+        kwargs = {}
+        if attention_mask is not None and self.takes_attention_mask:
+            kwargs["attention_mask"] = attention_mask
+        if inputs_embeds is not None:
+            if not self.takes_inputs_embeds:
+                raise AdapterError(f"{self.name}.forward takes no inputs_embeds argument")
+            return self.model(inputs_embeds=inputs_embeds, **kwargs)
+        if self.takes_input_ids_kwarg:
+            return self.model(input_ids=input_ids, **kwargs)
+        return self.model(input_ids, **kwargs)
+
+    def logits(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
+        return extract_logits(self.forward(input_ids, attention_mask, inputs_embeds), self.name)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; for a causal LM, over every position (labels are next tokens)."""
+        if self.task == "causal-lm":
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return F.cross_entropy(logits, labels)
+
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, logits) for a batch dict; call it inside the precision's autocast."""
+        logits = self.logits(batch["input_ids"], batch.get("attention_mask"))
+        return self.loss(logits, batch["labels"]), logits
+
+    def embeddings(self) -> nn.Embedding | None:
+        """The token embedding table, if the model exposes one."""
+        getter = getattr(self.model, "get_input_embeddings", None)
+        if callable(getter):
+            try:
+                emb = getter()
+            except (NotImplementedError, AttributeError):
+                emb = None
+            if isinstance(emb, nn.Embedding):
+                return emb
+        return next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
+
+    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:
+        """A random batch of the right shape and task, on the model's device."""
+        T = min(seq_len or self.max_len, self.max_len)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
+        if self.task == "causal-lm":
+            labels = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
+        else:
+            labels = torch.randint(0, self.num_classes, (batch_size,), generator=g)
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones(batch_size, T, dtype=torch.long)}
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def summary(self) -> dict:
+        params = list(self.model.parameters())
+        return {
+            "model": self.name,
+            "task": self.task,
+            "parameters": sum(p.numel() for p in params),
+            "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
+            "vocab_size": self.vocab_size,
+            "max_len": self.max_len,
+            "num_classes": self.num_classes,
+        }
+
+
+def extract_logits(output, model_name: str = "model") -> torch.Tensor:
+    """Logits from a tensor, an HF ModelOutput / dict with `logits`, or a tuple whose first tensor is them."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = None
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        logits = output.get("logits") if hasattr(output, "get") else None
+    elif isinstance(output, (tuple, list)):
+        logits = next((o for o in output if isinstance(o, torch.Tensor)), None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise AdapterError(f"{model_name} returned {type(output).__name__} with no logits; return a tensor, "
+                       "a tuple starting with the logits, or an object with a .logits field")
+
+
+def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len: int | None = None,
+          num_classes: int | None = None) -> ModelAdapter:
+    """Work out how to drive `model` (an nn.Module or an adapter, returned as is)."""
+    if isinstance(model, ModelAdapter):
+        return model
+    if not isinstance(model, nn.Module):
+        raise AdapterError(f"expected a torch.nn.Module, got {type(model).__name__}; load it with load_model first")
+    if next(model.parameters(), None) is None:
+        raise AdapterError(f"{type(model).__name__} has no parameters; there is nothing to smoke-test or train")
+    params = _forward_params(model)
+    takes_kw = "input_ids" in params
+    config = getattr(model, "config", None)
+    vocab = vocab_size or _first_attr((config, model), _VOCAB_KEYS) or _embedding_rows(model)
+    if not vocab:
+        raise AdapterError(f"cannot find {type(model).__name__}'s vocabulary size; pass vocab_size=N")
+    length = max_len or _first_attr((config, model), _MAX_LEN_KEYS) or _position_rows(model)
+    if not length:
+        raise AdapterError(f"cannot find {type(model).__name__}'s maximum sequence length; pass max_len=N")
+    adapter = ModelAdapter(model, task or "", int(vocab), int(length), num_classes, takes_kw,
+                           "attention_mask" in params, "inputs_embeds" in params)
+    if task is not None and task not in TASKS:
+        raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
+    adapter.task = task or _declared_task(model) or _probe_task(adapter)
+    if adapter.task == "classification" and adapter.num_classes is None:
+        adapter.num_classes = (getattr(config, "num_labels", None) or getattr(model, "num_classes", None)
+                               or _probe_output(adapter).shape[-1])
+    return adapter
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _first_attr(objs, keys) -> int | None:
+    for obj in objs:
+        for key in keys:
+            value = getattr(obj, key, None) if obj is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _embedding_rows(model: nn.Module) -> int | None:
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None
+
+
+def _position_rows(model: nn.Module) -> int | None:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and "pos" in name.lower():
+            return module.num_embeddings
+    return None
+
+
+def _declared_task(model: nn.Module) -> str | None:
+    declared = getattr(model, "task", None)
+    if declared in TASKS:
+        return declared
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if name.endswith("ForSequenceClassification"):
+        return "classification"
+    return None
+
+
+def _probe_output(adapter: ModelAdapter) -> torch.Tensor:
+    ids = torch.zeros(1, min(_PROBE_LEN, adapter.max_len), dtype=torch.long, device=adapter.device)
+    was_training = adapter.model.training
+    adapter.model.eval()
+    try:
+        with torch.inference_mode():
+            return adapter.logits(ids)
+    except AdapterError:
+        raise
+    except Exception as exc:
+        raise AdapterError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
+                           f"{type(exc).__name__}: {exc}; pass task= and check its forward signature") from exc
+    finally:
+        adapter.model.train(was_training)
+
+
+def _probe_task(adapter: ModelAdapter) -> str:
+    """No declared task: a (B, T, V) output means a causal LM, (B, C) a classifier."""
+    out = _probe_output(adapter)
+    if out.dim() == 3:
+        return "causal-lm"
+    if out.dim() == 2:
+        adapter.num_classes = adapter.num_classes or out.size(-1)
+        return "classification"
+    raise AdapterError(f"{adapter.name} returned logits of shape {tuple(out.shape)}; expected (B, T, vocab) "
+                       "or (B, classes); pass task= explicitly")

@@ -1,0 +1,266 @@
+"""Data: the bundled corpus (CPython's own docs), synthetic tokens, user data, and the loader.
+
+Everything is byte-level (vocab 256), so no tokenizer download is ever needed. Datasets
+yield the batch dicts the adapter expects: `input_ids`, `labels`, `attention_mask`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import DataError
+
+BYTE_VOCAB = 256
+
+# Topic groups for the classification set (snippet -> which part of the docs it came from).
+TOPIC_GROUPS = ("statements", "expressions", "types", "runtime")
+_STATEMENTS = {
+    "assert", "assignment", "async", "augassign", "break", "class", "compound", "continue", "del", "else", "for",
+    "function", "global", "if", "import", "nonlocal", "pass", "raise", "return", "try", "while", "with", "yield",
+}
+_EXPRESSIONS = {
+    "atom-identifiers", "atom-literals", "attribute-references", "await", "binary", "bitwise", "booleans", "calls",
+    "comparisons", "conversions", "exprlists", "floating", "formatstrings", "imaginary", "in", "integers", "lambda",
+    "numbers", "operator-summary", "power", "shifting", "slicings", "strings", "subscriptions", "unary",
+}
+_TYPES = {"callable-types", "dict", "lists", "numeric-types", "objects", "sequence-types", "string-methods", "truth"}
+_VAL_EVERY = 5  # within each group, every 5th topic (sorted) is held out for validation
+
+
+def topic_group(topic: str) -> str:
+    if topic in _STATEMENTS:
+        return "statements"
+    if topic in _EXPRESSIONS:
+        return "expressions"
+    if topic in _TYPES or topic.startswith(("types", "bltin-")):
+        return "types"
+    return "runtime"  # data model, execution model, exceptions, naming, ...
+
+
+def corpus_topics() -> dict[str, str]:
+    """CPython's bundled documentation: topic name -> text (~79 topics, ~465 KB)."""
+    from pydoc_data.topics import topics
+    return dict(sorted(topics.items()))
+
+
+def corpus_split() -> tuple[list[str], list[str]]:
+    """(train topics, val topics), split by whole topic within each group so no text leaks."""
+    train, val = [], []
+    for group in TOPIC_GROUPS:
+        members = sorted(t for t in corpus_topics() if topic_group(t) == group)
+        for i, topic in enumerate(members):
+            (val if i % _VAL_EVERY == _VAL_EVERY // 2 else train).append(topic)
+    return train, val
+
+
+def encode(text: str) -> torch.Tensor:
+    """Byte-level tokens (UTF-8 bytes) as a long tensor."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping causal-LM windows: input_ids = w[:-1], labels = w[1:]."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        n = (len(tokens) - 1) // seq_len
+        if n < 1:
+            raise DataError(f"text of {len(tokens)} tokens is shorter than one window of {seq_len + 1}; "
+                            "give more text or a smaller seq_len")
+        self.tokens, self.seq_len, self.n = tokens, seq_len, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        w = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        return {"input_ids": w[:-1], "labels": w[1:], "attention_mask": torch.ones(self.seq_len, dtype=torch.long)}
+
+
+class Snippets(Dataset):
+    """Classification examples: fixed-length token snippets with a class id (padded, masked)."""
+
+    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int):
+        if not texts:
+            raise DataError("no classification examples; give at least one (text, label) pair")
+        self.ids = torch.zeros(len(texts), seq_len, dtype=torch.long)
+        self.mask = torch.zeros(len(texts), seq_len, dtype=torch.long)
+        for i, t in enumerate(texts):
+            t = t[:seq_len]
+            self.ids[i, : len(t)] = t
+            self.mask[i, : len(t)] = 1
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+
+
+class TokenRows(Dataset):
+    """One example per row of an (N, seq_len + 1) token tensor: input_ids = row[:-1].
+
+    Causal LM: labels = row[1:]. Classification: labels = the given class ids.
+    """
+
+    def __init__(self, rows: torch.Tensor, class_ids: torch.Tensor | None = None):
+        self.rows, self.class_ids = rows, class_ids
+        self.mask = torch.ones(rows.size(1) - 1, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        labels = row[1:] if self.class_ids is None else self.class_ids[i]
+        return {"input_ids": row[:-1], "labels": labels, "attention_mask": self.mask}
+
+
+def synthetic_tokens(n: int, seq_len: int, vocab_size: int, task: str = "causal-lm",
+                     num_classes: int | None = None, seed: int = 0) -> TokenRows:
+    """Random tokens for speed-only runs (the loss means nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
+    class_ids = torch.randint(0, num_classes or 2, (n,), generator=g) if task == "classification" else None
+    return TokenRows(rows, class_ids)
+
+
+def _snippets(topics: list[str], seq_len: int) -> Snippets:
+    texts, labels = [], []
+    corpus = corpus_topics()
+    for topic in topics:
+        tokens = encode(corpus[topic])
+        for start in range(0, len(tokens) - seq_len // 2, seq_len):
+            texts.append(tokens[start: start + seq_len])
+            labels.append(TOPIC_GROUPS.index(topic_group(topic)))
+    return Snippets(texts, labels, seq_len)
+
+
+@dataclass
+class DataSplits:
+    train: Dataset
+    val: Dataset
+    source: str  # "corpus", "synthetic", "text", "tensors"
+
+
+def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
+                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0) -> DataSplits:
+    """Datasets for a task from any supported source.
+
+    data: None (the bundled corpus), "synthetic", a path to a text file, a list of strings,
+    a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
+    `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    if isinstance(data, str) and data == "synthetic":
+        n = 512
+        train = synthetic_tokens(n, seq_len, vocab_size, task, num_classes, seed)
+        val = synthetic_tokens(n // 8, seq_len, vocab_size, task, num_classes, seed + 1)
+        return DataSplits(train, val, "synthetic")
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Dataset) for d in data):
+        return DataSplits(data[0], data[1], "datasets")
+    if isinstance(data, Dataset):
+        return DataSplits(*_split(data, val_fraction, seed), "dataset")
+    if data is None or isinstance(data, (str, Path, list)):
+        if vocab_size < BYTE_VOCAB:
+            raise DataError(f"text data is byte-level (vocab {BYTE_VOCAB}) but the model's vocab is {vocab_size}; "
+                            f"build the model with vocab_size>={BYTE_VOCAB} or pass token tensors")
+    if data is None:
+        train_topics, val_topics = corpus_split()
+        if task == "classification":
+            if num_classes is not None and num_classes < len(TOPIC_GROUPS):
+                raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
+                                f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)}")
+            return DataSplits(_snippets(train_topics, seq_len), _snippets(val_topics, seq_len), "corpus")
+        corpus = corpus_topics()
+        join = "\n\n".join
+        return DataSplits(TokenWindows(encode(join(corpus[t] for t in train_topics)), seq_len),
+                          TokenWindows(encode(join(corpus[t] for t in val_topics)), seq_len), "corpus")
+    if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor) for d in data)):
+        return DataSplits(*_split(_tensor_dataset(data, task), val_fraction, seed), "tensors")
+    if isinstance(data, (str, Path)):
+        path = Path(data).expanduser()
+        if not path.is_file():
+            raise DataError(f"data file {str(data)!r} not found; give a UTF-8 text file, 'synthetic' or None")
+        texts = [path.read_text(encoding="utf-8", errors="replace")]
+    elif isinstance(data, list) and all(isinstance(t, str) for t in data):
+        texts = data
+    else:
+        raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a text file path, "
+                        "a list of strings, tensors or a Dataset")
+    if task == "classification":
+        raise DataError("plain text has no labels for classification; pass (input_ids, labels) tensors or a Dataset")
+    tokens = encode("\n\n".join(texts))
+    cut = int(len(tokens) * (1 - val_fraction))  # contiguous split: validation text never seen in training
+    if cut < seq_len + 1 or len(tokens) - cut < seq_len + 1:
+        raise DataError(f"text of {len(tokens)} bytes is too short for train and val windows of {seq_len + 1}; "
+                        "give more text or a smaller seq_len")
+    return DataSplits(TokenWindows(tokens[:cut], seq_len), TokenWindows(tokens[cut:], seq_len), "text")
+
+
+def _tensor_dataset(data, task: str) -> Dataset:
+    if task == "causal-lm":
+        if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.size(1) < 2:
+            raise DataError("causal-LM tensors must be one (N, seq_len + 1) long tensor of token ids")
+        return TokenRows(data.long())
+    if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 2 and data[1].dim() == 1):
+        raise DataError("classification tensors must be an (input_ids (N, T), labels (N,)) pair")
+    ids, labels = data
+    return Snippets(list(ids.long()), labels.tolist(), ids.size(1))
+
+
+def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(ds)
+    n_val = max(1, int(n * val_fraction))
+    if n - n_val < 1:
+        raise DataError(f"{n} examples are too few to split into train and val; give more data")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.utils.data.Subset(ds, order[n_val:]), torch.utils.data.Subset(ds, order[:n_val])
+
+
+def _seed_worker(worker_id: int) -> None:
+    # Each worker's torch seed derives from the loader's generator; numpy/random follow it.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, device=None, num_workers: int = 0,
+                seed: int = 0, drop_last: bool = False, sampler=None) -> DataLoader:
+    """A DataLoader with the rules that matter for speed and reproducibility.
+
+    pin_memory on CUDA (so `to_device(..., non_blocking=True)` overlaps), persistent workers
+    and prefetch when num_workers > 0, a seeded generator and seeded workers, default collate.
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise DataError(f"num_workers must be >= 0, got {num_workers}")
+    if len(dataset) < batch_size and drop_last:
+        raise DataError(f"batch_size={batch_size} is larger than the dataset ({len(dataset)} examples); "
+                        "use a smaller batch size")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    extra = {"persistent_workers": True, "prefetch_factor": 2} if num_workers > 0 else {}
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+        num_workers=num_workers, pin_memory=cuda, drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed), worker_init_fn=_seed_worker, **extra,
+    )
+
+
+def to_device(batch: dict, device) -> dict:
+    """Copy a batch dict to `device`; non_blocking pairs with pinned memory on CUDA."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,50 @@
+"""`info`: the device, the precision decision with its reason, and a model summary."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from .adapter import adapt
+from .models import DEFAULT_MODEL, load_model
+from .precision import cpu_flags, native_support, resolve_device, resolve_precision
+from .results import jsonable, run_metadata, write_json
+
+
+@dataclass
+class InfoResult:
+    environment: dict
+    precision: dict
+    model: dict
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = [("environment", k, v) for k, v in self.environment.items()]
+        rows += [("precision", k, v) for k, v in self.precision.items()]
+        rows += [("model", k, v) for k, v in self.model.items()]
+        return pd.DataFrame(rows, columns=["section", "key", "value"])
+
+    def to_json(self) -> dict:
+        return jsonable({"environment": self.environment, "precision": self.precision, "model": self.model})
+
+    def save_json(self, path):
+        return write_json(path, self.to_json())
+
+    def _repr_html_(self) -> str:
+        return self.table._repr_html_()
+
+
+def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwargs) -> InfoResult:
+    dev = resolve_device(device)
+    env = run_metadata(dev)
+    if dev.type == "cuda":
+        cc = torch.cuda.get_device_capability(dev)
+        env["compute_capability"] = f"{cc[0]}.{cc[1]}"
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        env["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
+    for name in ("bf16", "fp16"):
+        env[f"native_{name}"] = native_support(name, dev)[0]
+    adapter = adapt(load_model(model, **model_kwargs))
+    return InfoResult(env, resolve_precision(precision, dev).to_dict(), adapter.summary())

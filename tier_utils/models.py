@@ -1,0 +1,233 @@
+"""Built-in models and `load_model`, which turns any supported spec into an nn.Module."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ModelSpecError
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    Uses the fused SDPA kernel for speed; with `keep_attention = True` it computes the
+    weights explicitly and keeps them in `.attention` (B, heads, T, T) for tier-2 analysis.
+    """
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        if d_model % n_head:
+            raise ModelSpecError(f"d_model={d_model} is not divisible by n_head={n_head}; pick sizes that divide")
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.keep_attention = False
+        self.attention: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        if self.keep_attention:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            self.attention = weights.detach()
+            y = F.dropout(weights, p) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only language model: token + learned position embeddings, causal blocks, LM head.
+
+    Defaults are byte-level (vocab 256) to match the bundled corpus.
+    """
+
+    task = "causal-lm"
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128,
+                 n_layer: int = 2, n_head: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_emb
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
+        # attention_mask is accepted for a uniform call signature; causal LM windows carry no padding.
+        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        T = x.size(1)
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
+        x = self.drop(x + self.pos_emb(torch.arange(T, device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class TinyEncoder(nn.Module):
+    """Encoder classifier built on nn.TransformerEncoder: embeddings, encoder, masked mean pool, head."""
+
+    task = "classification"
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128, n_layer: int = 2,
+                 n_head: int = 4, num_classes: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.vocab_size, self.max_len, self.num_classes = vocab_size, max_len, num_classes
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        # enable_nested_tensor=False keeps padded batches on one code path (and quiets a warning).
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+        self.apply(_init_weights)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_emb
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
+        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        T = x.size(1)
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
+        x = x + self.pos_emb(torch.arange(T, device=x.device))
+        pad = None if attention_mask is None else attention_mask == 0
+        x = self.ln_f(self.encoder(x, src_key_padding_mask=pad))
+        keep = torch.ones(x.shape[:2], device=x.device) if attention_mask is None else attention_mask.to(x.dtype)
+        pooled = (x * keep.unsqueeze(-1)).sum(1) / keep.sum(1, keepdim=True).clamp(min=1)
+        return self.head(pooled)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2's init: N(0, 0.02) for linear and embedding weights, zero biases.
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
+DEFAULT_MODEL = "tiny-gpt"
+
+
+def load_model(spec=DEFAULT_MODEL, **kwargs) -> nn.Module:
+    """Turn a spec into an nn.Module.
+
+    Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
+    (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `path/to/file.py:Name` or
+    `package.module:Name` (a class or factory, called with kwargs); `hf:<ModelClass>`
+    (a transformers model built from a config made of kwargs, no download).
+    """
+    if isinstance(spec, nn.Module):
+        if kwargs:
+            raise ModelSpecError("keyword arguments are only used when building a model from a spec, not for an instance")
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")
+    spec = spec.strip()
+    if spec in BUILTIN_MODELS:
+        return _construct(BUILTIN_MODELS[spec], kwargs, spec)
+    if spec.startswith("hf:"):
+        return _load_hf(spec[3:], kwargs)
+    if ":" not in spec:
+        names = ", ".join(BUILTIN_MODELS)
+        raise ModelSpecError(f"unknown model {spec!r}; use a built-in ({names}), path/to/file.py:Name, "
+                             "package.module:Name or hf:<ModelClass>")
+    where, _, name = spec.rpartition(":")
+    module = _import_file(where) if where.endswith(".py") else _import_module(where)
+    if not hasattr(module, name):
+        raise ModelSpecError(f"{where} has no attribute {name!r}; check the name after ':'")
+    return _construct(getattr(module, name), kwargs, spec)
+
+
+def _import_file(path: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelSpecError(f"model file {path!r} not found; give a path to an existing .py file")
+    mod_name = f"tier_utils_user_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[mod_name]
+        raise ModelSpecError(f"importing {path} raised {type(exc).__name__}: {exc}; fix the file") from exc
+    return module
+
+
+def _import_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import module {name!r} ({exc}); check it is installed or on PYTHONPATH") from exc
+
+
+def _construct(factory, kwargs: dict, spec: str) -> nn.Module:
+    if isinstance(factory, nn.Module):
+        if kwargs:
+            raise ModelSpecError(f"{spec} is a module instance; it takes no keyword arguments")
+        return factory
+    if not callable(factory):
+        raise ModelSpecError(f"{spec} is a {type(factory).__name__}, not a model class or factory")
+    try:
+        model = factory(**kwargs)
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"building {spec} raised {type(exc).__name__}: {exc}; check its arguments") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _load_hf(class_name: str, config: dict) -> nn.Module:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelSpecError("hf: specs need the transformers package; pip install transformers") from exc
+    cls = getattr(transformers, class_name, None)
+    if cls is None or not inspect.isclass(cls) or getattr(cls, "config_class", None) is None:
+        raise ModelSpecError(f"transformers has no model class {class_name!r}; e.g. hf:GPT2LMHeadModel")
+    try:
+        return cls(cls.config_class(**config))
+    except Exception as exc:
+        raise ModelSpecError(f"building hf:{class_name} raised {type(exc).__name__}: {exc}; check the config") from exc

@@ -1,0 +1,129 @@
+"""Result building blocks: the PASS/WARN/FAIL/SKIP row, the Result base, run metadata, safe writes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
+CHECK_COLUMNS = ["check", "status", "value", "threshold", "detail"]
+
+
+@dataclass
+class Check:
+    """One verdict row: every status carries a value, a threshold where one applies, and a one-line detail."""
+
+    check: str
+    status: str
+    value: object = None
+    threshold: object = None
+    detail: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+def checks_table(checks: list[Check], extra_columns: tuple[str, ...] = ()) -> pd.DataFrame:
+    columns = list(extra_columns) + CHECK_COLUMNS
+    return pd.DataFrame([asdict(c) for c in checks], columns=columns)
+
+
+def worst_status(statuses) -> str:
+    """FAIL beats WARN beats PASS; SKIP counts as nothing."""
+    statuses = set(statuses)
+    for s in ("FAIL", "WARN", "PASS"):
+        if s in statuses:
+            return s
+    return "SKIP"
+
+
+def run_metadata(device=None, dtype=None) -> dict:
+    """What every measured figure is stamped with: device name, dtype, torch version, time."""
+    from .precision import device_name, resolve_device
+
+    dev = resolve_device(device)
+    meta = {
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if dtype is not None:
+        meta["dtype"] = str(dtype).replace("torch.", "")
+    return meta
+
+
+def jsonable(obj):
+    """Make results JSON-safe: DataFrames -> records, tensors -> lists, NaN/inf -> None, dtypes -> str."""
+    if isinstance(obj, pd.DataFrame):
+        return [jsonable(r) for r in obj.to_dict(orient="records")]
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return jsonable(obj.tolist())
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj).replace("torch.", "")
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "to_dict"):
+        return jsonable(obj.to_dict())
+    return str(obj)
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write via a temp file in the same folder, fsync, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path, obj) -> Path:
+    return atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2) + "\n").encode())
+
+
+class Result(ABC):
+    """Base for every tier's result: `.table` (DataFrame), `.plot()` (Figure), `.to_json()` (dict)."""
+
+    @property
+    @abstractmethod
+    def table(self) -> pd.DataFrame: ...
+
+    @abstractmethod
+    def plot(self): ...
+
+    @abstractmethod
+    def to_json(self) -> dict: ...
+
+    def save_json(self, path) -> Path:
+        return write_json(path, self.to_json())
+
+    def _repr_html_(self) -> str:
+        return self.table._repr_html_()

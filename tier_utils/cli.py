@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import warnings
 
 from .errors import TierError
 from .models import DEFAULT_MODEL
@@ -94,11 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    # A user-facing warning is one line, not Python's file:line + source dump.
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on bad arguments
     try:
-        summary, code = args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            summary, code = args.run(args)
     except (TierError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

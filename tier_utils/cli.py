@@ -33,6 +33,14 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _positive_int_list(value: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]."""
+    try:
+        return [_positive_int(v) for v in value.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 such as 1,4; got {value!r}") from None
+
+
 def _model_arg(value: str) -> tuple[str, object]:
     key, sep, raw = value.partition("=")
     if not sep or not key.isidentifier():
@@ -43,16 +51,20 @@ def _model_arg(value: str) -> tuple[str, object]:
         return key, raw  # a bare string such as activation=gelu
 
 
-def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None) -> None:
-    """The options every verb shares: model, model kwargs, device, precision, batch size, json, progress."""
+def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, precision: bool = True) -> None:
+    """The options every verb shares: model, model kwargs, device, precision, batch size, json, progress.
+
+    precision=False leaves out --precision, for a verb that takes several (bench's --precisions).
+    """
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="built-in name, path/file.py:Name, package.module:Name or hf:ModelClass "
                              f"(default {DEFAULT_MODEL})")
     parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
                         help="keyword argument for building the model (repeatable), e.g. d_model=256")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--precision", type=_precision, default="auto",
-                        help=f"{', '.join(PRECISION_NAMES)} (Lightning/torch spellings accepted; default auto)")
+    if precision:
+        parser.add_argument("--precision", type=_precision, default="auto",
+                            help=f"{', '.join(PRECISION_NAMES)} (Lightning/torch spellings accepted; default auto)")
     if batch_size is not None:
         parser.add_argument("--batch-size", type=_positive_int, default=batch_size)
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
@@ -70,6 +82,144 @@ def _run_info(args) -> tuple[dict, int]:
     with _wide_pandas():
         print(result.table.to_string(index=False))
     return result.to_json(), 0
+
+
+def _run_smoke(args) -> tuple[dict, int]:
+    from .smoke import smoke
+
+    report = smoke(args.model, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, precision=args.precision,
+                   checks=args.checks, device=args.device, progress=not args.no_progress, **model_kwargs(args))
+    with _wide_pandas():
+        print(report.table.to_string(index=False))
+    print(report.headline())
+    return report.to_json(), 0 if report.passed else 1
+
+
+def _run_train(args) -> tuple[dict, int]:
+    from pathlib import Path
+
+    from .checkpoint import seed_everything
+    from .models import load_model
+    from .results import jsonable
+    from .train import TrainConfig, TrainingDiverged, train
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a folder for metrics.csv, training.png and checkpoints")
+    settings = {k: getattr(args, k) for k in ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps",
+                                               "grad_clip", "seed", "deterministic", "num_workers", "eval_every",
+                                               "eval_batches", "log_every", "checkpoint_every", "resume", "device")}
+    settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
+                    checkpoint_dir=str(out / "checkpoints"))
+    settings.update({k: getattr(args, k) for k in ("epochs", "max_steps") if getattr(args, k) is not None})
+    config = TrainConfig(**settings)  # bad settings fail here, before anything is built or written
+    code = 0
+    try:
+        seed_everything(config.seed)  # so --seed also fixes the initial weights
+        result = train(load_model(args.model, **model_kwargs(args)), args.data, config)
+    except TrainingDiverged as exc:
+        if exc.result is None:
+            raise
+        result, code = exc.result, 1
+        if exc.result.summary["rank"] == 0:
+            print(f"error: {exc}", file=sys.stderr)
+    s = result.summary
+    if s["rank"] != 0:  # under torchrun only rank 0 prints and writes
+        args.json = None
+        return jsonable(s), code
+    files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
+    if s["checkpoint"]:
+        files.append(s["checkpoint"])
+    print(f"trained {s['model']} ({s['task']}, {s['parameters']:,} parameters) for {s['steps']} steps "
+          f"({s['epochs']} epochs, global batch {s['global_batch']}) in {s['precision']} on {s['device_name']}")
+    print(f"precision: {s['precision_reason']}")
+    if s["val_loss"] is not None:
+        print(f"final: train loss {s['train_loss']:.4f} · val loss {s['val_loss']:.4f} · "
+              f"perplexity {s['perplexity']:.2f} · accuracy {s['accuracy']:.3f}")
+    if s["tokens_per_s"]:
+        t, ms = s["tokens_per_s"], s["step_time_ms"]
+        print(f"throughput: {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']} log windows) · "
+              f"step {ms['median']:.1f} ms median")
+    if s["precision"] == "fp16":
+        print(f"skipped steps (fp16 overflow): {s['skipped_steps']}")
+    print("wrote: " + ", ".join(str(f) for f in files))
+    if result.interrupted:
+        print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
+        code = 130
+    return jsonable({**s, "files": [str(f) for f in files]}), code
+
+
+def _run_analyze(args) -> tuple[dict, int]:
+    from .analysis import analyze
+
+    report = analyze(args.model, data=args.data, analyses=args.analyses, precision=args.precision, device=args.device,
+                     batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
+                     progress=not args.no_progress, **model_kwargs(args))
+    with _wide_pandas():
+        print(report.table.drop(columns="threshold").to_string(index=False))
+    d = report.data
+    print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
+          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['source']} data · "
+          f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
+    return report.to_json(), 1 if report.status == "FAIL" else 0
+
+
+def _precision_list(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated precisions such as fp32,bf16,fp16")
+    return [_precision(v) for v in names]
+
+
+def _run_bench(args) -> tuple[dict, int]:
+    from .bench import amp_benchmark
+    from .models import load_model
+    from .verdicts import Thresholds
+
+    thresholds = Thresholds(speedup=args.min_speedup, memory_reduction=args.min_memory_reduction,
+                            memory=args.memory, accuracy_diff=args.max_accuracy_diff)
+    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), data=args.data, precisions=args.precisions,
+                           batch_size=args.batch_size, seq_len=args.seq_len, warmup_steps=args.warmup_steps,
+                           timed_steps=args.timed_steps, repeats=args.repeats, accuracy_steps=args.accuracy_steps,
+                           thresholds=thresholds, force=args.force, device=args.device,
+                           progress=not args.no_progress, lr=args.lr)
+    m, c = result.metadata, result.config
+    print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
+          f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
+    with _wide_pandas():
+        table = result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+        print(table.set_index("precision").T.to_string())
+        print()
+        print(result.verdicts.to_string(index=False))
+    print(f"worst status: {result.status}")
+    return result.to_json(), 1 if result.status == "FAIL" else 0
+
+
+def _run_search(args) -> tuple[dict, int]:
+    from .models import load_model
+    from .search import search
+
+    result = search(load_model(args.model, **model_kwargs(args)), data=args.data, n_trials=args.trials, timeout=args.timeout, storage=args.storage,
+                    study_name=args.study_name, seed=args.seed, progress=not args.no_progress,
+                    precision=args.precision, max_steps=args.max_steps,
+                    eval_every=args.eval_every, seq_len=args.seq_len, device=args.device)
+    with _wide_pandas():
+        print(result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=False))
+    summary = result.to_json()
+    if summary["best"]:
+        print(f"best: trial {summary['best']['trial']} · val loss {summary['best']['val_loss']:.4f} · "
+              f"{summary['best']['params']}")
+    return summary, 0
+
+
+def _run_all(args) -> tuple[dict, int]:
+    from .report import run_all
+
+    result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
+                     fast=args.fast, batch_size=args.batch_size, progress=not args.no_progress,
+                     **model_kwargs(args))
+    print(result.summary_text())
+    return result.to_json(), 1 if result.status == "FAIL" else 0
 
 
 def _wide_pandas():
@@ -92,6 +242,93 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("info", help="device, precision decision and model summary")
     add_common(p)
     p.set_defaults(run=_run_info)
+
+    p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
+    add_common(p)
+    p.add_argument("--batch-sizes", type=_positive_int_list, default=[1, 4], metavar="B,B",
+                   help="batch sizes for memory and latency (default 1,4)")
+    p.add_argument("--seq-lens", type=_positive_int_list, default=None, metavar="T,T",
+                   help="sequence lengths for memory and latency (default: the model's max length)")
+    p.add_argument("--checks", type=lambda v: [c.strip() for c in v.split(",") if c.strip()], default=None,
+                   metavar="NAME,NAME", help="check groups to run (default all): shapes, gradients, stability, "
+                                             "init, memory, latency, determinism")
+    p.set_defaults(run=_run_smoke)
+
+    p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
+    add_common(p, batch_size=8)
+    p.add_argument("--analyses", default=None, metavar="NAME,NAME",
+                   help="analyses to run (default all): attention, robustness, attribution, headroom, dtypes")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
+    p.add_argument("--n-batches", type=_positive_int, default=2, help="validation batches to analyse (default 2)")
+    p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per example (capped at the model's max)")
+    p.set_defaults(run=_run_analyze)
+
+    p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
+    add_common(p, batch_size=16)
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for metrics.csv, training.png, checkpoints/")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training set (default 1)")
+    length.add_argument("--max-steps", type=int, help="optimizer steps (wins over epochs)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true", help="torch deterministic algorithms")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (0: epoch ends only)")
+    p.add_argument("--eval-batches", type=int, default=20, help="validation batches per evaluation")
+    p.add_argument("--log-every", type=int, default=10, help="steps per history row")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
+    p.set_defaults(run=_run_train)
+
+    p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
+    add_common(p, batch_size=8, precision=False)
+    p.add_argument("--precisions", type=_precision_list, default=["fp32", "bf16", "fp16"], metavar="P,P",
+                   help="precisions to compare; fp32 (the baseline) is always included (default fp32,bf16,fp16)")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
+    p.add_argument("--seq-len", type=_positive_int, default=64)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps before each timed repeat")
+    p.add_argument("--timed-steps", type=_positive_int, default=10, help="timed optimizer steps per repeat")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="repeats per precision, interleaved")
+    p.add_argument("--accuracy-steps", type=int, default=50, help="training steps for accuracy parity (0: skip)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--force", action="store_true", help="run precisions this device has no native support for")
+    p.add_argument("--min-speedup", type=float, default=1.5, help="speedup vs fp32 to PASS (default 1.5)")
+    p.add_argument("--min-memory-reduction", type=float, default=0.40,
+                   help="memory reduction vs fp32 to PASS, a fraction (default 0.40)")
+    p.add_argument("--memory", choices=["activations", "total", "peak_allocated"], default="activations",
+                   help="which memory --min-memory-reduction applies to (default activations)")
+    p.add_argument("--max-accuracy-diff", type=float, default=0.01, help="val accuracy gap to fp32 (default 0.01)")
+    p.set_defaults(run=_run_bench)
+
+    p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
+    add_common(p)
+    p.add_argument("--trials", type=_positive_int, default=8, help="finished trials the study should hold (default 8)")
+    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="e.g. sqlite:///study.db: persist the study; rerun with the same --study-name to continue")
+    p.add_argument("--study-name", default="tier_utils")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
+    p.add_argument("--max-steps", type=_positive_int, default=60, help="optimizer steps per trial (default 60)")
+    p.add_argument("--eval-every", type=_positive_int, default=10, help="steps between val-loss reports (pruning)")
+    p.add_argument("--seq-len", type=_positive_int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    p.set_defaults(run=_run_search)
+
+    p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
+                                     "with an HTML report")
+    add_common(p)
+    p.add_argument("--out", default="runs/report", metavar="DIR",
+                   help="folder for the CSV tables, PNG plots, JSON and index.html (default runs/report)")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default 8 (4 with --fast)")
+    p.add_argument("--fast", action="store_true", help="shorter runs: fewer steps, repeats and batches")
+    p.set_defaults(run=_run_all)
     return parser
 
 

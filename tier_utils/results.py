@@ -35,7 +35,9 @@ class Check:
 
 def checks_table(checks: list[Check], extra_columns: tuple[str, ...] = ()) -> pd.DataFrame:
     columns = list(extra_columns) + CHECK_COLUMNS
-    return pd.DataFrame([asdict(c) for c in checks], columns=columns)
+    rows = [asdict(c) for c in checks]
+    # Column by column as object dtype: pandas would turn ints mixed with None into floats (2 -> 2.0).
+    return pd.DataFrame({col: pd.Series([r.get(col) for r in rows], dtype=object) for col in columns})
 
 
 def worst_status(statuses) -> str:

@@ -1,29 +1,44 @@
-"""Tier 3 training engine.
+"""Tier 3 training engine: `train()`, `TrainConfig`, and the one AMP-correct optimizer step.
 
-`TrainStep` is the one AMP-correct optimizer step, shared by `train()` and `amp_benchmark()`:
-autocast around forward + loss only; fp16 goes scale -> backward -> unscale_ -> clip -> step
--> update through a GradScaler that is a no-op for fp32/bf16.
+`TrainStep` is shared by `train()` and `amp_benchmark()`: autocast around forward + loss only;
+fp16 goes scale -> backward -> unscale_ -> clip -> step -> update through a GradScaler that is a
+no-op for fp32/bf16. `train()` adds the loop around it: data order from (seed, epoch), metrics
+kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
+History rows and `TrainResult` live in history.py, checkpoint I/O in checkpoint.py, DDP helpers
+in distributed.py.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from .adapter import ModelAdapter
-from .errors import TierError
-from .precision import Precision
+from . import distributed
+from .adapter import ModelAdapter, adapt
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, load_checkpoint, rng_state, save_checkpoint,
+                         seed_everything, set_rng_state)
+from .data import build_datasets, make_loader, to_device
+from .errors import DataError, TierError
+from .history import MAX_STEP_ROWS, History, TrainResult, perplexity, step_stats
+from .models import load_model
+from .precision import Precision, device_name, resolve_device, resolve_precision
+from .results import run_metadata
+from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
 
 
 class TrainingDiverged(TierError):
     """The loss became NaN/inf in a precision without a scaler to absorb it."""
 
-    def __init__(self, step: int, precision: str, value: float, result=None):
-        super().__init__(f"loss became {value} at step {step} in {precision}; lower the learning rate, "
-                         "add grad clipping, or use fp32/bf16")
+    def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss"):
+        other = "" if precision == "fp32" else ", or train in fp32"
+        super().__init__(f"{quantity} became {value} at step {step} in {precision}; lower lr, keep grad_clip on "
+                         f"or lengthen warmup_steps{other}")
         self.step, self.precision, self.value, self.result = step, precision, value, result
+        self.quantity = quantity
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -100,3 +115,265 @@ class TrainStep:
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after)
+
+
+@contextlib.contextmanager
+def _determinism(on: bool):
+    """torch's deterministic mode for the run only; the caller's settings come back afterwards."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for reproducible matmuls
+    # warn_only: an op with no deterministic kernel warns instead of stopping the user's model.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
+
+
+def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, **overrides) -> TrainResult:
+    """Train `model` and return a `TrainResult` (history, summary, the trained module in train mode).
+
+    model: a spec string (see `load_model`), an nn.Module (trained in place) or a ModelAdapter.
+    data: None for the bundled corpus in the model's task, or anything `build_datasets` accepts.
+    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords.
+    on_eval(step, metrics): called on rank 0 after every evaluation with `val_loss`, `perplexity`,
+        `accuracy` and `epoch`; an exception it raises stops training and propagates (e.g. Optuna's
+        TrialPruned), so it can prune a run.
+
+    NaN/inf loss without a GradScaler raises `TrainingDiverged` (with `.step` and the partial
+    `.result`); the last checkpoint written is from before it. Ctrl-C returns the partial result
+    with `.interrupted = True`. Under torchrun every rank calls train() and gets the same result;
+    only rank 0 shows progress and writes checkpoints.
+    """
+    cfg = make_config(config, overrides)
+    env = distributed.setup(cfg.device)
+    try:
+        with _determinism(cfg.deterministic):
+            return _Run(model, data, cfg, on_eval, env).run()
+    finally:
+        env.close()
+
+
+class _Run:
+    """One call of train(): the state the loop, evaluation and checkpoints share."""
+
+    def __init__(self, model, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv):
+        self.cfg, self.on_eval, self.env = cfg, on_eval, env
+        seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
+        self.adapter = adapt(model if isinstance(model, ModelAdapter) else load_model(model))
+        self.device = env.device or resolve_device(cfg.device)
+        self.precision: Precision = resolve_precision(cfg.precision, self.device)
+        module = self.adapter.model.to(self.device).train()
+        seq_len = min(cfg.seq_len, self.adapter.max_len)
+        splits = build_datasets(data, task=self.adapter.task, seq_len=seq_len, vocab_size=self.adapter.vocab_size,
+                                num_classes=self.adapter.num_classes, seed=cfg.seed)
+        self.data_source = splits.source
+        self.sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
+        self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
+        if self.steps_per_epoch < 1:
+            need = cfg.batch_size * cfg.grad_accum_steps * env.world_size
+            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
+                            f"of {need}; lower batch_size or grad_accum_steps, or give more data")
+        self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
+                                  seed=cfg.seed, drop_last=True, sampler=self.sampler)
+        val_sampler = (torch.utils.data.DistributedSampler(splits.val, env.world_size, env.rank, shuffle=False)
+                       if env.active else None)
+        self.val_loader = make_loader(splits.val, cfg.batch_size, shuffle=False, device=self.device,
+                                      num_workers=cfg.num_workers, seed=cfg.seed, sampler=val_sampler)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.stride = max(cfg.log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
+        self.optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
+        self.hist = History(self.device, env.all_mean if env.active else None)
+        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+        self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
+        ddp = distributed.wrap(module, env)
+        self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
+                                 self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
+        if cfg.resume and self.ckpt_path.is_file():
+            self._load()  # last: it restores the RNG states, so nothing may draw from them after
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                        disable=not (self.cfg.progress and self.env.is_main))
+        interrupted = False
+        try:
+            self._loop()
+        except KeyboardInterrupt:
+            interrupted = True
+            # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
+            # never reach another collective, so only what is already on the host is kept there.
+            if self.env.active or self.hist.sync() is None:
+                self.hist.emit(self.step, self.step / self.steps_per_epoch)
+        except TrainingDiverged as exc:
+            exc.result = self.result(diverged_at=exc.step)
+            raise
+        finally:
+            self.bar.close()
+            self.adapter.model.train()
+        return self.result(interrupted=interrupted)
+
+    def _loop(self) -> None:
+        cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
+        while self.step < self.total_steps:
+            epoch, pos = divmod(self.step, spe)
+            self.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch) alone
+            self.sampler.start = pos * accum * cfg.batch_size
+            if self._resume_gen is not None:
+                self.loader.generator.set_state(self._resume_gen)
+                self._resume_gen = None
+            self.epoch_gen = self.loader.generator.get_state()  # seeds this epoch's workers
+            batches = iter(self.loader)
+            for _ in range(pos, spe):
+                with self.hist.timer.region():
+                    micro = [to_device(next(batches), self.device) for _ in range(accum)]
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    out = self.step_fn(micro)
+                    self.step += 1
+                    tokens = sum(b["input_ids"].numel() for b in micro) * self.env.world_size
+                    self.hist.record(self.step, out, lr, tokens)
+                    self.bar.update()
+                self._after_step()
+                if self.step >= self.total_steps:
+                    break
+
+    def _after_step(self) -> None:
+        cfg, s = self.cfg, self.step
+        epoch_end = s % self.steps_per_epoch == 0 or s == self.total_steps
+        if s % self.stride == 0 or epoch_end:
+            self._check(self.hist.sync())
+            row = self.hist.emit(s, s / self.steps_per_epoch)
+            if row is not None:
+                self.bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
+        if cfg.eval_every and s % cfg.eval_every == 0 and not epoch_end:
+            metrics = self._evaluate()
+            self.hist.eval_row(s, s / self.steps_per_epoch, metrics, self.optimizer.param_groups[0]["lr"])
+            self._report(metrics)
+        if epoch_end:
+            metrics = self._evaluate()
+            self.hist.epoch_row(s, s / self.steps_per_epoch, metrics)
+            self._report(metrics)
+        if self.ckpt_path is not None and ((cfg.checkpoint_every and s % cfg.checkpoint_every == 0)
+                                           or s == self.total_steps):
+            self._save()
+
+    def _check(self, bad) -> None:
+        """Stop at the first diverged step, keeping the good steps before it as a row."""
+        if bad is None:
+            return
+        step, value, quantity = bad
+        self.hist.emit(step - 1, (step - 1) / self.steps_per_epoch)
+        raise TrainingDiverged(step, self.precision.name, value, quantity=quantity)
+
+    def _report(self, metrics: dict) -> None:
+        if self.on_eval is not None and self.env.is_main:
+            self.on_eval(self.step, dict(metrics))
+
+    def _evaluate(self) -> dict:
+        """Validation loss/accuracy in fp32 from autocast logits, under inference_mode, reduced over ranks."""
+        self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
+        model, cap = self.adapter.model, self.cfg.eval_batches
+        model.eval()
+        sums = torch.zeros(3, device=self.device)  # loss x count, correct, count
+        try:
+            with torch.inference_mode():
+                for i, batch in enumerate(self.val_loader):
+                    if cap is not None and i >= cap:
+                        break
+                    batch = to_device(batch, self.device)
+                    with self.precision.autocast():
+                        logits = self.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+                    logits, labels = logits.float(), batch["labels"]
+                    n = labels.numel()
+                    sums[0] += self.adapter.loss(logits, labels) * n
+                    sums[1] += (logits.argmax(-1) == labels).sum()
+                    sums[2] += n
+        finally:
+            model.train()
+        loss_sum, correct, count = self.env.all_sum(sums).tolist()
+        val_loss = loss_sum / count
+        ppl = perplexity(val_loss) if self.adapter.task == "causal-lm" else float("nan")
+        return {"val_loss": val_loss, "perplexity": ppl, "accuracy": correct / count,
+                "epoch": self.step / self.steps_per_epoch}
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _save(self) -> None:
+        self._check(self.hist.sync())  # never write a diverged state
+        rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
+        if self.env.is_main:
+            save_checkpoint(self.ckpt_path, {
+                "step": self.step, "epoch": self.step // self.steps_per_epoch,
+                "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
+                "world_size": self.env.world_size, "precision": self.precision.name,
+                "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
+                "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
+                "history": self.hist.state_dict(),
+            })
+        self.last_saved = self.step
+
+    def _epoch_start_generator(self) -> torch.Tensor:
+        """The loader generator's state at the start of the epoch a resume re-enters."""
+        at_boundary = self.step % self.steps_per_epoch == 0
+        return self.loader.generator.get_state() if at_boundary else self.epoch_gen
+
+    def _load(self) -> None:
+        state = load_checkpoint(self.ckpt_path)
+        saved = state["config"]
+        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
+        if state["precision"] != self.precision.name:
+            differ.append(f"precision={state['precision']!r}")
+        if state["world_size"] != self.env.world_size:
+            differ.append(f"world size {state['world_size']}")
+        if differ:
+            raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
+                                  "settings or use a new checkpoint_dir")
+        try:
+            self.adapter.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
+                                  f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.step_fn.scaler.is_enabled():
+            self.step_fn.scaler.load_state_dict(state["scaler"])
+        self.hist.load_state_dict(state["history"])
+        self._resume_gen = state["loader_generator"]
+        self.step = self.last_saved = self.resumed_from = state["step"]
+        set_rng_state(state["rng"][self.env.rank])
+
+    # -- the result -----------------------------------------------------------------------------------
+    def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
+        history = self.hist.frame()
+        last_step = self.hist.last("step")
+        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), None)
+        cfg, env = self.cfg, self.env
+        summary = {
+            "model": type(self.adapter.model).__name__, "task": self.adapter.task,
+            "parameters": sum(p.numel() for p in self.adapter.model.parameters()), "data": self.data_source,
+            "steps": self.step, "total_steps": self.total_steps, "epochs": round(self.step / self.steps_per_epoch, 3),
+            "train_loss": last_step["train_loss"] if last_step else None,
+            "val_loss": last_eval["val_loss"] if last_eval else None,
+            "perplexity": last_eval["perplexity"] if last_eval else None,
+            "accuracy": last_eval["accuracy"] if last_eval else None,
+            "skipped_steps": self.hist.skipped_total,
+            "precision": self.precision.name, "precision_reason": self.precision.reason,
+            "device": str(self.device), "device_name": device_name(self.device),
+            "tokens_per_s": step_stats(history, "tokens_per_s"), "step_time_ms": step_stats(history, "step_time_ms"),
+            "global_batch": cfg.batch_size * cfg.grad_accum_steps * env.world_size, "world_size": env.world_size,
+            "rank": env.rank, "resumed_from_step": self.resumed_from,
+            "checkpoint": str(self.ckpt_path) if self.last_saved is not None else None,
+            "interrupted": interrupted, "diverged_at_step": diverged_at,
+            "run_metadata": run_metadata(self.device, self.precision.dtype),
+        }
+        return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
+                           list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())

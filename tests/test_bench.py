@@ -1,0 +1,326 @@
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from matplotlib.figure import Figure
+
+from tier_utils import bench
+from tier_utils.bench import amp_benchmark, precision_list, schedule
+from tier_utils.cli import main
+from tier_utils.measure import SavedTensorMeter, Stats
+from tier_utils.models import load_model
+from tier_utils.precision import native_support
+from tier_utils.verdicts import (Thresholds, accuracy_check, memory_check, parity, parity_check, reduction,
+                                 skip_checks, speed_check, speedup)
+
+CPU = torch.device("cpu")
+BF16_NATIVE = native_support("bf16", CPU)[0]
+FP16_NATIVE = native_support("fp16", CPU)[0]
+TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+RUN = dict(batch_size=4, seq_len=16, warmup_steps=1, timed_steps=2, repeats=3, accuracy_steps=4, val_batches=2,
+           progress=False, device="cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # On a CPU shared with other jobs, two OpenMP threads spin-wait on each other and a tiny step
+    # takes hundreds of ms instead of a few; one thread keeps this file fast and its timings sane.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return load_model("tiny-gpt", **TINY)
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    """fp32, bf16, fp16 without force; records the order the timed repeats ran in."""
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    order = []
+    original = bench._timed_run
+
+    def recording(adapter, prec, *args):
+        order.append(prec.name)
+        return original(adapter, prec, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "_timed_run", recording)
+        result = amp_benchmark(model, **RUN)
+    return result, model, before, order
+
+
+@pytest.fixture(scope="module")
+def forced_fp16():
+    return amp_benchmark(_tiny(), precisions=("fp16",), force=True, **RUN)
+
+
+def _rec(result, name):
+    return next(r for r in result.records if r["precision"] == name)
+
+
+# --- full path on CPU -------------------------------------------------------------------------
+
+def test_precisions_run_or_skip_by_native_support(default_run):
+    result = default_run[0]
+    assert [r["precision"] for r in result.records] == ["fp32", "bf16", "fp16"]
+    assert _rec(result, "fp32")["ran"]
+    assert _rec(result, "bf16")["ran"] == BF16_NATIVE
+    fp16 = _rec(result, "fp16")
+    assert fp16["ran"] == FP16_NATIVE
+    if not FP16_NATIVE:
+        assert fp16["speed"] is None and fp16["memory"] is None and fp16["accuracy"] is None
+        rows = result.verdicts[result.verdicts.precision == "fp16"]
+        assert list(rows.status) == ["SKIP"] * 4
+        assert all("avx512_fp16" in d and "force=True" in d for d in rows.detail)
+
+
+def test_repeats_are_interleaved_across_precisions(default_run):
+    result, _, _, order = default_run
+    ran = [r["precision"] for r in result.records if r["ran"]]
+    assert order == ran * RUN["repeats"]
+    assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+
+
+def test_speed_statistics_over_repeats(default_run):
+    result = default_run[0]
+    for rec in (r for r in result.records if r["ran"]):
+        speed = rec["speed"]
+        assert speed["step_ms"]["n"] == RUN["repeats"] == len(speed["samples_ms"])
+        assert speed["step_ms"]["q1"] <= speed["step_ms"]["median"] <= speed["step_ms"]["q3"]
+        assert speed["timed_steps"] == RUN["timed_steps"]
+        assert rec["mfu"]["mfu"] == pytest.approx(rec["mfu"]["achieved_tflops"] / rec["mfu"]["peak_tflops"])
+        assert rec["mfu"]["probe"]["tflops"]["n"] == bench._PROBE_REPS
+    bf16 = _rec(result, "bf16")
+    if bf16["ran"]:
+        fp32 = _rec(result, "fp32")["speed"]["step_ms"]["median"]
+        assert bf16["speed"]["speedup"]["median"] == pytest.approx(fp32 / bf16["speed"]["step_ms"]["median"])
+
+
+def test_flops_counted_once_including_cpu_attention(default_run):
+    flops = default_run[0].flops
+    assert flops["per_step"] == sum(flops["by_op"].values()) > 0
+    assert any("scaled_dot_product" in op for op in flops["by_op"])
+
+
+@pytest.mark.skipif(not BF16_NATIVE, reason="needs a CPU with native bf16")
+def test_memory_split_amp_shrinks_activations_not_static(default_run):
+    result = default_run[0]
+    fp32, bf16 = _rec(result, "fp32")["memory"], _rec(result, "bf16")["memory"]
+    for key in ("weights_bytes", "grads_bytes", "optimizer_state_bytes"):
+        assert fp32[key] == bf16[key] > 0  # AMP keeps fp32 master weights, grads and Adam state
+    assert fp32["optimizer_state_bytes"] >= 2 * fp32["weights_bytes"]  # exp_avg + exp_avg_sq
+    assert bf16["activation_bytes"] < fp32["activation_bytes"]
+    assert bf16["reduction"]["activations"] == pytest.approx(1 - bf16["activation_bytes"] / fp32["activation_bytes"])
+    assert 0 < bf16["reduction"]["total"] < bf16["reduction"]["activations"]
+    assert bf16["peak_allocated_bytes"] is None  # CUDA only
+
+
+@pytest.mark.skipif(not BF16_NATIVE, reason="needs a CPU with native bf16")
+def test_accuracy_runs_share_start_and_batches(default_run):
+    result = default_run[0]
+    fp32, bf16 = _rec(result, "fp32")["accuracy"], _rec(result, "bf16")["accuracy"]
+    assert len(fp32["loss_curve"]) == len(bf16["loss_curve"]) == RUN["accuracy_steps"]
+    # Same weights and batch at step 0: the losses differ only by bf16 rounding.
+    assert bf16["loss_curve"][0] == pytest.approx(fp32["loss_curve"][0], rel=1e-2)
+    assert bf16["val_accuracy_diff"] == pytest.approx(bf16["val_accuracy"] - fp32["val_accuracy"])
+    assert bf16["parity"]["steps"] == RUN["accuracy_steps"]
+    assert fp32["parity"]["max_rel_dev"] == 0.0
+    assert bf16["loss_scale"] is None and bf16["skipped_steps"] is None
+
+
+def test_model_weights_restored(default_run):
+    _, model, before, _ = default_run
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_forced_fp16_runs_with_cpu_grad_scaler(forced_fp16):
+    result = forced_fp16
+    assert [r["precision"] for r in result.records] == ["fp32", "fp16"]  # fp32 added as the baseline
+    fp16 = _rec(result, "fp16")
+    assert fp16["ran"] and fp16["forced"] == (not FP16_NATIVE)
+    acc = fp16["accuracy"]
+    assert len(acc["loss_scale"]) == RUN["accuracy_steps"]
+    assert acc["loss_scale"][0] == 65536.0  # GradScaler's initial scale
+    assert isinstance(acc["skipped_steps"], int) and 0 <= acc["skipped_steps"] <= RUN["accuracy_steps"]
+    rows = result.verdicts[result.verdicts.precision == "fp16"]
+    assert "SKIP" not in set(rows.status)
+    if not FP16_NATIVE:
+        assert all("forced" in d for d in rows.detail)
+
+
+def test_plot_has_the_four_panels(forced_fp16):
+    fig = forced_fp16.plot()
+    assert isinstance(fig, Figure)
+    speed, memory, loss, scale = fig.axes
+    assert len(speed.patches) == 2  # one throughput bar per precision
+    assert len(memory.patches) == 2 * 4  # weights, grads, optimizer, activations per precision
+    assert len(loss.lines) == 2
+    assert len(scale.lines) == 1  # fp16's loss scale
+
+
+# --- JSON schema: renaming a key must break a test --------------------------------------------
+
+def test_json_schema_exact_keys(forced_fp16):
+    doc = forced_fp16.to_json()
+    json.dumps(doc, allow_nan=False)
+    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "precisions", "verdicts"}
+    assert doc["schema"] == "tier_utils.bench/1"
+    assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
+                                  "tokens_per_step", "warmup_steps", "timed_steps", "repeats", "accuracy_steps",
+                                  "val_batches", "lr", "weight_decay", "force", "thresholds"}
+    assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
+                                                "parity_tolerance", "min_repeats"}
+    assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
+    assert set(doc["flops"]) == {"per_step", "by_op"}
+    rec = doc["precisions"][1]
+    assert set(rec) == {"precision", "dtype", "native", "ran", "forced", "reason", "metadata", "speed", "mfu",
+                        "memory", "accuracy"}
+    assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
+    assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup"}
+    assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
+    assert set(rec["speed"]["speedup"]) == {"median", "low", "high", "no_measurable_difference"}
+    assert set(rec["mfu"]) == {"achieved_tflops", "peak_tflops", "mfu", "probe"}
+    assert set(rec["mfu"]["probe"]) == {"dtype", "size", "tflops"}
+    assert set(rec["memory"]) == {"weights_bytes", "grads_bytes", "optimizer_state_bytes", "activation_bytes",
+                                  "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
+                                  "reduction"}
+    assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
+    assert set(rec["accuracy"]) == {"steps", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
+                                    "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
+    assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "tolerance"}
+    assert set(doc["verdicts"][0]) == {"precision", "check", "status", "value", "threshold", "detail"}
+    assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
+
+
+def test_table_one_row_per_precision(default_run):
+    table = default_run[0].table
+    assert list(table.precision) == ["fp32", "bf16", "fp16"]
+    assert {"step_ms_median", "step_ms_iqr", "tokens_per_s_median", "speedup", "mfu", "activations_mib",
+            "total_mib", "val_loss", "val_accuracy", "parity_max_rel_dev"} <= set(table.columns)
+    assert table.loc[0, "speedup"] == 1.0
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--precisions", "bf16", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
+            "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress", "--json", str(out)]
+    for k, v in TINY.items():
+        args += ["--model-arg", f"{k}={v}"]
+    code = main(args)
+    doc = json.loads(out.read_text())
+    assert code == (1 if doc["status"] == "FAIL" else 0)
+    assert doc["config"]["precisions"] == ["fp32", "bf16"] and doc["config"]["repeats"] == 1
+    text = capsys.readouterr().out
+    assert "speedup vs fp32" in text and "worst status" in text
+    if BF16_NATIVE:
+        rows = {(r["check"]): r for r in doc["verdicts"] if r["precision"] == "bf16"}
+        assert rows["val accuracy diff"]["status"] == "SKIP" and "accuracy_steps=0" in rows["val accuracy diff"]["detail"]
+        assert rows["speedup vs fp32"]["status"] == "WARN"  # 1 repeat < min_repeats
+
+
+def test_cli_bad_precision_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--precisions", "fp32,fp8"])
+    assert exc.value.code == 2
+    assert "fp8" in capsys.readouterr().err
+
+
+def test_bad_input_errors_name_the_fix():
+    model = _tiny()
+    with pytest.raises(ValueError, match="lower seq_len"):
+        amp_benchmark(model, seq_len=64, progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        amp_benchmark(model, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="'auto' is not a precision"):
+        precision_list(["auto"])
+
+
+def test_precision_list_adds_baseline_and_dedupes():
+    assert precision_list(["bf16-mixed", "16", "bfloat16"]) == ["fp32", "bf16", "fp16"]
+    assert precision_list("fp16,fp32") == ["fp32", "fp16"]
+
+
+# --- verdict logic on synthetic measurements ------------------------------------------------------
+
+def _stats(q1, median, q3, n=5):
+    return Stats(n, median, q1, q3, q1, q3)
+
+
+def test_overlapping_spread_is_no_measurable_difference():
+    sp = speedup(_stats(95, 100, 105), _stats(92, 97, 102))
+    assert sp["no_measurable_difference"]
+    row = speed_check("bf16", sp, 5, Thresholds())
+    assert row.status == "FAIL" and "no measurable difference" in row.detail
+    assert row.value == pytest.approx(100 / 97, abs=1e-4) and row.precision == "bf16"
+
+
+def test_clear_speedup_passes_and_spread_across_threshold_warns():
+    sp = speedup(_stats(100, 105, 110), _stats(40, 42, 45))
+    assert sp["low"] == pytest.approx(100 / 45) and sp["high"] == pytest.approx(110 / 40)
+    assert not sp["no_measurable_difference"]
+    assert speed_check("bf16", sp, 5, Thresholds()).status == "PASS"
+    assert speed_check("bf16", sp, 5, Thresholds(speedup=3.0)).status == "FAIL"  # high 2.75 < 3
+    assert speed_check("bf16", sp, 5, Thresholds(speedup=2.5)).status == "WARN"  # 2.22 < 2.5 <= 2.75
+    few = speed_check("bf16", sp, 2, Thresholds())
+    assert few.status == "WARN" and "repeats>=3" in few.detail
+
+
+def test_memory_thresholds_and_basis():
+    reds = {"activations": 0.5, "total": 0.1, "peak_allocated": None}
+    row = memory_check("bf16", reds, Thresholds())
+    assert row.status == "PASS" and row.check == "activations memory reduction" and "total -10.0%" in row.detail
+    assert memory_check("bf16", reds, Thresholds(memory="total")).status == "FAIL"
+    skip = memory_check("bf16", reds, Thresholds(memory="peak_allocated"))
+    assert skip.status == "SKIP" and "CUDA" in skip.detail
+    assert reduction(200, 120) == pytest.approx(0.4) and reduction(None, 5) is None
+
+
+def test_accuracy_and_parity_checks():
+    t = Thresholds()
+    assert accuracy_check("bf16", 0.005, None, t).status == "PASS"
+    assert accuracy_check("bf16", -0.02, None, t).status == "FAIL"
+    assert accuracy_check("bf16", 0.02, None, t).status == "WARN"
+    assert accuracy_check("fp16", None, 7, t).status == "FAIL"
+    par = parity([2.0, 1.8, 1.6, 1.5], [2.0, 1.82, 1.8, float("nan")], 0.05)
+    assert par["first_step_out"] == 2 and math.isinf(par["max_rel_dev"])
+    assert parity_check("fp16", par, None, t).status == "WARN"
+    close = parity([2.0, 1.8], [2.02, 1.8], 0.05)
+    assert close["max_rel_dev"] == pytest.approx(0.01) and close["first_step_out"] is None
+    assert parity_check("bf16", close, None, t).status == "PASS"
+    assert parity_check("fp16", close, 3, t).status == "FAIL"
+
+
+def test_skip_rows_and_threshold_validation():
+    rows = skip_checks("fp16", "not native", Thresholds())
+    assert [r.status for r in rows] == ["SKIP"] * 4 and all(r.detail == "not native" for r in rows)
+    with pytest.raises(ValueError, match="memory"):
+        Thresholds(memory="vram")
+    with pytest.raises(ValueError, match="memory_reduction"):
+        Thresholds(memory_reduction=40)
+
+
+# --- saved-tensor accounting against a hand-computed case -----------------------------------------
+
+def test_saved_tensor_meter_single_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)  # an activation inside a network requires grad
+    with SavedTensorMeter(lin) as meter:
+        lin(x).sum()
+    assert meter.bytes == x.numel() * 4  # x saved for the weight grad; W is a parameter, not counted
+    with SavedTensorMeter(lin) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x).sum()
+    # autocast saves bf16 copies of the input and of the weight: both are extra memory.
+    assert meter.bytes == (x.numel() + lin.weight.numel()) * 2
+    assert meter.tensors == 2

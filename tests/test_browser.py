@@ -1,0 +1,168 @@
+"""tier3_training.ipynb in JupyterLab, driven by a real headless Chromium: change the precision and
+batch-size widgets, run the training cell, read the rendered results table.
+
+Needs Debian's `chromium` and `chromium-driver` (skipped only when /usr/bin/chromium is missing).
+Screenshots: test-artifacts/tier3_training_widgets.png (the panel after the change) and
+test-artifacts/tier3_training_browser.png (the results table).
+"""
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from selenium import webdriver  # a test dependency (pyproject [test]); only the browser may be absent here
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import Select
+
+from tier_utils.precision import resolve_precision
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+NEW_BATCH_SIZE = 3
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on 127.0.0.1 serving a copy of the notebooks, with its own config and workspace dirs."""
+    root = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+           "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if os.geteuid() == 0:  # CI containers run as root
+        cmd.append("--allow-root")
+    log = open(tmp_path / "lab.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as resp:
+                    json.load(resp)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-2000:])
+                time.sleep(0.5)
+        yield url, token
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)  # no driver download
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# JupyterLab's own commands, through the app object it exposes (expose_app_in_browser).
+_NOTEBOOK = "const nb = window.jupyterapp.shell.currentWidget;"
+_FIND_CELL = _NOTEBOOK + """
+const i = nb.content.widgets.findIndex(c => c.model.sharedModel.getSource().includes(arguments[0]));
+"""
+_RUN_CELL = _FIND_CELL + """
+nb.content.activeCellIndex = i;
+window.jupyterapp.commands.execute(arguments[1]);
+return i;
+"""
+_KERNEL_IDLE = _NOTEBOOK + """
+const k = nb && nb.sessionContext && nb.sessionContext.session && nb.sessionContext.session.kernel;
+return k ? k.status : null;
+"""
+_CELL_NODE = _FIND_CELL + "return nb.content.widgets[i].node;"
+
+
+def _wait(driver, condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    driver.save_screenshot(str(ARTIFACTS / "tier3_training_browser_timeout.png"))
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _results_table(cell) -> dict:
+    """The rendered DataFrame of a cell's output as {metric: value}."""
+    rows = {}
+    for tr in cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output table tbody tr"):
+        tds = [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        if len(tds) == 2:
+            rows[tds[0]] = tds[1]
+    return rows
+
+
+def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
+    ARTIFACTS.mkdir(exist_ok=True)
+    url, token = lab
+    browser.get(f"{url}/lab/tree/tier3_training.ipynb?token={token}")
+    _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle", 60, "the notebook's kernel")
+
+    # Run everything above the training cell: setup, parameters, the panel and the precision line.
+    browser.execute_script(_RUN_CELL, "tier_utils.train(", "notebook:run-all-above")
+    panel = _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 60,
+                  "the config panel")
+    model_select, precision_select = (Select(s) for s in panel)
+    batch_input = browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']")
+    assert precision_select.first_selected_option.text == "auto" and batch_input.get_attribute("value") == "4"
+
+    # An explicit precision other than what auto picks here, so the run must say "<name> requested".
+    auto = resolve_precision("auto").name  # this process sees the same device as the kernel
+    choices = [o.text for o in precision_select.options if o.text != "auto"]
+    choice = next((c for c in choices if c != auto), choices[0])
+    precision_select.select_by_visible_text(choice)
+    batch_input.send_keys(Keys.CONTROL, "a")
+    batch_input.send_keys(str(NEW_BATCH_SIZE), Keys.ENTER)
+    decision = browser.find_element(By.CSS_SELECTOR, ".widget-html small")
+    _wait(browser, lambda: decision.text.startswith(f"{choice} requested"), 10, "the panel to show the new choice")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", decision)
+    browser.save_screenshot(str(ARTIFACTS / "tier3_training_widgets.png"))
+
+    browser.execute_script(_RUN_CELL, "tier_utils.train(", "notebook:run-cell")
+    cell = browser.execute_script(_CELL_NODE, "tier_utils.train(")
+    table = _wait(browser, lambda: (lambda t: t if "global_batch" in t else None)(_results_table(cell)), 90,
+                  "the training results table")
+    shown = cell.find_element(By.XPATH, ".//tr[td[text()='precision']]")
+    browser.execute_script("arguments[0].scrollIntoView()", shown)  # precision ... global_batch in view
+    browser.save_screenshot(str(ARTIFACTS / "tier3_training_browser.png"))
+    assert table["precision"] == choice
+    assert table["precision_reason"].startswith(f"{choice} requested")
+    assert table["global_batch"] == str(NEW_BATCH_SIZE)

@@ -1,0 +1,65 @@
+"""The notebooks' shape: what nbval and Colab rely on, checked without running a kernel
+(nbval runs them: pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg notebooks/)."""
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbval.plugin import get_sanitize_patterns
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ["tier1_smoke.ipynb", "tier2_analysis.ipynb", "tier3_training.ipynb"]
+REPO_URL = re.search(r'REPO_URL="\$\{TIER_UTILS_REPO_URL:-https://github\.com/([^}]+)\}"',
+                     (ROOT / "colab_setup.sh").read_text()).group(1)
+
+
+def load(name):
+    return nbformat.read(ROOT / "notebooks" / name, as_version=4)
+
+
+def code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_with_outputs_from_one_top_to_bottom_run(name):
+    cells = code_cells(load(name))
+    assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1))
+    assert all(o.output_type != "error" for c in cells for o in c.outputs)
+    checked = [c for c in cells if c.source.startswith("# NBVAL_CHECK_OUTPUT")]
+    assert checked and all(c.outputs for c in checked)  # nbval has a reference for every checked cell
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_cell_order_setup_parameters_widgets_then_short_run_cells(name):
+    nb = load(name)
+    cells = code_cells(nb)
+    assert "colab_setup.sh" in cells[0].source and "google.colab" in cells[0].source
+    assert cells[1].metadata.get("tags") == ["parameters"]
+    assert "config_panel(cfg)" in cells[2].source
+    for cell in cells:
+        assert "clear_output" not in cell.source
+        assert len(cell.source.splitlines()) <= 15, cell.source  # logic belongs in the package
+    # Run cells read the config only: the panel's values, not the parameters, reach the run.
+    for cell in cells[3:]:
+        assert not re.search(r"\b(PRECISION|BATCH_SIZE|MODEL)\b", cell.source), cell.source
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_colab_badge_and_setup_use_the_one_repository(name):
+    nb = load(name)
+    badge = f"https://colab.research.google.com/github/{REPO_URL}/blob/main/notebooks/{name}"
+    assert badge in nb.cells[0].source
+    found = set(re.findall(r"github(?:usercontent)?\.com/(?:github/)?([\w.-]+/[\w.-]+)/",
+                           "\n".join(c.source for c in nb.cells)))
+    assert found == {REPO_URL}
+
+
+def test_sanitizer_masks_timings_rates_addresses_and_dates():
+    patterns = get_sanitize_patterns((ROOT / "notebooks" / "sanitize.cfg").read_text())  # nbval's own parser
+    assert len(patterns) == 5
+    text = ("12.5 ms, 3 s, 1,234 tokens/s, 7.2it/s at 0x7f3a9c at 2026-01-02T03:04:05+00:00; "
+            "50%|###  | 10/20 [00:01<00:01]")
+    for regex, replace in patterns:
+        text = re.sub(regex, replace, text)
+    assert text == "TIME, TIME, RATE, RATE at ADDRESS at DATE; PROGRESS"

@@ -1,0 +1,111 @@
+"""The folder report and the `all` main job (API and CLI), end to end with tiny sizes."""
+import json
+
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from tier_utils import report
+from tier_utils.cli import main
+from tier_utils.report import run_all, write_report
+from tier_utils.results import Result
+from tier_utils.train import TrainingDiverged
+
+TINY = ["--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
+        "--model-arg", "max_len=32"]
+TINY_KW = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+TINY_SIZES = dict(batch_size=4, seq_len=16, n_batches=1, train_steps=4, eval_every=2, eval_batches=1,
+                  warmup_steps=1, timed_steps=2, repeats=2, accuracy_steps=2, val_batches=1)
+
+
+class Fake(Result):
+    def __init__(self, statuses, with_plot=True):
+        self.statuses, self.with_plot = statuses, with_plot
+
+    @property
+    def table(self):
+        return pd.DataFrame({"check": [f"c{i}" for i in range(len(self.statuses))], "status": self.statuses,
+                             "value": [0.123456] * len(self.statuses), "detail": ["<b>x</b>"] * len(self.statuses)})
+
+    def plot(self):
+        if not self.with_plot:
+            return None
+        fig = Figure()
+        fig.subplots().plot([1, 2, 3])
+        return fig
+
+    def to_json(self):
+        return {"rows": self.table}
+
+
+@pytest.fixture
+def tiny_sizes(monkeypatch):
+    monkeypatch.setitem(report.SIZES, "fast", TINY_SIZES)
+
+
+def test_write_report_puts_tables_plots_and_an_index_together(tmp_path):
+    index = write_report({"smoke": Fake(["PASS", "FAIL"]), "extra": Fake(["PASS"], with_plot=False)},
+                         tmp_path / "out", metadata={"device_name": "cpu-x", "torch": "9.9"})
+    out = tmp_path / "out"
+    assert index == out / "index.html"
+    assert pd.read_csv(out / "smoke.csv")["status"].tolist() == ["PASS", "FAIL"]
+    assert (out / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "extra.png").exists()
+    assert json.loads((out / "smoke.json").read_text())["rows"][1]["status"] == "FAIL"
+    page = index.read_text()
+    assert "src='smoke.png'" in page and "extra.png" not in page and str(tmp_path) not in page  # relative links
+    assert "<h2>smoke <span class='FAIL'>FAIL</span></h2>" in page and "<td class='FAIL'>FAIL</td>" in page
+    assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page  # table text is escaped
+    assert "device_name: cpu-x" in page
+    nav = "<a href='#smoke'>smoke</a> <span class='FAIL'>FAIL</span> · <a href='#extra'>extra</a> <span class='PASS'>"
+    assert nav in page
+
+
+@pytest.mark.parametrize("name", ["../evil", "a b", ""])
+def test_write_report_refuses_names_that_are_not_file_names(tmp_path, name):
+    with pytest.raises(ValueError, match="plain file name"):
+        write_report({name: Fake(["PASS"])}, tmp_path)
+
+
+def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, capsys):
+    out, summary = tmp_path / "report", tmp_path / "all.json"
+    code = main(["all", *TINY, "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
+    data = json.loads(summary.read_text())
+    assert [t["tier"] for t in data["tiers"]] == ["smoke", "analysis", "train", "amp_benchmark"]
+    assert code == (1 if data["status"] == "FAIL" else 0)
+    for tier in ("smoke", "analysis", "train", "amp_benchmark"):
+        assert (out / f"{tier}.csv").stat().st_size > 0 and (out / f"{tier}.png").exists()
+        assert f"src='{tier}.png'" in (out / "index.html").read_text()
+    assert "amp_benchmark_verdicts.csv" in (out / "index.html").read_text()
+    verdicts = pd.read_csv(out / "amp_benchmark_verdicts.csv")
+    assert set(verdicts["precision"]) == {"fp32", "bf16", "fp16"}
+    assert data["tiers"][3]["status"] in verdicts["status"].tolist()
+    train = json.loads((out / "train.json").read_text())
+    assert train["summary"]["steps"] == TINY_SIZES["train_steps"] and train["summary"]["global_batch"] == 4
+    printed = capsys.readouterr().out
+    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "amp_benchmark: ", "overall: "):
+        assert head in printed
+    assert len(printed.splitlines()) < 60  # one screen
+
+
+def test_all_refuses_a_file_as_out_dir_before_running(tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("")
+    assert main(["all", "--out", str(target), "--fast"]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_sizes, monkeypatch):
+    real_train = report.train
+
+    def diverging(model, data, **settings):
+        partial = real_train(model, data, **{**settings, "max_steps": 1})
+        partial.summary["diverged_at_step"] = 2
+        raise TrainingDiverged(2, "fp16", float("nan"), result=partial)
+
+    monkeypatch.setattr(report, "train", diverging)
+    for tier in ("smoke", "analyze", "amp_benchmark"):  # only training matters here
+        monkeypatch.setattr(report, tier, lambda *a, **k: Fake(["PASS"]))
+    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY_KW)
+    assert result.statuses["train"] == "FAIL" and result.status == "FAIL"
+    assert result.results["train"].summary["steps"] == 1 and (tmp_path / "train.csv").exists()

@@ -1,0 +1,102 @@
+import importlib
+import json
+import math
+
+import optuna
+import pytest
+import torch
+
+from tier_utils import search, train
+from tier_utils.train import TrainConfig
+
+TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+FAST = dict(max_steps=12, eval_every=4, eval_batches=2, seq_len=32, batch_size=8, warmup_steps=0)
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    from tier_utils import load_model
+
+    return load_model("tiny-gpt", **TINY)
+
+
+def test_four_trial_search_on_cpu_ranks_trials_by_val_loss():
+    result = search(tiny_gpt(), n_trials=4, **FAST)
+    table = result.table
+    assert list(table.columns[:1]) == ["trial"] and len(table) == 4
+    assert {"lr", "weight_decay", "warmup_steps", "batch_size", "val_loss", "state", "duration_s"} <= set(table.columns)
+    done = table[table.state == "COMPLETE"]
+    assert len(done) >= 2 and math.isclose(done.val_loss.min(), result.study.best_value)
+    summary = result.to_json()
+    assert summary["n_trials"] == 4 and summary["best"]["val_loss"] == result.study.best_value
+
+
+def test_clearly_worse_trial_is_pruned():
+    # Two good learning rates first, then one that cannot learn: the median pruner stops it early.
+    space = {"lr": ("log", 1e-9, 3e-3)}
+    first = [{"lr": 3e-3}, {"lr": 2e-3}, {"lr": 1e-9}]
+    result = search(tiny_gpt(), space=space, n_trials=3, start_with=first, **FAST)
+    table = result.table.sort_values("trial")
+    assert list(table.state) == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert table.iloc[2].lr == 1e-9 and table.iloc[2].last_reported_step < FAST["max_steps"]
+
+
+def test_sqlite_study_continues_after_interruption(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    calls = {"n": 0}
+    real_train = train
+
+    def interrupt_second_trial(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_train(*args, **kwargs)
+
+    search_module = importlib.import_module("tier_utils.search")  # the module, not the function of that name
+    monkeypatch.setattr(search_module, "train", interrupt_second_trial)
+    with pytest.raises(KeyboardInterrupt):
+        search(tiny_gpt(), n_trials=3, storage=url, study_name="resume-me", **FAST)
+    monkeypatch.undo()
+    first = optuna.load_study(study_name="resume-me", storage=url)
+    assert [t.state.name for t in first.trials] == ["COMPLETE", "FAIL"]
+
+    result = search(tiny_gpt(), n_trials=3, storage=url, study_name="resume-me", **FAST)
+    states = [t.state.name for t in result.study.trials]
+    assert len(states) == 4 and states[:2] == ["COMPLETE", "FAIL"]  # both runs' trials, in one study
+    assert sum(s in ("COMPLETE", "PRUNED") for s in states) == 3
+
+
+def test_best_config_trains():
+    result = search(tiny_gpt(), space={"lr": ("log", 1e-3, 3e-3)}, n_trials=2, **FAST)
+    cfg = result.best_config
+    assert isinstance(cfg, TrainConfig) and cfg.lr == result.study.best_params["lr"]
+    assert cfg.max_steps == FAST["max_steps"]
+    trained = train(tiny_gpt(), config=cfg)
+    assert math.isfinite(trained.summary["val_loss"])
+
+
+@pytest.mark.parametrize("space,message", [
+    ({"learning_rate": ("log", 1e-4, 1e-3)}, "not a TrainConfig field"),
+    ({"lr": (1e-4, 1e-3)}, "must be a tuple starting with"),
+    ({"precision": ("choice", ["fp32", "fp8"])}, "unknown precision"),
+])
+def test_bad_space_names_the_fix(space, message):
+    with pytest.raises(ValueError, match=message):
+        search(tiny_gpt(), space=space, n_trials=1, **FAST)
+
+
+def test_cli_search_with_sqlite_continues_and_writes_json(tmp_path):
+    from tier_utils.cli import main
+
+    db, out = tmp_path / "s.db", tmp_path / "s.json"
+    args = ["search", "--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
+            "--model-arg", "max_len=32", "--seq-len", "32", "--max-steps", "6", "--eval-every", "3",
+            "--storage", f"sqlite:///{db}", "--study-name", "cli", "--no-progress"]
+    assert main([*args, "--trials", "1"]) == 0
+    assert main([*args, "--trials", "2", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["n_trials"] == 2 and summary["study_name"] == "cli"
+    assert set(summary) == {"study_name", "n_trials", "states", "best", "trials", "meta"}
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trials", "0"])
+    assert exit_info.value.code == 2

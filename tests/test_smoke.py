@@ -1,0 +1,257 @@
+import json
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tier_utils import TinyEncoder, TinyGPT, load_model, smoke
+from tier_utils import smoke_checks
+from tier_utils.cli import main
+from tier_utils.results import CHECK_COLUMNS
+
+GPT = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+HF_GPT2 = dict(n_layer=1, n_head=2, n_embd=32, vocab_size=256, n_positions=64)
+HF_BERT = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=256,
+               max_position_embeddings=64, num_labels=4)
+GROUPS = ("shapes", "gradients", "stability", "init", "memory", "latency", "determinism")
+# SKIPs a healthy model may get on a CPU: a low precision this CPU does not run natively, no CUDA allocator.
+JUSTIFIED_SKIPS = {"stability: bf16 vs fp32 logits", "stability: fp16 vs fp32 logits", "memory: peak CUDA"}
+
+
+@pytest.fixture(autouse=True)
+def quick_latency(monkeypatch):
+    # Fewer timed runs keep the suite fast; the statistics code is the same.
+    monkeypatch.setattr(smoke_checks, "LATENCY_WARMUP", 1)
+    monkeypatch.setattr(smoke_checks, "LATENCY_MIN_RUNS", 3)
+    monkeypatch.setattr(smoke_checks, "LATENCY_MAX_RUNS", 3)
+
+
+class UnusedParamGPT(TinyGPT):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.spare = nn.Linear(4, 4)  # never called in forward
+
+
+class NaNGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+
+
+class BrokenGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        raise RuntimeError("boom in forward")
+
+
+class MaskIgnoringEncoder(TinyEncoder):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, None, inputs_embeds)  # pools over the padding too
+
+
+@pytest.mark.parametrize("spec,kwargs", [
+    ("tiny-gpt", GPT),
+    ("tiny-encoder", dict(GPT, num_classes=3)),
+    ("hf:GPT2LMHeadModel", HF_GPT2),
+    ("hf:BertForSequenceClassification", HF_BERT),
+], ids=["tiny-gpt", "tiny-encoder", "hf-gpt2", "hf-bert"])
+def test_healthy_models_pass_every_check(spec, kwargs):
+    report = smoke(load_model(spec, **kwargs), batch_sizes=(1, 2), device="cpu", progress=False)
+    table = report.table
+    assert list(table.columns) == ["check", "status", "value", "threshold", "detail"]
+    assert {c.split(":")[0] for c in table.check} == set(GROUPS)
+    bad = table[table.status.isin(["FAIL", "WARN"])]
+    assert bad.empty, bad.to_string()
+    assert set(table.check[table.status == "SKIP"]) <= JUSTIFIED_SKIPS
+    assert report.passed and report.worst == "PASS"
+    assert len(report.latency) == 2 and all(len(r["samples_ms"]) == 3 for r in report.latency)
+    assert [m["batch_size"] for m in report.memory] == [1, 2]
+    assert report.grad_norms and all(v > 0 for v in report.grad_norms.values())
+
+
+def test_unused_parameter_fails_gradient_flow_by_name():
+    report = smoke(UnusedParamGPT(**GPT), checks=["gradients"], device="cpu", progress=False)
+    row = report.table.set_index("check").loc["gradients: every parameter gets one"]
+    assert row.status == "FAIL"
+    assert "spare.weight" in row.detail and "spare.bias" in row.detail
+    assert row.value == 2
+    assert not report.passed
+
+
+def test_nan_output_fails_stability():
+    report = smoke(NaNGPT(**GPT), checks="stability", device="cpu", progress=False)
+    finite_rows = report.table[report.table.check.str.contains("token|max length")]
+    assert len(finite_rows) == 4 and (finite_rows.status == "FAIL").all()
+    assert finite_rows.detail.str.contains("NaN").all()
+    assert report.worst == "FAIL"
+
+
+def test_forward_that_raises_gives_fail_rows_not_a_crash():
+    report = smoke(BrokenGPT(**GPT), batch_sizes=(1,), device="cpu", progress=False)
+    table = report.table
+    failed = table[table.status == "FAIL"]
+    groups_failed = {c.split(":")[0] for c in failed.check}
+    assert groups_failed == set(GROUPS) - {"init"}  # init reads the weights only
+    assert failed.detail.str.contains("RuntimeError: boom in forward").all()
+    assert (table[table.check.str.startswith("init")].status == "PASS").all()
+    assert report.to_json()["passed"] is False
+
+
+def test_padding_leak_is_caught():
+    report = smoke(MaskIgnoringEncoder(**GPT), checks=["shapes"], device="cpu", progress=False)
+    row = report.table.set_index("check").loc["shapes: padded batch + attention_mask"]
+    assert row.status == "FAIL" and "attention_mask" in row.detail
+
+
+def test_init_flags_constant_matrix_and_dead_rows_but_not_layernorm():
+    model = TinyGPT(**GPT)
+    with torch.no_grad():
+        model.blocks[0].attn.proj.weight.fill_(0.5)
+        model.blocks[0].mlp[0].weight[3].zero_()
+    report = smoke(model, checks=["init"], device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["init: constant weight matrices"].status == "WARN"
+    assert "blocks.0.attn.proj.weight" in rows.loc["init: constant weight matrices"].detail
+    assert "ln" not in rows.loc["init: constant weight matrices"].detail  # LayerNorm 1/0 are expected
+    assert "blocks.0.mlp.0.weight (1 of 128 rows)" in rows.loc["init: dead units (all-zero rows)"].detail
+    params = report.parameters.set_index("name")
+    assert params.loc["blocks.0.ln1.weight", "std"] == 0 and not params.loc["blocks.0.ln1.weight", "constant"]
+
+
+class BoostedGPT(TinyGPT):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.boost = nn.Parameter(torch.zeros(self.vocab_size))
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) + 1e6 * self.boost
+
+
+def test_exploding_layer_is_flagged_by_name():
+    report = smoke(BoostedGPT(**GPT), checks=["gradients"], device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["gradients: exploding layers"].status == "FAIL"
+    assert "boost is exploding" in rows.loc["gradients: exploding layers"].detail
+    assert rows.loc["gradients: vanishing layers"].status == "PASS"
+
+
+def test_vanishing_layers_are_flagged():
+    model = TinyGPT(**GPT)
+    with torch.no_grad():  # residual branches scaled to nothing: what feeds them gets ~no gradient
+        model.blocks[0].attn.proj.weight.mul_(1e-9)
+        model.blocks[0].mlp[2].weight.mul_(1e-9)
+    report = smoke(model, checks=["gradients"], device="cpu", progress=False)
+    row = report.table.set_index("check").loc["gradients: vanishing layers"]
+    assert row.status == "FAIL" and float(row.value) < 1e-7 and "blocks.0.ln" in row.detail
+
+
+class OOMAboveOneGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        if input_ids.size(0) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(input_ids, attention_mask, inputs_embeds)
+
+
+def test_memory_sweep_stops_cleanly_at_out_of_memory():
+    report = smoke(OOMAboveOneGPT(**GPT), checks=["memory"], batch_sizes=(1, 2, 4), device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["memory: peak CUDA B=2 (bytes)"].status == "WARN"
+    assert "largest batch that fit was 1" in rows.loc["memory: peak CUDA B=2 (bytes)"].detail
+    assert [m["batch_size"] for m in report.memory] == [1]  # B=4 never tried
+    assert rows.loc["memory: activations per sample (bytes)"].status == "PASS"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_memory_per_batch_size():
+    report = smoke(TinyGPT(**GPT), checks=["memory", "latency"], batch_sizes=(1, 8), device="cuda", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["memory: peak CUDA B=8 (bytes)"].status == "PASS"
+    assert report.memory[1]["peak_bytes"] > report.memory[0]["peak_bytes"] > 0
+    assert all(r["samples_ms"] and min(r["samples_ms"]) > 0 for r in report.latency)
+
+
+def test_leaves_model_mode_grads_and_rng_as_found():
+    model = TinyGPT(dropout=0.1, **GPT).eval()
+    marker = torch.ones_like(model.head.weight)
+    model.head.weight.grad = marker
+    rng = torch.get_rng_state()
+    report = smoke(model, checks=["gradients", "determinism"], device="cpu", progress=False)
+    assert not model.training
+    assert model.head.weight.grad is marker and model.tok_emb.weight.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+    drop = report.table.set_index("check").loc["determinism: train vs eval mode"]
+    assert float(drop.value) > 1e-5 and "dropout" in drop.detail
+
+
+def test_forced_precision_runs_instead_of_skipping():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = smoke(TinyGPT(**GPT), checks=["stability"], precision="fp16", device="cpu", progress=False)
+    row = report.table.set_index("check").loc["stability: fp16 vs fp32 logits"]
+    if smoke_checks.native_support("fp16", torch.device("cpu"))[0]:
+        assert "forced" not in row.detail
+    else:
+        assert "forced" in row.detail
+    assert row.status in ("PASS", "WARN") and float(row.value) >= 0
+
+
+def test_bad_arguments_raise_value_errors_naming_the_fix():
+    with pytest.raises(ValueError, match="shapes, gradients, stability, init, memory, latency, determinism"):
+        smoke(TinyGPT(**GPT), checks=["shapes", "speed"], progress=False)
+    with pytest.raises(ValueError, match="max length 32"):
+        smoke(TinyGPT(**GPT), seq_lens=[64], progress=False)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        smoke(TinyGPT(**GPT), batch_sizes=[0], progress=False)
+
+
+def test_json_plot_and_table_formats(tmp_path):
+    report = smoke(TinyGPT(**GPT), checks=["gradients", "memory", "latency"], batch_sizes=(1, 2), seq_lens=(8, 16),
+                   device="cpu", progress=False)
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["run_metadata"]["torch"] == torch.__version__ and data["run_metadata"]["dtype"]
+    assert [list(r) for r in data["checks"]][0] == CHECK_COLUMNS
+    assert {(r["batch_size"], r["seq_len"]) for r in data["latency"]} == {(1, 8), (2, 8), (1, 16), (2, 16)}
+    assert all(r["n"] == 3 and r["p95_ms"] >= r["median_ms"] > 0 for r in data["latency"])
+    assert data["memory"][0]["seq_len"] == 16
+    fig = report.plot()
+    grad_ax, latency_ax, memory_ax = fig.axes
+    assert grad_ax.get_yscale() == "log"
+    assert len(latency_ax.get_xticklabels()) == 4
+    assert len(memory_ax.patches) == 2
+    report.save_json(tmp_path / "smoke.json")
+    assert json.loads((tmp_path / "smoke.json").read_text())["worst"] == report.worst
+
+
+MODEL_FILE = textwrap.dedent('''
+    from tier_utils.models import TinyGPT
+
+    class NaNGPT(TinyGPT):
+        def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+            return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+''')
+SMALL = ["--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
+         "--model-arg", "max_len=16", "--no-progress", "--device", "cpu"]
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    out = tmp_path / "ok.json"
+    assert main(["smoke", "--batch-sizes", "1,2", "--checks", "shapes,init", "--json", str(out)] + SMALL) == 0
+    printed = capsys.readouterr().out
+    assert "shapes: max length 16" in printed and "PASS" in printed
+    assert json.loads(out.read_text())["passed"] is True
+
+    (tmp_path / "nan_model.py").write_text(MODEL_FILE)
+    bad = tmp_path / "bad.json"
+    code = main(["smoke", "--model", f"{tmp_path / 'nan_model.py'}:NaNGPT", "--checks", "stability",
+                 "--json", str(bad)] + SMALL)
+    assert code == 1
+    assert json.loads(bad.read_text())["worst"] == "FAIL"
+    capsys.readouterr()
+
+    assert main(["smoke", "--checks", "shapes,speed"] + SMALL) == 2
+    assert "unknown check group(s) speed" in capsys.readouterr().err
+    assert main(["smoke", "--model", f"{tmp_path / 'missing.py'}:Net"] + SMALL) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["smoke", "--batch-sizes", "1,0"])
+    assert exc.value.code == 2

@@ -1,0 +1,81 @@
+"""The notebooks' config panel: widgets write into a RunConfig, and the next run reads it."""
+from unittest import mock
+
+import pytest
+import torch
+
+import tier_utils
+from tier_utils.precision import supported_precisions
+from tier_utils.train import train
+from tier_utils.widgets import ConfigPanel, RunConfig, config_panel
+
+SMALL = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+
+
+def test_panel_offers_builtins_auto_and_what_the_device_runs():
+    panel = config_panel(RunConfig())
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 4
+    assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
+    assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
+    assert panel.precision_select.value == "auto" and panel.batch_size_input.value == 8
+    assert panel.decision.value.startswith("<small>auto: ")
+
+
+def test_on_a_t4_the_choices_are_fp32_and_fp16_and_auto_says_fp16():
+    fake_t4 = mock.patch.multiple(torch.cuda, is_available=lambda: True, get_device_capability=lambda d=None: (7, 5),
+                                  get_device_name=lambda d=None: "Tesla T4")
+    with fake_t4:
+        panel = config_panel(RunConfig(device="cuda"))
+    assert list(panel.precision_select.options) == ["auto", "fp32", "fp16"]
+    assert "Tesla T4" in panel.decision.value and "GradScaler" in panel.decision.value
+
+
+def test_a_setting_outside_the_choices_is_kept_not_replaced():
+    cfg = RunConfig(model="my_model.py:Net", precision="16-mixed")
+    panel = config_panel(cfg)
+    assert panel.model_select.value == "my_model.py:Net" and panel.precision_select.value == "fp16"
+    assert cfg.model == "my_model.py:Net"
+
+
+def test_widgets_write_into_the_config_and_nothing_else():
+    cfg = RunConfig(batch_size=8)
+    panel = config_panel(cfg)
+    panel.model_select.value = "tiny-encoder"
+    panel.precision_select.value = "fp32"
+    panel.batch_size_input.value = 3
+    assert (cfg.model, cfg.precision, cfg.batch_size) == ("tiny-encoder", "fp32", 3)
+    assert panel.decision.value == "<small>fp32 requested: fp32 runs everywhere</small>"
+    panel.batch_size_input.value = 0  # BoundedIntText clamps to its minimum: no invalid batch reaches a run
+    assert cfg.batch_size == 1
+
+
+@pytest.mark.parametrize("bad,match", [(dict(precision="fp8"), "unknown precision"),
+                                       (dict(batch_size=0), "batch_size")])
+def test_bad_config_values_fail_with_the_fix(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RunConfig(**bad)
+
+
+def test_the_next_run_uses_the_changed_widget_values():
+    cfg = RunConfig(model_kwargs=SMALL, seq_len=16, max_steps=2)
+    panel = config_panel(cfg)
+    # auto resolves to something; pick an explicit choice that differs from it, then a new batch size.
+    auto = tier_utils.resolve_precision("auto").name
+    choice = next((p for p in panel.precision_select.options if p not in ("auto", auto)), "fp32")
+    panel.precision_select.value = choice
+    panel.batch_size_input.value = 3
+    # What the notebook's run cell does: it reads only the config.
+    result = train(cfg.build_model(), precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                   max_steps=cfg.max_steps, eval_every=None, eval_batches=1, progress=False)
+    assert result.summary["precision"] == choice
+    assert result.summary["global_batch"] == 3 and result.config["batch_size"] == 3
+    assert result.summary["steps"] == 2
+
+
+def test_build_model_gives_the_same_initial_weights_every_time():
+    cfg = RunConfig(model_kwargs=SMALL, seed=3)
+    first, again = cfg.build_model(), cfg.build_model()
+    assert first is not again
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
+    cfg.seed = 4
+    assert not torch.equal(cfg.build_model().tok_emb.weight, first.tok_emb.weight)

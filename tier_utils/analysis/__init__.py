@@ -1,0 +1,7 @@
+"""Tier 2: explain a model. `analyze(model)` -> AnalysisReport (attention, robustness, attribution,
+precision headroom, per-op dtypes); each analysis lives in its own module here."""
+from .attention import capture_attention
+from .core import ANALYSES, TABLE_COLUMNS, AnalysisReport, analyze
+from .dtypes import OpDtypeRecorder
+
+__all__ = ["ANALYSES", "TABLE_COLUMNS", "AnalysisReport", "OpDtypeRecorder", "analyze", "capture_attention"]

@@ -1,0 +1,139 @@
+"""Attribution: gradient x input saliency per token, with torch.autograd only.
+
+The token-embedding output is swapped (by a forward hook) for a leaf tensor, the log-probability
+of the model's own prediction is differentiated with respect to it, and each token's saliency is
+sum_d(grad * embedding). Target: the next token after the last real position for a causal LM,
+the predicted class for a classifier. Positive saliency supports the prediction, negative opposes it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..results import Check
+from .common import Context, Outcome, token_text
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+RECENT = 8  # a causal LM's finding quotes the saliency share of its last RECENT tokens
+TOP_SHARE = 0.1  # a classifier's finding quotes the share held by its top 10% tokens
+COLUMNS = ["position", "token", "text", "saliency", "share"]
+_CHARS_PER_ROW = 32
+
+
+@contextlib.contextmanager
+def _leaf_embeddings(embedding):
+    """Replace the embedding output with a leaf that requires grad; yields a list that receives it."""
+    leaves = []
+
+    def hook(module, args, out):
+        leaf = out.detach().requires_grad_()
+        leaves.append(leaf)
+        return leaf
+
+    handle = embedding.register_forward_hook(hook)
+    try:
+        yield leaves
+    finally:
+        handle.remove()
+
+
+def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, T) gradient x input per token, zero on padding; (B,) target token/class ids)."""
+    adapter = ctx.adapter
+    ids, mask = batch["input_ids"], ctx.mask(batch)
+    with _leaf_embeddings(adapter.embeddings()) as leaves, torch.enable_grad(), ctx.precision.autocast():
+        logits = adapter.logits(ids, batch.get("attention_mask")).float()
+    if not leaves:
+        raise RuntimeError(f"{adapter.name}'s forward never called its token embedding")
+    if adapter.task == "causal-lm":
+        last = mask.long().sum(1).clamp_min(1) - 1  # the last real position of each row
+        logits = logits[torch.arange(len(ids), device=ids.device), last]
+    logp = F.log_softmax(logits, dim=-1)
+    target = logp.argmax(-1)
+    # Each row's target depends only on its own row, so one backward gives every row's gradient.
+    (grad,) = torch.autograd.grad(logp.gather(1, target[:, None]).sum(), leaves[-1])
+    sal = (grad.float() * leaves[-1].detach().float()).sum(-1)
+    return sal * mask, target
+
+
+def run(ctx: Context) -> Outcome:
+    adapter = ctx.adapter
+    if adapter.embeddings() is None:
+        return Outcome([Check("saliency", "SKIP", None, None,
+                              f"{adapter.name} exposes no nn.Embedding to attribute to")])
+    batch = ctx.batches[0]
+    sal, target = saliency(ctx, batch)
+    mask = ctx.mask(batch)
+    if not torch.isfinite(sal).all():
+        return Outcome([Check("saliency", "FAIL", None, None, "gradient x input is NaN/inf: the backward pass "
+                              "through the embeddings overflows")])
+    mag = sal.abs()
+    total = mag.sum(1)
+    if not (total > 0).any():
+        return Outcome([Check("saliency", "WARN", 0.0, None, "gradient x input is zero everywhere: no gradient "
+                              "reaches the token embeddings (detached or frozen path)")])
+    lengths = mask.sum(1)
+    if adapter.task == "causal-lm":
+        pos = torch.arange(sal.size(1), device=sal.device)
+        recent = (pos[None, :] >= (lengths[:, None] - RECENT)) & mask
+        share = (mag * recent).sum(1) / total.clamp_min(1e-30)
+        what = (f"{share.mean():.0%} of |grad x input| for the next-token prediction falls on the last "
+                f"{RECENT} tokens (mean over {len(sal)} sequences)")
+        threshold = f"share on last {RECENT} tokens"
+    else:
+        top_k = (lengths.float() * TOP_SHARE).ceil().long().clamp_min(1)
+        ranked = mag.sort(1, descending=True).values
+        share = torch.stack([ranked[i, : top_k[i]].sum() for i in range(len(sal))]) / total.clamp_min(1e-30)
+        what = (f"the top {TOP_SHARE:.0%} of tokens hold {share.mean():.0%} of |grad x input| for the predicted "
+                f"class (mean over {len(sal)} sequences)")
+        threshold = f"share on top {TOP_SHARE:.0%} tokens"
+    n = int(lengths[0])
+    tokens = batch["input_ids"][0, :n].tolist()
+    s0 = sal[0, :n].cpu()
+    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [token_text(t) for t in tokens],
+                          "saliency": s0.tolist(), "share": (s0.abs() / s0.abs().sum().clamp_min(1e-30)).tolist()},
+                         columns=COLUMNS)
+    top = table.nlargest(3, "share")
+    target0 = int(target[0])
+    goal = (f"next token {token_text(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
+    detail = f"{what}; example 0 ({goal}) leans most on " + ", ".join(
+        f"{r.text!r}@{r.position}" for r in top.itertuples())
+    return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],
+                   {"attribution": table}, {"target": goal})
+
+
+def plot(outcome: Outcome) -> Figure:
+    """Example 0's tokens, each on a background coloured by its signed gradient x input."""
+    table = outcome.frames["attribution"]
+    rows = max(1, -(-len(table) // _CHARS_PER_ROW))
+    import matplotlib as mpl
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 0.45 * rows + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    limit = float(table.saliency.abs().max()) or 1.0
+    norm, cmap = mpl.colors.Normalize(-limit, limit), mpl.colormaps["coolwarm"]
+    for r in table.itertuples():
+        x, y = r.position % _CHARS_PER_ROW, -(r.position // _CHARS_PER_ROW)
+        ax.text(x, y, r.text if r.text != " " else "␣", family="monospace", ha="center", va="center", fontsize=10,
+                bbox={"facecolor": cmap(norm(r.saliency)), "edgecolor": "none", "pad": 2})
+    ax.set_xlim(-1, _CHARS_PER_ROW)
+    ax.set_ylim(-rows, 1)
+    ax.axis("off")
+    fig.colorbar(mpl.cm.ScalarMappable(norm, cmap), ax=ax, orientation="horizontal", shrink=0.5,
+                 label="gradient x input (red supports the prediction)")
+    ax.set_title(f"Saliency for {outcome.artifacts['target']}")
+    return fig
+
+
+def panel(ax, outcome: Outcome) -> None:
+    table = outcome.frames["attribution"]
+    ax.bar(table.position, table.share, color=["C3" if s > 0 else "C0" for s in table.saliency])
+    ax.set_xlabel("position (example 0)")
+    ax.set_title(f"saliency share for {outcome.artifacts['target']}")

@@ -1,0 +1,78 @@
+"""What every tier-2 analysis shares: the run context, an analysis' outcome, token labels, figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+
+from ..adapter import ModelAdapter
+from ..precision import Precision
+from ..results import Check
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+
+@dataclass
+class Context:
+    """Everything an analysis may use. The model is already in eval mode and on the device."""
+
+    adapter: ModelAdapter
+    batches: list[dict]  # real batches (dicts of input_ids / labels / attention_mask) on the device
+    precision: Precision  # the autocast every plain forward runs under
+
+    def mask(self, batch: dict) -> torch.Tensor:
+        """(B, T) bool: which positions hold real tokens."""
+        mask = batch.get("attention_mask")
+        ids = batch["input_ids"]
+        return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+
+
+@dataclass
+class Outcome:
+    """One analysis' findings (rows of the report's table), its DataFrames, and what its figures need."""
+
+    checks: list[Check]
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    artifacts: dict = field(default_factory=dict)
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.frames)
+
+
+def token_text(token: int) -> str:
+    """A printable label for a byte-level token (other vocabularies show the id)."""
+    if token == 10:
+        return "⏎"
+    if 32 <= token < 127:
+        return chr(token)
+    return f"<{token}>" if token >= 256 else "·"
+
+
+def message_figure(title: str, text: str) -> Figure:
+    """A small figure that says why there is nothing to draw (a skipped or failed analysis)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 1.6))
+    ax = fig.add_subplot()
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=9)
+    return fig
+
+
+def first_tensor(output) -> torch.Tensor | None:
+    """The first floating tensor in a module output (tensor, tuple/list, or ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, dict) or hasattr(output, "values"):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,187 @@
+"""`analyze`: run the tier-2 analyses on real batches, each isolated, into one AnalysisReport."""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from ..adapter import adapt
+from ..data import build_datasets, make_loader, to_device
+from ..errors import DataError
+from ..models import DEFAULT_MODEL, load_model
+from ..precision import resolve_device, resolve_precision
+from ..results import Check, Result, jsonable, run_metadata, worst_status
+from . import attention, attribution, dtypes, headroom, robustness
+from .common import Context, Outcome, message_figure
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True)
+class Analysis:
+    run: Callable  # Context -> Outcome
+    plot: Callable  # (Outcome, **options) -> Figure
+    panel: Callable  # (Axes, Outcome) -> None: its cell in the overview figure
+
+
+def _entry(module: ModuleType) -> Analysis:
+    return Analysis(module.run, module.plot, module.panel)
+
+
+# Run order = this order. Names are what `analyses=` and `--analyses` take.
+ANALYSES: dict[str, Analysis] = {
+    "attention": _entry(attention),
+    "robustness": _entry(robustness),
+    "attribution": _entry(attribution),
+    "headroom": _entry(headroom),
+    "dtypes": _entry(dtypes),
+}
+TABLE_COLUMNS = ["analysis", "check", "status", "value", "threshold", "detail"]
+
+
+def _select(analyses) -> list[str]:
+    if analyses is None:
+        return list(ANALYSES)
+    names = [a.strip() for a in (analyses.split(",") if isinstance(analyses, str) else analyses) if a.strip()]
+    unknown = [n for n in names if n not in ANALYSES]
+    if unknown or not names:
+        raise ValueError(f"unknown analysis {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"choose from: {', '.join(ANALYSES)}")
+    return list(dict.fromkeys(names))
+
+
+def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], str]:
+    """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
+    if batch_size < 1 or n_batches < 1:
+        raise ValueError(f"batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
+    splits = build_datasets(data, task=adapter.task, seq_len=min(seq_len, adapter.max_len),
+                            vocab_size=adapter.vocab_size, num_classes=adapter.num_classes)
+    loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
+    batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
+    if not batches:
+        raise DataError("the validation split is empty; give more data")
+    return batches, splits.source
+
+
+def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
+    """Run one analysis; whatever it raises becomes a FAIL row and the others still run."""
+    t0 = time.perf_counter()
+    try:
+        outcome = ANALYSES[name].run(ctx)
+    except Exception as exc:  # noqa: BLE001 - isolation is the point; KeyboardInterrupt still stops the run
+        msg = " ".join(str(exc).split())[:300]
+        outcome = Outcome([Check("error", "FAIL", None, None, f"raised {type(exc).__name__}: {msg}")],
+                          artifacts={"traceback": traceback.format_exc()})
+    return outcome, time.perf_counter() - t0
+
+
+class AnalysisReport(Result):
+    """Tier-2 findings. `.table`: one row per finding; `.frames`: each analysis' DataFrames;
+    `.plot(name)`: one analysis' figure (`.plot()`: an overview); `.to_json()`."""
+
+    def __init__(self, outcomes: dict[str, Outcome], seconds: dict[str, float], model: dict, precision: dict,
+                 data: dict, metadata: dict):
+        self.outcomes, self.seconds = outcomes, seconds
+        self.model, self.precision, self.data, self.metadata = model, precision, data, metadata
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = [{"analysis": name, **asdict(c)} for name, o in self.outcomes.items() for c in o.checks]
+        return pd.DataFrame(rows, columns=TABLE_COLUMNS)
+
+    @property
+    def frames(self) -> dict[str, pd.DataFrame]:
+        return {key: df for o in self.outcomes.values() for key, df in o.frames.items()}
+
+    @property
+    def status(self) -> str:
+        return worst_status(self.table.status)
+
+    def plot(self, name: str | None = None, **options) -> Figure:
+        """`name` one of the analyses run; options go to that figure (attention: layers=, heads=)."""
+        if name is None:
+            return self._overview()
+        if name not in self.outcomes:
+            raise ValueError(f"no analysis {name!r} in this report; it has: {', '.join(self.outcomes)}")
+        outcome = self.outcomes[name]
+        if not outcome.ran:
+            return message_figure(name, self._why_not(outcome))
+        return ANALYSES[name].plot(outcome, **options)
+
+    @staticmethod
+    def _why_not(outcome: Outcome) -> str:
+        return "; ".join(f"{c.status}: {c.detail}" for c in outcome.checks)
+
+    def _overview(self) -> Figure:
+        names = list(self.outcomes)
+        cols = min(3, len(names))
+        rows = math.ceil(len(names) / cols)
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(5 * cols, 3.8 * rows), layout="constrained")
+        axes = fig.subplots(rows, cols, squeeze=False).ravel()
+        for ax, name in zip(axes, names):
+            outcome = self.outcomes[name]
+            if outcome.ran:
+                ANALYSES[name].panel(ax, outcome)
+            else:
+                ax.axis("off")
+                ax.set_title(name)
+                ax.text(0.5, 0.5, self._why_not(outcome)[:160], ha="center", va="center", wrap=True, fontsize=8)
+        for ax in axes[len(names):]:
+            ax.axis("off")
+        fig.suptitle(f"{self.model['model']} · {self.precision['precision']} on {self.metadata['device_name']} · "
+                     f"worst status {self.status}")
+        return fig
+
+    def to_json(self) -> dict:
+        return jsonable({
+            "status": self.status,
+            "findings": self.table,
+            "frames": self.frames,
+            "seconds": self.seconds,
+            "model": self.model,
+            "precision": self.precision,
+            "data": self.data,
+            "errors": {n: o.artifacts["traceback"] for n, o in self.outcomes.items() if "traceback" in o.artifacts},
+            "run_metadata": self.metadata,
+        })
+
+
+def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", device=None, batch_size: int = 8,
+            n_batches: int = 2, seq_len: int = 64, progress: bool = True, **model_kwargs) -> AnalysisReport:
+    """Explain a model: attention patterns, robustness, attribution, precision headroom, per-op dtypes.
+
+    model: an nn.Module or a load_model spec (kwargs build it). data: None (the bundled corpus) or any
+    form build_datasets takes; its validation split supplies `n_batches` batches of `batch_size`.
+    analyses: None (all) or names from ANALYSES. precision: the autocast the plain forwards run under;
+    headroom and dtypes always compare fp32, bf16 and fp16. The model runs in eval mode and is left
+    in the mode it came in.
+    """
+    names = _select(analyses)
+    dev = resolve_device(device)
+    prec = resolve_precision(precision, dev)
+    module = load_model(model, **model_kwargs).to(dev)
+    adapter = adapt(module)
+    batches, source = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
+    ctx = Context(adapter, batches, prec)
+    outcomes, seconds = {}, {}
+    was_training = module.training
+    module.eval()
+    try:
+        for name in tqdm(names, desc="analyze", disable=not progress):
+            outcomes[name], seconds[name] = _isolated(name, ctx)
+    finally:
+        module.train(was_training)
+    data_info = {"source": source, "batches": len(batches), "batch_size": batch_size,
+                 "seq_len": int(batches[0]["input_ids"].size(1))}
+    return AnalysisReport(outcomes, seconds, adapter.summary(), prec.to_dict(), data_info,
+                          run_metadata(dev, prec.dtype))

@@ -1,0 +1,194 @@
+"""Precision headroom: is each layer's output range safe for fp16, and how far do bf16/fp16 drift?
+
+Forward hooks on every leaf module record, over the real batches in fp32: the output abs-max
+against fp16's largest finite value (65504) and the share of non-zero values below fp16's
+smallest normal (6.1e-5, where fp16 loses precision and later flushes to zero). The first batch
+is then run again under bf16 and under fp16 autocast and each layer's output is compared with
+its fp32 output (relative L2 deviation; errors accumulate along the network, as in training).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from ..precision import resolve_precision
+from ..results import Check
+from .common import Context, Outcome, first_tensor
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+FP16_TINY = torch.finfo(torch.float16).tiny  # 6.1e-5, smallest normal
+CARE_FACTOR = 16  # abs-max within 16x (4 bits) of 65504 leaves too little room: fp16 needs care
+CARE_UNDERFLOW = 0.05  # more than 5% of a layer's non-zero outputs are fp16-subnormal: fp16 needs care
+DRIFT = 0.05  # relative deviation of the model output from fp32 above this: WARN
+COLUMNS = ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal", "bf16_rel_dev",
+           "fp16_rel_dev", "fp16_nonfinite"]
+
+
+def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name or type(model).__name__, m) for name, m in model.named_modules() if not any(m.children())]
+
+
+@contextlib.contextmanager
+def tap_outputs(model: nn.Module, on_output):
+    """Call `on_output(name, module, tensor)` for every leaf module's floating output."""
+    def hook(name, module, args, output):
+        tensor = first_tensor(output)
+        if tensor is not None:
+            on_output(name, module, tensor.detach())
+
+    handles = [m.register_forward_hook(lambda mod, a, out, n=name: hook(n, mod, a, out))
+               for name, m in leaf_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _RangeStats:
+    def __init__(self):
+        self.rows: dict[str, dict] = {}  # insertion order = first call order
+
+    def __call__(self, name, module, t):
+        t = t.float()
+        nonzero = t != 0
+        row = self.rows.setdefault(name, {"type": type(module).__name__, "calls": 0, "abs_max": 0.0,
+                                          "nonzero": 0, "tiny": 0})
+        row["calls"] += 1
+        row["abs_max"] = max(row["abs_max"], float(t.abs().max()) if t.numel() else 0.0)
+        row["nonzero"] += int(nonzero.sum())
+        row["tiny"] += int((nonzero & (t.abs() < FP16_TINY)).sum())
+
+
+def _outputs(ctx: Context, batch: dict, precision) -> dict[str, list[torch.Tensor]]:
+    outs: dict[str, list[torch.Tensor]] = {}
+    with tap_outputs(ctx.adapter.model, lambda n, m, t: outs.setdefault(n, []).append(t)), torch.no_grad():
+        with precision.autocast():
+            ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+    return outs
+
+
+def _deviation(ref: list[torch.Tensor], low: list[torch.Tensor]) -> tuple[float, int]:
+    """(relative L2 deviation over every call, count of non-finite low-precision values).
+
+    inf when the low-precision output overflowed; NaN when the calls don't line up (not comparable).
+    """
+    if len(ref) != len(low) or any(a.shape != b.shape for a, b in zip(ref, low)):
+        return float("nan"), 0
+    nonfinite = sum(int((~torch.isfinite(b)).sum()) for b in low)
+    if nonfinite:
+        return float("inf"), nonfinite
+    err = sum(float((b.float() - a.float()).pow(2).sum()) for a, b in zip(ref, low))
+    norm = sum(float(a.float().pow(2).sum()) for a in ref)
+    return (err / norm) ** 0.5 if norm > 0 else 0.0, 0
+
+
+def run(ctx: Context) -> Outcome:
+    model = ctx.adapter.model
+    stats = _RangeStats()
+    with tap_outputs(model, stats), torch.no_grad():
+        for batch in ctx.batches:  # fp32 reference: no autocast
+            ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+    dev = ctx.adapter.device
+    ref = _outputs(ctx, ctx.batches[0], resolve_precision("fp32", dev, warn=False))
+    low = {name: _outputs(ctx, ctx.batches[0], resolve_precision(name, dev, warn=False)) for name in ("bf16", "fp16")}
+    rows = []
+    for name, s in stats.rows.items():
+        bf16_dev, _ = _deviation(ref.get(name, []), low["bf16"].get(name, []))
+        fp16_dev, fp16_bad = _deviation(ref.get(name, []), low["fp16"].get(name, []))
+        rows.append({"layer": name, "type": s["type"], "calls": s["calls"], "abs_max": s["abs_max"],
+                     "fp16_headroom": FP16_MAX / s["abs_max"] if s["abs_max"] else float("inf"),
+                     "below_fp16_normal": s["tiny"] / s["nonzero"] if s["nonzero"] else 0.0,
+                     "bf16_rel_dev": bf16_dev, "fp16_rel_dev": fp16_dev, "fp16_nonfinite": fp16_bad})
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    recommendation, drivers, status = recommend(df)
+    if status == "WARN" and recommendation == "prefer bf16" and ctx.precision.name == "fp16":
+        status = "FAIL"  # fp16 was asked for and these layers overflow it
+    checks = [Check("recommendation", status, recommendation,
+                    f"abs_max < 65504/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below 6.1e-5",
+                    _explain(df, recommendation, drivers, len(ctx.batches)))]
+    for prec in ("bf16", "fp16"):
+        checks.append(_drift_check(df, prec))
+    return Outcome(checks, {"headroom": df}, {"drivers": drivers})
+
+
+def _drift_check(df: pd.DataFrame, prec: str) -> Check:
+    """Deviation at the model output (the last leaf in execution order, usually the head)."""
+    col = f"{prec}_rel_dev"
+    if df.empty:
+        return Check(f"{prec} drift", "SKIP", None, None, "no layer outputs captured")
+    out, worst = df.iloc[-1], df.loc[df[col].fillna(-1.0).idxmax()]
+    value = float(out[col])
+    status = "PASS" if value <= DRIFT else "WARN"  # inf: the output overflowed
+    return Check(f"{prec} drift", status, round(value, 5), f"<= {DRIFT} at the output",
+                 f"{out.layer} output deviates {value:.2g} from fp32 under {prec} autocast; largest: "
+                 f"{worst.layer} {worst[col]:.2g}")
+
+
+def recommend(df: pd.DataFrame) -> tuple[str, list[str], str]:
+    """(recommendation, the layers that drive it, status) from the per-layer table."""
+    over = df[df.abs_max > FP16_MAX].layer.tolist()
+    if not over and (df.fp16_nonfinite > 0).any():
+        over = df[df.fp16_nonfinite > 0].layer.tolist()[:1]  # the first layer to produce inf/NaN under fp16
+    if over:
+        return "prefer bf16", over, "WARN"
+    care = df[(df.abs_max > FP16_MAX / CARE_FACTOR) | (df.below_fp16_normal > CARE_UNDERFLOW)].layer.tolist()
+    if care:
+        return "fp16 needs scaling care", care, "WARN"
+    return "fp16 safe", [], "PASS"
+
+
+def _explain(df: pd.DataFrame, recommendation: str, drivers: list[str], n_batches: int) -> str:
+    named = ", ".join(drivers[:5]) + (f" and {len(drivers) - 5} more" if len(drivers) > 5 else "")
+    if recommendation == "prefer bf16":
+        peak = df[df.layer.isin(drivers)].abs_max.max()
+        return (f"{named} output up to {peak:.3g} (> fp16 max 65504, inf under fp16); bf16 has fp32's range "
+                f"({n_batches} batches)")
+    if recommendation == "fp16 needs scaling care":
+        return (f"{named} within {CARE_FACTOR}x of 65504 or > {CARE_UNDERFLOW:.0%} fp16-subnormal outputs; "
+                f"fp16 works with care, bf16 avoids it ({n_batches} batches)")
+    if df.empty:
+        return "no layer outputs captured"
+    top = df.loc[df.abs_max.idxmax()]
+    return (f"largest output {top.abs_max:.3g} ({top.layer}) leaves {top.fp16_headroom:.0f}x headroom; at most "
+            f"{df.below_fp16_normal.max():.1%} subnormal in any layer ({n_batches} batches)")
+
+
+def plot(outcome: Outcome) -> Figure:
+    """Per layer: output abs-max against fp16's max, and deviation from fp32 under bf16 / fp16."""
+    df = outcome.frames["headroom"]
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(8, 0.28 * len(df)), 6.5), layout="constrained")
+    ax_range, ax_dev = fig.subplots(2, 1, sharex=True)
+    x = range(len(df))
+    drivers = set(outcome.artifacts["drivers"])
+    ax_range.bar(x, df.abs_max.clip(lower=1e-12), color=["C3" if n in drivers else "C0" for n in df.layer])
+    ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
+    ax_range.set_yscale("log")
+    ax_range.set_ylabel("output abs-max (fp32)")
+    ax_range.legend(fontsize=8)
+    for prec, color in (("bf16", "C2"), ("fp16", "C1")):
+        ax_dev.plot(x, df[f"{prec}_rel_dev"], marker=".", color=color, label=prec)
+    ax_dev.set_yscale("log")
+    ax_dev.set_ylabel("relative deviation from fp32")
+    ax_dev.legend(fontsize=8)
+    ax_dev.set_xticks(list(x), df.layer, rotation=90, fontsize=7)
+    fig.suptitle("Precision headroom per layer (execution order; red: drives the recommendation)")
+    return fig
+
+
+def panel(ax, outcome: Outcome) -> None:
+    df = outcome.frames["headroom"]
+    ax.bar(range(len(df)), df.abs_max.clip(lower=1e-12), color="C0")
+    ax.axhline(FP16_MAX, color="k", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("leaf layer (execution order)")
+    ax.set_title("output abs-max vs fp16 max")

@@ -1,0 +1,170 @@
+"""Robustness: perturb real inputs at several levels and compare predictions with the clean ones.
+
+Perturbations (level = a fraction of the real tokens, or a noise scale):
+- substitution: that share of tokens replaced by a different random token;
+- deletion: that share of tokens removed (the rest shift left, padding fills the end);
+- embedding_noise: Gaussian noise of std level x RMS(embedding output), added by a forward hook
+  on the token embedding.
+Per level: agreement (the perturbed argmax equals the clean argmax), KL(clean || perturbed), and
+flip rate (the share of clean-correct predictions the perturbation makes wrong). A causal LM is
+compared position by position (after a deletion, by the token each prediction follows); a
+classifier per sequence. Level 0 is the clean input itself, so its agreement is exactly 1.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..results import Check
+from .common import Context, Outcome
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+LEVELS = (0.0, 0.05, 0.1, 0.2)
+PERTURBATIONS = ("substitution", "deletion", "embedding_noise")
+REFERENCE_LEVEL = 0.1  # the level a finding quotes
+FRAGILE_AGREEMENT = 0.5  # below this at the reference level: WARN
+COLUMNS = ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
+
+
+def _substitute(ids, mask, level, vocab, g):
+    hit = (torch.rand(ids.shape, generator=g) < level).to(ids.device) & mask
+    shift = torch.randint(1, vocab, ids.shape, generator=g).to(ids.device)  # never the same token again
+    new = torch.where(hit, (ids + shift) % vocab, ids)
+    return new, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+
+
+def _delete(ids, mask, level, vocab, g):
+    """Drop round(level * n_real) real tokens per row; `origin[b, j]` = original position now at j, or -1."""
+    new, new_mask = torch.zeros_like(ids), torch.zeros_like(mask)
+    origin = torch.full_like(ids, -1)
+    for b in range(ids.size(0)):
+        real = mask[b].nonzero().squeeze(1)
+        n_drop = int(round(level * len(real)))
+        drop = real[torch.randperm(len(real), generator=g)[:n_drop].to(ids.device)]
+        keep = torch.ones(ids.size(1), dtype=torch.bool, device=ids.device)
+        keep[drop] = False
+        keep &= mask[b]
+        kept = keep.nonzero().squeeze(1)
+        new[b, : len(kept)], new_mask[b, : len(kept)], origin[b, : len(kept)] = ids[b, kept], True, kept
+    return new, new_mask, origin
+
+
+@contextlib.contextmanager
+def _embedding_noise(embedding, level, g):
+    def hook(module, args, out):
+        scale = out.detach().float().pow(2).mean().sqrt() * level
+        return out + (torch.randn(out.shape, generator=g) * scale.cpu()).to(out.device, out.dtype)
+
+    handle = embedding.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _log_probs(ctx: Context, ids, mask) -> torch.Tensor:
+    with torch.no_grad(), ctx.precision.autocast():
+        logits = ctx.adapter.logits(ids, mask.long())
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
+    """(agree, kl, correct_before, flipped) as flat tensors over the compared predictions."""
+    if ctx.adapter.task == "causal-lm":
+        valid = new_mask & (origin >= 0)
+        b, j = valid.nonzero(as_tuple=True)
+        k = origin[b, j]
+        valid_clean = mask[b, k]
+        b, j, k = b[valid_clean], j[valid_clean], k[valid_clean]
+        clean, pert, labels = clean[b, k], pert[b, j], labels[b, k]
+    top_clean, top_pert = clean.argmax(-1), pert.argmax(-1)
+    kl = (clean.exp() * (clean - pert)).sum(-1)
+    correct = top_clean == labels
+    return top_clean == top_pert, kl, correct, correct & (top_pert != labels)
+
+
+def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
+    adapter = ctx.adapter
+    embedding = adapter.embeddings()
+    clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches]
+    rows, notes = [], []
+    for pi, kind in enumerate(perturbations):
+        if kind == "embedding_noise" and embedding is None:
+            notes.append(f"embedding_noise skipped: {adapter.name} exposes no nn.Embedding")
+            continue
+        for li, level in enumerate(levels):
+            g = torch.Generator().manual_seed(1000 * pi + li)
+            parts = []
+            for batch, ref in zip(ctx.batches, clean):
+                ids, mask = batch["input_ids"], ctx.mask(batch)
+                if level == 0:
+                    pert, new_mask, origin = ref, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+                elif kind == "embedding_noise":
+                    with _embedding_noise(embedding, level, g):
+                        pert = _log_probs(ctx, ids, mask)
+                    new_mask, origin = mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+                else:
+                    perturb = _substitute if kind == "substitution" else _delete
+                    new_ids, new_mask, origin = perturb(ids, mask, level, adapter.vocab_size, g)
+                    pert = _log_probs(ctx, new_ids, new_mask)
+                parts.append(_compare(ctx, ref, pert, batch["labels"], mask, new_mask, origin))
+            agree, kl, correct, flipped = (torch.cat(t) for t in zip(*parts))
+            n_correct = int(correct.sum())
+            rows.append({"perturbation": kind, "level": level, "n": len(agree),
+                         "agreement": float(agree.float().mean()), "kl": float(kl.mean()), "n_correct": n_correct,
+                         "flip_rate": float(flipped.sum()) / n_correct if n_correct else float("nan")})
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    return Outcome(_checks(df, notes), {"robustness": df})
+
+
+def _checks(df: pd.DataFrame, notes: list[str]) -> list[Check]:
+    checks = []
+    for kind, grp in df.groupby("perturbation", sort=False):
+        zero = grp[grp.level == 0]
+        nonzero = grp[grp.level > 0]
+        ref = nonzero.iloc[(nonzero.level - REFERENCE_LEVEL).abs().argsort().iloc[0]] if len(nonzero) else grp.iloc[-1]
+        unit = "x embedding RMS noise" if kind == "embedding_noise" else f"of tokens ({kind})"
+        flips = (f"flip rate {ref.flip_rate:.2f} of {ref.n_correct} correct" if ref.n_correct
+                 else "no correct predictions to flip")
+        detail = f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, over {ref.n} predictions"
+        if len(zero) and zero.agreement.iloc[0] != 1.0:
+            status, detail = "FAIL", (f"agreement {zero.agreement.iloc[0]:.4f} on unperturbed input: the model is "
+                                      "not deterministic in eval mode; " + detail)
+        else:
+            status = "WARN" if ref.agreement < FRAGILE_AGREEMENT else "PASS"
+        checks.append(Check(kind, status, round(float(ref.agreement), 4), f">= {FRAGILE_AGREEMENT} agreement", detail))
+    checks += [Check("embedding_noise", "SKIP", None, None, note) for note in notes]
+    return checks
+
+
+def plot(outcome: Outcome) -> Figure:
+    """Agreement, KL and flip rate against perturbation level, one line per perturbation."""
+    df = outcome.frames["robustness"]
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.4), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, 3), ("agreement", "kl", "flip_rate")):
+        for kind, grp in df.groupby("perturbation", sort=False):
+            ax.plot(grp.level, grp[metric], marker="o", label=kind)
+        ax.set_xlabel("perturbation level")
+        ax.set_title(metric)
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Robustness (up to {int(df.n.max())} predictions per point; flip rate over the correct ones)")
+    return fig
+
+
+def panel(ax, outcome: Outcome) -> None:
+    df = outcome.frames["robustness"]
+    for kind, grp in df.groupby("perturbation", sort=False):
+        ax.plot(grp.level, grp.agreement, marker="o", label=kind)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("perturbation level")
+    ax.set_title("prediction agreement")
+    ax.legend(fontsize=7)

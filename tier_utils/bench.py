@@ -1,0 +1,441 @@
+"""Tier 3 AMP benchmark: fp32 vs bf16 vs fp16 speed, MFU, memory and accuracy stability, with verdicts.
+
+Every precision starts from the same weights and sees the same batches in the same order with a
+fresh optimizer (and, for fp16, GradScaler) through the shared `TrainStep`. Speed repeats are
+interleaved across precisions so drift on a shared machine hits all of them alike.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from tqdm.auto import tqdm
+
+from .adapter import ModelAdapter, adapt
+from .data import build_datasets, make_loader, to_device
+from .measure import SavedTensorMeter, StepTimer, static_memory, summarize
+from .models import load_model
+from .precision import canonical_precision, native_support, resolve_device, resolve_precision
+from .results import Result, checks_table, jsonable, run_metadata, worst_status
+from .train import TrainStep, make_optimizer, make_scheduler
+from .verdicts import (Thresholds, accuracy_check, memory_check, parity, parity_check, reduction, skip_checks,
+                       speed_check, speedup)
+
+SCHEMA = "tier_utils.bench/1"
+_SEED = 0
+_WEIGHT_DECAY = 0.1
+_PROBE_TARGET_MS = 20.0  # a probe matmul shorter than this is launch- or timer-bound
+_PROBE_MAX_MS = 250.0
+_PROBE_MAX = {"cuda": 8192, "cpu": 1024}
+_PROBE_REPS = 10
+_MIB = 2**20
+
+
+@dataclass
+class BenchmarkResult(Result):
+    """What `amp_benchmark` measured: one record per precision, the verdict rows, config and metadata."""
+
+    config: dict
+    metadata: dict
+    flops: dict  # {"per_step": int, "by_op": {op: flops}} of one fp32 forward + backward
+    records: list[dict]
+    checks: list
+
+    @property
+    def status(self) -> str:
+        return worst_status(c.status for c in self.checks)
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([_table_row(r) for r in self.records])
+
+    @property
+    def verdicts(self) -> pd.DataFrame:
+        return checks_table(self.checks, ("precision",))
+
+    def plot(self):
+        return _plot(self)
+
+    def to_json(self) -> dict:
+        return jsonable({"schema": SCHEMA, "status": self.status, "config": self.config, "metadata": self.metadata,
+                         "flops": self.flops, "precisions": self.records, "verdicts": self.verdicts})
+
+
+def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_size: int = 8, seq_len: int = 64,
+                  warmup_steps: int = 3, timed_steps: int = 10, repeats: int = 5, accuracy_steps: int = 50,
+                  thresholds: Thresholds = Thresholds(), force: bool = False, device=None, progress: bool = True,
+                  lr: float = 1e-3, val_batches: int = 20) -> BenchmarkResult:
+    """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).
+
+    fp32 is always run: it is the baseline every ratio is taken against. A precision the device
+    cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
+    `device` and its weights are restored to what they were when this returns.
+    """
+    _check_sizes(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
+                 val_batches=val_batches)
+    if warmup_steps < 0 or accuracy_steps < 0:
+        raise ValueError("warmup_steps and accuracy_steps must be >= 0")
+    dev = resolve_device(device)
+    adapter = model if isinstance(model, ModelAdapter) else adapt(load_model(model))
+    adapter.model.to(dev).train()
+    if seq_len > adapter.max_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_len={adapter.max_len}; lower seq_len")
+    plans = [_plan(name, dev, force) for name in precision_list(precisions)]
+    ran = [p for p in plans if p["ran"]]
+    splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes)
+    speed_batches = list(_batches(splits.train, warmup_steps + timed_steps, batch_size, dev))
+    tokens_per_step = speed_batches[0]["input_ids"].numel()
+    total = len(ran) * (repeats * (warmup_steps + timed_steps) + accuracy_steps)
+    start = copy.deepcopy(adapter.model.state_dict())
+    try:
+        with tqdm(total=total, desc="amp benchmark", disable=not progress) as bar:
+            flops = _count_flops(adapter, speed_batches[0])
+            for p in ran:
+                p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr)
+                p["probe"] = _matmul_peak(dev, p["prec"].dtype)
+            samples = {p["precision"]: [] for p in ran}
+            for _, p in schedule(ran, repeats):
+                ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar)
+                samples[p["precision"]].append(sum(ms) / len(ms))
+            for p in ran:
+                p["speed"] = _speed(samples[p["precision"]], tokens_per_step, timed_steps)
+                if accuracy_steps:
+                    p["accuracy"] = _accuracy_run(adapter, p["prec"], start, splits, accuracy_steps, batch_size,
+                                                  val_batches, lr, bar)
+    finally:
+        adapter.model.load_state_dict(start)
+    records = [_record(p, plans[0], flops, dev, thresholds) for p in plans]
+    checks = [c for p, r in zip(plans, records) for c in _checks(p, r, records[0], thresholds, accuracy_steps)]
+    config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
+              "data": splits.source, "precisions": [p["precision"] for p in plans], "batch_size": batch_size,
+              "seq_len": seq_len, "tokens_per_step": tokens_per_step, "warmup_steps": warmup_steps,
+              "timed_steps": timed_steps, "repeats": repeats, "accuracy_steps": accuracy_steps,
+              "val_batches": val_batches, "lr": lr, "weight_decay": _WEIGHT_DECAY, "force": force,
+              "thresholds": asdict(thresholds)}
+    metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "load_average_1m": _load_average()}
+    return BenchmarkResult(config, metadata, flops, records, checks)
+
+
+def precision_list(precisions) -> list[str]:
+    """Canonical names, fp32 first (the baseline, added if missing), duplicates dropped."""
+    if isinstance(precisions, str):
+        precisions = precisions.split(",")
+    names = ["fp32"]
+    for p in precisions:
+        name = canonical_precision(p)
+        if name == "auto":
+            raise ValueError("'auto' is not a precision to benchmark; list them, e.g. fp32,bf16,fp16")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def schedule(items: list, repeats: int) -> list[tuple[int, object]]:
+    """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
+    return [(r, item) for r in range(repeats) for item in items]
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average after the run: high means other jobs shared the CPU."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _plan(name: str, dev: torch.device, force: bool) -> dict:
+    prec = resolve_precision(name, dev, warn=False)
+    return {"precision": name, "prec": prec, "ran": prec.native or force, "forced": force and not prec.native,
+            "reason": prec.reason, "why": native_support(name, dev)[1]}
+
+
+def _batches(dataset, n: int, batch_size: int, device):
+    """The same `n` batches, in the same order, for every call; cycles a small dataset; on `device`."""
+    loader = make_loader(dataset, batch_size, shuffle=True, seed=_SEED, drop_last=True, device=device)
+    produced = 0
+    while produced < n:
+        for batch in loader:
+            yield to_device(batch, device)
+            produced += 1
+            if produced == n:
+                return
+
+
+def _fresh_step(adapter, prec, start, lr, total_steps: int = 0) -> TrainStep:
+    adapter.model.load_state_dict(start)
+    torch.manual_seed(_SEED)  # same dropout masks in every run
+    opt = make_optimizer(adapter.model, lr, _WEIGHT_DECAY)
+    sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
+    return TrainStep(adapter, prec, opt, sched, grad_clip=1.0)
+
+
+def _count_flops(adapter, batch) -> dict:
+    """FLOPs of one fp32 forward + backward, counted once (precision changes no FLOP count)."""
+    # torch has formulas for the GPU attention kernels; reuse them for the CPU one it lacks.
+    extra = {}
+    aten = torch.ops.aten
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        # The registered formulas are already shape-wrapped; FlopCounterMode wraps custom ones again.
+        extra = {aten._scaled_dot_product_flash_attention_for_cpu: getattr(sdpa_flop, "__wrapped__", sdpa_flop),
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                     getattr(sdpa_backward_flop, "__wrapped__", sdpa_backward_flop)}
+    with FlopCounterMode(display=False, custom_mapping=extra) as counter:
+        loss, _ = adapter.forward_loss(batch)
+        loss.backward()
+    adapter.model.zero_grad(set_to_none=True)
+    by_op = {str(k): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return {"per_step": counter.get_total_flops(), "by_op": by_op}
+
+
+def _memory(adapter, prec, start, batches, lr) -> dict:
+    """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks."""
+    dev = adapter.device
+    step = _fresh_step(adapter, prec, start, lr)
+    step([batches[0]])
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    with SavedTensorMeter(adapter.model) as meter:
+        step([batches[1 % len(batches)]])
+    mem = static_memory(adapter.model, step.optimizer)
+    mem["activation_bytes"] = meter.bytes
+    mem["total_bytes"] = sum(mem.values())
+    mem["steps_measured"] = 1  # saved-tensor accounting is an exact count, not a sample
+    mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
+    if cuda:
+        torch.cuda.synchronize(dev)
+        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        mem["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+    return mem
+
+
+def _matmul_peak(dev: torch.device, dtype: torch.dtype) -> dict:
+    """This device's matmul throughput in `dtype`: square matmuls, doubled in size while one is
+    too short to time well or the bigger size still got faster, then timed `_PROBE_REPS` times."""
+    size, cap, previous = 256, _PROBE_MAX.get(dev.type, 1024), 0.0
+    while True:
+        a = torch.randn(size, size, device=dev).to(dtype)
+        b = torch.randn(size, size, device=dev).to(dtype)
+        a @ b  # first call pays for kernel selection
+        timer = StepTimer(dev)
+        for _ in range(2):  # the faster of two: one stall from other load must not end the search
+            with timer.region():
+                a @ b
+        ms = min(timer.milliseconds())
+        tflops = 2 * size**3 / (ms * 1e-3) / 1e12
+        # Doubling the size costs 8x the time: stop before an emulated dtype takes seconds a matmul.
+        if size >= cap or ms * 8 > _PROBE_MAX_MS or (ms >= _PROBE_TARGET_MS and tflops < 1.1 * previous):
+            break
+        size, previous = size * 2, tflops
+    timer = StepTimer(dev)
+    for _ in range(_PROBE_REPS):
+        with timer.region():
+            a @ b
+    stats = summarize(2 * size**3 / (ms * 1e-3) / 1e12 for ms in timer.milliseconds())
+    return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
+
+
+def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar) -> list[float]:
+    """One repeat: fresh optimizer, warm-up steps untimed, then each optimizer step timed."""
+    step = _fresh_step(adapter, prec, start, lr)
+    for batch in batches[:warmup]:
+        step([batch])
+        bar.update()
+    timer = StepTimer(adapter.device)
+    for batch in batches[warmup:]:
+        with timer.region():
+            step([batch])
+        bar.update()
+    return timer.milliseconds()
+
+
+def _speed(step_ms: list[float], tokens_per_step: int, timed_steps: int) -> dict:
+    return {"step_ms": summarize(step_ms),
+            "tokens_per_s": summarize(tokens_per_step / (ms / 1e3) for ms in step_ms).to_dict(),
+            "samples_ms": step_ms, "timed_steps": timed_steps, "speedup": None}
+
+
+def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, lr, bar) -> dict:
+    """Train `steps` from the shared start, then validate in the same precision."""
+    step = _fresh_step(adapter, prec, start, lr, total_steps=steps)
+    curve, scales, skipped, diverged_at = [], [], 0, None
+    for i, batch in enumerate(_batches(splits.train, steps, batch_size, adapter.device)):
+        out = step([batch])
+        bar.update()
+        curve.append(out.loss.item())  # not timed: a sync per step is fine here
+        if out.skipped is not None:
+            scales.append(out.scale_before)
+            skipped += out.skipped
+        elif not torch.isfinite(out.loss):  # no scaler to absorb it: the run is over
+            diverged_at = i
+            bar.update(steps - i - 1)
+            break
+    val_loss, val_acc, n = _evaluate(adapter, prec, splits.val, batch_size, val_batches)
+    return {"steps": len(curve), "loss_curve": curve, "val_loss": val_loss, "val_accuracy": val_acc,
+            "val_targets": n, "diverged_at": diverged_at, "loss_scale": scales if prec.needs_scaler else None,
+            "skipped_steps": skipped if prec.needs_scaler else None}
+
+
+@torch.no_grad()
+def _evaluate(adapter, prec, dataset, batch_size, max_batches) -> tuple[float, float, int]:
+    """Mean loss and top-1 accuracy over every target (next tokens, or class labels)."""
+    loader = make_loader(dataset, batch_size, shuffle=False, device=adapter.device)
+    adapter.model.eval()
+    loss_sum = torch.zeros((), device=adapter.device)
+    correct = torch.zeros((), device=adapter.device)
+    n = 0
+    try:
+        for i, batch in enumerate(loader):
+            if i == max_batches:
+                break
+            batch = to_device(batch, adapter.device)
+            with prec.autocast():
+                loss, logits = adapter.forward_loss(batch)
+            labels = batch["labels"]
+            loss_sum += loss.float() * labels.numel()
+            correct += (logits.argmax(-1) == labels).sum()
+            n += labels.numel()
+    finally:
+        adapter.model.train()
+    return (loss_sum / n).item(), (correct / n).item(), n
+
+
+def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds) -> dict:
+    """One precision's JSON record: measurements, comparisons with fp32, metadata."""
+    prec = p["prec"]
+    rec = {"precision": p["precision"], "dtype": str(prec.dtype).replace("torch.", ""), "native": prec.native,
+           "ran": p["ran"], "forced": p["forced"], "reason": p["reason"],
+           "metadata": run_metadata(dev, prec.dtype), "speed": None, "mfu": None, "memory": None, "accuracy": None}
+    if not p["ran"]:
+        return rec
+    step_ms = p["speed"]["step_ms"]
+    speed = rec["speed"] = {**p["speed"], "step_ms": step_ms.to_dict()}
+    if p is not base:
+        speed["speedup"] = speedup(base["speed"]["step_ms"], step_ms)
+    achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
+    # The best of the probe's repeats: a peak is what the device reached, and other load only slows it.
+    peak = p["probe"]["tflops"]["max"]
+    rec["mfu"] = {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak, "probe": p["probe"]}
+    mem = rec["memory"] = dict(p["memory"])
+    bmem = base["memory"]
+    mem["reduction"] = {"activations": reduction(bmem["activation_bytes"], mem["activation_bytes"]),
+                        "total": reduction(bmem["total_bytes"], mem["total_bytes"]),
+                        "peak_allocated": reduction(bmem["peak_allocated_bytes"], mem["peak_allocated_bytes"])}
+    acc = p.get("accuracy")
+    if acc is not None:
+        acc = rec["accuracy"] = dict(acc)
+        bacc = base["accuracy"]
+        acc["val_loss_diff"] = acc["val_loss"] - bacc["val_loss"]
+        acc["val_accuracy_diff"] = acc["val_accuracy"] - bacc["val_accuracy"]
+        acc["parity"] = parity(bacc["loss_curve"], acc["loss_curve"], t.parity_tolerance)
+    return rec
+
+
+def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) -> list:
+    name = p["precision"]
+    if name == "fp32":
+        return skip_checks(name, "fp32 is the baseline the others are compared with", t)
+    if not p["ran"]:
+        return skip_checks(name, f"not native: {p['why']}; force=True (CLI --force) runs it anyway", t)
+    forced = " [forced: not native on this device]" if p["forced"] else ""
+    rows = [speed_check(name, rec["speed"]["speedup"], rec["speed"]["step_ms"]["n"], t),
+            memory_check(name, rec["memory"]["reduction"], t)]
+    base_acc = base["accuracy"]
+    if not accuracy_steps:
+        rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
+    elif base_acc["diverged_at"] is not None:
+        rows += skip_checks(name, f"fp32 baseline diverged at step {base_acc['diverged_at']}; lower lr", t,
+                            ("accuracy", "parity"))
+    else:
+        acc = rec["accuracy"]
+        rows += [accuracy_check(name, acc["val_accuracy_diff"], acc["diverged_at"], t),
+                 parity_check(name, acc["parity"], acc["diverged_at"], t)]
+    for row in rows:
+        row.detail += forced
+    return rows
+
+
+def _table_row(rec: dict) -> dict:
+    row = {"precision": rec["precision"], "dtype": rec["dtype"], "ran": rec["ran"]}
+    speed, mfu, mem, acc = rec["speed"] or {}, rec["mfu"] or {}, rec["memory"] or {}, rec["accuracy"] or {}
+    step, tps, sp = speed.get("step_ms", {}), speed.get("tokens_per_s", {}), speed.get("speedup") or {}
+    red, par = mem.get("reduction", {}), acc.get("parity") or {}
+    mib = (lambda key: mem[key] / _MIB if mem.get(key) is not None else None)
+    row.update({
+        "n_repeats": step.get("n"), "step_ms_median": step.get("median"), "step_ms_iqr": step.get("iqr"),
+        "tokens_per_s_median": tps.get("median"), "tokens_per_s_iqr": tps.get("iqr"),
+        "speedup": sp.get("median", 1.0 if rec["precision"] == "fp32" and rec["ran"] else None),
+        "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
+        "achieved_tflops": mfu.get("achieved_tflops"), "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"),
+        "weights_mib": mib("weights_bytes"), "grads_mib": mib("grads_bytes"),
+        "optimizer_state_mib": mib("optimizer_state_bytes"), "activations_mib": mib("activation_bytes"),
+        "total_mib": mib("total_bytes"), "peak_allocated_mib": mib("peak_allocated_bytes"),
+        "peak_reserved_mib": mib("peak_reserved_bytes"),
+        "activation_reduction": red.get("activations"), "total_reduction": red.get("total"),
+        "peak_allocated_reduction": red.get("peak_allocated"),
+        "val_loss": acc.get("val_loss"), "val_accuracy": acc.get("val_accuracy"),
+        "val_accuracy_diff": acc.get("val_accuracy_diff"), "parity_max_rel_dev": par.get("max_rel_dev"),
+        "parity_first_step_out": par.get("first_step_out"), "skipped_steps": acc.get("skipped_steps"),
+        "reason": rec["reason"],
+    })
+    return row
+
+
+def _plot(result: BenchmarkResult):
+    from matplotlib.figure import Figure
+
+    ran = [r for r in result.records if r["ran"]]
+    names = [r["precision"] for r in ran]
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    ax_speed, ax_mem, ax_loss, ax_scale = fig.subplots(2, 2).ravel()
+    device = result.metadata["device_name"]
+    fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
+
+    tps = [r["speed"]["tokens_per_s"] for r in ran]
+    err = [[s["median"] - s["q1"] for s in tps], [s["q3"] - s["median"] for s in tps]]
+    ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
+    ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
+    ax_speed.set_ylabel("tokens / s")
+
+    bottom = [0.0] * len(ran)
+    for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
+                       ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
+        heights = [r["memory"][key] / _MIB for r in ran]
+        ax_mem.bar(names, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_mem.set_title("memory of one training step (saved-tensor accounting)")
+    ax_mem.set_ylabel("MiB")
+    ax_mem.legend(fontsize="small")
+
+    curves = [r for r in ran if r["accuracy"]]
+    for r in curves:
+        ax_loss.plot(r["accuracy"]["loss_curve"], label=r["precision"])
+    ax_loss.set_title("training loss, same start and batches")
+    ax_loss.set_xlabel("step")
+    if curves:
+        ax_loss.legend()
+
+    scaled = [r for r in curves if r["accuracy"]["loss_scale"]]
+    for r in scaled:
+        ax_scale.plot(r["accuracy"]["loss_scale"], label=f"{r['precision']} ({r['accuracy']['skipped_steps']} skipped)")
+    ax_scale.set_title("GradScaler loss scale")
+    ax_scale.set_xlabel("step")
+    if scaled:
+        ax_scale.set_yscale("log")
+        ax_scale.legend()
+    else:
+        ax_scale.text(0.5, 0.5, "no fp16 accuracy run\n(the loss scale exists only for fp16)",
+                      ha="center", va="center", transform=ax_scale.transAxes)
+    return fig

@@ -1,0 +1,102 @@
+"""Training checkpoints: plain tensors and containers only, written atomically, read with weights_only=True.
+
+A checkpoint never runs code when loaded: everything in it (RNG states included) is a tensor,
+a number, a string or a list/dict of those, so `torch.load(weights_only=True)` accepts it and
+refuses anything else.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from pathlib import Path
+
+import torch
+
+from .errors import TierError
+from .results import atomic_write_bytes
+
+CHECKPOINT_NAME = "last.pt"
+FORMAT = 1
+
+
+class CheckpointError(TierError, ValueError):
+    """A checkpoint is missing, unreadable, unsafe, or from a different run."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python's random and numpy."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def rng_state() -> dict:
+    """Every RNG state as tensors (ByteTensors for torch, int64 tensors for the Mersenne Twisters)."""
+    version, mt, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def save_checkpoint(path, state: dict) -> Path:
+    """torch.save into memory, then temp file + fsync + rename: a crash never leaves half a checkpoint."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, **state}, buf)
+    return atomic_write_bytes(path, buf.getbuffer())
+
+
+def load_checkpoint(path) -> dict:
+    """Load a checkpoint on the CPU, refusing anything that is not plain tensors and containers."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} not found; check checkpoint_dir or drop resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"refused to load {path}: it holds more than tensors and plain containers "
+                              f"({_unpickler_reason(exc)}); only load checkpoints written by tier_utils") from exc
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(exc).__name__}: {_first_line(exc)}); "
+                              "delete it to start over") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a tier_utils training checkpoint (format {FORMAT}); "
+                              "point checkpoint_dir at a tier_utils run")
+    return state
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """The useful part of torch's long weights-only message, e.g. 'Unsupported global: GLOBAL getattr ...'."""
+    _, marker, rest = str(exc).partition("WeightsUnpickler error:")
+    reason = rest.strip().splitlines()[0].split(". ")[0] if marker and rest.strip() else ""
+    return reason or _first_line(exc)

@@ -1,0 +1,239 @@
+"""The main job: every tier on one model, and a folder report (CSV tables, PNG plots, index.html).
+
+`write_report` is generic over result objects (anything with `.table` and `.plot()`);
+`run_all` runs tier 1, tier 2, a short training run and the AMP benchmark, then writes one.
+"""
+from __future__ import annotations
+
+import copy
+import html
+import io
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .adapter import adapt
+from .analysis import analyze
+from .bench import amp_benchmark
+from .models import DEFAULT_MODEL, load_model
+from .precision import resolve_device, resolve_precision
+from .results import STATUSES, atomic_write_bytes, jsonable, run_metadata, worst_status, write_json
+from .smoke import smoke
+from .train import TrainingDiverged, train
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}.meta{color:#666;font-size:13px}
+.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP{color:#666}"""
+
+
+def _save_figure(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    atomic_write_bytes(path, buf.getvalue())
+    # The report made this figure and nobody displays it: free it if pyplot tracks it.
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def result_status(result) -> str | None:
+    """A result's worst PASS/WARN/FAIL/SKIP; None when it has no verdicts (a training run that finished)."""
+    if hasattr(result, "status"):  # analysis, benchmark
+        return result.status
+    if isinstance(getattr(result, "summary", None), dict):  # training: only divergence is a verdict
+        return "FAIL" if result.summary.get("diverged_at_step") is not None else None
+    table = result.table  # smoke and other checks tables
+    return worst_status(table["status"]) if "status" in table.columns else None
+
+
+def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
+    """Write each result's table as `<name>.csv`, its plot as `<name>.png`, its JSON as `<name>.json`
+    and an `index.html` showing them together (plain HTML, relative image links). Returns index.html.
+
+    metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections, nav = [], []
+    for name, result in results.items():
+        if not _NAME.match(name):
+            raise ValueError(f"result name {name!r} is not a plain file name; use letters, digits, _ or -")
+        # A benchmark's verdicts are a table of their own, shown first: they are what to read.
+        tables = {f"{name}_verdicts": result.verdicts} if hasattr(result, "verdicts") else {}
+        tables[name] = result.table
+        for stem, table in tables.items():
+            atomic_write_bytes(out / f"{stem}.csv", table.to_csv(index=False).encode())
+        write_json(out / f"{name}.json", result.to_json())
+        fig = result.plot()
+        if fig is not None:
+            _save_figure(fig, out / f"{name}.png")
+        status = result_status(result)
+        badge = f" <span class='{status}'>{status}</span>" if status else ""
+        nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
+        sections.append(_section(name, badge, tables, fig is not None))
+    meta = metadata if metadata is not None else run_metadata()
+    meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
+    page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
+            f"<p class='meta'>{meta_line}</p>\n<p>{' · '.join(nav)}</p>\n" + "\n".join(sections)
+            + "\n</body></html>\n")
+    return atomic_write_bytes(out / "index.html", page.encode())
+
+
+def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
+    links = [f"<a href='{stem}.csv'>{stem}.csv</a>" for stem in tables] + [f"<a href='{name}.json'>{name}.json</a>"]
+    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{' · '.join(links)}</p>"]
+    for table in tables.values():
+        rows = table.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
+        for s in STATUSES:  # colour the verdict cells (to_html has escaped every cell already)
+            rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
+        parts.append(rows)
+    if has_plot:
+        parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+# Run lengths for `run_all`: the default fits a few minutes on a 2-core CPU; fast is for CI and tests.
+SIZES = {
+    "default": dict(batch_size=8, seq_len=64, n_batches=2, train_steps=60, eval_every=20, eval_batches=10,
+                    warmup_steps=3, timed_steps=10, repeats=5, accuracy_steps=50, val_batches=10),
+    "fast": dict(batch_size=4, seq_len=32, n_batches=1, train_steps=20, eval_every=10, eval_batches=2,
+                 warmup_steps=1, timed_steps=3, repeats=3, accuracy_steps=10, val_batches=2),
+}
+
+
+@dataclass
+class AllResult:
+    """What `run_all` returns: each tier's result, its status and seconds, and the report's index.html."""
+
+    results: dict
+    statuses: dict  # tier -> worst PASS/WARN/FAIL/SKIP, or None (training has no verdicts unless it diverged)
+    seconds: dict
+    index: Path
+    metadata: dict
+
+    @property
+    def status(self) -> str:
+        return worst_status(s for s in self.statuses.values() if s)
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"tier": n, "status": self.statuses[n] or "", "seconds": round(self.seconds[n], 1),
+                              "csv": f"{n}.csv", "png": f"{n}.png"} for n in self.results])
+
+    def plot(self, name: str = "train"):
+        """One tier's figure (the report folder holds all of them as PNG)."""
+        if name not in self.results:
+            raise ValueError(f"no tier {name!r} in this run; it has: {', '.join(self.results)}")
+        return self.results[name].plot()
+
+    def to_json(self) -> dict:
+        return jsonable({"status": self.status, "tiers": self.table, "index": self.index,
+                         "run_metadata": self.metadata})
+
+    def summary_text(self, width: int = 110) -> str:
+        """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
+        r, lines = self.results, []
+        m = self.metadata
+        lines.append(f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads")
+        if "smoke" in r:
+            lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
+        if "analysis" in r:
+            lines += _verdict_block("analysis", self, r["analysis"].table[["analysis", "check", "status", "value",
+                                                                           "detail"]], width)
+        if "train" in r:
+            lines.append(_train_line(r["train"].summary, self.seconds["train"]))
+        if "amp_benchmark" in r:
+            v = r["amp_benchmark"].verdicts
+            lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
+        lines.append(f"overall: {self.status} · report: {self.index}")
+        return "\n".join(lines)
+
+
+def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: bool = True) -> list[str]:
+    counts = table["status"].value_counts()
+    head = f"{name}: {res.statuses[name]} ({', '.join(f'{counts[s]} {s}' for s in STATUSES if s in counts)}) " \
+           f"in {res.seconds[name]:.1f} s"
+    rows = table[table["status"] != "PASS"] if only_problems else table
+    if rows.empty:
+        return [head]
+    shown = rows.drop(columns="detail")
+    shown["value"] = shown["value"].map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+    lines = shown.to_string(index=False).splitlines()
+    room = max(20, width - 2 - max(len(line) for line in lines) - 2)
+    details = ["detail"] + [_clip(str(d), room) for d in rows["detail"]]
+    return [head] + [f"  {line}  {d}" for line, d in zip(lines, details)]
+
+
+def _clip(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:room - 3] + "..."
+
+
+def _train_line(s: dict, seconds: float) -> str:
+    losses = " · ".join(f"{k} {s[k]:.4f}" for k in ("train_loss", "val_loss") if s.get(k) is not None)
+    line = f"train: {s['steps']} steps, global batch {s['global_batch']}, {s['precision']}, {losses}"
+    if s.get("tokens_per_s"):
+        t = s["tokens_per_s"]
+        line += f" · {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']})"
+    return line + f" · {seconds:.1f} s"
+
+
+def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
+            fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
+            **model_kwargs) -> AllResult:
+    """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
+
+    model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
+    initial weights (training works on a copy). fast: shorter runs (see SIZES). Training that
+    diverges is recorded as FAIL with its partial history; bad input raises as in each tier.
+    """
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file; give a folder for the report")
+    sizes = dict(SIZES["fast" if fast else "default"])
+    if batch_size is not None:
+        sizes["batch_size"] = batch_size
+    torch.manual_seed(seed)
+    base = load_model(model, **model_kwargs)
+    dev = resolve_device(device)
+    prec = resolve_precision(precision, dev)
+    b, t = sizes["batch_size"], sizes["seq_len"]
+    steps = {
+        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(min(t, adapt(base).max_len),),
+                               precision=precision, device=dev, progress=progress),
+        "analysis": lambda: analyze(base, data=data, precision=precision, device=dev, batch_size=b,
+                                    n_batches=sizes["n_batches"], seq_len=t, progress=progress),
+        # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
+        "train": lambda: _train(copy.deepcopy(base), data, precision=precision, device=str(dev), batch_size=b,
+                                seq_len=t, max_steps=sizes["train_steps"], eval_every=sizes["eval_every"],
+                                eval_batches=sizes["eval_batches"], seed=seed, progress=progress),
+        "amp_benchmark": lambda: amp_benchmark(base, data=data, batch_size=b, seq_len=t,
+                                               warmup_steps=sizes["warmup_steps"], timed_steps=sizes["timed_steps"],
+                                               repeats=sizes["repeats"], accuracy_steps=sizes["accuracy_steps"],
+                                               val_batches=sizes["val_batches"], device=dev, progress=progress),
+    }
+    results, statuses, seconds = {}, {}, {}
+    for name, run in steps.items():
+        start = time.perf_counter()
+        results[name] = run()
+        seconds[name] = time.perf_counter() - start
+        statuses[name] = result_status(results[name])
+    meta = run_metadata(dev, prec.dtype)
+    index = write_report(results, out_dir, title=f"tier_utils report: {type(base).__name__}", metadata=meta)
+    return AllResult(results, statuses, seconds, index, meta)
+
+
+def _train(model, data, **settings):
+    """A short training run; divergence keeps its partial result (its summary says where)."""
+    try:
+        return train(model, data, **settings)
+    except TrainingDiverged as exc:
+        if exc.result is None:
+            raise
+        return exc.result
+

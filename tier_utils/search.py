@@ -1,0 +1,153 @@
+"""Hyperparameter search: an Optuna study around `train`, on validation loss, with pruning.
+
+Each trial trains a copy of the same initial weights; every evaluation's val loss is reported
+to the trial so the pruner can stop a clearly worse one early. With `storage="sqlite:///x.db"`
+the study lives in a database and running `search` again with the same name continues it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import optuna
+import pandas as pd
+
+from .adapter import adapt
+from .models import DEFAULT_MODEL, load_model
+from .precision import canonical_precision
+from .results import Result, jsonable, run_metadata
+from .train import TrainConfig, train
+
+# name -> (kind, *args). Kinds: "log" (lo, hi), "float" (lo, hi), "int" (lo, hi), "choice" ([values]).
+DEFAULT_SPACE = {
+    "lr": ("log", 1e-4, 3e-3),
+    "weight_decay": ("float", 0.0, 0.2),
+    "warmup_steps": ("int", 0, 20),
+    "batch_size": ("choice", [8, 16, 32]),
+}
+_KINDS = ("log", "float", "int", "choice")
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
+def _check_space(space: dict) -> dict:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name, spec in space.items():
+        if name not in fields:
+            raise ValueError(f"search space key {name!r} is not a TrainConfig field; use some of: {sorted(fields)}")
+        if not isinstance(spec, tuple) or not spec or spec[0] not in _KINDS:
+            raise ValueError(f"search space {name!r} must be a tuple starting with one of {_KINDS}, "
+                             f"e.g. ('log', 1e-4, 3e-3) or ('choice', [8, 16])")
+        if name == "precision" and spec[0] == "choice":
+            for p in spec[1]:
+                canonical_precision(p)
+    return space
+
+
+def _suggest(trial: optuna.Trial, space: dict) -> dict:
+    params = {}
+    for name, (kind, *args) in space.items():
+        if kind == "log":
+            params[name] = trial.suggest_float(name, args[0], args[1], log=True)
+        elif kind == "float":
+            params[name] = trial.suggest_float(name, args[0], args[1])
+        elif kind == "int":
+            params[name] = trial.suggest_int(name, args[0], args[1])
+        else:
+            params[name] = trial.suggest_categorical(name, list(args[0]))
+    return params
+
+
+class SearchResult(Result):
+    def __init__(self, study: optuna.Study, base_config: TrainConfig, meta: dict):
+        self.study, self.base_config, self.meta = study, base_config, meta
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = []
+        for t in self.study.trials:
+            duration = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None
+            last_step = max(t.intermediate_values) if t.intermediate_values else None
+            rows.append({"trial": t.number, **t.params, "val_loss": t.value, "state": t.state.name,
+                         "last_reported_step": last_step, "duration_s": duration})
+        return pd.DataFrame(rows)
+
+    @property
+    def best_config(self) -> TrainConfig:
+        """The base config with the best trial's parameters: ready for `train(model, config=...)`."""
+        completed = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if not completed:
+            raise ValueError("no trial completed yet; run more trials or widen the search space")
+        return dataclasses.replace(self.base_config, **self.study.best_params)
+
+    def plot(self, kind: str = "history"):
+        """kind="history": val loss per trial and best so far; kind="importances": fANOVA importances."""
+        from optuna.visualization import matplotlib as ovm
+
+        if kind == "history":
+            ax = ovm.plot_optimization_history(self.study)
+        elif kind == "importances":
+            done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+            if len(done) < 2:
+                raise ValueError("parameter importances need at least 2 completed trials; run more trials")
+            ax = ovm.plot_param_importances(self.study)
+        else:
+            raise ValueError(f"unknown plot {kind!r}; use 'history' or 'importances'")
+        return ax.figure
+
+    def to_json(self) -> dict:
+        states = self.table["state"].value_counts().to_dict() if len(self.study.trials) else {}
+        best = None
+        try:
+            best = {"trial": self.study.best_trial.number, "val_loss": self.study.best_value,
+                    "params": self.study.best_params}
+        except ValueError:
+            pass
+        return jsonable({"study_name": self.study.study_name, "n_trials": len(self.study.trials),
+                         "states": states, "best": best, "trials": self.table, "meta": self.meta})
+
+
+def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: int = 8, timeout: float | None = None,
+           storage: str | None = None, study_name: str = "tier_utils", config: TrainConfig | None = None,
+           pruner: optuna.pruners.BasePruner | None = None, sampler: optuna.samplers.BaseSampler | None = None,
+           seed: int = 0, start_with: list[dict] | None = None, progress: bool = True, **overrides) -> SearchResult:
+    """Search `space` (default: lr, weight decay, warm-up, batch size) minimising validation loss.
+
+    `n_trials` counts finished (complete or pruned) trials in the study, so a continued study
+    with storage runs only what is left. `config`/`overrides` set the fixed TrainConfig fields.
+    `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
+    """
+    if n_trials < 1:
+        raise ValueError(f"n_trials must be >= 1, got {n_trials}")
+    space = _check_space(dict(DEFAULT_SPACE if space is None else space))
+    base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
+    initial = load_model(model)
+    adapt(initial)  # fail here, once, on a model the trials could not drive
+    study = optuna.create_study(
+        study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
+        pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+        sampler=sampler or optuna.samplers.TPESampler(seed=seed),
+    )
+    done = sum(t.state in _FINISHED for t in study.trials)
+    for params in start_with or ():
+        study.enqueue_trial(params, skip_if_exists=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        params = _suggest(trial, space)
+        cfg = dataclasses.replace(base, **params)
+
+        def report(step: int, metrics: dict) -> None:
+            trial.report(metrics["val_loss"], step)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"val loss {metrics['val_loss']:.4f} at step {step} is worse than "
+                                         "the median of earlier trials")
+
+        result = train(copy.deepcopy(initial), data, cfg, on_eval=report)
+        if result.interrupted:
+            raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
+        return result.summary["val_loss"]
+
+    if done < n_trials:
+        optuna.logging.set_verbosity(logging.WARNING)
+        study.optimize(objective, n_trials=n_trials - done, timeout=timeout, show_progress_bar=progress)
+    return SearchResult(study, base, run_metadata(base.device))

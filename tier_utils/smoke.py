@@ -1,0 +1,199 @@
+"""Tier 1: `smoke(model)` runs quick checks on a transformer and returns a SmokeReport.
+
+Check groups: shapes, gradients, stability, init, memory, latency, determinism. Each is isolated:
+an exception becomes a FAIL row carrying its message and the other checks still run. The model's
+train/eval mode, its gradients and the global RNG are left as they were found.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .adapter import ModelAdapter, adapt
+from .errors import ModelSpecError
+from .measure import percentile, summarize
+from .models import DEFAULT_MODEL, load_model
+from .precision import Precision, resolve_precision
+from .results import Check, Result, checks_table, jsonable, run_metadata, worst_status
+from .smoke_checks import CHECK_GROUPS, failed_check
+
+
+@dataclass(repr=False)
+class SmokeReport(Result):
+    """Tier 1 result: one row per check in `.table`, plus what the plots and JSON need."""
+
+    checks: list[Check]
+    model: dict
+    precision: Precision
+    metadata: dict
+    batch_sizes: list[int]
+    seq_lens: list[int]
+    grad_norms: dict[str, float] = field(default_factory=dict)  # layer (module path) -> gradient norm
+    latency: list[dict] = field(default_factory=list)  # batch_size, seq_len, samples_ms
+    memory: list[dict] = field(default_factory=list)  # batch_size, seq_len, activation_bytes, peak_bytes
+    parameters: pd.DataFrame | None = None  # per-parameter initialisation statistics
+    seconds: float = 0.0
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """For reading: float values shown to 4 significant digits (pandas would print 1e-9 as 0.0).
+        `.to_json()["checks"]` keeps them as numbers."""
+        table = checks_table(self.checks)
+        table["value"] = [f"{v:.4g}" if isinstance(v, float) else v for v in table["value"]]
+        return table
+
+    @property
+    def worst(self) -> str:
+        return worst_status(c.status for c in self.checks)
+
+    @property
+    def passed(self) -> bool:
+        return self.worst != "FAIL"
+
+    @property
+    def latency_table(self) -> pd.DataFrame:
+        rows = []
+        for r in self.latency:
+            s = summarize(r["samples_ms"])
+            rows.append({"batch_size": r["batch_size"], "seq_len": r["seq_len"], "n": s.n, "median_ms": s.median,
+                         "p95_ms": percentile(r["samples_ms"], 95), "iqr_ms": s.iqr,
+                         "tokens_per_s": r["batch_size"] * r["seq_len"] / (s.median / 1e3)})
+        return pd.DataFrame(rows, columns=["batch_size", "seq_len", "n", "median_ms", "p95_ms", "iqr_ms",
+                                           "tokens_per_s"])
+
+    def headline(self) -> str:
+        counts = ", ".join(f"{sum(c.status == s for c in self.checks)} {s}" for s in ("PASS", "WARN", "FAIL", "SKIP"))
+        return (f"smoke {self.model.get('model')}: {self.worst} ({counts}) in {self.seconds:.1f} s on "
+                f"{self.metadata['device_name']}, {self.precision.name}")
+
+    def __repr__(self) -> str:
+        return f"<SmokeReport {self.headline()}>"
+
+    def to_json(self) -> dict:
+        return jsonable({
+            "passed": self.passed, "worst": self.worst, "checks": [asdict(c) for c in self.checks], "model": self.model,
+            "precision": self.precision.to_dict(), "run_metadata": self.metadata, "batch_sizes": self.batch_sizes,
+            "seq_lens": self.seq_lens, "seconds": self.seconds, "grad_norms": self.grad_norms,
+            "latency": self.latency_table, "latency_samples_ms": self.latency, "memory": self.memory,
+            "parameters": self.parameters if self.parameters is not None else [],
+        })
+
+    def plot(self):
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(15, 4.5), layout="constrained")
+        ax_g, ax_l, ax_m = fig.subplots(1, 3)
+        fig.suptitle(f"{self.headline()} (torch {self.metadata['torch']})", fontsize=10)
+        _plot_grad_norms(ax_g, self.grad_norms)
+        if self.latency:
+            ax_l.boxplot([r["samples_ms"] for r in self.latency])
+            ax_l.set_xticks(range(1, len(self.latency) + 1),
+                            [f"B={r['batch_size']}\nT={r['seq_len']}" for r in self.latency])
+            ax_l.set_ylabel("forward latency (ms)")
+        _not_run(ax_l, not self.latency, "inference latency (eval, no grad)")
+        _plot_memory(ax_m, self.memory, self.model)
+        return fig
+
+
+def _not_run(ax, empty: bool, title: str) -> None:
+    ax.set_title(title, fontsize=10)
+    if empty:
+        ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+
+
+def _plot_grad_norms(ax, norms: dict) -> None:
+    _not_run(ax, not norms, "gradient norm per layer (one backward)")
+    shown = {k: v for k, v in norms.items() if v > 0 and math.isfinite(v)}
+    if not shown:
+        return
+    ax.plot(range(len(shown)), list(shown.values()), "o-", ms=3)
+    ax.set_yscale("log")
+    step = max(1, len(shown) // 30)  # keep the labels readable on deep models
+    ax.set_xticks(range(0, len(shown), step), list(shown)[::step], rotation=90, fontsize=6)
+    ax.set_ylabel("L2 norm of the layer's gradients")
+    if len(shown) < len(norms):
+        ax.set_xlabel(f"{len(norms) - len(shown)} layer(s) with zero or non-finite gradient not shown")
+
+
+def _plot_memory(ax, memory: list, model: dict) -> None:
+    _not_run(ax, not memory, "memory by batch size")
+    if not memory:
+        return
+    xs = [str(r["batch_size"]) for r in memory]
+    ax.bar(xs, [r["activation_bytes"] / 2**20 for r in memory], label="activations saved for backward")
+    ax.axhline(model["parameter_bytes"] / 2**20, color="k", ls="--", label="parameters")
+    peaks = [(x, r["peak_bytes"] / 2**20) for x, r in zip(xs, memory) if r.get("peak_bytes")]
+    if peaks:
+        ax.plot(*zip(*peaks), "rs-", label="CUDA peak, forward + backward")
+    ax.set_xlabel(f"batch size (T={memory[0]['seq_len']})")
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+
+
+def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="auto", checks=None, device=None,
+          progress: bool = True, **model_kwargs) -> SmokeReport:
+    """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec).
+
+    batch_sizes and seq_lens (default: the model's max length) set the memory and latency grid;
+    precision is the autocast used for those two; checks=None runs every group in CHECK_GROUPS.
+    The model is moved to `device` (default: CUDA when available).
+    """
+    start = time.perf_counter()
+    groups = _select(checks)
+    batch_sizes = _positive_ints(batch_sizes, "batch_sizes")
+    prec = resolve_precision(precision, device)
+    if isinstance(model, ModelAdapter) and model_kwargs:
+        raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter")
+    adapter = model if isinstance(model, ModelAdapter) else adapt(load_model(model, **model_kwargs))
+    adapter.model.to(prec.device)
+    lengths = [adapter.max_len] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
+    if max(lengths) > adapter.max_len:
+        raise ValueError(f"seq_lens {lengths} go past {adapter.name}'s max length {adapter.max_len}; use shorter ones")
+    report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths)
+    net = adapter.model
+    was_training, grads = net.training, [(p, p.grad) for p in net.parameters()]
+    dev = prec.device
+    rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(0)
+        bar = tqdm(groups, desc="smoke", disable=not progress)
+        for name in bar:
+            bar.set_postfix_str(name)
+            try:
+                for row in CHECK_GROUPS[name](adapter, report):
+                    report.checks.append(row)
+            except Exception as exc:
+                report.checks.append(failed_check(name, exc))
+            finally:
+                net.train(was_training)
+                for p, g in grads:
+                    p.grad = g
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _select(checks) -> list[str]:
+    if checks is None:
+        return list(CHECK_GROUPS)
+    names = [checks] if isinstance(checks, str) else list(checks)
+    unknown = [str(n) for n in names if n not in CHECK_GROUPS]
+    if unknown or not names:
+        what = f"unknown check group(s) {', '.join(unknown)}" if unknown else "no check group given"
+        raise ValueError(f"{what}; use any of: {', '.join(CHECK_GROUPS)}")
+    return [n for n in CHECK_GROUPS if n in names]
+
+
+def _positive_ints(values, what: str) -> list[int]:
+    values = [values] if isinstance(values, int) else list(values)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{what} must be whole numbers >= 1, got {values}")
+    return sorted(set(values))
+
+

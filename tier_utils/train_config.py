@@ -1,0 +1,96 @@
+"""`TrainConfig`: every training setting, validated on construction with one-line messages."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+from .precision import canonical_precision
+
+# Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.
+TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
+                     "grad_accum_steps", "seed")
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting. `max_steps`, when set, wins over `epochs`.
+
+    eval_every / checkpoint_every count optimizer steps (None or 0: only at the end of each epoch
+    and of the run); eval_batches caps the validation batches per evaluation (None: all).
+    """
+
+    precision: str = "auto"
+    batch_size: int = 16  # per rank under torchrun; global batch = batch_size x world size x grad_accum_steps
+    seq_len: int = 64
+    epochs: int = 1
+    max_steps: int | None = None
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    warmup_steps: int = 10  # linear warm-up, then cosine decay to 10% of lr (make_scheduler)
+    grad_clip: float | None = 1.0  # max total grad norm; None or 0 turns clipping off
+    grad_accum_steps: int = 1
+    seed: int = 0
+    deterministic: bool = False
+    num_workers: int = 0
+    eval_every: int | None = 50
+    eval_batches: int | None = 20
+    log_every: int = 10
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False  # continue from checkpoint_dir/last.pt when it exists
+    progress: bool = True
+    device: str | None = None
+
+    def __post_init__(self):
+        _validate(self)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["device"] = None if self.device is None else str(self.device)
+        d["checkpoint_dir"] = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
+        return d
+
+
+def _validate(c: TrainConfig) -> None:
+    def whole(name, low, optional=False):
+        v = getattr(c, name)
+        if v is None and optional:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be a whole number >= {low}{' or None' if optional else ''}, got {v!r}")
+
+    def number(name, low, optional=False, strict=False):
+        v = getattr(c, name)
+        if v is None and optional:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low or (strict and v == low):
+            raise ValueError(f"{name} must be a number {'>' if strict else '>='} {low}, got {v!r}")
+
+    canonical_precision(c.precision)
+    for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps", "log_every"):
+        whole(name, 1)
+    for name in ("warmup_steps", "seed", "num_workers"):
+        whole(name, 0)
+    whole("max_steps", 1, optional=True)
+    whole("eval_every", 0, optional=True)
+    whole("eval_batches", 1, optional=True)
+    whole("checkpoint_every", 1, optional=True)
+    number("lr", 0, strict=True)
+    number("weight_decay", 0)
+    number("grad_clip", 0, optional=True)
+    if c.resume and c.checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir=DIR, the folder holding the run's checkpoint")
+    if c.checkpoint_every is not None and c.checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
+
+
+def make_config(config, overrides: dict) -> TrainConfig:
+    if isinstance(config, dict):
+        config, overrides = None, {**config, **overrides}
+    if config is not None and not isinstance(config, TrainConfig):
+        raise ValueError(f"config must be a TrainConfig or a dict, got {type(config).__name__}")
+    valid = [f.name for f in fields(TrainConfig)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown training setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return replace(config or TrainConfig(), **overrides)

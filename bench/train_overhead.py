@@ -11,7 +11,7 @@ per iteration:
 The first --warmup steps of every run are dropped. Whole-call times (train() including its start-up
 and one-batch final evaluation) are printed too, for context.
 
-    python bench/train_overhead.py [--steps 40] [--repeats 5] [--precisions fp32 bf16] [--json out.json]
+    python bench/train_overhead.py [--steps 40] [--repeats 5] [--precisions fp32 bf16] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -66,8 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", SlowPrecisionWarning)
 
     torch.manual_seed(0)

@@ -96,7 +96,8 @@ def test_speed_statistics_over_repeats(default_run):
         assert speed["step_ms"]["q1"] <= speed["step_ms"]["median"] <= speed["step_ms"]["q3"]
         assert speed["timed_steps"] == RUN["timed_steps"]
         assert rec["mfu"]["mfu"] == pytest.approx(rec["mfu"]["achieved_tflops"] / rec["mfu"]["peak_tflops"])
-        assert rec["mfu"]["probe"]["tflops"]["n"] == bench._PROBE_REPS
+        assert rec["mfu"]["probe"]["tflops"]["n"] == bench._PROBE_REPS * RUN["repeats"]
+        assert rec["mfu"]["peak_tflops"] == rec["mfu"]["probe"]["tflops"]["max"]
     bf16 = _rec(result, "bf16")
     if bf16["ran"]:
         fp32 = _rec(result, "fp32")["speed"]["step_ms"]["median"]

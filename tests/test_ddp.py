@@ -56,9 +56,9 @@ _WORKER = textwrap.dedent("""
 
 def _train_args(out, *extra):
     args = ["train", "--model", "tiny-gpt", "--precision", "fp32", "--device", "cpu", "--batch-size",
-            str(PER_RANK_BATCH), "--grad-accum", str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS), "--log-every", "1", "--eval-every", "3",
-            "--eval-batches", "2", "--checkpoint-every", "2", "--deterministic", "--no-progress", "--out", str(out),
-            *extra]
+            str(PER_RANK_BATCH), "--grad-accum", str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS),
+            "--log-every", "1", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "2",
+            "--deterministic", "--no-progress", "--out", str(out), *extra]
     for a in MODEL_ARGS:
         args += ["--model-arg", a]
     return args

@@ -31,7 +31,7 @@ _WEIGHT_DECAY = 0.1
 _PROBE_TARGET_MS = 20.0  # a probe matmul shorter than this is launch- or timer-bound
 _PROBE_MAX_MS = 250.0
 _PROBE_MAX = {"cuda": 8192, "cpu": 1024}
-_PROBE_REPS = 10
+_PROBE_REPS = 3  # probe matmuls per speed repeat
 _MIB = 2**20
 
 
@@ -96,13 +96,15 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
             flops = _count_flops(adapter, speed_batches[0])
             for p in ran:
                 p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr)
-                p["probe"] = _matmul_peak(dev, p["prec"].dtype)
-            samples = {p["precision"]: [] for p in ran}
+                p["probe_size"], p["probe_ms"], p["step_samples"] = _probe_size(dev, p["prec"].dtype), [], []
             for _, p in schedule(ran, repeats):
                 ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar)
-                samples[p["precision"]].append(sum(ms) / len(ms))
+                p["step_samples"].append(sum(ms) / len(ms))
+                # The peak probe rides along with every repeat, so load drift hits it like the steps.
+                p["probe_ms"] += _probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
             for p in ran:
-                p["speed"] = _speed(samples[p["precision"]], tokens_per_step, timed_steps)
+                p["speed"] = _speed(p["step_samples"], tokens_per_step, timed_steps)
+                p["probe"] = _probe_summary(p["prec"].dtype, p["probe_size"], p["probe_ms"])
                 if accuracy_steps:
                     p["accuracy"] = _accuracy_run(adapter, p["prec"], start, splits, accuracy_steps, batch_size,
                                                   val_batches, lr, bar)
@@ -221,29 +223,32 @@ def _memory(adapter, prec, start, batches, lr) -> dict:
     return mem
 
 
-def _matmul_peak(dev: torch.device, dtype: torch.dtype) -> dict:
-    """This device's matmul throughput in `dtype`: square matmuls, doubled in size while one is
-    too short to time well or the bigger size still got faster, then timed `_PROBE_REPS` times."""
+def _probe_size(dev: torch.device, dtype: torch.dtype) -> int:
+    """Square-matmul size for the peak probe: doubled while one matmul is too short to time well or
+    the bigger size still got faster, and never so big that an emulated dtype takes seconds."""
     size, cap, previous = 256, _PROBE_MAX.get(dev.type, 1024), 0.0
     while True:
-        a = torch.randn(size, size, device=dev).to(dtype)
-        b = torch.randn(size, size, device=dev).to(dtype)
-        a @ b  # first call pays for kernel selection
-        timer = StepTimer(dev)
-        for _ in range(2):  # the faster of two: one stall from other load must not end the search
-            with timer.region():
-                a @ b
-        ms = min(timer.milliseconds())
+        ms = min(_probe_ms(dev, dtype, size, 2))  # the faster of two: one stall must not end the search
         tflops = 2 * size**3 / (ms * 1e-3) / 1e12
-        # Doubling the size costs 8x the time: stop before an emulated dtype takes seconds a matmul.
         if size >= cap or ms * 8 > _PROBE_MAX_MS or (ms >= _PROBE_TARGET_MS and tflops < 1.1 * previous):
-            break
+            return size
         size, previous = size * 2, tflops
+
+
+def _probe_ms(dev: torch.device, dtype: torch.dtype, size: int, reps: int) -> list[float]:
+    """Milliseconds of `reps` (size x size) @ (size x size) matmuls in `dtype`, after one untimed."""
+    a = torch.randn(size, size, device=dev).to(dtype)
+    b = torch.randn(size, size, device=dev).to(dtype)
+    a @ b  # the first call pays for kernel selection
     timer = StepTimer(dev)
-    for _ in range(_PROBE_REPS):
+    for _ in range(reps):
         with timer.region():
             a @ b
-    stats = summarize(2 * size**3 / (ms * 1e-3) / 1e12 for ms in timer.milliseconds())
+    return timer.milliseconds()
+
+
+def _probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
+    stats = summarize(2 * size**3 / (t * 1e-3) / 1e12 for t in ms)
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
 
 
@@ -325,7 +330,7 @@ def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds) -> dict:
     if p is not base:
         speed["speedup"] = speedup(base["speed"]["step_ms"], step_ms)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
-    # The best of the probe's repeats: a peak is what the device reached, and other load only slows it.
+    # The best probe matmul: a peak is what the device reached, and other load only slows it.
     peak = p["probe"]["tflops"]["max"]
     rec["mfu"] = {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak, "probe": p["probe"]}
     mem = rec["memory"] = dict(p["memory"])

@@ -106,9 +106,10 @@ def _run_train(args) -> tuple[dict, int]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a folder for metrics.csv, training.png and checkpoints")
-    settings = {k: getattr(args, k) for k in ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps",
-                                               "grad_clip", "seed", "deterministic", "num_workers", "eval_every",
-                                               "eval_batches", "log_every", "checkpoint_every", "resume", "device")}
+    names = ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",
+             "deterministic", "num_workers", "eval_every", "eval_batches", "log_every", "checkpoint_every", "resume",
+             "device")
+    settings = {k: getattr(args, k) for k in names}
     settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
                     checkpoint_dir=str(out / "checkpoints"))
     settings.update({k: getattr(args, k) for k in ("epochs", "max_steps") if getattr(args, k) is not None})
@@ -133,9 +134,10 @@ def _run_train(args) -> tuple[dict, int]:
     print(f"trained {s['model']} ({s['task']}, {s['parameters']:,} parameters) for {s['steps']} steps "
           f"({s['epochs']} epochs, global batch {s['global_batch']}) in {s['precision']} on {s['device_name']}")
     print(f"precision: {s['precision_reason']}")
-    if s["val_loss"] is not None:
-        print(f"final: train loss {s['train_loss']:.4f} · val loss {s['val_loss']:.4f} · "
-              f"perplexity {s['perplexity']:.2f} · accuracy {s['accuracy']:.3f}")
+    final = [f"{k.replace('_', ' ')} {s[k]:.4g}" for k in ("train_loss", "val_loss", "perplexity", "accuracy")
+             if s[k] is not None and s[k] == s[k]]  # None/NaN: not measured (perplexity of a classifier)
+    if final:
+        print("final: " + " · ".join(final))
     if s["tokens_per_s"]:
         t, ms = s["tokens_per_s"], s["step_time_ms"]
         print(f"throughput: {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']} log windows) · "
@@ -219,7 +221,7 @@ def _run_all(args) -> tuple[dict, int]:
                      fast=args.fast, batch_size=args.batch_size, progress=not args.no_progress,
                      **model_kwargs(args))
     print(result.summary_text())
-    return result.to_json(), 1 if result.status == "FAIL" else 0
+    return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
 
 def _wide_pandas():

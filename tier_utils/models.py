@@ -66,7 +66,28 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TinyGPT(nn.Module):
+class _TokenModel(nn.Module):
+    """What both built-ins share: token + learned position embeddings, and HF-style accessors."""
+
+    def __init__(self, vocab_size: int, max_len: int, d_model: int):
+        super().__init__()
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_emb
+
+    def embed(self, input_ids=None, inputs_embeds=None) -> torch.Tensor:
+        """Token (or given) embeddings plus positions; inputs_embeds lets tier 2 perturb embeddings."""
+        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        T = x.size(1)
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
+        return x + self.pos_emb(torch.arange(T, device=x.device))
+
+
+class TinyGPT(_TokenModel):
     """Decoder-only language model: token + learned position embeddings, causal blocks, LM head.
 
     Defaults are byte-level (vocab 256) to match the bundled corpus.
@@ -76,42 +97,30 @@ class TinyGPT(nn.Module):
 
     def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128,
                  n_layer: int = 2, n_head: int = 4, dropout: float = 0.0):
-        super().__init__()
-        self.vocab_size, self.max_len = vocab_size, max_len
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(max_len, d_model)
+        super().__init__(vocab_size, max_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(_init_weights)
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.tok_emb
-
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
         # attention_mask is accepted for a uniform call signature; causal LM windows carry no padding.
-        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
-        T = x.size(1)
-        if T > self.max_len:
-            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
-        x = self.drop(x + self.pos_emb(torch.arange(T, device=x.device)))
+        x = self.drop(self.embed(input_ids, inputs_embeds))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
 
 
-class TinyEncoder(nn.Module):
+class TinyEncoder(_TokenModel):
     """Encoder classifier built on nn.TransformerEncoder: embeddings, encoder, masked mean pool, head."""
 
     task = "classification"
 
     def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128, n_layer: int = 2,
                  n_head: int = 4, num_classes: int = 4, dropout: float = 0.0):
-        super().__init__()
-        self.vocab_size, self.max_len, self.num_classes = vocab_size, max_len, num_classes
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(max_len, d_model)
+        super().__init__(vocab_size, max_len, d_model)
+        self.num_classes = num_classes
         layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout, activation="gelu",
                                            batch_first=True, norm_first=True)
         # enable_nested_tensor=False keeps padded batches on one code path (and quiets a warning).
@@ -120,15 +129,8 @@ class TinyEncoder(nn.Module):
         self.head = nn.Linear(d_model, num_classes)
         self.apply(_init_weights)
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.tok_emb
-
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
-        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
-        T = x.size(1)
-        if T > self.max_len:
-            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
-        x = x + self.pos_emb(torch.arange(T, device=x.device))
+        x = self.embed(input_ids, inputs_embeds)
         pad = None if attention_mask is None else attention_mask == 0
         x = self.ln_f(self.encoder(x, src_key_padding_mask=pad))
         keep = torch.ones(x.shape[:2], device=x.device) if attention_mask is None else attention_mask.to(x.dtype)

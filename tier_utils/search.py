@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import warnings
 
 import optuna
 import pandas as pd
@@ -82,18 +83,22 @@ class SearchResult(Result):
 
     def plot(self, kind: str = "history"):
         """kind="history": val loss per trial and best so far; kind="importances": fANOVA importances."""
+        import matplotlib.pyplot as plt
         from optuna.visualization import matplotlib as ovm
 
-        if kind == "history":
-            ax = ovm.plot_optimization_history(self.study)
-        elif kind == "importances":
+        if kind not in ("history", "importances"):
+            raise ValueError(f"unknown plot {kind!r}; use 'history' or 'importances'")
+        if kind == "importances":
             done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
             if len(done) < 2:
                 raise ValueError("parameter importances need at least 2 completed trials; run more trials")
-            ax = ovm.plot_param_importances(self.study)
-        else:
-            raise ValueError(f"unknown plot {kind!r}; use 'history' or 'importances'")
-        return ax.figure
+        with warnings.catch_warnings():
+            # Optuna marks its matplotlib plots experimental; the warning says nothing to our users.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            draw = ovm.plot_optimization_history if kind == "history" else ovm.plot_param_importances
+            fig = draw(self.study).figure
+        plt.close(fig)  # hand back the figure only: pyplot would show it a second time in a notebook
+        return fig
 
     def to_json(self) -> dict:
         states = self.table["state"].value_counts().to_dict() if len(self.study.trials) else {}
@@ -123,6 +128,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
     initial = load_model(model)
     adapt(initial)  # fail here, once, on a model the trials could not drive
+    optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
     study = optuna.create_study(
         study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
         pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
@@ -148,6 +154,5 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
         return result.summary["val_loss"]
 
     if done < n_trials:
-        optuna.logging.set_verbosity(logging.WARNING)
         study.optimize(objective, n_trials=n_trials - done, timeout=timeout, show_progress_bar=progress)
     return SearchResult(study, base, run_metadata(base.device))

@@ -15,8 +15,11 @@ TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weig
 class TrainConfig:
     """Every training setting. `max_steps`, when set, wins over `epochs`.
 
-    eval_every / checkpoint_every count optimizer steps (None or 0: only at the end of each epoch
-    and of the run); eval_batches caps the validation batches per evaluation (None: all).
+    Counts are optimizer steps. Evaluation runs every `eval_every` steps and at the end of every
+    epoch and of the run (None or 0: only there), on at most `eval_batches` validation batches
+    (None: all). A step row of the history aggregates `log_every` steps (more on very long runs,
+    to keep about 2000 rows). Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every`
+    steps and at the end of the run (None: only at the end).
     """
 
     precision: str = "auto"
@@ -63,7 +66,8 @@ def _validate(c: TrainConfig) -> None:
         v = getattr(c, name)
         if v is None and optional:
             return
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low or (strict and v == low):
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        if not ok or v < low or (strict and v == low):
             raise ValueError(f"{name} must be a number {'>' if strict else '>='} {low}, got {v!r}")
 
     canonical_precision(c.precision)

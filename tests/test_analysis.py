@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from matplotlib.figure import Figure
 
 from tier_utils import TinyGPT, adapt, analyze, load_model
@@ -11,6 +12,7 @@ from tier_utils.analysis import ANALYSES, capture_attention, core
 from tier_utils.analysis.common import Context
 from tier_utils.analysis.dtypes import op_dtypes
 from tier_utils.cli import main
+from tier_utils.errors import ModelSpecError
 from tier_utils.precision import resolve_precision
 
 GPT = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
@@ -37,6 +39,13 @@ class Planted(nn.Module):
 
     def forward(self, input_ids):
         return self.head(self.norm(self.boom(self.emb(input_ids))))
+
+
+class DropoutInEval(TinyGPT):
+    """Dropout on the logits that stays on in eval mode: the same input gives different predictions."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return F.dropout(super().forward(input_ids, attention_mask, inputs_embeds), p=0.5, training=True)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +188,20 @@ def test_robustness_agreement_is_exactly_one_at_zero_perturbation(gpt_report):
     assert (zero.agreement == 1.0).all() and (zero.kl == 0).all()
     strong = df[(df.level == df.level.max()) & (df.perturbation == "substitution")]
     assert strong.agreement.iloc[0] < 1.0  # 20% of tokens replaced does change predictions
+    rows = report.table[report.table.analysis == "robustness"]
+    assert not rows.status.eq("FAIL").any()
+
+
+def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode():
+    torch.manual_seed(0)
+    model = DropoutInEval(**GPT)
+    report = analyze(adapt(model), analyses="robustness", precision="fp32", **SMALL)  # an adapter is accepted
+    zero = report.frames["robustness"].query("level == 0")
+    assert (zero.agreement < 0.9).all() and (zero.kl > 0).all()  # level 0 reruns the clean input
+    rows = report.table
+    assert list(rows.status) == ["FAIL"] * 3 and rows.detail.str.contains("not deterministic in eval mode").all()
+    with pytest.raises(ModelSpecError, match="not to an adapter"):
+        analyze(adapt(model), analyses="robustness", d_model=64, **SMALL)
 
 
 def test_attribution_for_lm_and_classifier():
@@ -194,12 +217,12 @@ def test_attribution_for_lm_and_classifier():
 
 def test_a_raising_analysis_becomes_a_fail_row_and_the_rest_still_run(monkeypatch):
     def broken(ctx):
-        raise RuntimeError("planted failure")
+        raise RuntimeError("planted failure\n  on a second line")
 
     monkeypatch.setitem(ANALYSES, "attribution", core.Analysis(broken, None, None))
     report = analyze("tiny-gpt", analyses=["attribution", "robustness"], **SMALL, **GPT)
     failed = report.table[report.table.analysis == "attribution"].iloc[0]
-    assert failed.status == "FAIL" and "RuntimeError: planted failure" in failed.detail
+    assert failed.status == "FAIL" and failed.detail == "raised RuntimeError: planted failure on a second line"
     assert (report.table[report.table.analysis == "robustness"].status != "FAIL").all()
     assert report.status == "FAIL"
     assert "planted failure" in report.to_json()["errors"]["attribution"]

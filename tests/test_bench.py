@@ -1,5 +1,7 @@
+import copy
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -7,13 +9,24 @@ import torch.nn as nn
 from matplotlib.figure import Figure
 
 from tier_utils import bench
+from tier_utils.adapter import adapt
 from tier_utils.bench import amp_benchmark, precision_list, schedule
 from tier_utils.cli import main
+from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
 from tier_utils.models import load_model
-from tier_utils.precision import native_support
-from tier_utils.verdicts import (Thresholds, accuracy_check, memory_check, parity, parity_check, reduction,
-                                 skip_checks, speed_check, speedup)
+from tier_utils.precision import native_support, resolve_precision
+from tier_utils.verdicts import (
+    Thresholds,
+    accuracy_check,
+    memory_check,
+    parity,
+    parity_check,
+    reduction,
+    skip_checks,
+    speed_check,
+    speedup,
+)
 
 CPU = torch.device("cpu")
 BF16_NATIVE = native_support("bf16", CPU)[0]
@@ -167,6 +180,44 @@ def test_plot_has_the_four_panels(forced_fp16):
     assert len(scale.lines) == 1  # fp16's loss scale
 
 
+_NO_BAR = types.SimpleNamespace(update=lambda n=1: None)
+
+
+def _fp16_parts():
+    adapter = adapt(_tiny())
+    return adapter, resolve_precision("fp16", CPU, warn=False), copy.deepcopy(adapter.model.state_dict())
+
+
+def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
+    # Reading the scale is a host sync fp32/bf16 don't pay; the accuracy run keeps its trace instead.
+    adapter, prec, start = _fp16_parts()
+    batches = [adapter.example_batch(4, 16, seed=i) for i in range(3)]
+    reads = []
+    real = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
+    ms = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
+    assert len(ms) == 2 and reads == []
+
+
+def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
+    adapter, prec, start = _fp16_parts()
+    adapter.model.head.weight.register_hook(lambda grad: grad * float("inf"))
+    splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
+    acc = bench._accuracy_run(adapter, prec, start, splits, 20, 4, 1, 1e-3, _NO_BAR)
+    assert acc["diverged_at"] == 16 and acc["steps"] == 17 and acc["skipped_steps"] == 17
+    assert acc["loss_scale"][-1] == 1.0  # the 17th skip takes it to 0.5, below the 1.0 floor
+
+
+def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
+    model = _tiny().eval()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    amp_benchmark(model, precisions=("fp32",), **{**RUN, "repeats": 1, "timed_steps": 1, "accuracy_steps": 1,
+                                                   "val_batches": 1})
+    assert torch.equal(torch.rand(3), expected) and not model.training
+
+
 # --- JSON schema: renaming a key must break a test --------------------------------------------
 
 def test_json_schema_exact_keys(forced_fp16):
@@ -214,13 +265,15 @@ def test_table_one_row_per_precision(default_run):
 def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--precisions", "bf16", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
-            "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress", "--json", str(out)]
+            "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--val-batches", "3", "--no-progress",
+            "--json", str(out)]
     for k, v in TINY.items():
         args += ["--model-arg", f"{k}={v}"]
     code = main(args)
     doc = json.loads(out.read_text())
     assert code == (1 if doc["status"] == "FAIL" else 0)
     assert doc["config"]["precisions"] == ["fp32", "bf16"] and doc["config"]["repeats"] == 1
+    assert doc["config"]["val_batches"] == 3
     text = capsys.readouterr().out
     assert "speedup vs fp32" in text and "worst status" in text
     if BF16_NATIVE:

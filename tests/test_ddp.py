@@ -1,7 +1,8 @@
-"""train() under torchrun: 2 CPU processes with gloo on the bundled corpus.
+"""train() under torchrun: 2 CPU processes with gloo on a small text file.
 
-Per-step losses equal a single process with the same global batch; only rank 0 writes; a DDP run
-killed mid-way and resumed ends bitwise equal to an uninterrupted one.
+Per-step losses equal a single process with the same global batch, and so do validation losses
+over an odd-sized validation set (no example counted twice); only rank 0 writes; a DDP run killed
+mid-way and resumed ends bitwise equal to an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from tier_utils.checkpoint import load_checkpoint, seed_everything
+from tier_utils.data import build_datasets
+from tier_utils.distributed import DistEnv, eval_shard
 from tier_utils.models import load_model
 from tier_utils.train import train
 
@@ -54,11 +57,11 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _train_args(out, *extra):
+def _train_args(out, data, *extra):
     args = ["train", "--model", "tiny-gpt", "--precision", "fp32", "--device", "cpu", "--batch-size",
             str(PER_RANK_BATCH), "--grad-accum", str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS),
             "--log-every", "1", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "2",
-            "--deterministic", "--no-progress", "--out", str(out), *extra]
+            "--deterministic", "--no-progress", "--data", str(data), "--out", str(out), *extra]
     for a in MODEL_ARGS:
         args += ["--model-arg", a]
     return args
@@ -70,10 +73,23 @@ def _torchrun(target: list[str], env_extra=None, timeout=100):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def test_eval_shards_score_every_example_once():
+    data = list(range(7))
+    for world in (2, 3):
+        shards = [list(eval_shard(data, DistEnv(rank=r, world_size=world))) for r in range(world)]
+        assert sorted(sum(shards, [])) == data  # DistributedSampler would pad with repeats to 8 or 9
+    assert eval_shard(data, DistEnv()) is data
+
+
 def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_path):
+    # About 68 train windows (4 steps an epoch, so 6 steps cross one) and 7 validation windows:
+    # an odd count, so a padding sampler would score one twice and miss the single-process loss.
+    text = tmp_path / "text.txt"
+    text.write_text("".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 4 else "") for i in range(1030)))
+    assert len(build_datasets(str(text), seq_len=16).val) == 7
     # 1. As users launch it: torchrun -m tier_utils train ...
     whole = tmp_path / "whole"
-    run = _torchrun(["-m", "tier_utils", *_train_args(whole, "--json", str(tmp_path / "whole.json"))])
+    run = _torchrun(["-m", "tier_utils", *_train_args(whole, text, "--json", str(tmp_path / "whole.json"))])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("trained TinyGPT") == 1  # rank 0 alone prints
     assert sorted(p.name for p in whole.iterdir()) == ["checkpoints", "metrics.csv", "training.png"]
@@ -87,14 +103,15 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     model = load_model("tiny-gpt", **{k: int(v) for k, v in (a.split("=") for a in MODEL_ARGS)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        single = train(model, precision="fp32", device="cpu", batch_size=2 * PER_RANK_BATCH * ACCUM, seq_len=16,
-                       max_steps=STEPS, log_every=1, eval_every=3, eval_batches=1, deterministic=True, progress=False)
+        single = train(model, str(text), precision="fp32", device="cpu", batch_size=2 * PER_RANK_BATCH * ACCUM,
+                       seq_len=16, max_steps=STEPS, log_every=1, eval_every=3, eval_batches=None, deterministic=True,
+                       progress=False)
     steps = ddp_hist.query("kind == 'step'")
     assert steps["step"].tolist() == list(range(1, STEPS + 1))
     ref = single.history.query("kind == 'step'")
     assert steps["train_loss"].tolist() == pytest.approx(ref["train_loss"].tolist(), abs=1e-5)
     assert steps["lr"].tolist() == pytest.approx(ref["lr"].tolist(), rel=1e-12)
-    # Validation covers the same 16 examples: 2 ranks x 2 batches of 4 vs 1 batch of 16.
+    # Validation covers the same 7 examples: 4 on rank 0 and 3 on rank 1 vs 1 batch of 7.
     evals = ddp_hist.query("kind != 'step'")["val_loss"].tolist()
     assert evals == pytest.approx(single.history.query("kind != 'step'")["val_loss"].tolist(), abs=1e-5)
 
@@ -102,10 +119,10 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     part = tmp_path / "part"
     worker = tmp_path / "worker.py"
     worker.write_text(_WORKER)
-    killed = _torchrun([str(worker), *_train_args(part)], {"KILL_AT": "4"})
+    killed = _torchrun([str(worker), *_train_args(part, text)], {"KILL_AT": "4"})
     assert killed.returncode != 0
     assert load_checkpoint(part / "checkpoints" / "last.pt")["step"] == 2
-    resumed = _torchrun([str(worker), *_train_args(part, "--resume")])
+    resumed = _torchrun([str(worker), *_train_args(part, text, "--resume")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "tried to write" not in resumed.stderr + killed.stderr
 

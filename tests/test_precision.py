@@ -41,6 +41,12 @@ def test_auto_on_t4_is_fp16_with_scaler_even_though_torch_claims_bf16():
     assert "7.5" in p.reason and "fp16" in p.reason and "GradScaler" in p.reason
 
 
+def test_auto_below_volta_is_fp32_not_unsupported_fp16():
+    with fake_gpu((6, 0), "Tesla P100"):
+        p = resolve_precision("auto", "cuda")
+    assert (p.name, p.native, p.needs_scaler) == ("fp32", True, False) and "< 7.0" in p.reason
+
+
 @pytest.mark.parametrize("cc,name", [((8, 0), "NVIDIA A100"), ((9, 0), "NVIDIA H100")])
 def test_auto_on_ampere_or_newer_is_bf16(cc, name):
     with fake_gpu(cc, name):

@@ -119,3 +119,36 @@ def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, mo
     monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["FAIL"]))
     result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY_KW)
     assert (result.status, result.model_status) == ("FAIL", "WARN")
+
+
+def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeypatch, capsys):
+    real_train = report.train
+    ran = []
+
+    def interrupted(model, data, **settings):
+        def ctrl_c(step, metrics):
+            raise KeyboardInterrupt
+
+        return real_train(model, data, on_eval=ctrl_c, **settings)  # train() returns a partial result
+
+    monkeypatch.setattr(report, "train", interrupted)
+    for tier in ("smoke", "analyze", "amp_benchmark"):
+        monkeypatch.setattr(report, tier, lambda *a, tier=tier, **k: ran.append(tier) or Fake(["PASS"]))
+    out = tmp_path / "report"
+    assert main(["all", *TINY, "--out", str(out), "--fast", "--no-progress"]) == 130
+    assert ran == ["smoke", "analyze"] and not (out / "index.html").exists()  # no benchmark, no report
+
+
+def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
+    seeds = []
+    monkeypatch.setattr(report, "smoke", lambda *a, **k: Fake(["PASS"]))
+    monkeypatch.setattr(report, "analyze", lambda *a, **k: Fake(["PASS"]))
+    monkeypatch.setattr(report, "_train", lambda *a, **k: seeds.append(k["seed"]) or Fake(["PASS"]))
+    monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["PASS"]))
+    monkeypatch.setattr(report.AllResult, "summary_text", lambda self: "")  # it reads real tier tables
+    assert main(["all", *TINY, "--out", str(tmp_path / "r"), "--fast", "--seed", "7", "--no-progress"]) == 0
+    assert seeds == [7]
+    result = run_all("tiny-gpt", tmp_path / "api", fast=True, progress=False, **TINY_KW)
+    assert isinstance(result, Result)
+    saved = json.loads(result.save_json(tmp_path / "all.json").read_text())
+    assert saved["status"] == "PASS" and [t["tier"] for t in saved["tiers"]][2] == "train"

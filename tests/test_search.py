@@ -3,6 +3,7 @@ import json
 import math
 
 import optuna
+import pandas as pd
 import pytest
 import torch
 
@@ -39,6 +40,16 @@ def test_clearly_worse_trial_is_pruned():
     table = result.table.sort_values("trial")
     assert list(table.state) == ["COMPLETE", "COMPLETE", "PRUNED"]
     assert table.iloc[2].lr == 1e-9 and table.iloc[2].last_reported_step < FAST["max_steps"]
+
+
+def test_diverged_trial_is_pruned_with_its_reason_and_the_study_goes_on():
+    # lr=1e30 overflows the weights at once: that trial diverges; the study must still run the next one.
+    space = {"lr": ("log", 1e-4, 1e30)}
+    result = search(tiny_gpt(), space=space, n_trials=2, start_with=[{"lr": 1e30}, {"lr": 3e-3}], **FAST)
+    table = result.table.sort_values("trial")
+    assert list(table.state) == ["PRUNED", "COMPLETE"]
+    assert "became nan" in table.iloc[0].diverged and "in fp32" in table.iloc[0].diverged
+    assert pd.isna(table.iloc[1].diverged) and result.best_config.lr == 3e-3
 
 
 def test_sqlite_study_continues_after_interruption(tmp_path, monkeypatch):

@@ -20,12 +20,13 @@ import torch
 import torch.nn as nn
 
 from tier_utils import cli
+from tier_utils.adapter import adapt
 from tier_utils.checkpoint import CheckpointError, load_checkpoint
-from tier_utils.data import build_datasets
-from tier_utils.history import TrainResult
+from tier_utils.data import build_datasets, make_loader
+from tier_utils.history import History, TrainResult, evaluate
 from tier_utils.models import load_model
-from tier_utils.precision import SlowPrecisionWarning
-from tier_utils.train import TrainConfig, TrainingDiverged, make_scheduler, train
+from tier_utils.precision import SlowPrecisionWarning, resolve_precision
+from tier_utils.train import StepOutput, TrainConfig, TrainingDiverged, TrainStep, make_optimizer, make_scheduler, train
 
 # The exact history schema: renaming or dropping a column must fail here.
 EXPECTED_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -180,6 +181,100 @@ def test_fp16_inf_gradient_is_skipped_and_schedule_waits():
     assert all(a != b for i, (a, b) in enumerate(zip(lr, lr[1:])) if i != 2)
 
 
+def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
+    # Every gradient overflows: each step is skipped and the scale halves, 65536 -> 0.5 at step 17.
+    model = tiny_gpt()
+    model.head.weight.register_hook(lambda grad: grad * float("inf"))
+    with pytest.raises(TrainingDiverged) as info:
+        train(model, precision="fp16", max_steps=30, log_every=5, eval_every=0, **FAST)
+    exc = info.value
+    assert exc.step == 17 and exc.quantity == "loss scale" and exc.value == 0.5
+    assert "loss scale became 0.5 at step 17 in fp16" in str(exc)
+    partial = exc.result
+    assert partial.summary["diverged_at_step"] == 17 and partial.skipped_steps == 16
+    assert partial.history.query("kind == 'step'")["skipped_steps"].sum() == 16
+
+
+def test_track_scale_false_reads_no_loss_scale(monkeypatch):
+    torch.manual_seed(0)
+    adapter = adapt(tiny_gpt())
+    prec = resolve_precision("fp16", "cpu", warn=False)
+    batch = adapter.example_batch(2, 16)
+    reads = []
+    real = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
+
+    tracked = TrainStep(adapter, prec, make_optimizer(adapter.model, 1e-3, 0.1))([batch])
+    assert len(reads) == 2 and tracked.skipped is False and tracked.scale_after == 65536.0
+    reads.clear()
+    before = [p.detach().clone() for p in adapter.model.parameters()]
+    out = TrainStep(adapter, prec, make_optimizer(adapter.model, 1e-3, 0.1), track_scale=False)([batch])
+    assert reads == [] and (out.skipped, out.scale_before, out.scale_after) == (None, None, None)
+    assert any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))  # it still stepped
+    opt = make_optimizer(adapter.model, 1e-3, 0.1)
+    with pytest.raises(ValueError, match="track_scale=False cannot hold a scheduler back"):
+        TrainStep(adapter, prec, opt, make_scheduler(opt, 0, 10), track_scale=False)
+
+
+def test_evaluate_scores_every_target_and_restores_train_mode():
+    torch.manual_seed(0)
+    adapter = adapt(tiny_gpt())
+    ds = build_datasets(token_rows(n=20), task="causal-lm", seq_len=16).train
+    loader = make_loader(ds, 4, shuffle=False)
+    got = evaluate(adapter, loader, resolve_precision("fp32", "cpu"), max_batches=2)
+    assert adapter.model.training and got["targets"] == 2 * 4 * 16
+    batches = [b for _, b in zip(range(2), loader)]
+    with torch.no_grad():
+        logits = torch.cat([adapter.model.eval()(b["input_ids"]) for b in batches])
+    adapter.model.train()
+    labels = torch.cat([b["labels"] for b in batches])
+    want = nn.functional.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1)).item()
+    assert got["val_loss"] == pytest.approx(want, rel=1e-5) and got["perplexity"] == pytest.approx(math.exp(want))
+    assert got["accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+
+
+def test_max_memory_is_the_peak_of_each_row_not_of_the_process(monkeypatch):
+    # CUDA's peak counter simulated on the CPU: "peak" is the high-water mark, a reset drops it to "now".
+    mem = {"peak": 900.0, "now": 100.0, "resets": 0}
+
+    def reset(device=None):
+        mem["peak"] = mem["now"]
+        mem["resets"] += 1
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"] * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device=None: 50)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    hist = History(torch.device("cuda"))
+    assert mem["resets"] == 1 and mem["peak"] == 100  # the 900 from before the run is gone
+
+    def step(n, peak):
+        mem["peak"] = max(mem["peak"], peak)
+        hist.record(n, StepOutput(torch.tensor(1.0), torch.tensor(1.0), None, None, None), 1e-3, 10)
+
+    step(1, 300)
+    hist.sync()
+    first = hist.emit(1, 0.5)
+    step(2, 200)
+    ev = hist.eval_row(2, 1.0, {"val_loss": 1.0}, 1e-3)  # mid-window: its peak still counts for the window
+    hist.sync()
+    second = hist.emit(2, 1.0)
+    epoch = hist.epoch_row(2, 1.0, {"val_loss": 1.0})
+    assert (first["max_memory_mb"], ev["max_memory_mb"], second["max_memory_mb"]) == (300, 200, 200)
+    assert epoch["max_memory_mb"] == 300 and first["gpu_util_pct"] == 50
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_max_memory_excludes_allocations_before_the_run():
+    dev = torch.device("cuda")
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # 256 MiB peak before train()
+    del big
+    result = train(tiny_gpt(), precision="fp32", device="cuda", max_steps=2, log_every=1, eval_every=0, **FAST)
+    peaks = result.history["max_memory_mb"]
+    assert peaks.notna().all() and (peaks < 128).all()
+
+
 def test_bf16_nan_loss_raises_at_its_step_and_keeps_last_good_checkpoint(tmp_path):
     probe = Probe(nan_at=5)
     with pytest.raises(TrainingDiverged) as info:
@@ -322,6 +417,15 @@ def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
     train(tiny_gpt(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
     with pytest.raises(CheckpointError, match="lr=0.0003"):
         train(tiny_gpt(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3, **FAST)
+
+
+def test_resume_refuses_a_checkpoint_from_different_data(tmp_path):
+    run = dict(precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
+    train(tiny_gpt(), token_rows(seed=1), **run)
+    for other in (token_rows(seed=2), token_rows(n=100, seed=1)):  # same size other content; more rows
+        with pytest.raises(CheckpointError, match="was trained on tensors data .* resume with the same data"):
+            train(tiny_gpt(), other, resume=True, **run)
+    assert train(tiny_gpt(), token_rows(seed=1), resume=True, **run).summary["resumed_from_step"] == 2
 
 
 def _cli(tmp_path, *extra):

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import AdapterError
+from .errors import AdapterError, ModelSpecError, one_line
+from .models import load_model
 
 TASKS = ("causal-lm", "classification")
 
@@ -70,15 +71,7 @@ class ModelAdapter:
 
     def embeddings(self) -> nn.Embedding | None:
         """The token embedding table, if the model exposes one."""
-        getter = getattr(self.model, "get_input_embeddings", None)
-        if callable(getter):
-            try:
-                emb = getter()
-            except (NotImplementedError, AttributeError):
-                emb = None
-            if isinstance(emb, nn.Embedding):
-                return emb
-        return next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
+        return input_embedding(self.model)
 
     def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:
         """A random batch of the right shape and task, on the model's device."""
@@ -120,6 +113,16 @@ def extract_logits(output, model_name: str = "model") -> torch.Tensor:
         return logits
     raise AdapterError(f"{model_name} returned {type(output).__name__} with no logits; return a tensor, "
                        "a tuple starting with the logits, or an object with a .logits field")
+
+
+def resolve_model(model, **model_kwargs) -> ModelAdapter:
+    """An adapter for anything a tier accepts: a load_model spec (built with the kwargs), an nn.Module
+    (HF included) or an adapter."""
+    if isinstance(model, ModelAdapter):
+        if model_kwargs:
+            raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter")
+        return model
+    return adapt(load_model(model, **model_kwargs))
 
 
 def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len: int | None = None,
@@ -167,11 +170,21 @@ def _first_attr(objs, keys) -> int | None:
     return None
 
 
-def _embedding_rows(model: nn.Module) -> int | None:
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding: HF's get_input_embeddings() when it gives one, else the first nn.Embedding."""
     getter = getattr(model, "get_input_embeddings", None)
-    emb = getter() if callable(getter) else None
-    if not isinstance(emb, nn.Embedding):
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, nn.Embedding):
+            return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _embedding_rows(model: nn.Module) -> int | None:
+    emb = input_embedding(model)
     return emb.num_embeddings if emb is not None else None
 
 
@@ -205,7 +218,7 @@ def _probe_output(adapter: ModelAdapter) -> torch.Tensor:
         raise
     except Exception as exc:
         raise AdapterError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
-                           f"{type(exc).__name__}: {exc}; pass task= and check its forward signature") from exc
+                           f"{type(exc).__name__}: {one_line(exc)}; pass task= and check its forward signature") from exc
     finally:
         adapter.model.train(was_training)
 

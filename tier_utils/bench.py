@@ -12,25 +12,39 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
 from tqdm.auto import tqdm
 
-from .adapter import ModelAdapter, adapt
+from .adapter import resolve_model
 from .data import build_datasets, make_loader, to_device
-from .measure import SavedTensorMeter, StepTimer, static_memory, summarize
-from .models import load_model
+from .history import evaluate
+from .measure import (
+    SavedTensorMeter,
+    StepTimer,
+    count_flops,
+    probe_ms,
+    probe_size,
+    probe_summary,
+    static_memory,
+    summarize,
+)
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
-from .results import Result, checks_table, jsonable, run_metadata, worst_status
+from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
 from .train import TrainStep, make_optimizer, make_scheduler
-from .verdicts import (Thresholds, accuracy_check, memory_check, parity, parity_check, reduction, skip_checks,
-                       speed_check, speedup)
+from .verdicts import (
+    Thresholds,
+    accuracy_check,
+    memory_check,
+    parity,
+    parity_check,
+    reduction,
+    skip_checks,
+    speed_check,
+    speedup,
+)
 
 SCHEMA = "tier_utils.bench/1"
 _SEED = 0
 _WEIGHT_DECAY = 0.1
-_PROBE_TARGET_MS = 20.0  # a probe matmul shorter than this is launch- or timer-bound
-_PROBE_MAX_MS = 250.0
-_PROBE_MAX = {"cuda": 8192, "cpu": 1024}
 _PROBE_REPS = 3  # probe matmuls per speed repeat
 _MIB = 2**20
 
@@ -73,14 +87,16 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
 
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
-    `device` and its weights are restored to what they were when this returns.
+    `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
     """
-    _check_sizes(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
-                 val_batches=val_batches)
-    if warmup_steps < 0 or accuracy_steps < 0:
-        raise ValueError("warmup_steps and accuracy_steps must be >= 0")
+    for name, value in dict(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
+                            val_batches=val_batches).items():
+        whole_number(value, name)
+    whole_number(warmup_steps, "warmup_steps", minimum=0)
+    whole_number(accuracy_steps, "accuracy_steps", minimum=0)
     dev = resolve_device(device)
-    adapter = model if isinstance(model, ModelAdapter) else adapt(load_model(model))
+    adapter = resolve_model(model)
+    was_training = adapter.model.training
     adapter.model.to(dev).train()
     if seq_len > adapter.max_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_len={adapter.max_len}; lower seq_len")
@@ -91,25 +107,31 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
     tokens_per_step = speed_batches[0]["input_ids"].numel()
     total = len(ran) * (repeats * (warmup_steps + timed_steps) + accuracy_steps)
     start = copy.deepcopy(adapter.model.state_dict())
+    # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
+    cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with tqdm(total=total, desc="amp benchmark", disable=not progress) as bar:
-            flops = _count_flops(adapter, speed_batches[0])
+        with torch.random.fork_rng(devices=cuda_rngs), tqdm(total=total, desc="amp benchmark",
+                                                             disable=not progress) as bar:
+            # One fp32 forward + backward, counted once: precision changes no FLOP count.
+            flops = count_flops(lambda: adapter.forward_loss(speed_batches[0])[0].backward())
+            adapter.model.zero_grad(set_to_none=True)
             for p in ran:
                 p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr)
-                p["probe_size"], p["probe_ms"], p["step_samples"] = _probe_size(dev, p["prec"].dtype), [], []
+                p["probe_size"], p["probe_ms"], p["step_samples"] = probe_size(dev, p["prec"].dtype), [], []
             for _, p in schedule(ran, repeats):
                 ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar)
                 p["step_samples"].append(sum(ms) / len(ms))
                 # The peak probe rides along with every repeat, so load drift hits it like the steps.
-                p["probe_ms"] += _probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
+                p["probe_ms"] += probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
             for p in ran:
                 p["speed"] = _speed(p["step_samples"], tokens_per_step, timed_steps)
-                p["probe"] = _probe_summary(p["prec"].dtype, p["probe_size"], p["probe_ms"])
+                p["probe"] = probe_summary(p["prec"].dtype, p["probe_size"], p["probe_ms"])
                 if accuracy_steps:
                     p["accuracy"] = _accuracy_run(adapter, p["prec"], start, splits, accuracy_steps, batch_size,
                                                   val_batches, lr, bar)
     finally:
         adapter.model.load_state_dict(start)
+        adapter.model.train(was_training)
     records = [_record(p, plans[0], flops, dev, thresholds) for p in plans]
     checks = [c for p, r in zip(plans, records) for c in _checks(p, r, records[0], thresholds, accuracy_steps)]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
@@ -150,12 +172,6 @@ def _load_average() -> float | None:
         return None
 
 
-def _check_sizes(**sizes) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-
-
 def _plan(name: str, dev: torch.device, force: bool) -> dict:
     prec = resolve_precision(name, dev, warn=False)
     return {"precision": name, "prec": prec, "ran": prec.native or force, "forced": force and not prec.native,
@@ -174,30 +190,12 @@ def _batches(dataset, n: int, batch_size: int, device):
                 return
 
 
-def _fresh_step(adapter, prec, start, lr, total_steps: int = 0) -> TrainStep:
+def _fresh_step(adapter, prec, start, lr, total_steps: int = 0, track_scale: bool = True) -> TrainStep:
     adapter.model.load_state_dict(start)
     torch.manual_seed(_SEED)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, lr, _WEIGHT_DECAY)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
-    return TrainStep(adapter, prec, opt, sched, grad_clip=1.0)
-
-
-def _count_flops(adapter, batch) -> dict:
-    """FLOPs of one fp32 forward + backward, counted once (precision changes no FLOP count)."""
-    # torch has formulas for the GPU attention kernels; reuse them for the CPU one it lacks.
-    extra = {}
-    aten = torch.ops.aten
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        # The registered formulas are already shape-wrapped; FlopCounterMode wraps custom ones again.
-        extra = {aten._scaled_dot_product_flash_attention_for_cpu: getattr(sdpa_flop, "__wrapped__", sdpa_flop),
-                 aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                     getattr(sdpa_backward_flop, "__wrapped__", sdpa_backward_flop)}
-    with FlopCounterMode(display=False, custom_mapping=extra) as counter:
-        loss, _ = adapter.forward_loss(batch)
-        loss.backward()
-    adapter.model.zero_grad(set_to_none=True)
-    by_op = {str(k): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
-    return {"per_step": counter.get_total_flops(), "by_op": by_op}
+    return TrainStep(adapter, prec, opt, sched, grad_clip=1.0, track_scale=track_scale)
 
 
 def _memory(adapter, prec, start, batches, lr) -> dict:
@@ -223,38 +221,13 @@ def _memory(adapter, prec, start, batches, lr) -> dict:
     return mem
 
 
-def _probe_size(dev: torch.device, dtype: torch.dtype) -> int:
-    """Square-matmul size for the peak probe: doubled while one matmul is too short to time well or
-    the bigger size still got faster, and never so big that an emulated dtype takes seconds."""
-    size, cap, previous = 256, _PROBE_MAX.get(dev.type, 1024), 0.0
-    while True:
-        ms = min(_probe_ms(dev, dtype, size, 2))  # the faster of two: one stall must not end the search
-        tflops = 2 * size**3 / (ms * 1e-3) / 1e12
-        if size >= cap or ms * 8 > _PROBE_MAX_MS or (ms >= _PROBE_TARGET_MS and tflops < 1.1 * previous):
-            return size
-        size, previous = size * 2, tflops
-
-
-def _probe_ms(dev: torch.device, dtype: torch.dtype, size: int, reps: int) -> list[float]:
-    """Milliseconds of `reps` (size x size) @ (size x size) matmuls in `dtype`, after one untimed."""
-    a = torch.randn(size, size, device=dev).to(dtype)
-    b = torch.randn(size, size, device=dev).to(dtype)
-    a @ b  # the first call pays for kernel selection
-    timer = StepTimer(dev)
-    for _ in range(reps):
-        with timer.region():
-            a @ b
-    return timer.milliseconds()
-
-
-def _probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
-    stats = summarize(2 * size**3 / (t * 1e-3) / 1e12 for t in ms)
-    return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
-
-
 def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar) -> list[float]:
-    """One repeat: fresh optimizer, warm-up steps untimed, then each optimizer step timed."""
-    step = _fresh_step(adapter, prec, start, lr)
+    """One repeat: fresh optimizer, warm-up steps untimed, then each optimizer step timed.
+
+    No scheduler here, so fp16 needs no skip decision: reading the loss scale (two host syncs per
+    step that fp32/bf16 don't have) stays out of the timed region.
+    """
+    step = _fresh_step(adapter, prec, start, lr, track_scale=False)
     for batch in batches[:warmup]:
         step([batch])
         bar.update()
@@ -283,38 +256,16 @@ def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, 
         if out.skipped is not None:
             scales.append(out.scale_before)
             skipped += out.skipped
-        elif not torch.isfinite(out.loss):  # no scaler to absorb it: the run is over
+        # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
+        if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
             diverged_at = i
             bar.update(steps - i - 1)
             break
-    val_loss, val_acc, n = _evaluate(adapter, prec, splits.val, batch_size, val_batches)
-    return {"steps": len(curve), "loss_curve": curve, "val_loss": val_loss, "val_accuracy": val_acc,
-            "val_targets": n, "diverged_at": diverged_at, "loss_scale": scales if prec.needs_scaler else None,
-            "skipped_steps": skipped if prec.needs_scaler else None}
-
-
-@torch.no_grad()
-def _evaluate(adapter, prec, dataset, batch_size, max_batches) -> tuple[float, float, int]:
-    """Mean loss and top-1 accuracy over every target (next tokens, or class labels)."""
-    loader = make_loader(dataset, batch_size, shuffle=False, device=adapter.device)
-    adapter.model.eval()
-    loss_sum = torch.zeros((), device=adapter.device)
-    correct = torch.zeros((), device=adapter.device)
-    n = 0
-    try:
-        for i, batch in enumerate(loader):
-            if i == max_batches:
-                break
-            batch = to_device(batch, adapter.device)
-            with prec.autocast():
-                loss, logits = adapter.forward_loss(batch)
-            labels = batch["labels"]
-            loss_sum += loss.float() * labels.numel()
-            correct += (logits.argmax(-1) == labels).sum()
-            n += labels.numel()
-    finally:
-        adapter.model.train()
-    return (loss_sum / n).item(), (correct / n).item(), n
+    val = evaluate(adapter, make_loader(splits.val, batch_size, shuffle=False, device=adapter.device), prec,
+                   val_batches)
+    return {"steps": len(curve), "loss_curve": curve, "val_loss": val["val_loss"], "val_accuracy": val["accuracy"],
+            "val_targets": val["targets"], "diverged_at": diverged_at,
+            "loss_scale": scales if prec.needs_scaler else None, "skipped_steps": skipped if prec.needs_scaler else None}
 
 
 def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds) -> dict:

@@ -6,6 +6,7 @@ refuses anything else.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import random
@@ -62,6 +63,24 @@ def set_rng_state(state: dict) -> None:
         import numpy as np
         s = state["numpy"]
         np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def data_fingerprint(splits) -> dict:
+    """What a resume must find again: the data's kind, both split sizes and a hash of three training
+    examples (first, middle, last): cheap for any Dataset, and a changed file or tensor shows."""
+    digest, n = hashlib.sha1(), len(splits.train)
+    for i in sorted({0, n // 2, n - 1}):
+        for key, value in sorted(splits.train[i].items()):
+            digest.update(f"{key}={torch.as_tensor(value).flatten().tolist()};".encode())
+    return {"source": splits.source, "train_examples": n, "val_examples": len(splits.val),
+            "sample_sha1": digest.hexdigest()}
+
+
+def describe_data(info: dict | None) -> str:
+    if not info:
+        return "data it did not record"
+    return (f"{info['source']} data ({info['train_examples']} train / {info['val_examples']} val examples, "
+            f"sample hash {info['sample_sha1'][:8]})")
 
 
 def save_checkpoint(path, state: dict) -> Path:

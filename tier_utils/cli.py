@@ -12,7 +12,7 @@ import warnings
 from .errors import TierError
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
-from .results import write_json
+from .results import whole_number, write_json
 
 
 def _precision(value: str) -> str:
@@ -28,9 +28,10 @@ def _positive_int(value: str) -> int:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+    try:
+        return whole_number(n, "value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int_list(value: str) -> list[int]:
@@ -167,10 +168,12 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 
 def _precision_list(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected comma-separated precisions such as fp32,bf16,fp16")
-    return [_precision(v) for v in names]
+    from .bench import precision_list  # the API's parsing: canonical names, fp32 first, 'auto' refused
+
+    try:
+        return precision_list([v for v in value.split(",") if v.strip()])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_bench(args) -> tuple[dict, int]:
@@ -184,7 +187,7 @@ def _run_bench(args) -> tuple[dict, int]:
                            batch_size=args.batch_size, seq_len=args.seq_len, warmup_steps=args.warmup_steps,
                            timed_steps=args.timed_steps, repeats=args.repeats, accuracy_steps=args.accuracy_steps,
                            thresholds=thresholds, force=args.force, device=args.device,
-                           progress=not args.no_progress, lr=args.lr)
+                           progress=not args.no_progress, lr=args.lr, val_batches=args.val_batches)
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
@@ -218,7 +221,7 @@ def _run_all(args) -> tuple[dict, int]:
     from .report import run_all
 
     result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
-                     fast=args.fast, batch_size=args.batch_size, progress=not args.no_progress,
+                     fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
                      **model_kwargs(args))
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
@@ -251,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes for memory and latency (default 1,4)")
     p.add_argument("--seq-lens", type=_positive_int_list, default=None, metavar="T,T",
                    help="sequence lengths for memory and latency (default: the model's max length)")
-    p.add_argument("--checks", type=lambda v: [c.strip() for c in v.split(",") if c.strip()], default=None,
-                   metavar="NAME,NAME", help="check groups to run (default all): shapes, gradients, stability, "
-                                             "init, memory, latency, determinism")
+    p.add_argument("--checks", default=None, metavar="NAME,NAME",
+                   help="check groups to run (default all): shapes, gradients, stability, init, memory, latency, "
+                        "determinism")
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
@@ -306,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", choices=["activations", "total", "peak_allocated"], default="activations",
                    help="which memory --min-memory-reduction applies to (default activations)")
     p.add_argument("--max-accuracy-diff", type=float, default=0.01, help="val accuracy gap to fp32 (default 0.01)")
+    p.add_argument("--val-batches", type=_positive_int, default=20,
+                   help="validation batches after each accuracy run (default 20)")
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
@@ -330,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="default 8 (4 with --fast)")
     p.add_argument("--fast", action="store_true", help="shorter runs: fewer steps, repeats and batches")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and training data order (default 0)")
     p.set_defaults(run=_run_all)
     return parser
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, Subset
 
 
 def launched_by_torchrun() -> bool:
@@ -51,10 +51,6 @@ class DistEnv:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
-
-    def barrier(self) -> None:
-        if self.active:
-            dist.barrier()
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
@@ -102,6 +98,15 @@ def no_sync_for(ddp):
     if ddp is None:
         return None
     return lambda accumulating: ddp.no_sync() if accumulating else contextlib.nullcontext()
+
+
+def eval_shard(dataset, env: DistEnv):
+    """This rank's share of a validation set: examples rank, rank + N, ... Every example is scored
+    exactly once across ranks (DistributedSampler would repeat some to even out the shares, and
+    count them twice); shares may differ by one, which is fine: evaluation ends in one all_sum."""
+    if not env.active:
+        return dataset
+    return Subset(dataset, range(env.rank, len(dataset), env.world_size))
 
 
 class ShardedSampler(DistributedSampler):

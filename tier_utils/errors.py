@@ -15,3 +15,8 @@ class AdapterError(TierError, ValueError):
 
 class DataError(TierError, ValueError):
     """The data given does not fit the model or the task."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message folded onto one line, for messages that embed it."""
+    return " ".join(str(exc).split()) or type(exc).__name__

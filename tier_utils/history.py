@@ -1,8 +1,10 @@
-"""Training history and `TrainResult`.
+"""Training history, validation metrics (`evaluate`, shared with the AMP benchmark) and `TrainResult`.
 
 Per-step loss and grad-norm tensors stay on the device until a log point, where one host transfer
 brings the whole window back, the first non-finite step (if any) is found, and the window becomes
 one `step` row. `eval` rows carry validation metrics, `epoch` rows whole-epoch aggregates.
+`max_memory_mb` (CUDA) is the peak allocated during what a row covers: a step row its window, an
+epoch row its epoch, an eval row the time since the row before it (the evaluation, mostly).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from .data import to_device
 from .measure import StepTimer, summarize
 from .results import Result, atomic_write_bytes, jsonable
 
@@ -24,7 +27,7 @@ NAN = float("nan")
 
 def _acc() -> dict:
     return {"steps": 0, "loss_sum": 0.0, "loss_n": 0, "gn_sum": 0.0, "gn_n": 0, "skipped": 0, "tokens": 0,
-            "time_ms": 0.0, "lr": NAN, "scale": NAN}
+            "time_ms": 0.0, "lr": NAN, "scale": NAN, "peak_mb": NAN}
 
 
 def _mean(total: float, n: int) -> float:
@@ -33,6 +36,38 @@ def _mean(total: float, n: int) -> float:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None) -> dict:
+    """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
+    (next tokens, or class labels) of a ModelAdapter in a Precision.
+
+    Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
+    most `max_batches` batches (None: all); the model is back in train mode afterwards.
+    `reduce_sum` (e.g. DistEnv.all_sum) adds up the sums across ranks. `targets` is their count.
+    """
+    model, device = adapter.model, adapter.device
+    model.eval()
+    sums = torch.zeros(3, device=device)  # loss x count, correct, count
+    try:
+        with torch.inference_mode():
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                batch = to_device(batch, device)
+                with precision.autocast():
+                    logits = adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+                logits, labels = logits.float(), batch["labels"]
+                n = labels.numel()
+                sums[0] += adapter.loss(logits, labels) * n
+                sums[1] += (logits.argmax(-1) == labels).sum()
+                sums[2] += n
+    finally:
+        model.train()
+    loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
+    val_loss = loss_sum / count
+    return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task == "causal-lm" else math.nan,
+            "accuracy": correct / count, "targets": int(count)}
 
 
 class History:
@@ -45,37 +80,42 @@ class History:
         self.timer = StepTimer(device)
         self.skipped_total = 0
         self.loss_scale_trace: list[tuple[int, float, float]] = []
-        self._pending: list[tuple] = []  # (step, loss tensor, grad-norm tensor, skipped, scale, lr, tokens)
+        self._pending: list[tuple] = []  # (step, StepOutput, lr, tokens)
         self._window, self._epoch = _acc(), _acc()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # peaks count from the start of this run
 
     def record(self, step: int, out, lr: float, tokens: int) -> None:
-        self._pending.append((step, out.loss, out.grad_norm, out.skipped, out.scale_after, lr, tokens))
-        if out.skipped:
-            self.skipped_total += 1
-        if out.scale_before is not None and out.scale_after != out.scale_before:
-            # Only changes are kept (skips and growths): the trace stays small however long the run.
-            self.loss_scale_trace.append((step, out.scale_before, out.scale_after))
+        self._pending.append((step, out, lr, tokens))
 
     def sync(self) -> tuple[int, float, str] | None:
-        """Bring pending steps to the host (one transfer); (step, value, "loss"|"gradient norm") of the first
-        diverged one, or None.
+        """Bring pending steps to the host (one transfer); (step, value, "loss"|"gradient norm"|"loss scale")
+        of the first diverged one, or None.
 
-        A step diverged when its loss or grad norm is non-finite and no GradScaler skipped it.
-        Steps before it are kept; it and the steps after are dropped.
+        A step diverged when its loss or grad norm is non-finite and no GradScaler skipped it, or
+        when it was skipped and the loss scale collapsed (`StepOutput.scale_collapsed`).
+        Steps before it are kept (skip count and loss-scale trace too); it and the steps after are dropped.
         """
         if not self._pending:
             return None
-        values = torch.stack([torch.stack((p[1].float(), p[2].float())) for p in self._pending])
+        values = torch.stack([torch.stack((o.loss.float(), o.grad_norm.float())) for _, o, _, _ in self._pending])
         values = self.reduce_mean(values).tolist()
         pending, self._pending = self._pending, []
-        for (step, _, _, skipped, scale, lr, tokens), (loss, gn) in zip(pending, values):
+        for (step, out, lr, tokens), (loss, gn) in zip(pending, values):
+            skipped = out.skipped
             bad = next(((v, q) for v, q in ((loss, "loss"), (gn, "gradient norm")) if not math.isfinite(v)), None)
             if bad is not None and not skipped:
                 return step, *bad
+            if out.scale_collapsed:
+                return step, out.scale_after, "loss scale"
+            self.skipped_total += bool(skipped)
+            if out.scale_before is not None and out.scale_after != out.scale_before:
+                # Only changes are kept (skips and growths): the trace stays small however long the run.
+                self.loss_scale_trace.append((step, out.scale_before, out.scale_after))
             for acc in (self._window, self._epoch):
                 acc["steps"] += 1
                 acc["tokens"] += tokens
-                acc["lr"], acc["scale"] = lr, NAN if scale is None else scale
+                acc["lr"], acc["scale"] = lr, NAN if out.scale_after is None else out.scale_after
                 if skipped:
                     acc["skipped"] += 1
                 else:
@@ -88,12 +128,16 @@ class History:
     def _row(self, kind: str, step: int, epoch: float, acc: dict, metrics: dict | None = None) -> dict:
         metrics = metrics or {}
         time_ms = acc["time_ms"]
+        peak = _take_peak_mb(self.device)
+        for a in {id(x): x for x in (acc, self._window, self._epoch)}.values():  # each dict once
+            a["peak_mb"] = peak if math.isnan(a["peak_mb"]) else max(a["peak_mb"], peak)
         row = {"kind": kind, "step": step, "epoch": epoch, "train_loss": _mean(acc["loss_sum"], acc["loss_n"]),
                "val_loss": metrics.get("val_loss", NAN), "perplexity": metrics.get("perplexity", NAN),
                "accuracy": metrics.get("accuracy", NAN), "grad_norm": _mean(acc["gn_sum"], acc["gn_n"]),
                "lr": acc["lr"], "loss_scale": acc["scale"], "skipped_steps": acc["skipped"],
                "tokens_per_s": acc["tokens"] / (time_ms / 1e3) if time_ms > 0 else NAN,
-               "step_time_ms": _mean(time_ms, acc["steps"]), **_gpu_stats(self.device)}
+               "step_time_ms": _mean(time_ms, acc["steps"]), "max_memory_mb": acc["peak_mb"],
+               "gpu_util_pct": _gpu_util(self.device)}
         self.rows.append(row)
         return row
 
@@ -130,20 +174,28 @@ class History:
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = [dict(r) for r in state["rows"]]
-        self._window, self._epoch = dict(state["window"]), dict(state["epoch"])
+        self._window, self._epoch = {**_acc(), **state["window"]}, {**_acc(), **state["epoch"]}
         self.skipped_total = state["skipped_total"]
         self.loss_scale_trace = [tuple(t) for t in state["loss_scale_trace"]]
 
 
-def _gpu_stats(device: torch.device) -> dict:
-    """Peak allocated memory and utilisation through torch (never an nvidia-smi subprocess)."""
+def _take_peak_mb(device: torch.device) -> float:
+    """Peak allocated MiB since the previous call (or the run's start), then the peak restarts; NaN off CUDA."""
     if device.type != "cuda":
-        return {"max_memory_mb": NAN, "gpu_util_pct": NAN}
+        return NAN
+    peak = torch.cuda.max_memory_allocated(device) / 2**20
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def _gpu_util(device: torch.device) -> float:
+    """Utilisation through torch (never an nvidia-smi subprocess)."""
+    if device.type != "cuda":
+        return NAN
     try:
-        util = float(torch.cuda.utilization(device))
+        return float(torch.cuda.utilization(device))
     except Exception:  # needs pynvml / amdsmi; absent is normal
-        util = NAN
-    return {"max_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20, "gpu_util_pct": util}
+        return NAN
 
 
 def step_stats(history: pd.DataFrame, column: str) -> dict | None:

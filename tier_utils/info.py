@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .adapter import adapt
-from .models import DEFAULT_MODEL, load_model
+from .adapter import resolve_model
+from .models import DEFAULT_MODEL
 from .precision import cpu_flags, native_support, resolve_device, resolve_precision
 from .results import jsonable, run_metadata, write_json
 
@@ -46,5 +46,5 @@ def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwar
         env["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
     for name in ("bf16", "fp16"):
         env[f"native_{name}"] = native_support(name, dev)[0]
-    adapter = adapt(load_model(model, **model_kwargs))
+    adapter = resolve_model(model, **model_kwargs)
     return InfoResult(env, resolve_precision(precision, dev).to_dict(), adapter.summary())

@@ -1,4 +1,5 @@
-"""Measurement building blocks shared by the tiers: timing, robust statistics, activation bytes.
+"""Measurement building blocks shared by the tiers: timing, robust statistics, activation bytes,
+FLOP counts and the matmul peak probe.
 
 Timing uses CUDA events on a GPU (one synchronize at the end) and perf_counter on a CPU.
 """
@@ -138,3 +139,57 @@ def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         for per_param in optimizer.state.values():
             state += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
     return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": state}
+
+
+def count_flops(run) -> dict:
+    """FLOPs of `run()` (e.g. one forward + backward) by torch.utils.flop_counter:
+    {"per_step": total, "by_op": {op: flops}}."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+
+    # torch has formulas for the GPU attention kernels; reuse them for the CPU one it lacks.
+    extra = {}
+    aten = torch.ops.aten
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        # The registered formulas are already shape-wrapped; FlopCounterMode wraps custom ones again.
+        extra = {aten._scaled_dot_product_flash_attention_for_cpu: getattr(sdpa_flop, "__wrapped__", sdpa_flop),
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                     getattr(sdpa_backward_flop, "__wrapped__", sdpa_backward_flop)}
+    with FlopCounterMode(display=False, custom_mapping=extra) as counter:
+        run()
+    by_op = {str(k): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return {"per_step": counter.get_total_flops(), "by_op": by_op}
+
+
+_PROBE_TARGET_MS = 20.0  # a probe matmul shorter than this is launch- or timer-bound
+_PROBE_MAX_MS = 250.0
+_PROBE_MAX = {"cuda": 8192, "cpu": 1024}
+
+
+def probe_size(dev: torch.device, dtype: torch.dtype) -> int:
+    """Square-matmul size for the peak probe: doubled while one matmul is too short to time well or
+    the bigger size still got faster, and never so big that an emulated dtype takes seconds."""
+    size, cap, previous = 256, _PROBE_MAX.get(dev.type, 1024), 0.0
+    while True:
+        ms = min(probe_ms(dev, dtype, size, 2))  # the faster of two: one stall must not end the search
+        tflops = 2 * size**3 / (ms * 1e-3) / 1e12
+        if size >= cap or ms * 8 > _PROBE_MAX_MS or (ms >= _PROBE_TARGET_MS and tflops < 1.1 * previous):
+            return size
+        size, previous = size * 2, tflops
+
+
+def probe_ms(dev: torch.device, dtype: torch.dtype, size: int, reps: int) -> list[float]:
+    """Milliseconds of `reps` (size x size) @ (size x size) matmuls in `dtype`, after one untimed."""
+    a = torch.randn(size, size, device=dev).to(dtype)
+    b = torch.randn(size, size, device=dev).to(dtype)
+    a @ b  # the first call pays for kernel selection
+    timer = StepTimer(dev)
+    for _ in range(reps):
+        with timer.region():
+            a @ b
+    return timer.milliseconds()
+
+
+def probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
+    """The probe's TFLOP/s statistics: the device's reachable matmul peak in `dtype` is their max."""
+    stats = summarize(2 * size**3 / (t * 1e-3) / 1e12 for t in ms)
+    return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}

@@ -171,8 +171,10 @@ def _auto(device: torch.device) -> tuple[str, str]:
         gpu = torch.cuda.get_device_name(device)
         if cc >= _CUDA_BF16_MIN:
             return "bf16", f"auto: {gpu} (compute capability {cc[0]}.{cc[1]}) has bf16 tensor cores -> bf16, no scaler"
-        return "fp16", (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 8.0) emulates bf16 -> "
-                        "fp16 with a GradScaler")
+        if cc >= _CUDA_FP16_MIN:
+            return "fp16", (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 8.0) emulates bf16 -> "
+                            "fp16 with a GradScaler")
+        return "fp32", f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 7.0) has no fp16/bf16 tensor cores -> fp32"
     if device.type == "cpu":
         ok, why = native_support("bf16", device)
         if ok:

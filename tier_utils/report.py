@@ -21,7 +21,7 @@ from .analysis import analyze
 from .bench import amp_benchmark
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, atomic_write_bytes, jsonable, run_metadata, worst_status, write_json
+from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, write_json
 from .smoke import smoke
 from .train import TrainingDiverged, train
 
@@ -110,7 +110,7 @@ SIZES = {
 
 
 @dataclass
-class AllResult:
+class AllResult(Result):
     """What `run_all` returns: each tier's result, its status and seconds, and the report's index.html."""
 
     results: dict
@@ -204,6 +204,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy). fast: shorter runs (see SIZES). Training that
     diverges is recorded as FAIL with its partial history; bad input raises as in each tier.
+    Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
     """
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"out_dir {out_dir} is a file; give a folder for the report")
@@ -241,11 +242,15 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
 
 
 def _train(model, data, **settings):
-    """A short training run; divergence keeps its partial result (its summary says where)."""
+    """A short training run; divergence keeps its partial result (its summary says where).
+    Ctrl-C during it stops the whole job: train() hands back its partial result, we re-raise."""
     try:
-        return train(model, data, **settings)
+        result = train(model, data, **settings)
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
         return exc.result
+    if result.interrupted:
+        raise KeyboardInterrupt
+    return result
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import platform
 import tempfile
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+
+from .errors import one_line
 
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 CHECK_COLUMNS = ["check", "status", "value", "threshold", "detail"]
@@ -31,6 +34,33 @@ class Check:
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+def failed_check(name: str, exc: BaseException) -> Check:
+    """An exception as its FAIL row. One line, capped: a multi-line message would break the table."""
+    return Check(name, "FAIL", None, None, f"raised {type(exc).__name__}: {one_line(exc)[:300]}")
+
+
+def whole_number(value, name: str, minimum: int = 1) -> int:
+    """`value` as an int if it is a whole number >= minimum (True/False are not), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def select_names(requested, available, what: str) -> list[str]:
+    """None: all of `available`. Otherwise the requested names (a list, or a comma-separated string) in
+    `available`'s order, each once; an unknown or empty request is a ValueError listing the valid names."""
+    available = list(available)
+    if requested is None:
+        return available
+    items = requested.split(",") if isinstance(requested, str) else requested
+    names = [str(n).strip() for n in items if str(n).strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown or not names:
+        problem = f"unknown {what} {', '.join(map(repr, unknown))}" if unknown else f"no {what} given"
+        raise ValueError(f"{problem}; choose from: {', '.join(available)}")
+    return [n for n in available if n in names]
 
 
 def checks_table(checks: list[Check], extra_columns: tuple[str, ...] = ()) -> pd.DataFrame:

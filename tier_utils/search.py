@@ -18,7 +18,7 @@ from .adapter import adapt
 from .models import DEFAULT_MODEL, load_model
 from .precision import canonical_precision
 from .results import Result, jsonable, run_metadata
-from .train import TrainConfig, train
+from .train import TrainConfig, TrainingDiverged, train
 
 # name -> (kind, *args). Kinds: "log" (lo, hi), "float" (lo, hi), "int" (lo, hi), "choice" ([values]).
 DEFAULT_SPACE = {
@@ -70,7 +70,8 @@ class SearchResult(Result):
             duration = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None
             last_step = max(t.intermediate_values) if t.intermediate_values else None
             rows.append({"trial": t.number, **t.params, "val_loss": t.value, "state": t.state.name,
-                         "last_reported_step": last_step, "duration_s": duration})
+                         "last_reported_step": last_step, "duration_s": duration,
+                         "diverged": t.user_attrs.get("diverged")})
         return pd.DataFrame(rows)
 
     @property
@@ -121,6 +122,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     `n_trials` counts finished (complete or pruned) trials in the study, so a continued study
     with storage runs only what is left. `config`/`overrides` set the fixed TrainConfig fields.
     `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
+    A trial whose training diverges ends PRUNED with the reason in its `diverged` column.
     """
     if n_trials < 1:
         raise ValueError(f"n_trials must be >= 1, got {n_trials}")
@@ -148,7 +150,13 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
                 raise optuna.TrialPruned(f"val loss {metrics['val_loss']:.4f} at step {step} is worse than "
                                          "the median of earlier trials")
 
-        result = train(copy.deepcopy(initial), data, cfg, on_eval=report)
+        try:
+            result = train(copy.deepcopy(initial), data, cfg, on_eval=report)
+        except TrainingDiverged as exc:
+            # A result about these settings, not an error: the study goes on, and a pruned trial
+            # (unlike a failed one) tells the sampler this region is bad.
+            trial.set_user_attr("diverged", str(exc))
+            raise optuna.TrialPruned(f"diverged: {exc}") from exc
         if result.interrupted:
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
         return result.summary["val_loss"]

@@ -14,13 +14,22 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .adapter import ModelAdapter, adapt
-from .errors import ModelSpecError
+from .adapter import resolve_model
 from .measure import percentile, summarize
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL
 from .precision import Precision, resolve_precision
-from .results import Check, Result, checks_table, jsonable, run_metadata, worst_status
-from .smoke_checks import CHECK_GROUPS, failed_check
+from .results import (
+    Check,
+    Result,
+    checks_table,
+    failed_check,
+    jsonable,
+    run_metadata,
+    select_names,
+    whole_number,
+    worst_status,
+)
+from .smoke_checks import CHECK_GROUPS
 
 
 @dataclass(repr=False)
@@ -140,16 +149,15 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec).
 
     batch_sizes and seq_lens (default: the model's max length) set the memory and latency grid;
-    precision is the autocast used for those two; checks=None runs every group in CHECK_GROUPS.
+    precision is the autocast used for those two; checks: None (every group in CHECK_GROUPS), a list
+    of group names or a comma-separated string.
     The model is moved to `device` (default: CUDA when available).
     """
     start = time.perf_counter()
-    groups = _select(checks)
+    groups = select_names(checks, CHECK_GROUPS, "check group")
     batch_sizes = _positive_ints(batch_sizes, "batch_sizes")
     prec = resolve_precision(precision, device)
-    if isinstance(model, ModelAdapter) and model_kwargs:
-        raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter")
-    adapter = model if isinstance(model, ModelAdapter) else adapt(load_model(model, **model_kwargs))
+    adapter = resolve_model(model, **model_kwargs)
     adapter.model.to(prec.device)
     lengths = [adapter.max_len] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
     if max(lengths) > adapter.max_len:
@@ -179,21 +187,8 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     return report
 
 
-def _select(checks) -> list[str]:
-    if checks is None:
-        return list(CHECK_GROUPS)
-    names = [checks] if isinstance(checks, str) else list(checks)
-    unknown = [str(n) for n in names if n not in CHECK_GROUPS]
-    if unknown or not names:
-        what = f"unknown check group(s) {', '.join(unknown)}" if unknown else "no check group given"
-        raise ValueError(f"{what}; use any of: {', '.join(CHECK_GROUPS)}")
-    return [n for n in CHECK_GROUPS if n in names]
-
-
 def _positive_ints(values, what: str) -> list[int]:
     values = [values] if isinstance(values, int) else list(values)
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise ValueError(f"{what} must be whole numbers >= 1, got {values}")
-    return sorted(set(values))
-
-
+    if not values:
+        raise ValueError(f"{what} is empty; give at least one whole number >= 1")
+    return sorted({whole_number(v, f"every entry of {what}") for v in values})

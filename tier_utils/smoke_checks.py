@@ -15,7 +15,7 @@ import torch.nn as nn
 from .adapter import ModelAdapter
 from .measure import SavedTensorMeter, StepTimer, percentile, summarize
 from .precision import Precision, native_support, resolve_precision
-from .results import Check
+from .results import Check, failed_check
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
 LOW_PRECISION_TOL = {"bf16": 5e-2, "fp16": 1e-2}  # max |logits - fp32 logits| / max |fp32 logits|
@@ -23,11 +23,6 @@ PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
 INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
 EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
 LATENCY_WARMUP, LATENCY_MIN_RUNS, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 5, 20, 1.0
-
-
-def failed_check(name: str, exc: Exception) -> Check:
-    message = " ".join(str(exc).split())[:300]
-    return Check(name, "FAIL", None, None, f"raised {type(exc).__name__}: {message}")
 
 
 def _guarded(name: str, fn, *args) -> Check:

@@ -18,20 +18,28 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .adapter import ModelAdapter, adapt
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, load_checkpoint, rng_state, save_checkpoint,
-                         seed_everything, set_rng_state)
+from .adapter import ModelAdapter, resolve_model
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    data_fingerprint,
+    describe_data,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
-from .history import MAX_STEP_ROWS, History, TrainResult, perplexity, step_stats
-from .models import load_model
+from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .results import run_metadata
 from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
 
 
 class TrainingDiverged(TierError):
-    """The loss became NaN/inf in a precision without a scaler to absorb it."""
+    """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed."""
 
     def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss"):
         other = "" if precision == "fp32" else ", or train in fp32"
@@ -63,30 +71,45 @@ def make_scheduler(optimizer, warmup_steps: int, total_steps: int) -> torch.opti
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+# Below this the GradScaler has halved its way out of range (17 overflowing steps from its initial
+# 65536, with nothing in between to grow it back): the gradients overflow even unscaled, so no
+# scale can rescue the run and every further step would be skipped.
+MIN_LOSS_SCALE = 1.0
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # mean loss over the micro-batches, detached, still on the device
     grad_norm: torch.Tensor  # total norm before clipping; non-finite when the gradients overflowed
-    skipped: bool | None  # fp16 only (deciding it needs a host sync); None for fp32/bf16
+    skipped: bool | None  # fp16 with track_scale only (deciding it needs a host sync); else None
     scale_before: float | None
     scale_after: float | None
+
+    @property
+    def scale_collapsed(self) -> bool:
+        """fp16: this step was skipped and the loss scale fell below MIN_LOSS_SCALE; the run has diverged."""
+        return bool(self.skipped) and self.scale_after < MIN_LOSS_SCALE
 
 
 class TrainStep:
     """One optimizer step over one or more micro-batches (gradient accumulation).
 
     `no_sync` is a callable taking "is this not the last micro-batch" and returning a context;
-    DDP passes one that skips the all-reduce on accumulation micro-steps.
+    DDP passes one that skips the all-reduce on accumulation micro-steps. `track_scale=False`
+    leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
+    back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
     """
 
     def __init__(self, adapter: ModelAdapter, precision: Precision, optimizer: torch.optim.Optimizer,
-                 scheduler=None, grad_clip: float | None = 1.0, model: torch.nn.Module | None = None, no_sync=None):
+                 scheduler=None, grad_clip: float | None = 1.0, no_sync=None, track_scale: bool = True):
+        if scheduler is not None and not track_scale:
+            raise ValueError("track_scale=False cannot hold a scheduler back on skipped fp16 steps; "
+                             "pass scheduler=None or keep track_scale=True")
         self.adapter, self.precision = adapter, precision
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.grad_clip = grad_clip
+        self.grad_clip, self.track_scale = grad_clip, track_scale
         self.scaler = precision.grad_scaler()
-        self.model = model if model is not None else adapter.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = [p for p in adapter.model.parameters() if p.requires_grad]
         self.no_sync = no_sync or (lambda accumulating: contextlib.nullcontext())
 
     def __call__(self, micro_batches: list[dict]) -> StepOutput:
@@ -103,15 +126,16 @@ class TrainStep:
         # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
         skipped = scale_before = scale_after = None
-        if self.scaler.is_enabled():
-            # The only per-step host sync, fp16 only: a skipped step must not advance the LR schedule.
+        if self.scaler.is_enabled() and self.track_scale:
+            # fp16's per-step host syncs: a skipped step must not advance the LR schedule.
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
             scale_after = self.scaler.get_scale()
             skipped = scale_after < scale_before
-        else:
-            self.optimizer.step()
+        else:  # a disabled GradScaler (fp32/bf16) just calls optimizer.step(), and update() does nothing
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after)
@@ -143,13 +167,16 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     data: None for the bundled corpus in the model's task, or anything `build_datasets` accepts.
     config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords.
     on_eval(step, metrics): called on rank 0 after every evaluation with `val_loss`, `perplexity`,
-        `accuracy` and `epoch`; an exception it raises stops training and propagates (e.g. Optuna's
-        TrialPruned), so it can prune a run.
+        `accuracy`, `targets` (how many were scored) and `epoch`; an exception it raises stops
+        training and propagates (e.g. Optuna's TrialPruned), so it can prune a run.
 
-    NaN/inf loss without a GradScaler raises `TrainingDiverged` (with `.step` and the partial
-    `.result`); the last checkpoint written is from before it. Ctrl-C returns the partial result
-    with `.interrupted = True`. Under torchrun every rank calls train() and gets the same result;
-    only rank 0 shows progress and writes checkpoints.
+    A NaN/inf loss or gradient norm that no GradScaler skipped raises `TrainingDiverged` (with
+    `.step` and the partial `.result`), and so does an fp16 loss scale that falls below
+    MIN_LOSS_SCALE = 1 (e.g. 17 overflowing steps in a row from the initial 65536): gradients
+    that overflow even unscaled will not recover. The last checkpoint written is from before it.
+    Ctrl-C returns the partial result with `.interrupted = True`. Under torchrun every rank calls
+    train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
+    refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = make_config(config, overrides)
     env = distributed.setup(cfg.device)
@@ -166,7 +193,7 @@ class _Run:
     def __init__(self, model, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv):
         self.cfg, self.on_eval, self.env = cfg, on_eval, env
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-        self.adapter = adapt(model if isinstance(model, ModelAdapter) else load_model(model))
+        self.adapter = resolve_model(model)
         self.device = env.device or resolve_device(cfg.device)
         self.precision: Precision = resolve_precision(cfg.precision, self.device)
         module = self.adapter.model.to(self.device).train()
@@ -180,18 +207,17 @@ class _Run:
             need = cfg.batch_size * cfg.grad_accum_steps * env.world_size
             raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
                             f"of {need}; lower batch_size or grad_accum_steps, or give more data")
+        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+        self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
         self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
-        val_sampler = (torch.utils.data.DistributedSampler(splits.val, env.world_size, env.rank, shuffle=False)
-                       if env.active else None)
-        self.val_loader = make_loader(splits.val, cfg.batch_size, shuffle=False, device=self.device,
-                                      num_workers=cfg.num_workers, seed=cfg.seed, sampler=val_sampler)
+        self.val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, shuffle=False,
+                                      device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.stride = max(cfg.log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
         self.optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, env.all_mean if env.active else None)
-        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         ddp = distributed.wrap(module, env)
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
@@ -279,31 +305,9 @@ class _Run:
             self.on_eval(self.step, dict(metrics))
 
     def _evaluate(self) -> dict:
-        """Validation loss/accuracy in fp32 from autocast logits, under inference_mode, reduced over ranks."""
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
-        model, cap = self.adapter.model, self.cfg.eval_batches
-        model.eval()
-        sums = torch.zeros(3, device=self.device)  # loss x count, correct, count
-        try:
-            with torch.inference_mode():
-                for i, batch in enumerate(self.val_loader):
-                    if cap is not None and i >= cap:
-                        break
-                    batch = to_device(batch, self.device)
-                    with self.precision.autocast():
-                        logits = self.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
-                    logits, labels = logits.float(), batch["labels"]
-                    n = labels.numel()
-                    sums[0] += self.adapter.loss(logits, labels) * n
-                    sums[1] += (logits.argmax(-1) == labels).sum()
-                    sums[2] += n
-        finally:
-            model.train()
-        loss_sum, correct, count = self.env.all_sum(sums).tolist()
-        val_loss = loss_sum / count
-        ppl = perplexity(val_loss) if self.adapter.task == "causal-lm" else float("nan")
-        return {"val_loss": val_loss, "perplexity": ppl, "accuracy": correct / count,
-                "epoch": self.step / self.steps_per_epoch}
+        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
+        return {**metrics, "epoch": self.step / self.steps_per_epoch}
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _save(self) -> None:
@@ -317,7 +321,7 @@ class _Run:
                 "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(),
+                "history": self.hist.state_dict(), "data": self.data_info,
             })
         self.last_saved = self.step
 
@@ -337,6 +341,10 @@ class _Run:
         if differ:
             raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
                                   "settings or use a new checkpoint_dir")
+        if state.get("data") != self.data_info:
+            raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
+                                  f"{describe_data(self.data_info)}; resume with the same data or use a new "
+                                  "checkpoint_dir")
         try:
             self.adapter.model.load_state_dict(state["model"])
         except RuntimeError as exc:

@@ -5,6 +5,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from .precision import canonical_precision
+from .results import whole_number
 
 # Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
@@ -57,10 +58,8 @@ class TrainConfig:
 def _validate(c: TrainConfig) -> None:
     def whole(name, low, optional=False):
         v = getattr(c, name)
-        if v is None and optional:
-            return
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} must be a whole number >= {low}{' or None' if optional else ''}, got {v!r}")
+        if not (v is None and optional):
+            whole_number(v, name, low)
 
     def number(name, low, optional=False, strict=False):
         v = getattr(c, name)

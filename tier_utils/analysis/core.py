@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Callable
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..adapter import adapt
+from ..adapter import resolve_model
 from ..data import build_datasets, make_loader, to_device
 from ..errors import DataError
-from ..models import DEFAULT_MODEL, load_model
+from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
-from ..results import Check, Result, jsonable, run_metadata, worst_status
+from ..results import Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 
@@ -47,21 +47,10 @@ ANALYSES: dict[str, Analysis] = {
 TABLE_COLUMNS = ["analysis", "check", "status", "value", "threshold", "detail"]
 
 
-def _select(analyses) -> list[str]:
-    if analyses is None:
-        return list(ANALYSES)
-    names = [a.strip() for a in (analyses.split(",") if isinstance(analyses, str) else analyses) if a.strip()]
-    unknown = [n for n in names if n not in ANALYSES]
-    if unknown or not names:
-        raise ValueError(f"unknown analysis {', '.join(map(repr, unknown)) or '(none given)'}; "
-                         f"choose from: {', '.join(ANALYSES)}")
-    return list(dict.fromkeys(names))
-
-
 def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], str]:
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
-    if batch_size < 1 or n_batches < 1:
-        raise ValueError(f"batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
+    whole_number(batch_size, "batch_size")
+    whole_number(n_batches, "n_batches")
     splits = build_datasets(data, task=adapter.task, seq_len=min(seq_len, adapter.max_len),
                             vocab_size=adapter.vocab_size, num_classes=adapter.num_classes)
     loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
@@ -77,9 +66,7 @@ def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     try:
         outcome = ANALYSES[name].run(ctx)
     except Exception as exc:  # noqa: BLE001 - isolation is the point; KeyboardInterrupt still stops the run
-        msg = " ".join(str(exc).split())[:300]
-        outcome = Outcome([Check("error", "FAIL", None, None, f"raised {type(exc).__name__}: {msg}")],
-                          artifacts={"traceback": traceback.format_exc()})
+        outcome = Outcome([failed_check("error", exc)], artifacts={"traceback": traceback.format_exc()})
     return outcome, time.perf_counter() - t0
 
 
@@ -160,17 +147,17 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
             n_batches: int = 2, seq_len: int = 64, progress: bool = True, **model_kwargs) -> AnalysisReport:
     """Explain a model: attention patterns, robustness, attribution, precision headroom, per-op dtypes.
 
-    model: an nn.Module or a load_model spec (kwargs build it). data: None (the bundled corpus) or any
+    model: an nn.Module, an adapter or a load_model spec (kwargs build it). data: None (the bundled corpus) or any
     form build_datasets takes; its validation split supplies `n_batches` batches of `batch_size`.
     analyses: None (all) or names from ANALYSES. precision: the autocast the plain forwards run under;
     headroom and dtypes always compare fp32, bf16 and fp16. The model runs in eval mode and is left
     in the mode it came in.
     """
-    names = _select(analyses)
+    names = select_names(analyses, ANALYSES, "analysis")
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
-    module = load_model(model, **model_kwargs).to(dev)
-    adapter = adapt(module)
+    adapter = resolve_model(model, **model_kwargs)
+    module = adapter.model.to(dev)
     batches, source = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
     ctx = Context(adapter, batches, prec)
     outcomes, seconds = {}, {}

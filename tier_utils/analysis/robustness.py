@@ -8,7 +8,8 @@ Perturbations (level = a fraction of the real tokens, or a noise scale):
 Per level: agreement (the perturbed argmax equals the clean argmax), KL(clean || perturbed), and
 flip rate (the share of clean-correct predictions the perturbation makes wrong). A causal LM is
 compared position by position (after a deletion, by the token each prediction follows); a
-classifier per sequence. Level 0 is the clean input itself, so its agreement is exactly 1.
+classifier per sequence. Level 0 runs the clean input a second time: agreement below 1 there
+means the model is not deterministic in eval mode, which FAILs.
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
     adapter = ctx.adapter
     embedding = adapter.embeddings()
     clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches]
+    # Level 0 compares a second clean run with the first: the eval-mode determinism check.
+    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches] if 0 in levels else clean
     rows, notes = [], []
     for pi, kind in enumerate(perturbations):
         if kind == "embedding_noise" and embedding is None:
@@ -101,10 +104,10 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
         for li, level in enumerate(levels):
             g = torch.Generator().manual_seed(1000 * pi + li)
             parts = []
-            for batch, ref in zip(ctx.batches, clean):
+            for batch, ref, rerun in zip(ctx.batches, clean, again):
                 ids, mask = batch["input_ids"], ctx.mask(batch)
                 if level == 0:
-                    pert, new_mask, origin = ref, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+                    pert, new_mask, origin = rerun, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
                 elif kind == "embedding_noise":
                     with _embedding_noise(embedding, level, g):
                         pert = _log_probs(ctx, ids, mask)

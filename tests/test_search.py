@@ -111,3 +111,12 @@ def test_cli_search_with_sqlite_continues_and_writes_json(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--trials", "0"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("url", ["bogus://x", "sqlite:////no/such/folder/study.db"])
+def test_bad_storage_is_one_line_naming_the_fix(url):
+    from tier_utils.search import SearchStorageError
+
+    with pytest.raises(SearchStorageError, match="use e.g. sqlite:///") as info:
+        search(tiny_gpt(), n_trials=1, storage=url, **FAST)
+    assert "\n" not in str(info.value)

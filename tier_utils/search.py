@@ -15,10 +15,15 @@ import optuna
 import pandas as pd
 
 from .adapter import adapt
+from .errors import TierError, one_line
 from .models import DEFAULT_MODEL, load_model
 from .precision import canonical_precision
 from .results import Result, jsonable, run_metadata
 from .train import TrainConfig, TrainingDiverged, train
+
+class SearchStorageError(TierError, ValueError):
+    """The storage URL given to `search` could not be opened."""
+
 
 # name -> (kind, *args). Kinds: "log" (lo, hi), "float" (lo, hi), "int" (lo, hi), "choice" ([values]).
 DEFAULT_SPACE = {
@@ -131,11 +136,17 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     initial = load_model(model)
     adapt(initial)  # fail here, once, on a model the trials could not drive
     optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
-    study = optuna.create_study(
-        study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
-        pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-        sampler=sampler or optuna.samplers.TPESampler(seed=seed),
-    )
+    try:
+        study = optuna.create_study(
+            study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
+            pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+            sampler=sampler or optuna.samplers.TPESampler(seed=seed),
+        )
+    except Exception as exc:  # SQLAlchemy/Optuna raise many types for a bad URL or an unreadable file
+        if storage is None:
+            raise
+        raise SearchStorageError(f"cannot open study storage {storage!r} ({one_line(exc)}); "
+                                 "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
     done = sum(t.state in _FINISHED for t in study.trials)
     for params in start_with or ():
         study.enqueue_trial(params, skip_if_exists=True)

@@ -50,7 +50,9 @@ def test_widgets_write_into_the_config_and_nothing_else():
 
 
 @pytest.mark.parametrize("bad,match", [(dict(precision="fp8"), "unknown precision"),
-                                       (dict(batch_size=0), "batch_size")])
+                                       (dict(batch_size=0), "batch_size must be a whole number >= 1"),
+                                       (dict(batch_size=10_000), "batch_size must be <= 4096"),
+                                       (dict(seq_len=2.5), "seq_len must be a whole number")])
 def test_bad_config_values_fail_with_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         RunConfig(**bad)

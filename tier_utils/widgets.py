@@ -14,6 +14,7 @@ import torch
 
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_precision, supported_precisions
+from .results import whole_number
 
 MAX_BATCH_SIZE = 4096
 
@@ -34,8 +35,9 @@ class RunConfig:
     def __post_init__(self):
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         for name in ("batch_size", "seq_len", "max_steps"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            whole_number(getattr(self, name), name)
+        if self.batch_size > MAX_BATCH_SIZE:  # the panel's box could not show it; it would clamp silently
+            raise ValueError(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
 
     def build_model(self):
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts

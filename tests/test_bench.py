@@ -205,6 +205,7 @@ def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
     splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
     acc = bench._accuracy_run(adapter, prec, start, splits, 20, 4, 1, 1e-3, _NO_BAR)
     assert acc["diverged_at"] == 16 and acc["steps"] == 17 and acc["skipped_steps"] == 17
+    assert acc["diverged_reason"] == "fp16 loss scale fell below 1"
     assert acc["loss_scale"][-1] == 1.0  # the 17th skip takes it to 0.5, below the 1.0 floor
 
 
@@ -246,7 +247,7 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "reduction"}
     assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
     assert set(rec["accuracy"]) == {"steps", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
-                                    "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
+                                    "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
     assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
@@ -344,14 +345,15 @@ def test_accuracy_and_parity_checks():
     assert accuracy_check("bf16", 0.005, None, t).status == "PASS"
     assert accuracy_check("bf16", -0.02, None, t).status == "FAIL"
     assert accuracy_check("bf16", 0.02, None, t).status == "WARN"
-    assert accuracy_check("fp16", None, 7, t).status == "FAIL"
+    diverged = accuracy_check("fp16", None, "at step 7: fp16 loss scale fell below 1", t)
+    assert diverged.status == "FAIL" and diverged.detail == "training diverged at step 7: fp16 loss scale fell below 1"
     par = parity([2.0, 1.8, 1.6, 1.5], [2.0, 1.82, 1.8, float("nan")], 0.05)
     assert par["first_step_out"] == 2 and math.isinf(par["max_rel_dev"])
     assert parity_check("fp16", par, None, t).status == "WARN"
     close = parity([2.0, 1.8], [2.02, 1.8], 0.05)
     assert close["max_rel_dev"] == pytest.approx(0.01) and close["first_step_out"] is None
     assert parity_check("bf16", close, None, t).status == "PASS"
-    assert parity_check("fp16", close, 3, t).status == "FAIL"
+    assert parity_check("fp16", close, "at step 3: loss became nan", t).status == "FAIL"
 
 
 def test_skip_rows_and_threshold_validation():

@@ -120,3 +120,12 @@ def test_bad_storage_is_one_line_naming_the_fix(url):
     with pytest.raises(SearchStorageError, match="use e.g. sqlite:///") as info:
         search(tiny_gpt(), n_trials=1, storage=url, **FAST)
     assert "\n" not in str(info.value)
+
+
+def test_an_existing_maximizing_study_is_refused_not_silently_reused(tmp_path):
+    from tier_utils.search import SearchStorageError
+
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    optuna.create_study(study_name="accuracy", storage=url, direction="maximize")
+    with pytest.raises(SearchStorageError, match="maximizes; .* give a new study_name"):
+        search(tiny_gpt(), n_trials=1, storage=url, study_name="accuracy", **FAST)

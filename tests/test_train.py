@@ -14,6 +14,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -256,12 +257,15 @@ def test_max_memory_is_the_peak_of_each_row_not_of_the_process(monkeypatch):
     hist.sync()
     first = hist.emit(1, 0.5)
     step(2, 200)
-    ev = hist.eval_row(2, 1.0, {"val_loss": 1.0}, 1e-3)  # mid-window: its peak still counts for the window
+    hist.close_training_peak()  # what _evaluate does before evaluating
+    mem["peak"] = max(mem["peak"], 500)  # the evaluation's own peak
+    ev = hist.eval_row(2, 1.0, {"val_loss": 1.0}, 1e-3)
     hist.sync()
     second = hist.emit(2, 1.0)
     epoch = hist.epoch_row(2, 1.0, {"val_loss": 1.0})
-    assert (first["max_memory_mb"], ev["max_memory_mb"], second["max_memory_mb"]) == (300, 200, 200)
-    assert epoch["max_memory_mb"] == 300 and first["gpu_util_pct"] == 50
+    # Each row: its own window. The evaluation's 500 is its row's and its epoch's, not the step row's.
+    assert (first["max_memory_mb"], ev["max_memory_mb"], second["max_memory_mb"]) == (300, 500, 200)
+    assert epoch["max_memory_mb"] == 500 and first["gpu_util_pct"] == 50
 
 
 @pytest.mark.gpu
@@ -462,3 +466,16 @@ def test_cli_train_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _cli(tmp_path, "--epochs", "1", "--max-steps", "2", "--out", str(out))
     assert exit_info.value.code == 2 and not out.exists()
+
+
+def test_summary_names_how_many_targets_validation_scored():
+    torch.manual_seed(0)
+    result = train(MODELS["tiny-gpt"](), precision="fp32", max_steps=2, eval_every=0, **FAST)
+    cfg = result.config
+    assert result.summary["val_targets"] == cfg["eval_batches"] * cfg["batch_size"] * cfg["seq_len"]
+
+
+@pytest.mark.parametrize("bad", [np.int64(4), 4.0, True])
+def test_sizes_must_be_python_ints_with_a_clear_message(bad):
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+        train(MODELS["tiny-gpt"](), batch_size=bad, max_steps=1, **{k: v for k, v in FAST.items() if k != "batch_size"})

@@ -148,7 +148,9 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
 def precision_list(precisions) -> list[str]:
     """Canonical names, fp32 first (the baseline, added if missing), duplicates dropped."""
     if isinstance(precisions, str):
-        precisions = precisions.split(",")
+        precisions = [p for p in precisions.split(",") if p.strip()]
+    if not precisions:
+        raise ValueError("no precision to benchmark; list them, e.g. fp32,bf16,fp16")
     names = ["fp32"]
     for p in precisions:
         name = canonical_precision(p)
@@ -248,7 +250,7 @@ def _speed(step_ms: list[float], tokens_per_step: int, timed_steps: int) -> dict
 def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, lr, bar) -> dict:
     """Train `steps` from the shared start, then validate in the same precision."""
     step = _fresh_step(adapter, prec, start, lr, total_steps=steps)
-    curve, scales, skipped, diverged_at = [], [], 0, None
+    curve, scales, skipped, diverged_at, why = [], [], 0, None, None
     for i, batch in enumerate(_batches(splits.train, steps, batch_size, adapter.device)):
         out = step([batch])
         bar.update()
@@ -259,12 +261,13 @@ def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, 
         # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
         if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
             diverged_at = i
+            why = "fp16 loss scale fell below 1" if out.scale_collapsed else f"loss became {out.loss.item()}"
             bar.update(steps - i - 1)
             break
     val = evaluate(adapter, make_loader(splits.val, batch_size, shuffle=False, device=adapter.device), prec,
                    val_batches)
     return {"steps": len(curve), "loss_curve": curve, "val_loss": val["val_loss"], "val_accuracy": val["accuracy"],
-            "val_targets": val["targets"], "diverged_at": diverged_at,
+            "val_targets": val["targets"], "diverged_at": diverged_at, "diverged_reason": why,
             "loss_scale": scales if prec.needs_scaler else None, "skipped_steps": skipped if prec.needs_scaler else None}
 
 
@@ -316,8 +319,9 @@ def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) 
                             ("accuracy", "parity"))
     else:
         acc = rec["accuracy"]
-        rows += [accuracy_check(name, acc["val_accuracy_diff"], acc["diverged_at"], t),
-                 parity_check(name, acc["parity"], acc["diverged_at"], t)]
+        diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
+        rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
+                 parity_check(name, acc["parity"], diverged, t)]
     for row in rows:
         row.detail += forced
     return rows

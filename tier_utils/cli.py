@@ -138,11 +138,12 @@ def _run_train(args) -> tuple[dict, int]:
     final = [f"{k.replace('_', ' ')} {s[k]:.4g}" for k in ("train_loss", "val_loss", "perplexity", "accuracy")
              if s[k] is not None and s[k] == s[k]]  # None/NaN: not measured (perplexity of a classifier)
     if final:
-        print("final: " + " · ".join(final))
+        scored = f" (validation: n={s['val_targets']:,} targets)" if s["val_targets"] else ""
+        print("final: " + " · ".join(final) + scored)
     if s["tokens_per_s"]:
         t, ms = s["tokens_per_s"], s["step_time_ms"]
         print(f"throughput: {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']} log windows) · "
-              f"step {ms['median']:.1f} ms median")
+              f"step {ms['median']:.1f} ms median (IQR {ms['iqr']:.1f})")
     if s["precision"] == "fp16":
         print(f"skipped steps (fp16 overflow): {s['skipped_steps']}")
     print("wrote: " + ", ".join(str(f) for f in files))

@@ -125,12 +125,21 @@ class History:
                     acc["gn_n"] += 1
         return None
 
+    def _fold_peak(self, *accs: dict) -> None:
+        """Read (and reset) the device's peak since the last reading into each accumulator, once each."""
+        peak = _take_peak_mb(self.device)
+        for a in {id(x): x for x in accs}.values():
+            a["peak_mb"] = peak if math.isnan(a["peak_mb"]) else max(a["peak_mb"], peak)
+
+    def close_training_peak(self) -> None:
+        """Call before an evaluation: the training steps' peak goes to their rows, not the evaluation's."""
+        self._fold_peak(self._window, self._epoch)
+
     def _row(self, kind: str, step: int, epoch: float, acc: dict, metrics: dict | None = None) -> dict:
         metrics = metrics or {}
         time_ms = acc["time_ms"]
-        peak = _take_peak_mb(self.device)
-        for a in {id(x): x for x in (acc, self._window, self._epoch)}.values():  # each dict once
-            a["peak_mb"] = peak if math.isnan(a["peak_mb"]) else max(a["peak_mb"], peak)
+        # An evaluation's peak belongs to its own row and its epoch, never to the next step row.
+        self._fold_peak(*((acc, self._epoch) if kind == "eval" else (acc, self._window, self._epoch)))
         row = {"kind": kind, "step": step, "epoch": epoch, "train_loss": _mean(acc["loss_sum"], acc["loss_n"]),
                "val_loss": metrics.get("val_loss", NAN), "perplexity": metrics.get("perplexity", NAN),
                "accuracy": metrics.get("accuracy", NAN), "grad_norm": _mean(acc["gn_sum"], acc["gn_n"]),

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import platform
 import tempfile
@@ -42,8 +41,9 @@ def failed_check(name: str, exc: BaseException) -> Check:
 
 
 def whole_number(value, name: str, minimum: int = 1) -> int:
-    """`value` as an int if it is a whole number >= minimum (True/False are not), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    """`value` if it is an int >= minimum, else a ValueError naming `name`. Strict on purpose: True/False
+    and numpy integers are refused here, where the message is clear, not deep inside torch later."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return int(value)
 

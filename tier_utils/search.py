@@ -14,9 +14,9 @@ import warnings
 import optuna
 import pandas as pd
 
-from .adapter import adapt
+from .adapter import resolve_model
 from .errors import TierError, one_line
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL
 from .precision import canonical_precision
 from .results import Result, jsonable, run_metadata
 from .train import TrainConfig, TrainingDiverged, train
@@ -133,8 +133,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
         raise ValueError(f"n_trials must be >= 1, got {n_trials}")
     space = _check_space(dict(DEFAULT_SPACE if space is None else space))
     base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
-    initial = load_model(model)
-    adapt(initial)  # fail here, once, on a model the trials could not drive
+    initial = resolve_model(model).model  # fails here, once, on a model the trials could not drive
     optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
     try:
         study = optuna.create_study(
@@ -147,6 +146,9 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
             raise
         raise SearchStorageError(f"cannot open study storage {storage!r} ({one_line(exc)}); "
                                  "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
+    if study.direction != optuna.study.StudyDirection.MINIMIZE:
+        raise SearchStorageError(f"study {study_name!r} in {storage} maximizes; a search minimizes validation loss, "
+                                 "so give a new study_name")
     done = sum(t.state in _FINISHED for t in study.trials)
     for params in start_with or ():
         study.enqueue_trial(params, skip_if_exists=True)

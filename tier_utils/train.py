@@ -219,6 +219,7 @@ class _Run:
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, env.all_mean if env.active else None)
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
+        self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
         ddp = distributed.wrap(module, env)
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
@@ -306,7 +307,9 @@ class _Run:
 
     def _evaluate(self) -> dict:
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
+        self.hist.close_training_peak()
         metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
+        self.val_targets = metrics["targets"]
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -372,7 +375,7 @@ class _Run:
             "train_loss": last_step["train_loss"] if last_step else None,
             "val_loss": last_eval["val_loss"] if last_eval else None,
             "perplexity": last_eval["perplexity"] if last_eval else None,
-            "accuracy": last_eval["accuracy"] if last_eval else None,
+            "accuracy": last_eval["accuracy"] if last_eval else None, "val_targets": self.val_targets,
             "skipped_steps": self.hist.skipped_total,
             "precision": self.precision.name, "precision_reason": self.precision.reason,
             "device": str(self.device), "device_name": device_name(self.device),

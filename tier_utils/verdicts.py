@@ -116,12 +116,12 @@ def memory_check(precision: str, reductions: dict, t: Thresholds) -> PrecisionCh
     return PrecisionCheck(name, status, round(value, 4), t.memory_reduction, detail, precision)
 
 
-def accuracy_check(precision: str, diff: float | None, diverged_at: int | None, t: Thresholds) -> PrecisionCheck:
-    """`diff` = this precision's val accuracy minus fp32's."""
+def accuracy_check(precision: str, diff: float | None, diverged: str | None, t: Thresholds) -> PrecisionCheck:
+    """`diff` = this precision's val accuracy minus fp32's; `diverged` says where and why training stopped."""
     name = "val accuracy diff"
-    if diverged_at is not None or diff is None or not math.isfinite(diff):
+    if diverged is not None or diff is None or not math.isfinite(diff):
         return PrecisionCheck(name, "FAIL", None, t.accuracy_diff,
-                              f"training diverged at step {diverged_at}: loss became non-finite", precision)
+                              f"training diverged {diverged or 'to a non-finite accuracy'}", precision)
     value = round(diff, 4)
     if abs(diff) < t.accuracy_diff:
         return PrecisionCheck(name, "PASS", value, t.accuracy_diff, f"{diff:+.4f} vs fp32", precision)
@@ -132,11 +132,10 @@ def accuracy_check(precision: str, diff: float | None, diverged_at: int | None, 
                           "differ by more than rounding alone should explain", precision)
 
 
-def parity_check(precision: str, par: dict, diverged_at: int | None, t: Thresholds) -> PrecisionCheck:
+def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds) -> PrecisionCheck:
     name = "loss-curve parity"
-    if diverged_at is not None:
-        return PrecisionCheck(name, "FAIL", None, t.parity_tolerance,
-                              f"training diverged at step {diverged_at}", precision)
+    if diverged is not None:
+        return PrecisionCheck(name, "FAIL", None, t.parity_tolerance, f"training diverged {diverged}", precision)
     dev = par["max_rel_dev"]
     if par["first_step_out"] is None:
         return PrecisionCheck(name, "PASS", round(dev, 4), t.parity_tolerance,

@@ -198,7 +198,7 @@ def _take_peak_mb(device: torch.device) -> float:
 
 
 def _gpu_util(device: torch.device) -> float:
-    """Utilisation through torch (never an nvidia-smi subprocess)."""
+    """Utilisation through torch, never by running a monitoring subprocess."""
     if device.type != "cuda":
         return NAN
     try:

@@ -110,3 +110,18 @@ def test_to_dict_has_the_decision_and_reason():
     d = resolve_precision("fp32", "cpu").to_dict()
     assert set(d) == {"requested", "precision", "dtype", "device", "device_name", "native", "needs_scaler", "reason"}
     assert d["dtype"] == "float32" and d["reason"]
+
+
+@pytest.mark.parametrize("env,auto,supported", [
+    ("", "fp32", ["fp32"]),
+    ("avx512_bf16", "bf16", ["fp32", "bf16"]),
+    ("amx_bf16, avx512_fp16", "bf16", ["fp32", "bf16", "fp16"]),
+    ("avx512_fp16", "fp32", ["fp32", "fp16"]),
+])
+def test_cpu_flags_env_replaces_the_detected_flags(monkeypatch, env, auto, supported):
+    monkeypatch.setenv(P.CPU_FLAGS_ENV, env)
+    assert P.cpu_flags() == frozenset(f.strip() for f in env.split(",") if f.strip())
+    assert resolve_precision("auto", "cpu").name == auto
+    assert supported_precisions("cpu") == supported
+    monkeypatch.delenv(P.CPU_FLAGS_ENV)
+    assert P.cpu_flags() == P._detected_cpu_flags()

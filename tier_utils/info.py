@@ -1,6 +1,7 @@
 """`info`: the device, the precision decision with its reason, and a model summary."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pandas as pd
@@ -8,7 +9,7 @@ import torch
 
 from .adapter import resolve_model
 from .models import DEFAULT_MODEL
-from .precision import cpu_flags, native_support, resolve_device, resolve_precision
+from .precision import CPU_FLAGS_ENV, cpu_flags, native_support, resolve_device, resolve_precision
 from .results import jsonable, run_metadata, write_json
 
 
@@ -44,6 +45,8 @@ def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwar
         env["gpu_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
     else:
         env["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
+        if CPU_FLAGS_ENV in os.environ:
+            env["cpu_flags"] += f" (set by {CPU_FLAGS_ENV})"
     for name in ("bf16", "fp16"):
         env[f"native_{name}"] = native_support(name, dev)[0]
     adapter = resolve_model(model, **model_kwargs)

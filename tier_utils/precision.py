@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import platform
 import warnings
 from dataclasses import dataclass
@@ -56,18 +57,32 @@ def resolve_device(device=None) -> torch.device:
     return dev
 
 
+# Flags that decide low-precision support on a CPU. TIER_UTILS_CPU_FLAGS (comma-separated) replaces the
+# detected set, so one machine can run every branch of the policy: `TIER_UTILS_CPU_FLAGS=` is a CPU
+# with neither native bf16 nor fp16, `TIER_UTILS_CPU_FLAGS=avx512_bf16` one with bf16 only.
+CPU_FLAGS_ENV = "TIER_UTILS_CPU_FLAGS"
+_PRECISION_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2"})
+
+
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """CPU feature flags that matter for low precision (Linux /proc/cpuinfo; empty elsewhere)."""
-    wanted = {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2"}
+def _detected_cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 if line.startswith("flags"):
-                    return frozenset(wanted & set(line.split(":", 1)[1].split()))
+                    return frozenset(_PRECISION_FLAGS & set(line.split(":", 1)[1].split()))
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags that matter for low precision: TIER_UTILS_CPU_FLAGS if set, else Linux's
+    /proc/cpuinfo (empty elsewhere). Read at each call, so a test or notebook can switch profiles."""
+    override = os.environ.get(CPU_FLAGS_ENV)
+    if override is not None:
+        return frozenset(f.strip() for f in override.split(",") if f.strip())
+    return _detected_cpu_flags()
 
 
 def cpu_name() -> str:

@@ -17,7 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from selenium import webdriver  # a test dependency (pyproject [test]); only the browser may be absent here
+
+pytest.importorskip("selenium", reason="selenium is a test extra (pip install '.[test]')")
+from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import distributed
 from .adapter import ModelAdapter, resolve_model
@@ -142,7 +143,7 @@ class TrainStep:
 
 
 @contextlib.contextmanager
-def _determinism(on: bool):
+def _determinism(on: bool, cuda: bool):
     """torch's deterministic mode for the run only; the caller's settings come back afterwards."""
     if not on:
         yield
@@ -153,8 +154,12 @@ def _determinism(on: bool):
     # warn_only: an op with no deterministic kernel warns instead of stopping the user's model.
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    # On CUDA the fused attention kernels' backward accumulates with atomics (run-to-run noise); the
+    # math kernel does not. On the CPU the fused kernel is already deterministic and stays.
+    attention = sdpa_kernel(SDPBackend.MATH) if cuda else contextlib.nullcontext()
     try:
-        yield
+        with attention:
+            yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
@@ -181,7 +186,7 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     cfg = make_config(config, overrides)
     env = distributed.setup(cfg.device)
     try:
-        with _determinism(cfg.deterministic):
+        with _determinism(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
             return _Run(model, data, cfg, on_eval, env).run()
     finally:
         env.close()

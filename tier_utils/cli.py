@@ -112,7 +112,8 @@ def _run_train(args) -> tuple[dict, int]:
              "device")
     settings = {k: getattr(args, k) for k in names}
     settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
-                    checkpoint_dir=str(out / "checkpoints"))
+                    checkpoint_dir=str(out / "checkpoints"), loggers=args.log, log_project=args.log_project,
+                    log_run_name=args.log_run_name, mlflow_uri=args.mlflow_uri)  # logs: DIR/logs
     settings.update({k: getattr(args, k) for k in ("epochs", "max_steps") if getattr(args, k) is not None})
     config = TrainConfig(**settings)  # bad settings fail here, before anything is built or written
     code = 0
@@ -290,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="steps per history row")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
+    p.add_argument("--log", default="", metavar="NAME,NAME",
+                   help="experiment loggers, written under DIR/logs: tensorboard, wandb, mlflow")
+    p.add_argument("--log-project", default="tier_utils", help="W&B project / MLflow experiment")
+    p.add_argument("--log-run-name", default=None, help="default: model-precision-UTC time")
+    p.add_argument("--mlflow-uri", default=None, help="MLflow folder or tracking URI (default DIR/logs/mlflow)")
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")

@@ -9,8 +9,10 @@ and times both on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import logging
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -196,13 +198,28 @@ def _reason(exc: BaseException) -> str:
     return f"{type(root).__name__}: {first}{at}"
 
 
+@contextlib.contextmanager
+def _quiet():
+    """On failure torch.export prints the partial graph to stderr and logs notes: the one-line error says
+    what matters, so they are held back (on success too: they are notes on torch's internals)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
 def _capture(wrapper, trace: tuple, adapter, fmt: str):
     from torch.export import Dim
 
     batch, seq = Dim("batch", max=4096), Dim("seq", max=adapter.max_len)
     dynamic = tuple({0: batch, 1: seq} for _ in trace)
     try:
-        return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)
+        with _quiet():
+            return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)
     except Exception as exc:
         raise ExportError(f"cannot export {adapter.name} to {fmt}: torch.export stopped on {_reason(exc)}; make "
                           "that code traceable (no Python branch or .item() on tensor values; torch.cond for a "
@@ -215,8 +232,7 @@ def _serialize(program, trace: tuple, keys, fmt: str, name: str) -> bytes:
         torch.export.save(program, buf)
         return buf.getvalue()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.onnx's notes on axis names and decompositions
+        with _quiet():  # and torch.onnx's notes on axis names and decompositions
             onnx_program = torch.onnx.export(program, trace, input_names=list(keys), output_names=["logits"],
                                              dynamo=True, verbose=False)
     except Exception as exc:

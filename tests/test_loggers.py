@@ -144,3 +144,40 @@ def test_cli_train_log_writes_tensorboard_under_out(tmp_path, capsys):
     assert code == 0
     (run_dir,) = (out / "logs" / "tensorboard").iterdir()
     assert tensorboard_steps(run_dir, "step/train_loss") == [1, 2]
+
+
+def tensorboard_text(folder: Path, tag: str) -> str:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    (event,) = acc.Tensors(f"{tag}/text_summary")
+    return event.tensor_proto.string_val[0].decode()
+
+
+def test_search_logs_one_run_per_trial(tmp_path):
+    from tier_utils import search
+
+    torch.manual_seed(0)
+    result = search(load_model("tiny-gpt", **TINY), tokens(), n_trials=2, max_steps=2, eval_every=1, eval_batches=1,
+                    seq_len=16, batch_size=4, log_every=1, space={"lr": ("log", 1e-4, 1e-3)},
+                    loggers=("tensorboard",), log_dir=str(tmp_path))
+    runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    assert runs == ["tier_utils-trial-0", "tier_utils-trial-1"]
+    for trial, name in zip(result.study.trials, runs):
+        assert tensorboard_steps(tmp_path / "tensorboard" / name, "step/train_loss") == [1, 2]
+        assert f"**lr**: {trial.params['lr']}" in tensorboard_text(tmp_path / "tensorboard" / name, "config")
+
+
+def test_amp_benchmark_logs_its_tables(tmp_path):
+    from tier_utils import amp_benchmark
+
+    torch.manual_seed(0)
+    result = amp_benchmark(load_model("tiny-gpt", **TINY), precisions=("fp32",), batch_size=4, seq_len=16,
+                           warmup_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, progress=False, device="cpu",
+                           loggers="tensorboard", log_dir=str(tmp_path))
+    (run,) = (tmp_path / "tensorboard").iterdir()
+    assert run.name.startswith("amp_benchmark-TinyGPT-")
+    table = tensorboard_text(run, "amp_benchmark")
+    assert table.splitlines()[0].startswith(",".join(map(str, result.table.columns[:3])))
+    assert "speed" in tensorboard_text(run, "verdicts")

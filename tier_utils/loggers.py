@@ -74,7 +74,7 @@ class _TensorBoard:
     def __init__(self, log_dir: Path, run_name: str, run_id, project: str, mlflow_uri):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.id = run_id or run_name
+        self.id = run_id or _unused(log_dir / "tensorboard", run_name)
         self.writer = SummaryWriter(str(log_dir / "tensorboard" / self.id))  # a resumed run adds an event file
 
     def params(self, config: dict, info: dict) -> None:
@@ -94,6 +94,15 @@ class _TensorBoard:
 
     def close(self, status: str) -> None:
         self.writer.close()
+
+
+def _unused(folder: Path, name: str) -> str:
+    """`name`, or name-2, name-3, ... if a run folder of that name exists (two runs in the same second)."""
+    n, candidate = 1, name
+    while (folder / candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
 
 
 def _wandb_logged_in() -> bool:

@@ -251,7 +251,7 @@ class _Run:
             exc.result = self._logged(self.result(diverged_at=exc.step), "FAILED")
             raise
         except BaseException:  # e.g. on_eval's TrialPruned: the logged run ends too
-            self.log.close("FAILED")
+            self.log.close("KILLED")
             raise
         finally:
             self.bar.close()

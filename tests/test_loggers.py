@@ -129,9 +129,10 @@ def test_cli_train_log_bad_name_exits_2_and_writes_nothing(tmp_path, capsys):
 
 def test_only_rank_0_logs(tmp_path):
     cfg = TrainConfig(loggers=("tensorboard",), log_dir=str(tmp_path))
-    assert not lg.open_train_run(cfg, is_main=False, default_name="x", resumed=False).backends
-    run = lg.open_train_run(cfg, is_main=True, default_name="x", resumed=False)
-    assert list(run.backends) == ["tensorboard"]
+    info = {"model": "M", "precision": "fp32"}
+    assert not lg.open_train_run(cfg, is_main=False, resumed=False, info=info).backends
+    run = lg.open_train_run(cfg, is_main=True, resumed=False, info=info)
+    assert list(run.backends) == ["tensorboard"] and run.run_name.startswith("M-fp32-")
     run.close()
 
 

@@ -33,7 +33,7 @@ from .checkpoint import (
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
-from .loggers import open_train_run, run_stamp
+from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .results import run_metadata
 from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
@@ -226,8 +226,9 @@ class _Run:
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
             self._load()  # it restores the RNG states, so nothing may draw from them after
-        self.log = open_train_run(cfg, env.is_main, f"{self.adapter.name}-{self.precision.name}-{run_stamp()}",
-                                  resumed=self.resumed_from is not None)
+        self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
+            "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            **run_metadata(self.device, self.precision.dtype)})
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -236,9 +237,6 @@ class _Run:
         self.bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                         disable=not (self.cfg.progress and self.env.is_main))
         interrupted = False
-        self.log.params(self.cfg.to_dict(), {"model": self.adapter.name, "precision": self.precision.name,
-                                             "precision_reason": self.precision.reason,
-                                             **run_metadata(self.device, self.precision.dtype)})
         try:
             self._loop()
         except KeyboardInterrupt:

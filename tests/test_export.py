@@ -46,6 +46,7 @@ def test_reloaded_pt2_matches_the_model_and_the_model_is_untouched(tmp_path):
     result = export(model, tmp_path / "m.pt2", format="pt2", precision="bf16", repeats=1)
     assert result.config["precision"] == "bf16" and result.metadata["dtype"] == "bfloat16"
     assert model.training and model.head.weight.dtype == torch.float32  # a copy was cast and exported
+    assert len(result.plot().axes) == 1
     program = torch.export.load(str(tmp_path / "m.pt2")).module()
     ids = torch.randint(0, 256, (3, 11))
     with torch.inference_mode():

@@ -83,13 +83,13 @@ class BenchmarkResult(Result):
 def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_size: int = 8, seq_len: int = 64,
                   warmup_steps: int = 3, timed_steps: int = 10, repeats: int = 5, accuracy_steps: int = 50,
                   thresholds: Thresholds = Thresholds(), force: bool = False, device=None, progress: bool = True,
-                  lr: float = 1e-3, val_batches: int = 20, loggers=(), log_dir="runs/logs") -> BenchmarkResult:
+                  lr: float = 1e-3, val_batches: int = 20, loggers=(), log_dir=None) -> BenchmarkResult:
     """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).
 
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
     `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
-    `loggers` (e.g. ("mlflow",)): one run under `log_dir` holding the table and the verdicts.
+    `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
     """
     for name, value in dict(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
                             val_batches=val_batches).items():

@@ -43,7 +43,7 @@ def logger_names(value) -> tuple[str, ...]:
     return tuple(names)
 
 
-def default_log_dir(log_dir, checkpoint_dir) -> Path:
+def default_log_dir(log_dir, checkpoint_dir=None) -> Path:
     """`log_dir`, else `logs` beside the checkpoint folder, else runs/logs."""
     if log_dir is not None:
         return Path(log_dir)
@@ -151,16 +151,19 @@ class _MLflow:
     def __init__(self, log_dir: Path, run_name: str, run_id, project: str, mlflow_uri):
         from mlflow import MlflowClient
 
-        local = mlflow_uri is None or "://" not in str(mlflow_uri)
-        if local:  # a folder: a SQLite store in it (MLflow refuses its old file store), artifacts beside it
-            folder = Path(mlflow_uri or log_dir / "mlflow").resolve()
+        uri, artifacts = str(mlflow_uri or log_dir / "mlflow"), None
+        if "://" not in uri:  # a folder: a SQLite store in it (MLflow refuses its old file store)
+            folder = Path(uri).resolve()
             folder.mkdir(parents=True, exist_ok=True)
-            mlflow_uri = f"sqlite:///{folder / 'mlflow.db'}"
-        self.client = MlflowClient(str(mlflow_uri))
+            uri = f"sqlite:///{folder / 'mlflow.db'}"
+        if uri.startswith("sqlite:///"):  # artifacts beside the database, not in ./mlruns wherever we run
+            db_folder = Path(uri[len("sqlite:///"):]).resolve().parent
+            db_folder.mkdir(parents=True, exist_ok=True)
+            artifacts = (db_folder / "artifacts").as_uri()
+        self.client = MlflowClient(uri)
         if run_id is None:
             exp = self.client.get_experiment_by_name(project)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                project, artifact_location=(folder / "artifacts").as_uri() if local else None)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(project, artifact_location=artifacts)
             run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         else:
             self.client.update_run(run_id, status="RUNNING")
@@ -283,8 +286,9 @@ def run_stamp() -> str:
 
 
 def log_result_tables(names, log_dir, run_name: str, tables: dict, info: dict, project: str = "tier_utils") -> None:
-    """One run holding a result's tables (e.g. amp_benchmark's per-precision table and verdicts)."""
-    run = RunLogger(names, log_dir, run_name, project)
+    """One run holding a result's tables (e.g. amp_benchmark's per-precision table and verdicts);
+    log_dir None: runs/logs."""
+    run = RunLogger(names, default_log_dir(log_dir), run_name, project)
     try:
         run.params({}, info)
         for name, df in tables.items():

@@ -63,18 +63,24 @@ def wandb_history(run_dirs) -> dict[str, list[int]]:
 @pytest.mark.slow  # three trackers start up (W&B spawns its service): ~20 s
 def test_every_logger_records_rows_and_a_resumed_run_continues_without_duplicates(tmp_path, offline_wandb):
     ckpt, logs = tmp_path / "run" / "checkpoints", tmp_path / "run" / "logs"
-    settings = dict(RUN, checkpoint_dir=str(ckpt), loggers="tensorboard,wandb,mlflow", resume=True)
+    settings = dict(RUN, checkpoint_dir=str(ckpt), loggers="tensorboard,wandb,mlflow", resume=True,
+                    deterministic=True)
 
     def stop(step, metrics):
         raise KeyboardInterrupt  # at step 3, after its rows are logged; the checkpoint is from step 2
 
-    torch.manual_seed(0)
-    first = train(load_model("tiny-gpt", **TINY), tokens(), on_eval=stop, **settings)
+    torch.manual_seed(0)  # dropout: the RNG states the checkpoint restores matter
+    first = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), on_eval=stop, **settings)
     assert first.interrupted and first.summary["steps"] == 3
     state = json.loads((logs / lg.STATE_FILE).read_text())  # log_dir defaulted to "logs" beside the checkpoints
     torch.manual_seed(0)
-    done = train(load_model("tiny-gpt", **TINY), tokens(), **settings)
+    done = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), **settings)
     assert done.summary["resumed_from_step"] == 2 and done.summary["steps"] == 6
+    torch.manual_seed(0)  # opening the trackers drew nothing from the restored RNGs: resume is still exact
+    whole = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(),
+                  **dict(RUN, checkpoint_dir=str(tmp_path / "whole"), deterministic=True))
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(done.model.state_dict()[name], tensor), name
     again = json.loads((logs / lg.STATE_FILE).read_text())
     assert again["ids"] == state["ids"]  # the same runs, continued
     steps = list(range(1, 7))

@@ -225,7 +225,7 @@ class _Run:
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
-            self._load()  # it restores the RNG states, so nothing may draw from them after
+            self._load()  # it restores the RNG states: nothing after it draws from them (trackers use their own)
         self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
             "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             **run_metadata(self.device, self.precision.dtype)})

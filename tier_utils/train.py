@@ -34,6 +34,7 @@ from .checkpoint import (
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
+from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .results import run_metadata
 from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
@@ -229,7 +230,10 @@ class _Run:
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
-            self._load()  # last: it restores the RNG states, so nothing may draw from them after
+            self._load()  # it restores the RNG states: nothing after it draws from them (trackers use their own)
+        self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
+            "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            **run_metadata(self.device, self.precision.dtype)})
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -247,12 +251,20 @@ class _Run:
             if self.env.active or self.hist.sync() is None:
                 self.hist.emit(self.step, self.step / self.steps_per_epoch)
         except TrainingDiverged as exc:
-            exc.result = self.result(diverged_at=exc.step)
+            exc.result = self._logged(self.result(diverged_at=exc.step), "FAILED")
+            raise
+        except BaseException:  # e.g. on_eval's TrialPruned: the logged run ends too
+            self.log.close("KILLED")
             raise
         finally:
             self.bar.close()
             self.adapter.model.train()
-        return self.result(interrupted=interrupted)
+        return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
+
+    def _logged(self, result: TrainResult, status: str) -> TrainResult:
+        self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)
+        self.log.finish(result.summary, self.step, status)
+        return result
 
     def _loop(self) -> None:
         cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
@@ -275,6 +287,7 @@ class _Run:
                     self.hist.record(self.step, out, lr, tokens)
                     self.bar.update()
                 self._after_step()
+                self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
                 if self.step >= self.total_steps:
                     break
 

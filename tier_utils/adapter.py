@@ -159,7 +159,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
         raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
     usable = _position_rows(model)
-    length = max_len or min(n for n in (declared, usable, math.inf) if n)
+    length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
     adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)

@@ -256,10 +256,11 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
               + f" (captured via {source}, {n_batches} batches)"),
     ]
     bad_layers = layers_df[layers_df.collapsed]
-    untrained = len(bad) and (bad.pattern == "uniform").all() and len(bad_layers) == len(layers_df)
+    all_uniform = heads_df.groupby("layer").pattern.agg(lambda p: bool((p == "uniform").all()))
+    untrained = bool(all_uniform[bad_layers.layer].all())  # every collapsed layer is uniform in every head
     checks.append(Check("collapsed layers", "WARN" if len(bad_layers) else "PASS", f"{len(bad_layers)}/{len(layers_df)}",
                         f"all heads collapsed or head TV distance < {SAME_HEADS_TV}",
-                        ", ".join(bad_layers.layer) + ("; every layer uniform is what an untrained model shows"
+                        ", ".join(bad_layers.layer) + ("; all heads uniform, which is what an untrained model shows"
                                                        if untrained else "")
                         if len(bad_layers) else "heads differ within every layer"))
     frames = {"attention": heads_df, "attention_layers": layers_df, "attention_distance": pd.DataFrame(profile_rows)}

@@ -11,6 +11,7 @@ Three ways in, all undone on exit:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 from functools import partial
@@ -70,14 +71,15 @@ def _restore_exposed(module, flag, attention) -> None:
 
 
 def _hf_output_attentions(model: nn.Module):
-    """Switch an HF model to eager attention and ask its forward for the weights; return the undo.
+    """Switch an HF model to eager attention and ask for the weights; return the undo.
 
-    The request goes in as a forward keyword (a per-instance pre-hook), not into the config: some
-    families (Falcon) refuse `config.output_attentions` under SDPA yet honour the keyword; a family that
-    can't switch implementation at run time keeps its own and returns the weights, or none (then SKIP).
+    Asked for twice: through the config (what a wrapper around an HF model passes on) where the config
+    accepts it, and as a forward keyword where the forward takes one (Falcon refuses the config flag under
+    SDPA yet honours the keyword). A family that can't switch implementation at run time keeps its own
+    and returns the weights, or none (then SKIP).
     """
     config = model.config
-    old_impl = getattr(config, "_attn_implementation", None)
+    old_impl, old_flag = getattr(config, "_attn_implementation", None), config.output_attentions
     setter = getattr(model, "set_attn_implementation", None)
     # Asked first, so families that can't switch don't log a warning on every analysis.
     switchable = getattr(model, "_can_set_attn_implementation", lambda: True)()
@@ -91,11 +93,20 @@ def _hf_output_attentions(model: nn.Module):
     switched = old_impl not in (None, "eager") and switchable
     if switched:
         set_impl("eager")  # SDPA/flash kernels never materialise the weights
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, "output_attentions": True}),
-                                           with_kwargs=True)
+    try:
+        config.output_attentions = True
+    except ValueError:  # refused under this implementation; the keyword below still asks
+        pass
+    params = inspect.signature(model.forward).parameters.values()
+    hook = None
+    if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
+        hook = model.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {**kwargs, "output_attentions": True}), with_kwargs=True)
 
     def undo():
-        hook.remove()
+        if hook is not None:
+            hook.remove()
+        config.output_attentions = old_flag
         if switched:
             set_impl(old_impl)
 
@@ -206,7 +217,7 @@ def run(ctx: Context) -> Outcome:
             cap.collect(out)
             del out
             if not cap.maps:
-                why = ("a fused kernel bypassed them" if _has_attention(model)
+                why = ("a fused kernel bypassed them, or a wrapper dropped them" if _has_attention(model)
                        else f"{ctx.adapter.name} has no attention layers (e.g. a state-space model)")
                 return Outcome([Check("attention maps", "SKIP", None, None,
                                       f"{cap.source} installed but the forward produced no attention weights: {why}")])

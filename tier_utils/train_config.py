@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from .compiling import check_compile_mode
 from .precision import canonical_precision
 from .results import whole_number
 
@@ -44,6 +45,10 @@ class TrainConfig:
     resume: bool = False  # continue from checkpoint_dir/last.pt when it exists
     progress: bool = True
     device: str | None = None
+    # torch.compile the model for the training step (evaluation stays eager); a model that can't be
+    # compiled runs eager with a warning. Not a trajectory setting: checkpoints resume either way.
+    compile: bool = False
+    compile_mode: str = "default"  # torch's: default, reduce-overhead (CUDA graphs), max-autotune
 
     def __post_init__(self):
         _validate(self)
@@ -70,6 +75,9 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"{name} must be a number {'>' if strict else '>='} {low}, got {v!r}")
 
     canonical_precision(c.precision)
+    if not isinstance(c.compile, bool):
+        raise ValueError(f"compile must be True or False, got {c.compile!r}")
+    check_compile_mode(c.compile_mode)
     for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps", "log_every"):
         whole(name, 1)
     for name in ("warmup_steps", "seed", "num_workers"):

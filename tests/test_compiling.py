@@ -1,0 +1,121 @@
+"""torch.compile in train(): compiled fp32 matches eager, checkpoints move between compiled and eager
+runs, an uncompilable model falls back with a warning, and the optimizer choice is named.
+
+Inductor compiles on the CPU, about 20 s for the tiny model on a cold cache (a few seconds once
+its graphs are cached), so the real compiles are few and shared through one module fixture.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+
+from tier_utils.checkpoint import load_checkpoint
+from tier_utils.compiling import CompileFallbackWarning, compile_modes
+from tier_utils.models import load_model
+from tier_utils.train import TrainConfig, make_optimizer, optimizer_impl, train
+
+STEPS, CUT = 10, 5
+RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,
+           deterministic=True, progress=False, seed=3, device="cpu")
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32)
+
+
+def losses(result, first=1):
+    steps = result.history.query("kind == 'step'")
+    return steps.loc[steps["step"] >= first, "train_loss"].tolist()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_after_checkpoint(step, metrics):
+    raise _Stop(step)  # eval_every=CUT + 1: the checkpoint at CUT is the last one written
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("compiled")
+    eager = train(tiny_gpt(), **RUN)
+    compiled = train(tiny_gpt(), **RUN, compile=True)
+    with pytest.raises(_Stop):
+        train(tiny_gpt(), **{**RUN, "eval_every": CUT + 1}, compile=True, checkpoint_dir=ckpt, checkpoint_every=CUT,
+              on_eval=_stop_after_checkpoint)
+    return eager, compiled, ckpt
+
+
+def test_compiled_fp32_matches_eager_within_1e4(runs):
+    eager, compiled, _ = runs
+    s = compiled.summary
+    assert s["compiled"] and s["compile_s"] > 0 and s["compile_reason"].startswith("compiled (mode default)")
+    assert not eager.summary["compiled"] and eager.summary["compile_s"] is None
+    assert compiled.config["compile"] is True and compiled.model is not None
+    assert len(losses(compiled)) == STEPS
+    assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+    # The trained module handed back is the eager one: plain parameter names.
+    assert not any(k.startswith("_orig_mod.") for k in compiled.model.state_dict())
+
+
+def test_compiled_checkpoint_loads_into_eager_model_and_resumes_either_way(runs):
+    eager, compiled, ckpt = runs
+    state = load_checkpoint(ckpt / "last.pt")
+    assert state["step"] == CUT and not any(k.startswith("_orig_mod.") for k in state["model"])
+    fresh = tiny_gpt()
+    fresh.load_state_dict(state["model"])  # strict: every key matches an eager model's
+
+    (ckpt / "again").mkdir()  # a copy for the compiled resume: the eager one overwrites last.pt
+    (ckpt / "again" / "last.pt").write_bytes((ckpt / "last.pt").read_bytes())
+
+    resumed_eager = train(fresh, **RUN, checkpoint_dir=ckpt, resume=True)
+    assert resumed_eager.summary["resumed_from_step"] == CUT and not resumed_eager.summary["compiled"]
+    assert losses(resumed_eager, CUT + 1) == pytest.approx(losses(eager, CUT + 1), rel=1e-4)
+
+    # Resuming compiled repeats the uninterrupted compiled run exactly: the warm-up that compiles
+    # leaves weights, gradients and RNG states as they were.
+    resumed_compiled = train(tiny_gpt(), **RUN, compile=True, checkpoint_dir=ckpt / "again", resume=True)
+    assert resumed_compiled.summary["compiled"]
+    assert losses(resumed_compiled, CUT + 1) == losses(compiled, CUT + 1)
+    for name, tensor in compiled.model.state_dict().items():
+        assert torch.equal(resumed_compiled.model.state_dict()[name], tensor), name
+
+
+def test_uncompilable_model_falls_back_to_eager_with_one_warning(monkeypatch):
+    # A real compile failure, cheaply: inductor finds no working C++ compiler.
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    torch._dynamo.reset()  # code compiled earlier in this process would otherwise be reused, not compiled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(tiny_gpt(), **{**RUN, "max_steps": 3}, compile=True)
+    fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(fallbacks) == 1 and "could not compile" in str(fallbacks[0].message)
+    s = result.summary
+    assert not s["compiled"] and s["compile_s"] is None and s["steps"] == 3
+    assert "ran eager" in s["compile_reason"] and "\n" not in s["compile_reason"]
+    # It ran the eager steps exactly: the failed warm-up left weights and RNG untouched.
+    assert losses(result) == losses(train(tiny_gpt(), **{**RUN, "max_steps": 3}))
+
+
+def test_compile_settings_are_validated_and_the_optimizer_is_named():
+    with pytest.raises(ValueError, match="compile_mode must be one of default, reduce-overhead, max-autotune"):
+        TrainConfig(compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        TrainConfig(compile="yes")
+    with pytest.raises(ValueError, match="compile must be False, True or 'both'"):
+        compile_modes("sometimes")
+    assert compile_modes("both") == ["eager", "compiled"]
+    cpu = make_optimizer(tiny_gpt(), 1e-3, 0.1)
+    assert optimizer_impl(cpu) == "foreach"  # fused is for CUDA parameters
+    if torch.cuda.is_available():
+        assert optimizer_impl(make_optimizer(tiny_gpt().cuda(), 1e-3, 0.1)) == "fused"
+    result = train(tiny_gpt(), **{**RUN, "max_steps": 1})
+    assert result.summary["optimizer"] == "AdamW (foreach)"
+    assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])

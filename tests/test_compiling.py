@@ -6,12 +6,15 @@ its graphs are cached), so the real compiles are few and shared through one modu
 """
 from __future__ import annotations
 
+import json
 import warnings
 
 import pandas as pd
 import pytest
 import torch
 
+from tier_utils import bench, compiling
+from tier_utils.bench import amp_benchmark
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
 from tier_utils.models import load_model
@@ -119,3 +122,65 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
     result = train(tiny_gpt(), **{**RUN, "max_steps": 1})
     assert result.summary["optimizer"] == "AdamW (foreach)"
     assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])
+
+
+# --- amp_benchmark(compile=...) ------------------------------------------------------------------
+BENCH = dict(batch_size=4, seq_len=16, warmup_steps=1, timed_steps=2, repeats=3, accuracy_steps=3, val_batches=1,
+             progress=False, device="cpu")
+
+
+@pytest.fixture
+def cheap_compile(monkeypatch):
+    """Dynamo + AOTAutograd without inductor's code generation: the same wrapping and fallback
+    paths in a second, not 20 s per precision (inductor itself is covered by the train tests)."""
+    monkeypatch.setattr(compiling, "_compile", lambda module, mode: torch.compile(module, backend="aot_eager"))
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 counts as native: it runs on any CPU
+
+
+def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(cheap_compile, monkeypatch):
+    order, original = [], bench._timed_run
+
+    def recording(adapter, prec, *args):
+        order.append((prec.name, args[-1] is not adapter))  # the last argument is the adapter the steps call
+        return original(adapter, prec, *args)
+
+    monkeypatch.setattr(bench, "_timed_run", recording)
+    model = tiny_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = amp_benchmark(model, precisions=("fp32", "bf16"), compile="both", **BENCH)
+    assert order == [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)] * 3
+    table = result.table
+    assert list(zip(table["precision"], table["mode"])) == [("fp32", "eager"), ("fp32", "compiled"),
+                                                            ("bf16", "eager"), ("bf16", "compiled")]
+    compiled = table[table["mode"] == "compiled"]
+    assert (compiled["compile_s"] > 0).all() and compiled["speedup_vs_eager"].notna().all()
+    assert table.loc[0, "speedup"] == 1.0 and table["speedup"].notna().all()
+    assert table[table["mode"] == "eager"]["speedup_vs_eager"].isna().all()
+    v = result.verdicts
+    rows = v[(v["check"] == "compile speedup vs eager")]
+    assert list(zip(rows["precision"], rows["mode"])) == [("fp32", "compiled"), ("bf16", "compiled")]
+    assert rows["status"].isin(["PASS", "WARN", "FAIL"]).all() and rows["detail"].str.contains("n=3 repeats").all()
+    fp32_compiled = set(v[(v["precision"] == "fp32") & (v["mode"] == "compiled")]["check"])
+    assert fp32_compiled == {"compile speedup vs eager", "val accuracy diff", "loss-curve parity"}
+    parity_row = v[(v["mode"] == "compiled") & (v["check"] == "loss-curve parity") & (v["precision"] == "fp32")]
+    assert parity_row["status"].item() == "PASS"  # compiled fp32 tracks eager fp32's loss curve
+    assert result.config["compile"] == "both" and json.dumps(result.to_json())
+    assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
+    assert len(result.plot().axes) == 4
+
+
+def test_benchmark_compile_failure_is_a_warn_row_and_runs_eager(cheap_compile, monkeypatch):
+    def broken(module, mode):
+        def call(*args, **kwargs):
+            raise RuntimeError("unsupported op\nsecond line")
+        return call
+
+    monkeypatch.setattr(compiling, "_compile", broken)
+    with pytest.warns(CompileFallbackWarning):
+        both = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile="both", **{**BENCH, "accuracy_steps": 0})
+    warn = both.verdicts.query("check == 'compile'")
+    assert warn["status"].tolist() == ["WARN"] and "unsupported op second line" in warn["detail"].item()
+    assert both.table["ran"].tolist() == [True, False]  # measured once, eager
+    with pytest.warns(CompileFallbackWarning):
+        only = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile=True, **{**BENCH, "accuracy_steps": 0})
+    assert only.table["mode"].tolist() == ["eager"] and only.table["ran"].tolist() == [True]

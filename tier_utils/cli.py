@@ -9,6 +9,7 @@ import ast
 import sys
 import warnings
 
+from .compiling import COMPILE_MODES
 from .errors import TierError
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
@@ -109,7 +110,7 @@ def _run_train(args) -> tuple[dict, int]:
         raise ValueError(f"--out {args.out} is a file; give a folder for metrics.csv, training.png and checkpoints")
     names = ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",
              "deterministic", "num_workers", "eval_every", "eval_batches", "log_every", "checkpoint_every", "resume",
-             "device")
+             "device", "compile", "compile_mode")
     settings = {k: getattr(args, k) for k in names}
     settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
                     checkpoint_dir=str(out / "checkpoints"))
@@ -146,6 +147,7 @@ def _run_train(args) -> tuple[dict, int]:
               f"step {ms['median']:.1f} ms median (IQR {ms['iqr']:.1f})")
     if s["precision"] == "fp16":
         print(f"skipped steps (fp16 overflow): {s['skipped_steps']}")
+    print(f"optimizer: {s['optimizer']} · compile: {s['compile_reason']}")
     print("wrote: " + ", ".join(str(f) for f in files))
     if result.interrupted:
         print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
@@ -290,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="steps per history row")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (compile time reported apart; eager if it can't compile)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile mode; reduce-overhead uses CUDA graphs (default: default)")
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")

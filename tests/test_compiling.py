@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tier_utils import bench, compiling
+from tier_utils import bench, cli, compiling
 from tier_utils.bench import amp_benchmark
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
@@ -135,6 +135,10 @@ def cheap_compile(monkeypatch):
     paths in a second, not 20 s per precision (inductor itself is covered by the train tests)."""
     monkeypatch.setattr(compiling, "_compile", lambda module, mode: torch.compile(module, backend="aot_eager"))
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 counts as native: it runs on any CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in test_bench.py: two threads on a shared CPU spin-wait on each other
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(cheap_compile, monkeypatch):
@@ -184,3 +188,24 @@ def test_benchmark_compile_failure_is_a_warn_row_and_runs_eager(cheap_compile, m
     with pytest.warns(CompileFallbackWarning):
         only = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile=True, **{**BENCH, "accuracy_steps": 0})
     assert only.table["mode"].tolist() == ["eager"] and only.table["ran"].tolist() == [True]
+
+
+def test_cli_compile_options(cheap_compile, tmp_path, capsys):
+    tiny = [a for k, v in dict(d_model=32, n_layer=1, n_head=2, max_len=32).items() for a in ("--model-arg", f"{k}={v}")]
+    out = tmp_path / "bench.json"
+    code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
+                     "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress",
+                     "--compile", "both", "--json", str(out), *tiny])
+    doc = json.loads(out.read_text())
+    assert code in (0, 1) and doc["config"]["compile"] == "both"
+    assert [(r["precision"], r["mode"]) for r in doc["precisions"]] == [("fp32", "eager"), ("fp32", "compiled")]
+    assert "compiled" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert cli.main(["train", "--precision", "fp32", "--batch-size", "4", "--seq-len", "16", "--max-steps", "2",
+                     "--eval-batches", "1", "--no-progress", "--compile", "--out", str(run), *tiny]) == 0
+    assert "optimizer: AdamW (foreach) · compile: compiled (mode default)" in capsys.readouterr().out
+    for bad in (["bench", "--compile", "maybe"], ["train", "--out", str(tmp_path / "t"), "--compile-mode", "fast"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(bad)
+        assert exc.value.code == 2 and "--compile" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

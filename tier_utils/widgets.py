@@ -21,7 +21,8 @@ MAX_BATCH_SIZE = 4096
 
 @dataclass
 class RunConfig:
-    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths."""
+    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths,
+    and whether to torch.compile (train(compile=...), amp_benchmark(compile="both" or False))."""
 
     model: str = DEFAULT_MODEL
     model_kwargs: dict = field(default_factory=dict)
@@ -31,9 +32,12 @@ class RunConfig:
     max_steps: int = 20
     device: str | None = None
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self):
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         for name in ("batch_size", "seq_len", "max_steps"):
             whole_number(getattr(self, name), name)
         if self.batch_size > MAX_BATCH_SIZE:  # the panel's box could not show it; it would clamp silently
@@ -50,7 +54,7 @@ class RunConfig:
 
 
 class ConfigPanel(widgets.VBox):
-    """Model, precision and batch-size controls bound to a RunConfig (see `config_panel`)."""
+    """Model, precision, batch-size and compile controls bound to a RunConfig (see `config_panel`)."""
 
     def __init__(self, config: RunConfig, models=None):
         self.config = config
@@ -67,13 +71,16 @@ class ConfigPanel(widgets.VBox):
                                                  style=style)
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
+        self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
         self.decision = widgets.HTML()
         self.model_select.observe(self._set("model"), names="value")
         self.precision_select.observe(self._set("precision"), names="value")
         self.precision_select.observe(lambda change: self._show_decision(), names="value")
         self.batch_size_input.observe(self._set("batch_size"), names="value")
+        self.compile_box.observe(self._set("compile"), names="value")
         self._show_decision()
-        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.decision])
+        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.compile_box,
+                          self.decision])
 
     def _set(self, attribute: str):
         def write(change):
@@ -88,5 +95,5 @@ class ConfigPanel(widgets.VBox):
 
 def config_panel(config: RunConfig, models=None) -> ConfigPanel:
     """A widget box editing `config` in place: model (built-ins), precision (auto + what the device runs
-    natively), batch size. `models` overrides the model choices."""
+    natively), batch size, torch.compile on/off. `models` overrides the model choices."""
     return ConfigPanel(config, models)

@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     sheet = next((tf for key, tf in DATASHEET_BF16.items() if key in name), None)
     tokens = args.batch_size * args.seq_len
     print(f"{name} · torch {torch.__version__} · tiny-gpt d_model={SHAPE['d_model']} layers={SHAPE['n_layer']} "
-          f"heads={SHAPE['n_head']} · bf16 · batch {args.batch_size} x {args.seq_len} · {', '.join(sorted(optimizers))}"
+          f"heads={SHAPE['n_head']} · bf16 · batch {args.batch_size} x {args.seq_len} · "
+          f"{', '.join(sorted(optimizers))}"
           f" · compile mode {args.compile_mode}")
     print(f"FLOPs per step {flops / 1e12:.3f} T (flop_counter, forward + backward) · measured bf16 matmul peak "
           f"{peak:.0f} TFLOP/s ({size}x{size}, best of {len(probe)})"

@@ -191,7 +191,8 @@ def test_benchmark_compile_failure_is_a_warn_row_and_runs_eager(cheap_compile, m
 
 
 def test_cli_compile_options(cheap_compile, tmp_path, capsys):
-    tiny = [a for k, v in dict(d_model=32, n_layer=1, n_head=2, max_len=32).items() for a in ("--model-arg", f"{k}={v}")]
+    sizes = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+    tiny = [a for k, v in sizes.items() for a in ("--model-arg", f"{k}={v}")]
     out = tmp_path / "bench.json"
     code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
                      "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress",

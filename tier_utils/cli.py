@@ -76,7 +76,8 @@ def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, p
 
 def add_compile_mode(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=TrainConfig.compile_mode,
-                        help=f"torch.compile mode; reduce-overhead uses CUDA graphs (default: {TrainConfig.compile_mode})")
+                        help="torch.compile mode; reduce-overhead uses CUDA graphs "
+                             f"(default: {TrainConfig.compile_mode})")
 
 
 _COMPILE_CHOICES = {"off": False, "on": True, "both": "both"}  # bench --compile -> amp_benchmark(compile=)

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .adapter import resolve_model
 from .data import build_datasets, make_loader, to_device
@@ -28,6 +27,8 @@ from .measure import (
     summarize,
 )
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
+from .plotting import integer_axis, power_of_two_axis
+from .progress import progress_bar
 from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
 from .train import TrainStep, make_optimizer, make_scheduler
 from .verdicts import (
@@ -110,8 +111,8 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=cuda_rngs), tqdm(total=total, desc="amp benchmark",
-                                                             disable=not progress) as bar:
+        with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
+                                                                     unit="step", enabled=progress) as bar:
             # One fp32 forward + backward, counted once: precision changes no FLOP count.
             flops = count_flops(lambda: adapter.forward_loss(speed_batches[0])[0].backward())
             adapter.model.zero_grad(set_to_none=True)
@@ -358,8 +359,12 @@ def _plot(result: BenchmarkResult):
 
     ran = [r for r in result.records if r["ran"]]
     names = [r["precision"] for r in ran]
-    fig = Figure(figsize=(12, 8), layout="constrained")
-    ax_speed, ax_mem, ax_loss, ax_scale = fig.subplots(2, 2).ravel()
+    curves = [r for r in ran if r["accuracy"]]
+    scaled = [r for r in curves if r["accuracy"]["loss_scale"]]
+    # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
+    fig = Figure(figsize=(12, 8) if scaled else (15, 4.5), layout="constrained")
+    axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
+    ax_speed, ax_mem, ax_loss = axes[:3]
     device = result.metadata["device_name"]
     fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
 
@@ -368,6 +373,7 @@ def _plot(result: BenchmarkResult):
     ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
     ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
     ax_speed.set_ylabel("tokens / s")
+    ax_speed.set_xlabel("precision")
 
     bottom = [0.0] * len(ran)
     for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
@@ -377,25 +383,28 @@ def _plot(result: BenchmarkResult):
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_mem.set_title("memory of one training step (saved-tensor accounting)")
     ax_mem.set_ylabel("MiB")
-    ax_mem.legend(fontsize="small")
+    ax_mem.set_xlabel("precision")
+    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
 
-    curves = [r for r in ran if r["accuracy"]]
     for r in curves:
-        ax_loss.plot(r["accuracy"]["loss_curve"], label=r["precision"])
+        curve = r["accuracy"]["loss_curve"]
+        ax_loss.plot(range(1, len(curve) + 1), curve, label=r["precision"])
     ax_loss.set_title("training loss, same start and batches")
-    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats)")
     if curves:
         ax_loss.legend()
-
-    scaled = [r for r in curves if r["accuracy"]["loss_scale"]]
-    for r in scaled:
-        ax_scale.plot(r["accuracy"]["loss_scale"], label=f"{r['precision']} ({r['accuracy']['skipped_steps']} skipped)")
-    ax_scale.set_title("GradScaler loss scale")
-    ax_scale.set_xlabel("step")
-    if scaled:
-        ax_scale.set_yscale("log")
-        ax_scale.legend()
     else:
-        ax_scale.text(0.5, 0.5, "no fp16 accuracy run\n(the loss scale exists only for fp16)",
-                      ha="center", va="center", transform=ax_scale.transAxes)
+        ax_loss.text(0.5, 0.5, "no accuracy run (accuracy_steps=0)", ha="center", va="center",
+                     transform=ax_loss.transAxes)
+
+    for r in scaled:
+        trace = r["accuracy"]["loss_scale"]
+        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{r['precision']} ({r['accuracy']['skipped_steps']} skipped)")
+    if scaled:
+        axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
+        power_of_two_axis(axes[3], [v for r in scaled for v in r["accuracy"]["loss_scale"]])
+        axes[3].legend()
+    for ax in axes[2:]:
+        ax.set_xlabel("optimizer step")
+        integer_axis(ax.xaxis)
     return fig

@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (0: epoch ends only)")
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches per evaluation")
-    p.add_argument("--log-every", type=int, default=10, help="steps per history row")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="steps per history row (default: every step on short runs, else 10)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
     p.set_defaults(run=_run_train)

@@ -17,6 +17,7 @@ import torch
 
 from .data import to_device
 from .measure import StepTimer, summarize
+from .plotting import integer_axis, power_of_two_axis
 from .results import Result, atomic_write_bytes, jsonable
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -242,23 +243,29 @@ class TrainResult(Result):
         h = self.history
         steps, evals = h[h["kind"] == "step"], h[h["kind"].isin(["eval", "epoch"])]
         fig = Figure(figsize=(11, 7), layout="constrained")
-        (ax_loss, ax_lr), (ax_gn, ax_scale) = fig.subplots(2, 2)
-        ax_loss.plot(steps["step"], steps["train_loss"], label="train")
-        ax_loss.plot(evals["step"], evals["val_loss"], "o-", label="val")
-        ax_loss.set(title="loss", xlabel="step")
+        (ax_loss, ax_lr), (ax_gn, ax_last) = fig.subplots(2, 2)
+        line = "o-" if len(steps) <= 60 else "-"  # a short run's every logged point stays visible
+        stride = int(steps["step"].diff().median()) if len(steps) > 1 else 1
+        per_row = "per step" if stride == 1 else f"mean of {stride} steps per point"
+        ax_loss.plot(steps["step"], steps["train_loss"], line, ms=3, label=f"train ({per_row})")
+        ax_loss.plot(evals["step"], evals["val_loss"], "s-", label="validation")
+        ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
         ax_loss.legend()
-        ax_lr.plot(steps["step"], steps["lr"])
-        ax_lr.set(title="learning rate", xlabel="step")
-        ax_gn.plot(steps["step"], steps["grad_norm"])
-        ax_gn.set(title="gradient norm (before clipping)", xlabel="step")
+        ax_lr.plot(steps["step"], steps["lr"], line, ms=3)
+        ax_lr.set(title="learning rate (warm-up, then cosine decay)", ylabel="learning rate")
+        ax_gn.plot(steps["step"], steps["grad_norm"], line, ms=3)
+        ax_gn.set(title="gradient norm (before clipping)", ylabel="L2 norm")
         if steps["loss_scale"].notna().any():
-            ax_scale.step(steps["step"], steps["loss_scale"], where="post")
-            ax_scale.set_yscale("log", base=2)
-            ax_scale.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", xlabel="step")
-        else:
-            ax_scale.set_axis_off()
-            ax_scale.text(0.5, 0.5, f"no loss scaler in {self.summary.get('precision', '?')}",
-                          ha="center", va="center")
+            ax_last.step(steps["step"], steps["loss_scale"], where="post")
+            power_of_two_axis(ax_last, steps["loss_scale"].dropna())
+            ax_last.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", ylabel="loss scale")
+        else:  # no loss scaler outside fp16: throughput is the next most useful trace
+            ax_last.plot(steps["step"], steps["tokens_per_s"], line, ms=3)
+            ax_last.set(title=f"throughput (no loss scaler in {self.summary.get('precision', '?')})",
+                        ylabel="tokens / s (wall time)")
+        for ax in (ax_loss, ax_lr, ax_gn, ax_last):
+            ax.set_xlabel("optimizer step")
+            integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.get('model', '')} · {self.summary.get('precision', '')} · "
                      f"{self.summary.get('device_name', '')}")
         return fig

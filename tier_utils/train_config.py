@@ -10,6 +10,7 @@ from .results import whole_number
 # Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed")
+FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
 @dataclass
@@ -19,7 +20,8 @@ class TrainConfig:
     Counts are optimizer steps. Evaluation runs every `eval_every` steps and at the end of every
     epoch and of the run (None or 0: only there), on at most `eval_batches` validation batches
     (None: all). A step row of the history aggregates `log_every` steps (more on very long runs,
-    to keep about 2000 rows). Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every`
+    to keep about 2000 rows); None logs every step on runs of up to FINE_LOG_STEPS steps, so a short
+    run's warm-up shows, and every 10 steps on longer ones. Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every`
     steps and at the end of the run (None: only at the end).
     """
 
@@ -38,7 +40,7 @@ class TrainConfig:
     num_workers: int = 0
     eval_every: int | None = 50
     eval_batches: int | None = 20
-    log_every: int = 10
+    log_every: int | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False  # continue from checkpoint_dir/last.pt when it exists
@@ -70,7 +72,7 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"{name} must be a number {'>' if strict else '>='} {low}, got {v!r}")
 
     canonical_precision(c.precision)
-    for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps", "log_every"):
+    for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps"):
         whole(name, 1)
     for name in ("warmup_steps", "seed", "num_workers"):
         whole(name, 0)
@@ -78,6 +80,7 @@ def _validate(c: TrainConfig) -> None:
     whole("eval_every", 0, optional=True)
     whole("eval_batches", 1, optional=True)
     whole("checkpoint_every", 1, optional=True)
+    whole("log_every", 1, optional=True)
     number("lr", 0, strict=True)
     number("weight_decay", 0)
     number("grad_clip", 0, optional=True)

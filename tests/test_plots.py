@@ -99,7 +99,8 @@ def test_short_name_keeps_the_end_of_a_module_path():
 
 
 def test_smoke_and_analysis_plots_are_readable(model):
-    figures = {f"smoke {k}": f for k, f in _figures(smoke(model, batch_sizes=(1, 2), progress=False)).items()}
+    tier1 = smoke(model, batch_sizes=(1, 2), seq_lens=(16,), progress=False)
+    figures = {f"smoke {k}": f for k, f in _figures(tier1).items()}
     report = analyze(model, batch_size=2, n_batches=1, seq_len=16, progress=False, device="cpu")
     names = [n for n, o in report.outcomes.items() if o.ran]
     assert names, "no analysis ran on the tiny model"
@@ -119,7 +120,7 @@ def test_training_plot_is_readable_and_shows_every_step_of_a_short_run(model, pr
 def test_benchmark_plot_is_readable_with_and_without_fp16(model):
     for precisions in (("fp32",), ("fp32", "fp16")):
         result = amp_benchmark(model, precisions=precisions, force=True, batch_size=2, seq_len=16, warmup_steps=1,
-                               timed_steps=2, repeats=1, accuracy_steps=6, val_batches=1, progress=False,
+                               timed_steps=1, repeats=1, accuracy_steps=4, val_batches=1, progress=False,
                                device="cpu")
         assert problems(result.plot()) == [], precisions
 

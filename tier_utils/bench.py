@@ -50,7 +50,7 @@ _PROBE_REPS = 3  # probe matmuls per speed repeat
 _MIB = 2**20
 
 
-@dataclass
+@dataclass(repr=False)
 class BenchmarkResult(Result):
     """What `amp_benchmark` measured: one record per precision, the verdict rows, config and metadata."""
 

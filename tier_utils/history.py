@@ -214,7 +214,7 @@ def step_stats(history: pd.DataFrame, column: str) -> dict | None:
     return summarize(xs).to_dict() if len(xs) else None
 
 
-@dataclass
+@dataclass(repr=False)
 class TrainResult(Result):
     """What `train()` returns (also attached, partial, to `TrainingDiverged.result`)."""
 
@@ -228,14 +228,38 @@ class TrainResult(Result):
 
     @property
     def table(self) -> pd.DataFrame:
-        """The summary as (metric, value) rows; nested figures flattened to dotted names."""
-        rows = []
-        for key, value in self.summary.items():
-            if isinstance(value, dict):
-                rows += [(f"{key}.{k}", v) for k, v in value.items()]
-            else:
-                rows.append((key, value))
-        return pd.DataFrame(rows, columns=["metric", "value"])
+        """The summary to read at a glance, as (metric, value) rows of text; `.summary` and the JSON
+        keep every figure as numbers (quartiles, run metadata, ...)."""
+        s = self.summary
+
+        def spread(key, unit):
+            t = s.get(key)
+            return f"{t['median']:,.4g} {unit} median (IQR {t['iqr']:,.3g}, n={t['n']} rows)" if t else None
+
+        def number(key, fmt):
+            return None if s.get(key) is None else format(s[key], fmt)
+
+        rows = [
+            ("model", f"{s.get('model')} ({s.get('parameters', 0):,} parameters, {s.get('task')})"),
+            ("precision", s.get("precision")),
+            ("precision_reason", s.get("precision_reason")),
+            ("device", s.get("device_name")),
+            ("steps", f"{s.get('steps')} of {s.get('total_steps')} (global batch {s.get('global_batch')})"),
+            ("train_loss", number("train_loss", ".4f")),
+            ("val_loss", number("val_loss", ".4f")),
+            ("perplexity", number("perplexity", ".4g")),
+            ("accuracy", None if s.get("accuracy") is None else f"{s['accuracy']:.4f} (n={s.get('val_targets')} targets)"),
+            ("tokens_per_s", spread("tokens_per_s", "tokens/s")),
+            ("step_time_ms", spread("step_time_ms", "ms")),
+            ("skipped_steps", s.get("skipped_steps") if s.get("precision") == "fp16" else None),
+            ("diverged_at_step", s.get("diverged_at_step")),
+            ("interrupted", True if s.get("interrupted") else None),
+            ("checkpoint", s.get("checkpoint")),
+        ]
+        return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
+
+    def headline(self) -> str:
+        return f"TrainResult: {self.summary.get('model')} · {self.summary.get('precision')}"
 
     def plot(self):
         from matplotlib.figure import Figure

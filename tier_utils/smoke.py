@@ -81,9 +81,6 @@ class SmokeReport(Result):
         return (f"smoke {self.model.get('model')}: {self.worst} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}")
 
-    def __repr__(self) -> str:
-        return f"<SmokeReport {self.headline()}>"
-
     def to_json(self) -> dict:
         return jsonable({
             "passed": self.passed, "worst": self.worst, "checks": [asdict(c) for c in self.checks], "model": self.model,

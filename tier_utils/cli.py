@@ -228,6 +228,15 @@ def _run_all(args) -> tuple[dict, int]:
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
 
+def _run_colab(args):
+    from .colab import point_at
+
+    changed = point_at(args.repo, args.root)
+    print(f"{len(changed)} file(s) now point at {args.repo}: " + ", ".join(str(p) for p in changed)
+          if changed else f"already pointing at {args.repo}; nothing changed")
+    return None, 0
+
+
 def _wide_pandas():
     import pandas as pd
 
@@ -339,6 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", action="store_true", help="shorter runs: fewer steps, repeats and batches")
     p.add_argument("--seed", type=int, default=0, help="initial weights and training data order (default 0)")
     p.set_defaults(run=_run_all)
+
+    p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")
+    p.add_argument("--repo", required=True, metavar="USER/NAME", help="your GitHub repository, e.g. alice/tier_utils")
+    p.add_argument("--root", default=".", metavar="DIR", help="the checkout to change (default: here)")
+    p.set_defaults(run=_run_colab, json=None)
     return parser
 
 

@@ -219,8 +219,10 @@ def _run_search(args) -> tuple[dict, int]:
 
 
 def _run_all(args) -> tuple[dict, int]:
+    from .measure import machine_load
     from .report import run_all
 
+    print(f"all: smoke, analysis, training, AMP benchmark ({machine_load() or 'load unknown'})", file=sys.stderr)
     result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
                      **model_kwargs(args))

@@ -193,3 +193,14 @@ def probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
     """The probe's TFLOP/s statistics: the device's reachable matmul peak in `dtype` is their max."""
     stats = summarize(2 * size**3 / (t * 1e-3) / 1e12 for t in ms)
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
+
+
+def machine_load() -> str:
+    """The CPU load right now, said so that a slow run on a shared machine explains itself."""
+    import os
+
+    if not hasattr(os, "getloadavg"):  # Windows
+        return ""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    busy = "; busy: timings will be slower and noisier than on an idle machine" if load > cores else ""
+    return f"load average {load:.1f} on {cores} CPU cores{busy}"

@@ -27,11 +27,12 @@ from .train import TrainingDiverged, train
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
-# A dashboard: the page never scrolls sideways; a wide table scrolls inside its own box.
+# A dashboard: the page never scrolls sideways; a wide or long table scrolls inside its own box.
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
-.scroll{overflow-x:auto;max-width:100%;margin:.5em 0}
+.scroll{overflow:auto;max-width:100%;max-height:30em;margin:.5em 0}
 table{border-collapse:collapse;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f3f3f3}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3;position:sticky;top:0}
 td{max-width:40em;overflow-wrap:anywhere}
 img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:anywhere}
 .PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP,.measured{color:#666}"""

@@ -94,7 +94,8 @@ def test_the_rules_catch_an_unreadable_plot():
 
 def test_short_name_keeps_the_end_of_a_module_path():
     assert short_name("blocks.0.attn") == "blocks.0.attn"
-    assert short_name("transformer.encoder.layers.11.self_attn.out_proj") == "…11.self_attn.out_proj"  # the layer index stays
+    # the layer index stays: "…self_attn.out_proj" alone would not say which layer
+    assert short_name("transformer.encoder.layers.11.self_attn.out_proj") == "…11.self_attn.out_proj"
     assert len(short_name("x" * 80)) <= 22
 
 

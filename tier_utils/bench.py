@@ -398,8 +398,8 @@ def _plot(result: BenchmarkResult):
                      transform=ax_loss.transAxes)
 
     for r in scaled:
-        trace = r["accuracy"]["loss_scale"]
-        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{r['precision']} ({r['accuracy']['skipped_steps']} skipped)")
+        trace, skipped = r["accuracy"]["loss_scale"], r["accuracy"]["skipped_steps"]
+        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{r['precision']} ({skipped} skipped)")
     if scaled:
         axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
         power_of_two_axis(axes[3], [v for r in scaled for v in r["accuracy"]["loss_scale"]])

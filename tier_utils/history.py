@@ -249,7 +249,8 @@ class TrainResult(Result):
             ("train_loss", number("train_loss", ".4f")),
             ("val_loss", number("val_loss", ".4f")),
             ("perplexity", number("perplexity", ".4g")),
-            ("accuracy", None if s.get("accuracy") is None else f"{s['accuracy']:.4f} (n={s.get('val_targets')} targets)"),
+            ("accuracy", None if s.get("accuracy") is None
+             else f"{s['accuracy']:.4f} (n={s.get('val_targets')} targets)"),
             ("tokens_per_s", spread("tokens_per_s", "tokens/s")),
             ("step_time_ms", spread("step_time_ms", "ms")),
             ("skipped_steps", s.get("skipped_steps") if s.get("precision") == "fp16" else None),

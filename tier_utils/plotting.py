@@ -60,5 +60,5 @@ def decade_limits(ax) -> None:
     """A log y axis widened to whole decades around its data, so at least two ticks carry labels."""
     import math
 
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(10.0 ** math.floor(math.log10(lo)), 10.0 ** max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1))
+    lo_exp, hi_exp = (math.log10(v) for v in ax.get_ylim())
+    ax.set_ylim(10.0 ** math.floor(lo_exp), 10.0 ** max(math.ceil(hi_exp), math.floor(lo_exp) + 1))

@@ -182,5 +182,6 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
         return result.summary["val_loss"]
 
     if done < n_trials:
-        study.optimize(objective, n_trials=n_trials - done, timeout=timeout, show_progress_bar=progress and interactive())
+        study.optimize(objective, n_trials=n_trials - done, timeout=timeout,
+                       show_progress_bar=progress and interactive())  # Optuna's bar redraws: terminals only
     return SearchResult(study, base, run_metadata(base.device))

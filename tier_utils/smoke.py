@@ -124,7 +124,8 @@ def _plot_grad_norms(ax, norms: dict) -> None:
     category_ticks(ax, list(shown))
     ax.set_ylabel("L2 norm of the layer's gradients")
     hidden = len(norms) - len(shown)
-    ax.set_xlabel("layer (forward order)" + (f"; {hidden} with zero or non-finite gradient not shown" if hidden else ""))
+    note = f"; {hidden} with zero or non-finite gradient not shown" if hidden else ""
+    ax.set_xlabel("layer (forward order)" + note)
 
 
 def _plot_memory(ax, memory: list, model: dict) -> None:

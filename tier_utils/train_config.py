@@ -21,8 +21,9 @@ class TrainConfig:
     epoch and of the run (None or 0: only there), on at most `eval_batches` validation batches
     (None: all). A step row of the history aggregates `log_every` steps (more on very long runs,
     to keep about 2000 rows); None logs every step on runs of up to FINE_LOG_STEPS steps, so a short
-    run's warm-up shows, and every 10 steps on longer ones. Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every`
-    steps and at the end of the run (None: only at the end).
+    run's warm-up shows, and every 10 steps on longer ones. Checkpoints go to
+    checkpoint_dir/last.pt every `checkpoint_every` steps and at the end of the run (None: only at
+    the end).
     """
 
     precision: str = "auto"

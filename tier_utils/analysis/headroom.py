@@ -177,8 +177,8 @@ def plot(outcome: Outcome) -> Figure:
     limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
     ax_range.set_yscale("log")
     ax_range.set_ylabel("output abs-max (fp32)")
-    ax_range.legend(handles=[Patch(color="C3", label="drives the recommendation"), Patch(color="C0", label="other layers"),
-                             limit], fontsize=8)
+    ax_range.legend(handles=[Patch(color="C3", label="drives the recommendation"),
+                             Patch(color="C0", label="other layers"), limit], fontsize=8)
     for prec, color in (("bf16", "C2"), ("fp16", "C1")):
         ax_dev.plot(x, df[f"{prec}_rel_dev"], marker=".", color=color, label=prec)
     ax_dev.set_yscale("log")

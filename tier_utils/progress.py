@@ -12,10 +12,11 @@ _LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}{postfix
 
 
 def _in_notebook() -> bool:
-    """True in a Jupyter kernel with ipywidgets: tqdm.autonotebook then picks its widget bar."""
-    from tqdm.autonotebook import tqdm as chosen
+    """True in a Jupyter kernel with ipywidgets, where tqdm.auto picks its widget bar (tqdm.auto, not
+    tqdm.autonotebook, which warns on import in a notebook)."""
+    from tqdm.auto import tqdm as chosen
 
-    return chosen.__module__ == "tqdm.notebook"
+    return any(c.__module__ == "tqdm.notebook" for c in chosen.__mro__)
 
 
 class _LogLines(_std_tqdm):
@@ -40,7 +41,7 @@ def progress_bar(iterable=None, *, enabled: bool = True, **kwargs):
     if not enabled:
         return _std_tqdm(iterable, disable=True, **kwargs)
     if _in_notebook():
-        from tqdm.notebook import tqdm as notebook_tqdm
+        from tqdm.auto import tqdm as notebook_tqdm
 
         return notebook_tqdm(iterable, **kwargs)
     stream = kwargs.get("file") or sys.stderr

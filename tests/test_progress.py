@@ -35,3 +35,13 @@ def test_a_terminal_gets_the_redrawn_bar_and_disabled_writes_nothing(monkeypatch
     quiet = io.StringIO()
     list(progress_bar(range(3), enabled=False, file=quiet))
     assert quiet.getvalue() == ""
+
+
+def test_postfix_refreshes_do_not_bypass_the_throttle(monkeypatch):
+    monkeypatch.setattr(progress, "_in_notebook", lambda: False)
+    log = io.StringIO()
+    with progress_bar(["shapes", "gradients", "memory"], desc="smoke", file=log) as bar:
+        for name in bar:
+            bar.set_postfix_str(name)  # refreshes the display at once on a terminal
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("smoke: 3/3")

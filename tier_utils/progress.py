@@ -3,6 +3,7 @@ plain, throttled lines when the output is a file or a pipe (a redrawn bar there 
 from __future__ import annotations
 
 import sys
+import time
 
 from tqdm import tqdm as _std_tqdm
 
@@ -20,18 +21,26 @@ def _in_notebook() -> bool:
 
 
 class _LogLines(_std_tqdm):
-    """A tqdm whose every display is one newline-terminated line, never a carriage-return redraw."""
+    """A tqdm whose display is one newline-terminated line, never a carriage-return redraw, at most one
+    per LOG_INTERVAL_S: the throttle sits here because postfix updates and tqdm's monitor thread
+    refresh the bar outside its own `mininterval`."""
 
-    def display(self, msg=None, pos=None):
+    _shown_at, _shown_n = None, None
+
+    def display(self, msg=None, pos=None, force=False):
         if msg == "":  # tqdm clearing the bar: there is nothing on screen to clear
             return False
+        now = time.monotonic()
+        if not force and self._shown_at is not None and now - self._shown_at < LOG_INTERVAL_S:
+            return True
+        self._shown_at, self._shown_n = now, self.n
         self.fp.write((msg if msg is not None else str(self)).strip() + "\n")
         self.fp.flush()
         return True
 
     def close(self):
-        if not self.disable and self.last_print_n != self.n:
-            self.display()  # the final state, even if it came inside the throttle interval
+        if not self.disable and self._shown_n != self.n:
+            self.display(force=True)  # the final state, even inside the throttle interval
         super().close()
 
 

@@ -177,13 +177,15 @@ def plot(outcome: Outcome) -> Figure:
     limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
     ax_range.set_yscale("log")
     ax_range.set_ylabel("output abs-max (fp32)")
-    ax_range.legend(handles=[Patch(color="C3", label="drives the recommendation"),
-                             Patch(color="C0", label="other layers"), limit], fontsize=8)
+    keys = [Patch(color="C3", label="drives the recommendation")] if drivers else []
+    ax_range.legend(handles=[*keys, Patch(color="C0", label="other layers" if drivers else "layer"), limit], fontsize=8)
     for prec, color in (("bf16", "C2"), ("fp16", "C1")):
-        ax_dev.plot(x, df[f"{prec}_rel_dev"], marker=".", color=color, label=prec)
+        dev = df[f"{prec}_rel_dev"]
+        ax_dev.plot(x, dev.where(dev > 0), marker=".", color=color, label=prec)  # exact (0) has no log: a gap
     ax_dev.set_yscale("log")
     decade_limits(ax_dev)
     ax_dev.set_ylabel("relative deviation from fp32")
+    ax_dev.set_title("under autocast (a gap: that layer's output is exact)", fontsize=9)
     ax_dev.legend(fontsize=8)
     ax_dev.set_xlabel("leaf layer (execution order)")
     category_ticks(ax_dev, list(df.layer))

@@ -106,7 +106,8 @@ def test_smoke_and_analysis_plots_are_readable(model):
     names = [n for n, o in report.outcomes.items() if o.ran]
     assert names, "no analysis ran on the tiny model"
     figures.update({f"analysis {k}": f for k, f in _figures(report, None, *names).items()})
-    assert {n: problems(f) for n, f in figures.items() if problems(f)} == {}
+    found = {name: problems(fig) for name, fig in figures.items()}
+    assert {name: p for name, p in found.items() if p} == {}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

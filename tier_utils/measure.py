@@ -202,5 +202,9 @@ def machine_load() -> str:
     if not hasattr(os, "getloadavg"):  # Windows
         return ""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    busy = "; busy: timings will be slower and noisier than on an idle machine" if load > cores else ""
-    return f"load average {load:.1f} on {cores} CPU cores{busy}"
+    note = ""
+    if load > cores:
+        note = "; busy: timings will be slower and noisier than on an idle machine"
+        if torch.get_num_threads() > 1:  # threads that wait for each other stall when they don't each get a core
+            note += f"; {torch.get_num_threads()} torch threads: try OMP_NUM_THREADS=1 (see bench/RESULTS.md)"
+    return f"load average {load:.1f} on {cores} CPU cores{note}"

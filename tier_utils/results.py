@@ -163,4 +163,4 @@ class Result(ABC):
         return f"{head}\n{self.table.to_string(index=False, max_colwidth=100)}"
 
     def _repr_html_(self) -> str:
-        return self.table._repr_html_()
+        return self.table.to_html(index=False)  # the row numbers carry nothing

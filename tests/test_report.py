@@ -161,11 +161,18 @@ def test_the_page_marks_measurements_and_hides_empty_columns(tmp_path):
             return pd.DataFrame({"check": ["latency B=1", "shapes"], "status": ["PASS", "PASS"], "value": [1.5, 3],
                                  "threshold": [None, "== 3"], "unused": [None, None]})
 
+    class AllMeasured(Fake):  # no threshold anywhere: the column goes, the rows are still measurements
+        @property
+        def table(self):
+            return pd.DataFrame({"check": ["memory"], "status": ["PASS"], "value": [2.0], "threshold": [None]})
+
     page = write_report({"smoke": Measured(["PASS"])}, tmp_path).read_text()
     assert "<td class='measured'>measured</td>" in page and "<td class='PASS'>PASS</td>" in page
     assert "<th>unused</th>" not in page and "None" not in page
     assert "<div class='scroll'><table" in page  # a wide table scrolls in its own box, not the page
     assert pd.read_csv(tmp_path / "smoke.csv")["status"].tolist() == ["PASS", "PASS"]  # the CSV keeps the verdicts
+    page = write_report({"memory": AllMeasured(["PASS"])}, tmp_path / "all").read_text()
+    assert "<td class='measured'>measured</td>" in page and "<th>threshold</th>" not in page
 
 
 def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):

@@ -6,6 +6,7 @@ Timing uses CUDA events on a GPU (one synchronize at the end) and perf_counter o
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -197,8 +198,6 @@ def probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
 
 def machine_load() -> str:
     """The CPU load right now, said so that a slow run on a shared machine explains itself."""
-    import os
-
     if not hasattr(os, "getloadavg"):  # Windows
         return ""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1

@@ -232,9 +232,12 @@ class TrainResult(Result):
         keep every figure as numbers (quartiles, run metadata, ...)."""
         s = self.summary
 
+        def fig(v):  # 2,442 rather than 2.442e+03; 0.1235 for small figures
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
         def spread(key, unit):
             t = s.get(key)
-            return f"{t['median']:,.4g} {unit} median (IQR {t['iqr']:,.3g}, n={t['n']} rows)" if t else None
+            return f"{fig(t['median'])} {unit} median (IQR {fig(t['iqr'])}, n={t['n']} rows)" if t else None
 
         def number(key, fmt):
             return None if s.get(key) is None else format(s[key], fmt)

@@ -7,7 +7,6 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import asdict, dataclass
 
 import pandas as pd
@@ -20,14 +19,15 @@ from .measure import (
     SavedTensorMeter,
     StepTimer,
     count_flops,
+    load_average,
     probe_ms,
     probe_size,
     probe_summary,
     static_memory,
     summarize,
 )
+from .plotting import caption, integer_axis, power_of_two_axis
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
-from .plotting import integer_axis, power_of_two_axis
 from .progress import progress_bar
 from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
 from .train import TrainStep, make_optimizer, make_scheduler
@@ -142,7 +142,7 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
               "val_batches": val_batches, "lr": lr, "weight_decay": _WEIGHT_DECAY, "force": force,
               "thresholds": asdict(thresholds)}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "load_average_1m": _load_average()}
+                "load_average_1m": load_average()}
     return BenchmarkResult(config, metadata, flops, records, checks)
 
 
@@ -165,14 +165,6 @@ def precision_list(precisions) -> list[str]:
 def schedule(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
-
-
-def _load_average() -> float | None:
-    """The host's 1-minute load average after the run: high means other jobs shared the CPU."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):  # not on Windows
-        return None
 
 
 def _plan(name: str, dev: torch.device, force: bool) -> dict:
@@ -407,4 +399,8 @@ def _plot(result: BenchmarkResult):
     for ax in axes[2:]:
         ax.set_xlabel("optimizer step")
         integer_axis(ax.xaxis)
+    cfg = result.config
+    caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
+                 f"{cfg['repeats']} interleaved repeats of {cfg['timed_steps']} timed steps, batch {cfg['batch_size']} "
+                 f"x {cfg['seq_len']} tokens, {result.metadata['threads']} threads")
     return fig

@@ -17,7 +17,7 @@ import torch
 
 from .data import to_device
 from .measure import StepTimer, summarize
-from .plotting import integer_axis, power_of_two_axis
+from .plotting import caption, integer_axis, power_of_two_axis
 from .results import Result, atomic_write_bytes, jsonable
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -297,6 +297,12 @@ class TrainResult(Result):
             integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.get('model', '')} · {self.summary.get('precision', '')} · "
                      f"{self.summary.get('device_name', '')}")
+        c = self.config
+        if c:
+            evals = f"every {c['eval_every']} steps" if c.get("eval_every") else "at the end"
+            caption(fig, f"linear warm-up for {c['warmup_steps']} steps, then cosine decay · validation {evals} "
+                         f"on up to {c.get('eval_batches') or 'all'} batches · global batch "
+                         f"{self.summary.get('global_batch')}")
         return fig
 
     def to_csv(self, path):

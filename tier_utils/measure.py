@@ -196,11 +196,19 @@ def probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
 
 
+def load_average() -> float | None:
+    """The host's 1-minute load average: high means other jobs share the CPU."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
 def machine_load() -> str:
     """The CPU load right now, said so that a slow run on a shared machine explains itself."""
-    if not hasattr(os, "getloadavg"):  # Windows
+    load, cores = load_average(), os.cpu_count() or 1
+    if load is None:
         return ""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
     note = ""
     if load > cores:
         note = "; busy: timings will be slower and noisier than on an idle machine"

@@ -17,8 +17,8 @@ import pandas as pd
 from .adapter import resolve_model
 from .errors import TierError, one_line
 from .models import DEFAULT_MODEL
-from .precision import canonical_precision
 from .plotting import integer_axis
+from .precision import canonical_precision
 from .progress import interactive
 from .results import Result, jsonable, run_metadata
 from .train import TrainConfig, TrainingDiverged, train

@@ -168,6 +168,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     assert table["global_batch"] == str(NEW_BATCH_SIZE)
 
 
+@pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
 def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch):
     """The main job's index.html, real tables included, in Chromium at a laptop's width: wide tables
     scroll inside their own box, the page itself has no horizontal overflow."""

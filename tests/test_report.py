@@ -175,6 +175,7 @@ def test_the_page_marks_measurements_and_hides_empty_columns(tmp_path):
     assert "<td class='measured'>measured</td>" in page and "<th>threshold</th>" not in page
 
 
+@pytest.mark.slow  # the real CLI in a subprocess, --fast: ~20 s on 2 cores
 def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
     """Progress bars redrawn with carriage returns become one endless line in a log: not any more."""
     import os

@@ -167,6 +167,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
         table = _wait(browser, lambda: (lambda t: t if "global_batch" in t else None)(_results_table(cell)), 120,
                       f"the training results table after Run All #{run}")
         assert table["precision"] == choice and table["global_batch"] == str(NEW_BATCH_SIZE), (run, table)
+        assert table["precision_reason"].startswith(f"{choice} requested"), (run, table)
         _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle"
               and browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 300, "Run All to finish")
         model_select, precision_select = (Select(s) for s in
@@ -177,3 +178,27 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     shown = cell.find_element(By.XPATH, ".//tr[td[text()='precision']]")
     browser.execute_script("arguments[0].scrollIntoView()", shown)  # precision ... global_batch in view
     browser.save_screenshot(str(ARTIFACTS / "tier3_training_browser.png"))
+
+
+@pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
+def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch):
+    """The main job's index.html, real tables included, in Chromium at a laptop's width: wide tables
+    scroll inside their own box, the page itself has no horizontal overflow."""
+    from tier_utils import report
+
+    monkeypatch.setitem(report.SIZES, "fast", dict(batch_size=4, seq_len=16, n_batches=1, train_steps=4,
+                                                   eval_every=2, eval_batches=1, warmup_steps=1, timed_steps=1,
+                                                   repeats=1, accuracy_steps=2, val_batches=1))
+    result = report.run_all("tiny-gpt", tmp_path / "report", fast=True, progress=False, device="cpu",
+                            d_model=32, n_layer=1, n_head=2, max_len=32)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for width in (1280, 800):
+        browser.set_window_size(width, 900)
+        browser.get(result.index.resolve().as_uri())
+        _wait(browser, lambda: browser.execute_script("return document.readyState") == "complete", 10, "the page")
+        scroll, view = browser.execute_script(
+            "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        browser.save_screenshot(str(ARTIFACTS / f"report_page_{width}.png"))
+        assert scroll <= view, f"the page is {scroll} px wide in a {view} px window"
+        boxes = browser.find_elements(By.CSS_SELECTOR, "section .scroll")
+        assert boxes and all(b.size["width"] <= view for b in boxes)

@@ -1,5 +1,7 @@
 """colab_setup.sh, run for real with `pip` replaced by a stub that only records what it was asked."""
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,3 +111,23 @@ def test_installs_only_missing_dependencies_never_torch_or_numpy(tmp_path, env):
     assert sorted(c.split("==")[0] for c in constraints) == ["numpy", "torch"]
     asked = " ".join(installs)
     assert "torch" not in asked and "numpy" not in asked and " -e " not in asked
+
+
+def test_colab_verb_points_badges_and_setup_at_a_fork(tmp_path, capsys):
+    from tier_utils.cli import main
+
+    for name in ("colab_setup.sh", "README.md", "notebooks"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(ROOT / name, tmp_path / name)
+    old = re.search(r"github\.com/([\w.-]+/[\w.-]+)\}", (tmp_path / "colab_setup.sh").read_text()).group(1)
+    assert main(["colab", "--repo", "alice/tu-fork", "--root", str(tmp_path)]) == 0
+    assert "point at alice/tu-fork" in capsys.readouterr().out
+    setup = (tmp_path / "colab_setup.sh").read_text()
+    assert "https://github.com/alice/tu-fork}" in setup and os.access(tmp_path / "colab_setup.sh", os.X_OK)
+    for nb in (tmp_path / "notebooks").glob("*.ipynb"):
+        text = nb.read_text()
+        assert f"colab.research.google.com/github/alice/tu-fork/blob/main/notebooks/{nb.name}" in text
+        assert "raw.githubusercontent.com/alice/tu-fork/main/colab_setup.sh" in text and old not in text
+        json.loads(text)  # still a notebook
+    assert "colab.research.google.com/github/alice/tu-fork/" in (tmp_path / "README.md").read_text()
+    assert main(["colab", "--repo", "not a repo", "--root", str(tmp_path)]) == 2
+    assert "USER/NAME" in capsys.readouterr().err

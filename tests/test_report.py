@@ -152,3 +152,45 @@ def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
     assert isinstance(result, Result)
     saved = json.loads(result.save_json(tmp_path / "all.json").read_text())
     assert saved["status"] == "PASS" and [t["tier"] for t in saved["tiers"]][2] == "train"
+
+
+def test_the_page_marks_measurements_and_hides_empty_columns(tmp_path):
+    class Measured(Fake):
+        @property
+        def table(self):
+            return pd.DataFrame({"check": ["latency B=1", "shapes"], "status": ["PASS", "PASS"], "value": [1.5, 3],
+                                 "threshold": [None, "== 3"], "unused": [None, None]})
+
+    class AllMeasured(Fake):  # no threshold anywhere: the column goes, the rows are still measurements
+        @property
+        def table(self):
+            return pd.DataFrame({"check": ["memory"], "status": ["PASS"], "value": [2.0], "threshold": [None]})
+
+    page = write_report({"smoke": Measured(["PASS"])}, tmp_path).read_text()
+    assert "<td class='measured'>measured</td>" in page and "<td class='PASS'>PASS</td>" in page
+    assert "<th>unused</th>" not in page and "None" not in page
+    assert "<div class='scroll'><table" in page  # a wide table scrolls in its own box, not the page
+    assert pd.read_csv(tmp_path / "smoke.csv")["status"].tolist() == ["PASS", "PASS"]  # the CSV keeps the verdicts
+    page = write_report({"memory": AllMeasured(["PASS"])}, tmp_path / "all").read_text()
+    assert "<td class='measured'>measured</td>" in page and "<th>threshold</th>" not in page
+
+
+@pytest.mark.slow  # the real CLI in a subprocess, --fast: ~20 s on 2 cores
+def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
+    """Progress bars redrawn with carriage returns become one endless line in a log: not any more."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path / "log"
+    with open(log, "w") as fh:  # stdout and stderr both to the file, as `... > log 2>&1`; progress left on
+        code = subprocess.call([sys.executable, "-m", "tier_utils", "all", *TINY, "--fast", "--out",
+                                str(tmp_path / "report")], stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(root)})
+    text = log.read_text()
+    assert code in (0, 1), text[-2000:]
+    assert "\r" not in text
+    assert max(len(line) for line in text.splitlines()) <= 500
+    assert "train: " in text and "amp benchmark: " in text  # plain progress lines, not silence

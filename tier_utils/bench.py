@@ -7,12 +7,10 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .adapter import resolve_model
 from .compiling import check_compile_mode, compile_for_training, compile_modes
@@ -23,13 +21,16 @@ from .measure import (
     SavedTensorMeter,
     StepTimer,
     count_flops,
+    load_average,
     probe_ms,
     probe_size,
     probe_summary,
     static_memory,
     summarize,
 )
+from .plotting import caption, integer_axis, power_of_two_axis
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
+from .progress import progress_bar
 from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
 from .train import TrainStep, make_optimizer, make_scheduler
 from .verdicts import (
@@ -53,7 +54,7 @@ _PROBE_REPS = 3  # probe matmuls per speed repeat
 _MIB = 2**20
 
 
-@dataclass
+@dataclass(repr=False)
 class BenchmarkResult(Result):
     """What `amp_benchmark` measured: one record per precision, the verdict rows, config and metadata."""
 
@@ -126,8 +127,8 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=cuda_rngs), tqdm(total=total, desc="amp benchmark",
-                                                             disable=not progress) as bar:
+        with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
+                                                                     unit="step", enabled=progress) as bar:
             # One fp32 forward + backward, counted once: precision changes no FLOP count.
             flops = count_flops(lambda: adapter.forward_loss(speed_batches[0])[0].backward())
             adapter.model.zero_grad(set_to_none=True)
@@ -158,7 +159,7 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
               "val_batches": val_batches, "lr": lr, "weight_decay": _WEIGHT_DECAY, "force": force,
               "compile": compile, "compile_mode": compile_mode, "thresholds": asdict(thresholds)}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "load_average_1m": _load_average()}
+                "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, checks)
     if loggers:
         log_result_tables(loggers, log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
@@ -185,14 +186,6 @@ def precision_list(precisions) -> list[str]:
 def schedule(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
-
-
-def _load_average() -> float | None:
-    """The host's 1-minute load average after the run: high means other jobs shared the CPU."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):  # not on Windows
-        return None
 
 
 def _plan(name: str, mode: str, dev: torch.device, force: bool) -> dict:
@@ -417,8 +410,12 @@ def _plot(result: BenchmarkResult):
 
     ran = [r for r in result.records if r["ran"]]
     names = [r["precision"] + (" compiled" if r["mode"] == "compiled" else "") for r in ran]
-    fig = Figure(figsize=(12, 8), layout="constrained")
-    ax_speed, ax_mem, ax_loss, ax_scale = fig.subplots(2, 2).ravel()
+    curves = [(name, r) for name, r in zip(names, ran) if r["accuracy"]]
+    scaled = [(name, r) for name, r in curves if r["accuracy"]["loss_scale"]]
+    # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
+    fig = Figure(figsize=(12, 8) if scaled else (15, 4.5), layout="constrained")
+    axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
+    ax_speed, ax_mem, ax_loss = axes[:3]
     device = result.metadata["device_name"]
     fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
 
@@ -427,6 +424,7 @@ def _plot(result: BenchmarkResult):
     ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
     ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
     ax_speed.set_ylabel("tokens / s")
+    ax_speed.set_xlabel("precision")
 
     bottom = [0.0] * len(ran)
     for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
@@ -436,26 +434,32 @@ def _plot(result: BenchmarkResult):
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_mem.set_title("memory of one training step (saved-tensor accounting)")
     ax_mem.set_ylabel("MiB")
-    ax_mem.legend(fontsize="small")
+    ax_mem.set_xlabel("precision")
+    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
 
-    curves = [r for r in ran if r["accuracy"]]
-    for name, r in zip(names, ran):
-        if r["accuracy"]:
-            ax_loss.plot(r["accuracy"]["loss_curve"], label=name)
+    for name, r in curves:
+        curve = r["accuracy"]["loss_curve"]
+        ax_loss.plot(range(1, len(curve) + 1), curve, label=name)
     ax_loss.set_title("training loss, same start and batches")
-    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats)")
     if curves:
         ax_loss.legend()
-
-    scaled = [r for r in curves if r["accuracy"]["loss_scale"]]
-    for r in scaled:
-        ax_scale.plot(r["accuracy"]["loss_scale"], label=f"{r['precision']} ({r['accuracy']['skipped_steps']} skipped)")
-    ax_scale.set_title("GradScaler loss scale")
-    ax_scale.set_xlabel("step")
-    if scaled:
-        ax_scale.set_yscale("log")
-        ax_scale.legend()
     else:
-        ax_scale.text(0.5, 0.5, "no fp16 accuracy run\n(the loss scale exists only for fp16)",
-                      ha="center", va="center", transform=ax_scale.transAxes)
+        ax_loss.text(0.5, 0.5, "no accuracy run (accuracy_steps=0)", ha="center", va="center",
+                     transform=ax_loss.transAxes)
+
+    for name, r in scaled:
+        trace, skipped = r["accuracy"]["loss_scale"], r["accuracy"]["skipped_steps"]
+        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
+    if scaled:
+        axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
+        power_of_two_axis(axes[3], [v for _, r in scaled for v in r["accuracy"]["loss_scale"]])
+        axes[3].legend()
+    for ax in axes[2:]:
+        ax.set_xlabel("optimizer step")
+        integer_axis(ax.xaxis)
+    cfg = result.config
+    caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
+                 f"{cfg['repeats']} interleaved repeats of {cfg['timed_steps']} timed steps, batch {cfg['batch_size']} "
+                 f"x {cfg['seq_len']} tokens, {result.metadata['threads']} threads")
     return fig

@@ -253,13 +253,24 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_all(args) -> tuple[dict, int]:
+    from .measure import machine_load
     from .report import run_all
 
+    print(f"all: smoke, analysis, training, AMP benchmark ({machine_load() or 'load unknown'})", file=sys.stderr)
     result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
                      **model_kwargs(args))
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
+
+
+def _run_colab(args):
+    from .colab import point_at
+
+    changed = point_at(args.repo, args.root)
+    print(f"{len(changed)} file(s) now point at {args.repo}: " + ", ".join(str(p) for p in changed)
+          if changed else f"already pointing at {args.repo}; nothing changed")
+    return None, 0
 
 
 def _wide_pandas():
@@ -321,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (0: epoch ends only)")
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches per evaluation")
-    p.add_argument("--log-every", type=int, default=10, help="steps per history row")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="steps per history row (default: every step on short runs, else 10)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
     p.add_argument("--log", default="", metavar="NAME,NAME",
@@ -393,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", action="store_true", help="shorter runs: fewer steps, repeats and batches")
     p.add_argument("--seed", type=int, default=0, help="initial weights and training data order (default 0)")
     p.set_defaults(run=_run_all)
+
+    p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")
+    p.add_argument("--repo", required=True, metavar="USER/NAME", help="your GitHub repository, e.g. alice/tier_utils")
+    p.add_argument("--root", default=".", metavar="DIR", help="the checkout to change (default: here)")
+    p.set_defaults(run=_run_colab, json=None)
     return parser
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .data import to_device
 from .measure import StepTimer, summarize
+from .plotting import caption, integer_axis, power_of_two_axis
 from .results import Result, atomic_write_bytes, jsonable
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -213,7 +214,7 @@ def step_stats(history: pd.DataFrame, column: str) -> dict | None:
     return summarize(xs).to_dict() if len(xs) else None
 
 
-@dataclass
+@dataclass(repr=False)
 class TrainResult(Result):
     """What `train()` returns (also attached, partial, to `TrainingDiverged.result`)."""
 
@@ -227,14 +228,46 @@ class TrainResult(Result):
 
     @property
     def table(self) -> pd.DataFrame:
-        """The summary as (metric, value) rows; nested figures flattened to dotted names."""
-        rows = []
-        for key, value in self.summary.items():
-            if isinstance(value, dict):
-                rows += [(f"{key}.{k}", v) for k, v in value.items()]
-            else:
-                rows.append((key, value))
-        return pd.DataFrame(rows, columns=["metric", "value"])
+        """The summary to read at a glance, as (metric, value) rows of text; `.summary` and the JSON
+        keep every figure as numbers (quartiles, run metadata, ...)."""
+        s = self.summary
+
+        def fig(v):  # 2,442 rather than 2.442e+03; 0.1235 for small figures
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+        def spread(key, unit):
+            t = s.get(key)
+            return f"{fig(t['median'])} {unit} median (IQR {fig(t['iqr'])}, n={t['n']} rows)" if t else None
+
+        def number(key, fmt):
+            return None if s.get(key) is None else format(s[key], fmt)
+
+        rows = [
+            ("model", f"{s.get('model')} ({s.get('parameters', 0):,} parameters, {s.get('task')})"),
+            ("precision", s.get("precision")),
+            ("precision_reason", s.get("precision_reason")),
+            ("device", s.get("device_name")),
+            ("steps", f"{s.get('steps')} of {s.get('total_steps')}"),
+            ("global_batch", s.get("global_batch")),
+            ("train_loss", number("train_loss", ".4f")),
+            ("val_loss", number("val_loss", ".4f")),
+            ("perplexity", number("perplexity", ".4g")),
+            ("accuracy", None if s.get("accuracy") is None
+             else f"{s['accuracy']:.4f} (n={s.get('val_targets')} targets)"),
+            ("tokens_per_s", spread("tokens_per_s", "tokens/s")),
+            ("step_time_ms", spread("step_time_ms", "ms")),
+            ("optimizer", s.get("optimizer")),
+            ("compile_reason", s.get("compile_reason")),
+            ("compile_s", number("compile_s", ".1f")),
+            ("skipped_steps", s.get("skipped_steps") if s.get("precision") == "fp16" else None),
+            ("diverged_at_step", s.get("diverged_at_step")),
+            ("interrupted", True if s.get("interrupted") else None),
+            ("checkpoint", s.get("checkpoint")),
+        ]
+        return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
+
+    def headline(self) -> str:
+        return f"TrainResult: {self.summary.get('model')} · {self.summary.get('precision')}"
 
     def plot(self):
         from matplotlib.figure import Figure
@@ -242,25 +275,37 @@ class TrainResult(Result):
         h = self.history
         steps, evals = h[h["kind"] == "step"], h[h["kind"].isin(["eval", "epoch"])]
         fig = Figure(figsize=(11, 7), layout="constrained")
-        (ax_loss, ax_lr), (ax_gn, ax_scale) = fig.subplots(2, 2)
-        ax_loss.plot(steps["step"], steps["train_loss"], label="train")
-        ax_loss.plot(evals["step"], evals["val_loss"], "o-", label="val")
-        ax_loss.set(title="loss", xlabel="step")
+        (ax_loss, ax_lr), (ax_gn, ax_last) = fig.subplots(2, 2)
+        line = "o-" if len(steps) <= 60 else "-"  # a short run's every logged point stays visible
+        stride = int(steps["step"].diff().median()) if len(steps) > 1 else 1
+        per_row = "per step" if stride == 1 else f"mean of {stride} steps per point"
+        ax_loss.plot(steps["step"], steps["train_loss"], line, ms=3, label=f"train ({per_row})")
+        ax_loss.plot(evals["step"], evals["val_loss"], "s-", label="validation")
+        ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
         ax_loss.legend()
-        ax_lr.plot(steps["step"], steps["lr"])
-        ax_lr.set(title="learning rate", xlabel="step")
-        ax_gn.plot(steps["step"], steps["grad_norm"])
-        ax_gn.set(title="gradient norm (before clipping)", xlabel="step")
+        ax_lr.plot(steps["step"], steps["lr"], line, ms=3)
+        ax_lr.set(title="learning rate (warm-up, then cosine decay)", ylabel="learning rate")
+        ax_gn.plot(steps["step"], steps["grad_norm"], line, ms=3)
+        ax_gn.set(title="gradient norm (before clipping)", ylabel="L2 norm")
         if steps["loss_scale"].notna().any():
-            ax_scale.step(steps["step"], steps["loss_scale"], where="post")
-            ax_scale.set_yscale("log", base=2)
-            ax_scale.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", xlabel="step")
-        else:
-            ax_scale.set_axis_off()
-            ax_scale.text(0.5, 0.5, f"no loss scaler in {self.summary.get('precision', '?')}",
-                          ha="center", va="center")
+            ax_last.step(steps["step"], steps["loss_scale"], where="post")
+            power_of_two_axis(ax_last, steps["loss_scale"].dropna())
+            ax_last.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", ylabel="loss scale")
+        else:  # no loss scaler outside fp16: throughput is the next most useful trace
+            ax_last.plot(steps["step"], steps["tokens_per_s"], line, ms=3)
+            ax_last.set(title=f"throughput (no loss scaler in {self.summary.get('precision', '?')})",
+                        ylabel="tokens / s (wall time)")
+        for ax in (ax_loss, ax_lr, ax_gn, ax_last):
+            ax.set_xlabel("optimizer step")
+            integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.get('model', '')} · {self.summary.get('precision', '')} · "
                      f"{self.summary.get('device_name', '')}")
+        c = self.config
+        if c:
+            evals = f"every {c['eval_every']} steps" if c.get("eval_every") else "at the end"
+            caption(fig, f"linear warm-up for {c['warmup_steps']} steps, then cosine decay · validation {evals} "
+                         f"on up to {c.get('eval_batches') or 'all'} batches · global batch "
+                         f"{self.summary.get('global_batch')}")
         return fig
 
     def to_csv(self, path):

@@ -6,6 +6,7 @@ Timing uses CUDA events on a GPU (one synchronize at the end) and perf_counter o
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -193,3 +194,24 @@ def probe_summary(dtype: torch.dtype, size: int, ms: list[float]) -> dict:
     """The probe's TFLOP/s statistics: the device's reachable matmul peak in `dtype` is their max."""
     stats = summarize(2 * size**3 / (t * 1e-3) / 1e12 for t in ms)
     return {"dtype": str(dtype).replace("torch.", ""), "size": size, "tflops": stats.to_dict()}
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average: high means other jobs share the CPU."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on Windows
+        return None
+
+
+def machine_load() -> str:
+    """The CPU load right now, said so that a slow run on a shared machine explains itself."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if load is None:
+        return ""
+    note = ""
+    if load > cores:
+        note = "; busy: timings will be slower and noisier than on an idle machine"
+        if torch.get_num_threads() > 1:  # threads that wait for each other stall when they don't each get a core
+            note += f"; {torch.get_num_threads()} torch threads: try OMP_NUM_THREADS=1 (see bench/RESULTS.md)"
+    return f"load average {load:.1f} on {cores} CPU cores{note}"

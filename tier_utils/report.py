@@ -27,11 +27,16 @@ from .train import TrainingDiverged, train
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0;display:block;overflow-x:auto;max-width:100%}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}
-img{max-width:100%;border:1px solid #eee}.meta{color:#666;font-size:13px}
-.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP{color:#666}"""
+# A dashboard: the page never scrolls sideways; a wide or long table scrolls inside its own box.
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
+.scroll{overflow:auto;max-width:100%;max-height:30em;margin:.5em 0}
+table{border-collapse:collapse;font-size:13px}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3;position:sticky;top:0}
+td{max-width:40em;overflow-wrap:anywhere}
+img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:anywhere}
+.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP,.measured{color:#666}"""
+MEASURED = "measured"  # shown for a PASS row without a threshold: a measurement, not a verdict
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -90,14 +95,24 @@ def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
     links = [f"<a href='{stem}.csv'>{stem}.csv</a>" for stem in tables] + [f"<a href='{name}.json'>{name}.json</a>"]
     parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{' · '.join(links)}</p>"]
     for table in tables.values():
-        rows = table.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
-        for s in STATUSES:  # colour the verdict cells (to_html has escaped every cell already)
+        rows = _for_page(table).to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
+        for s in (*STATUSES, MEASURED):  # colour the verdict cells (to_html has escaped every cell already)
             rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
-        parts.append(rows)
+        parts.append(f"<div class='scroll'>{rows}</div>")
     if has_plot:
         parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def _for_page(table: pd.DataFrame) -> pd.DataFrame:
+    """The table as the page shows it (the CSV keeps it whole): empty cells blank, all-empty columns
+    dropped, and a PASS with no threshold marked as a measurement (latency, memory), not a verdict."""
+    shown = table.astype(object).where(table.notna(), "")
+    if {"status", "threshold"} <= set(shown.columns):
+        measured = (shown["status"] == "PASS") & (shown["threshold"].astype(str) == "")
+        shown.loc[measured, "status"] = MEASURED
+    return shown.loc[:, [c for c in shown.columns if (shown[c].astype(str) != "").any()]]
 
 
 # Run lengths for `run_all`: the default fits a few minutes on a 2-core CPU; fast is for CI and tests.
@@ -109,7 +124,7 @@ SIZES = {
 }
 
 
-@dataclass
+@dataclass(repr=False)
 class AllResult(Result):
     """What `run_all` returns: each tier's result, its status and seconds, and the report's index.html."""
 

@@ -157,5 +157,10 @@ class Result(ABC):
     def save_json(self, path) -> Path:
         return write_json(path, self.to_json())
 
+    # print(result), a REPL and a notebook show the summary table, never a dump of the fields.
+    def __repr__(self) -> str:
+        head = self.headline() if hasattr(self, "headline") else type(self).__name__
+        return f"{head}\n{self.table.to_string(index=False, max_colwidth=100)}"
+
     def _repr_html_(self) -> str:
-        return self.table._repr_html_()
+        return self.table.to_html(index=False)  # the row numbers carry nothing

@@ -17,7 +17,9 @@ import pandas as pd
 from .adapter import resolve_model
 from .errors import TierError, one_line
 from .models import DEFAULT_MODEL
+from .plotting import integer_axis
 from .precision import canonical_precision
+from .progress import interactive
 from .results import Result, jsonable, run_metadata
 from .train import TrainConfig, TrainingDiverged, train
 
@@ -102,7 +104,12 @@ class SearchResult(Result):
             # Optuna marks its matplotlib plots experimental; the warning says nothing to our users.
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             draw = ovm.plot_optimization_history if kind == "history" else ovm.plot_param_importances
-            fig = draw(self.study).figure
+            ax = draw(self.study)
+        fig = ax.figure
+        if kind == "history":  # Optuna's generic names, said in this study's terms
+            ax.set_ylabel("validation loss")
+            ax.set_xlabel("trial")
+            integer_axis(ax.xaxis)
         plt.close(fig)  # hand back the figure only: pyplot would show it a second time in a notebook
         return fig
 
@@ -176,5 +183,6 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
         return result.summary["val_loss"]
 
     if done < n_trials:
-        study.optimize(objective, n_trials=n_trials - done, timeout=timeout, show_progress_bar=progress)
+        study.optimize(objective, n_trials=n_trials - done, timeout=timeout,
+                       show_progress_bar=progress and interactive())  # Optuna's bar redraws: terminals only
     return SearchResult(study, base, run_metadata(base.device))

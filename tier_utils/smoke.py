@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from .adapter import resolve_model
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
+from .plotting import category_ticks
 from .precision import Precision, resolve_precision
+from .progress import progress_bar
 from .results import (
     Check,
     Result,
@@ -80,9 +81,6 @@ class SmokeReport(Result):
         return (f"smoke {self.model.get('model')}: {self.worst} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}")
 
-    def __repr__(self) -> str:
-        return f"<SmokeReport {self.headline()}>"
-
     def to_json(self) -> dict:
         return jsonable({
             "passed": self.passed, "worst": self.worst, "checks": [asdict(c) for c in self.checks], "model": self.model,
@@ -104,6 +102,7 @@ class SmokeReport(Result):
             ax_l.set_xticks(range(1, len(self.latency) + 1),
                             [f"B={r['batch_size']}\nT={r['seq_len']}" for r in self.latency])
             ax_l.set_ylabel("forward latency (ms)")
+            ax_l.set_xlabel(f"batch size B, sequence length T (n={len(self.latency[0]['samples_ms'])} each)")
         _not_run(ax_l, not self.latency, "inference latency (eval, no grad)")
         _plot_memory(ax_m, self.memory, self.model)
         return fig
@@ -122,11 +121,11 @@ def _plot_grad_norms(ax, norms: dict) -> None:
         return
     ax.plot(range(len(shown)), list(shown.values()), "o-", ms=3)
     ax.set_yscale("log")
-    step = max(1, len(shown) // 30)  # keep the labels readable on deep models
-    ax.set_xticks(range(0, len(shown), step), list(shown)[::step], rotation=90, fontsize=6)
+    category_ticks(ax, list(shown))
     ax.set_ylabel("L2 norm of the layer's gradients")
-    if len(shown) < len(norms):
-        ax.set_xlabel(f"{len(norms) - len(shown)} layer(s) with zero or non-finite gradient not shown")
+    hidden = len(norms) - len(shown)
+    note = f"; {hidden} with zero or non-finite gradient not shown" if hidden else ""
+    ax.set_xlabel("layer (forward order)" + note)
 
 
 def _plot_memory(ax, memory: list, model: dict) -> None:
@@ -169,7 +168,7 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
-        bar = tqdm(groups, desc="smoke", disable=not progress)
+        bar = progress_bar(groups, desc="smoke", unit="group", enabled=progress)
         for name in bar:
             bar.set_postfix_str(name)
             try:

@@ -37,8 +37,9 @@ from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
 from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
+from .progress import progress_bar
 from .results import run_metadata
-from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
+from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, make_config
 
 
 class TrainingDiverged(TierError):
@@ -232,7 +233,8 @@ class _Run:
         self.val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, shuffle=False,
                                       device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        self.stride = max(cfg.log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
+        log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
+        self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
         self.optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, env.all_mean if env.active else None)
@@ -254,10 +256,8 @@ class _Run:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                        disable=not (self.cfg.progress and self.env.is_main))
+        self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                                enabled=self.cfg.progress and self.env.is_main)
         interrupted = False
         try:
             self._loop()

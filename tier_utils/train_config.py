@@ -12,6 +12,7 @@ from .results import whole_number
 # Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed")
+FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
 @dataclass
@@ -21,8 +22,10 @@ class TrainConfig:
     Counts are optimizer steps. Evaluation runs every `eval_every` steps and at the end of every
     epoch and of the run (None or 0: only there), on at most `eval_batches` validation batches
     (None: all). A step row of the history aggregates `log_every` steps (more on very long runs,
-    to keep about 2000 rows). Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every`
-    steps and at the end of the run (None: only at the end).
+    to keep about 2000 rows); None logs every step on runs of up to FINE_LOG_STEPS steps, so a short
+    run's warm-up shows, and every 10 steps on longer ones. Checkpoints go to
+    checkpoint_dir/last.pt every `checkpoint_every` steps and at the end of the run (None: only at
+    the end).
     """
 
     precision: str = "auto"
@@ -40,7 +43,7 @@ class TrainConfig:
     num_workers: int = 0
     eval_every: int | None = 50
     eval_batches: int | None = 20
-    log_every: int = 10
+    log_every: int | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False  # continue from checkpoint_dir/last.pt when it exists
@@ -87,7 +90,7 @@ def _validate(c: TrainConfig) -> None:
     if not isinstance(c.compile, bool):
         raise ValueError(f"compile must be True or False, got {c.compile!r}")
     check_compile_mode(c.compile_mode)
-    for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps", "log_every"):
+    for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps"):
         whole(name, 1)
     for name in ("warmup_steps", "seed", "num_workers"):
         whole(name, 0)
@@ -95,6 +98,7 @@ def _validate(c: TrainConfig) -> None:
     whole("eval_every", 0, optional=True)
     whole("eval_batches", 1, optional=True)
     whole("checkpoint_every", 1, optional=True)
+    whole("log_every", 1, optional=True)
     number("lr", 0, strict=True)
     number("weight_decay", 0)
     number("grad_clip", 0, optional=True)

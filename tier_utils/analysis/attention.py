@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import one_line
+from ..plotting import category_ticks
 from ..results import Check
 from .common import Context, Outcome
 
@@ -310,12 +311,13 @@ def plot(outcome: Outcome, layers=None, heads=None) -> Figure:
             ax.set_title(f"{name} h{h}", fontsize=8)
             ax.set_xlabel("key", fontsize=7)
             ax.set_ylabel("query", fontsize=7)
-        fig.colorbar(image, ax=row[len(head_ids) - 1], shrink=0.8)
+        fig.colorbar(image, ax=row[len(head_ids) - 1], shrink=0.8, label="attention weight")
         for h, grp in prof[prof.layer == name].groupby("head"):
             row[-1].plot(grp.distance, grp.weight, label=f"h{h}")
         row[-1].set_title(f"{name}: mass by distance", fontsize=8)
-        row[-1].set_xlabel("|query - key|", fontsize=7)
-        row[-1].legend(fontsize=6)
+        row[-1].set_xlabel("|query - key| (tokens)", fontsize=7)
+        row[-1].set_ylabel("mean attention weight", fontsize=7)
+        row[-1].legend(fontsize=7)
     fig.suptitle("Attention (example 0, mean over valid query rows for the profile)")
     return fig
 
@@ -326,7 +328,11 @@ def panel(ax, outcome: Outcome) -> None:
     grid = df.pivot(index="layer_index", columns="head", values="entropy")
     image = ax.imshow(grid.to_numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(grid.shape[1]), grid.columns)
-    ax.set_yticks(range(grid.shape[0]), df.drop_duplicates("layer_index").layer, fontsize=7)
+    category_ticks(ax, list(df.drop_duplicates("layer_index").layer), axis="y")
     ax.set_xlabel("head")
+    ax.set_ylabel("layer")
     ax.set_title("attention entropy / log(keys) (1 = uniform)")
-    ax.figure.colorbar(image, ax=ax, shrink=0.8)
+    ax.figure.colorbar(image, ax=ax, shrink=0.8, label="normalised entropy")
+    if grid.to_numpy().min() >= UNIFORM_ENTROPY:  # one flat block reads as a broken plot without this
+        ax.text(0.5, 0.5, "near 1 everywhere: uniform attention,\nexpected before training", ha="center",
+                va="center", fontsize=8, transform=ax.transAxes, bbox={"facecolor": "white", "alpha": 0.8})

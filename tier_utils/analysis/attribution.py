@@ -134,6 +134,11 @@ def plot(outcome: Outcome) -> Figure:
 
 def panel(ax, outcome: Outcome) -> None:
     table = outcome.frames["attribution"]
+    from matplotlib.patches import Patch
+
     ax.bar(table.position, table.share, color=["C3" if s > 0 else "C0" for s in table.saliency])
-    ax.set_xlabel("position (example 0)")
+    ax.set_xlabel("token position (example 0)")
+    ax.set_ylabel("share of |gradient x input|")
+    ax.legend(handles=[Patch(color="C3", label="supports the prediction"), Patch(color="C0", label="opposes it")],
+              fontsize=7)
     ax.set_title(f"saliency share for {outcome.artifacts['target']}")

@@ -10,13 +10,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from ..adapter import resolve_model
 from ..data import build_datasets, make_loader, to_device
 from ..errors import DataError
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
+from ..progress import progress_bar
 from ..results import Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
@@ -124,7 +124,7 @@ class AnalysisReport(Result):
                 ax.set_title(name)
                 ax.text(0.5, 0.5, self._why_not(outcome)[:160], ha="center", va="center", wrap=True, fontsize=8)
         for ax in axes[len(names):]:
-            ax.axis("off")
+            fig.delaxes(ax)  # no blank panels in the grid's last row
         fig.suptitle(f"{self.model['model']} · {self.precision['precision']} on {self.metadata['device_name']} · "
                      f"worst status {self.status}")
         return fig
@@ -164,7 +164,7 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
     was_training = module.training
     module.eval()
     try:
-        for name in tqdm(names, desc="analyze", disable=not progress):
+        for name in progress_bar(names, desc="analyze", unit="analysis", enabled=progress):
             outcomes[name], seconds[name] = _isolated(name, ctx)
     finally:
         module.train(was_training)

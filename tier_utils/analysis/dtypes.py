@@ -92,6 +92,7 @@ def plot(outcome: Outcome) -> Figure:
         grid.plot.barh(ax=ax, stacked=True, fontsize=7)
         ax.set_title(f"{precision} autocast")
         ax.set_xlabel("calls (forward + loss, one batch)")
+        ax.set_ylabel("op")
     fig.suptitle("Ops by output dtype (casts left out)")
     return fig
 
@@ -102,4 +103,6 @@ def panel(ax, outcome: Outcome) -> None:
                                                fill_value=0)
     sub.plot.bar(ax=ax, stacked=True, rot=0)
     ax.set_ylabel("op calls")
+    ax.set_xlabel("autocast precision")
+    ax.legend(title="output dtype", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     ax.set_title("ops by dtype under autocast")

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..plotting import category_ticks, decade_limits
 from ..precision import resolve_precision
 from ..results import Check
 from .common import Context, Outcome, first_tensor
@@ -188,17 +189,24 @@ def plot(outcome: Outcome) -> Figure:
     ax_range, ax_dev = fig.subplots(2, 1, sharex=True)
     x = range(len(df))
     drivers = set(outcome.artifacts["drivers"])
+    from matplotlib.patches import Patch
+
     ax_range.bar(x, df.abs_max.clip(lower=1e-12), color=["C3" if n in drivers else "C0" for n in df.layer])
-    ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
+    limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
     ax_range.set_yscale("log")
     ax_range.set_ylabel("output abs-max (fp32)")
-    ax_range.legend(fontsize=8)
+    keys = [Patch(color="C3", label="drives the recommendation")] if drivers else []
+    ax_range.legend(handles=[*keys, Patch(color="C0", label="other layers" if drivers else "layer"), limit], fontsize=8)
     for prec, color in (("bf16", "C2"), ("fp16", "C1")):
-        ax_dev.plot(x, df[f"{prec}_rel_dev"], marker=".", color=color, label=prec)
+        dev = df[f"{prec}_rel_dev"]
+        ax_dev.plot(x, dev.where(dev > 0), marker=".", color=color, label=prec)  # exact (0) has no log: a gap
     ax_dev.set_yscale("log")
+    decade_limits(ax_dev)
     ax_dev.set_ylabel("relative deviation from fp32")
+    ax_dev.set_title("under autocast (a gap: that layer's output is exact)", fontsize=9)
     ax_dev.legend(fontsize=8)
-    ax_dev.set_xticks(list(x), df.layer, rotation=90, fontsize=7)
+    ax_dev.set_xlabel("leaf layer (execution order)")
+    category_ticks(ax_dev, list(df.layer))
     fig.suptitle("Precision headroom per layer (execution order; red: drives the recommendation)")
     return fig
 
@@ -206,7 +214,9 @@ def plot(outcome: Outcome) -> Figure:
 def panel(ax, outcome: Outcome) -> None:
     df = outcome.frames["headroom"]
     ax.bar(range(len(df)), df.abs_max.clip(lower=1e-12), color="C0")
-    ax.axhline(FP16_MAX, color="k", ls="--", lw=1)
+    ax.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
     ax.set_yscale("log")
     ax.set_xlabel("leaf layer (execution order)")
+    ax.set_ylabel("output abs-max (fp32)")
+    ax.legend(fontsize=7)
     ax.set_title("output abs-max vs fp16 max")

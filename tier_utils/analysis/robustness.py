@@ -146,6 +146,10 @@ def _checks(df: pd.DataFrame, notes: list[str]) -> list[Check]:
     return checks
 
 
+_Y_LABELS = {"agreement": "share of predictions unchanged", "kl": "KL(clean || perturbed) (nats)",
+             "flip_rate": "share of correct ones flipped"}
+
+
 def plot(outcome: Outcome) -> Figure:
     """Agreement, KL and flip rate against perturbation level, one line per perturbation."""
     df = outcome.frames["robustness"]
@@ -156,9 +160,10 @@ def plot(outcome: Outcome) -> Figure:
         for kind, grp in df.groupby("perturbation", sort=False):
             ax.plot(grp.level, grp[metric], marker="o", label=kind)
         ax.set_xlabel("perturbation level")
+        ax.set_ylabel(_Y_LABELS[metric])
         ax.set_title(metric)
         ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(f"Robustness (up to {int(df.n.max())} predictions per point; flip rate over the correct ones)")
     return fig
 
@@ -169,5 +174,6 @@ def panel(ax, outcome: Outcome) -> None:
         ax.plot(grp.level, grp.agreement, marker="o", label=kind)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("perturbation level")
+    ax.set_ylabel(_Y_LABELS["agreement"])
     ax.set_title("prediction agreement")
     ax.legend(fontsize=7)

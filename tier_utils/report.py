@@ -21,7 +21,7 @@ from .analysis import analyze
 from .bench import amp_benchmark
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, write_json
+from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
 from .smoke import smoke
 from .train import TrainingDiverged, train
 
@@ -206,8 +206,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     diverges is recorded as FAIL with its partial history; bad input raises as in each tier.
     Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
     """
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"out_dir {out_dir} is a file; give a folder for the report")
+    writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
     sizes = dict(SIZES["fast" if fast else "default"])
     if batch_size is not None:
         sizes["batch_size"] = batch_size

@@ -103,9 +103,9 @@ def load_checkpoint(path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         blocked = _blocked_global(exc)
-        if blocked is None:
-            raise CheckpointError(f"cannot read checkpoint {path}: not a torch checkpoint or damaged; "
-                                  "delete it to start over") from exc
+        if blocked is None:  # e.g. a raw pickle, or random bytes that happen to parse as one
+            raise CheckpointError(f"refused to load {path}: it holds pickle instructions no tier_utils checkpoint "
+                                  "uses (damaged, or not a tier_utils checkpoint); delete it to start over") from exc
         # torch's own message suggests weights_only=False: never repeat that for a file that may run code.
         raise CheckpointError(f"refused to load {path}: it references {blocked}, which no tier_utils checkpoint "
                               "holds (loading it could run code); only resume from checkpoints tier_utils wrote") from exc

@@ -148,6 +148,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
     adapter = resolve_model(model)  # fails here, once, on a model the trials could not drive
     adapter.require_trainable()
+    adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
     initial = adapter.model
     optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
     try:

@@ -257,3 +257,15 @@ def test_cli_analyze(tmp_path, capsys):
     assert {r["analysis"] for r in data["findings"]} == {"robustness", "headroom"}
     assert "fp16 safe" in capsys.readouterr().out
     assert main(["analyze", "--analyses", "vibes", "--no-progress"]) == 2
+
+
+def test_headroom_subnormal_outputs_that_fp16_kept_close_do_not_contradict_the_drift():
+    from tier_utils.analysis.headroom import COLUMNS, recommend
+
+    def table(dev, abs_max=1.0):  # one layer with 20% of its outputs below fp16's smallest normal
+        return pd.DataFrame([["attn.drop", "Dropout", 1, abs_max, 65504 / abs_max, 0.2, 0.004, dev, 0]], columns=COLUMNS)
+
+    assert recommend(table(0.001))[0] == "fp16 safe"  # measured: the underflow cost nothing
+    assert recommend(table(0.2)) == ("fp16 needs scaling care", ["attn.drop"], "WARN")  # measured: it did
+    assert recommend(table(float("nan")))[0] == "fp16 needs scaling care"  # not measured: keep the caution
+    assert recommend(table(0.001, abs_max=10000.0))[0] == "fp16 needs scaling care"  # range is never cleared

@@ -50,6 +50,8 @@ MODELS = textwrap.dedent('''
             return self.emb(input_ids)
 
     class NoMaxLen(nn.Module):
+        """No position table and no declared limit, but a hidden one: 16 tokens."""
+
         task = "causal-lm"
 
         def __init__(self):
@@ -57,6 +59,8 @@ MODELS = textwrap.dedent('''
             self.emb = nn.Embedding(256, 256)
 
         def forward(self, input_ids, attention_mask=None):
+            if input_ids.size(1) > 16:
+                raise ValueError("at most 16 tokens")
             return self.emb(input_ids)
 
     NOT_A_MODEL = 42

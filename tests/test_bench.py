@@ -380,3 +380,16 @@ def test_saved_tensor_meter_single_linear():
     # autocast saves bf16 copies of the input and of the weight: both are extra memory.
     assert meter.bytes == (x.numel() + lin.weight.numel()) * 2
     assert meter.tensors == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_timer_reads_gpu_time_from_events():
+    from tier_utils.measure import StepTimer
+    timer = StepTimer("cuda")
+    with timer.region():
+        pass
+    with timer.region():
+        torch.cuda._sleep(100_000_000)  # queued GPU work: a host clock would read ~0 here, events read the GPU
+    empty, slept = timer.milliseconds()
+    assert slept > 5 and slept > 10 * empty

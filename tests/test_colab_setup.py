@@ -29,7 +29,16 @@ def env(tmp_path):
     log = tmp_path / "pip.log"
     log.touch()
     path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
-    return {**os.environ, "PATH": path, "PIP_LOG": str(log), "PYTHON": sys.executable}, log
+    # The stub pip installs nothing, so the fixture puts what a real install would: tier_utils's metadata
+    # (nothing missing; a test may put other metadata first) and the package, from this checkout. Both
+    # absolute, so they hold from any working directory, whether or not tier_utils is pip-installed here.
+    installed = tmp_path / "installed"
+    (installed / "tier_utils-0.1.0.dist-info").mkdir(parents=True)
+    (installed / "tier_utils-0.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: tier_utils\nVersion: 0.1.0\n")
+    pythonpath = os.pathsep.join([str(installed), str(ROOT)])
+    return {**os.environ, "PATH": path, "PIP_LOG": str(log), "PYTHON": sys.executable,
+            "PYTHONPATH": pythonpath}, log
 
 
 def run_setup(script, cwd, env):
@@ -87,7 +96,7 @@ def test_installs_only_missing_dependencies_never_torch_or_numpy(tmp_path, env):
                 'pytest>=999; extra == "test"']
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tier_utils\nVersion: 0.1.0\n"
                                    + "".join(f"Requires-Dist: {r}\n" for r in requires))
-    env["PYTHONPATH"] = str(dist.parent)
+    env["PYTHONPATH"] = os.pathsep.join([str(dist.parent), env["PYTHONPATH"]])
 
     out = run_setup(checkout / "colab_setup.sh", tmp_path, env)
     assert "cloning" not in out and "updating" not in out  # inside a checkout: installs that checkout

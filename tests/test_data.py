@@ -86,3 +86,17 @@ def test_loader_worker_options():
     assert dl.persistent_workers and dl.prefetch_factor == 2 and not dl.pin_memory
     with pytest.raises(DataError, match="batch_size must be >= 1"):
         make_loader(ds, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loader_pins_memory_and_batches_copy_without_blocking():
+    from tier_utils.data import to_device
+    splits = build_datasets(None, task="causal-lm", seq_len=16)
+    loader = make_loader(splits.train, batch_size=4, device="cuda")
+    batch = next(iter(loader))
+    assert loader.pin_memory and all(t.is_pinned() for t in batch.values())
+    moved = to_device(batch, "cuda")
+    torch.cuda.synchronize()
+    assert all(t.device.type == "cuda" and torch.equal(t.cpu(), batch[k]) for k, t in moved.items())
+    assert not make_loader(splits.train, batch_size=4, device="cpu").pin_memory

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from tier_utils import AdapterError, ModelSpecError, adapt, load_model
-from tier_utils.adapter import extract_logits
+from tier_utils.adapter import DEFAULT_MAX_LEN, extract_logits
 from tier_utils.models import TinyEncoder, TinyGPT
 
 HF_GPT2 = dict(n_layer=1, n_head=2, n_embd=32, vocab_size=256, n_positions=64)
@@ -117,7 +117,7 @@ def test_adapter_asks_for_what_it_cannot_find():
     with pytest.raises(AdapterError, match="pass vocab_size=N"):
         adapt(NoEmbedding())
 
-    class NoLength(nn.Module):
+    class NoLength(nn.Module):  # no position table, any length works (as ALiBi or state-space models)
         def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(10, 4)
@@ -125,9 +125,19 @@ def test_adapter_asks_for_what_it_cannot_find():
         def forward(self, x):
             return self.emb(x)
 
+    a = adapt(NoLength())
+    assert a.max_len == DEFAULT_MAX_LEN and "no position table" in a.max_len_note
+    assert adapt(NoLength(), max_len=32).max_len_note is None
+
+    class HiddenLimit(NoLength):  # a limit the adapter can't read: the default length is tried, and refused
+        def forward(self, x):
+            if x.size(1) > 16:
+                raise ValueError("too long")
+            return self.emb(x)
+
     with pytest.raises(AdapterError, match="pass max_len=N"):
-        adapt(NoLength())
-    assert adapt(NoLength(), max_len=32).task == "causal-lm"
+        adapt(HiddenLimit())
+    assert adapt(HiddenLimit(), max_len=16).task == "causal-lm"
 
 
 def test_output_without_logits_is_a_clear_error():

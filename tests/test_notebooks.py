@@ -63,3 +63,19 @@ def test_sanitizer_masks_timings_rates_addresses_and_dates():
     for regex, replace in patterns:
         text = re.sub(regex, replace, text)
     assert text == "TIME, TIME, RATE, RATE at ADDRESS at DATE; PROGRESS"
+
+
+# Words that name a machine or what it runs natively. A checked cell's saved output is compared on every
+# machine CI may get (any CPU, a GPU), so none of these may appear in one.
+MACHINE_WORDS = re.compile(r"avx\d*|amx_|EPYC|Xeon|Intel|AMD|NVIDIA|Tesla|H100|A100|\bT4\b|compute capability|"
+                           r"this CPU|\bcuda\b|native", re.I)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_checked_outputs_name_no_machine(name):
+    for cell in code_cells(load(name)):
+        if not cell.source.startswith("# NBVAL_CHECK_OUTPUT"):
+            continue
+        text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+        assert not MACHINE_WORDS.search(text), (cell.source, text)
+        assert "resolve_precision(\"auto\"" not in cell.source  # auto's choice is a device fact

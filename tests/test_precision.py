@@ -125,3 +125,16 @@ def test_cpu_flags_env_replaces_the_detected_flags(monkeypatch, env, auto, suppo
     assert supported_precisions("cpu") == supported
     monkeypatch.delenv(P.CPU_FLAGS_ENV)
     assert P.cpu_flags() == P._detected_cpu_flags()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_the_real_gpu_follows_its_compute_capability():
+    cc = torch.cuda.get_device_capability()
+    expected = "bf16" if cc >= (8, 0) else "fp16" if cc >= (7, 0) else "fp32"
+    p = resolve_precision("auto", "cuda")
+    assert p.name == expected and p.device.type == "cuda" and f"{cc[0]}.{cc[1]}" in p.reason
+    assert p.grad_scaler().is_enabled() == (expected == "fp16")
+    x = torch.randn(8, 8, device="cuda")
+    with p.autocast():
+        assert (x @ x).dtype == p.dtype

@@ -269,3 +269,15 @@ def test_cli_exit_codes(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["smoke", "--batch-sizes", "1,0"])
     assert exc.value.code == 2
+
+
+def test_tied_embedding_is_judged_as_an_embedding_with_its_padding_row():
+    model = TinyGPT(**GPT)
+    model.tok_emb.padding_idx = 0
+    with torch.no_grad():
+        model.tok_emb.weight[0] = 0
+    model.head.weight = model.tok_emb.weight  # tied: named_parameters() reports it once, the head owns it last
+    report = smoke(model, checks="init", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["init: dead units (all-zero rows)", "status"] == "PASS"
+    assert report.parameters.set_index("name").loc["tok_emb.weight", "kind"] == "embedding"

@@ -66,7 +66,9 @@ def token_rows(n=80, seq_len=16, seed=1):
 def test_full_path(name, precision):
     torch.manual_seed(0)
     model = MODELS[name]()
-    before = [p.detach().clone() for p in model.parameters()]
+    # On the default device (the GPU where there is one): train() moves the model there, so the
+    # "weights changed" check below compares on the CPU.
+    before = [p.detach().cpu().clone() for p in model.parameters()]
     result = train(model, precision=precision, max_steps=4, log_every=2, eval_every=2, **FAST)
     h = result.history
     assert list(h.columns) == EXPECTED_COLUMNS
@@ -83,7 +85,7 @@ def test_full_path(name, precision):
     # fp16 records its loss scale; fp32/bf16 have no scaler.
     assert steps["loss_scale"].notna().all() == (precision == "fp16")
     assert result.model is model and model.training
-    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, model.parameters()))
     assert isinstance(result.table, pd.DataFrame) and "val_loss" in set(result.table["metric"])
     assert len(result.plot().axes) == 4
     assert json.dumps(result.to_json())  # JSON-safe
@@ -126,7 +128,9 @@ def test_fp32_equals_hand_written_loop():
     model = tiny_gpt()
     twin = copy.deepcopy(model)
     data, seed, steps, accum, b = token_rows(n=40), 3, 7, 2, 4
-    result = train(model, data, precision="fp32", max_steps=steps, grad_accum_steps=accum, seed=seed,
+    # The hand loop runs on the CPU and is compared at 1e-6, so train() is pinned there too: a GPU's
+    # kernels (TF32, other reduction orders) would differ by more than that for a legitimate reason.
+    result = train(model, data, precision="fp32", device="cpu", max_steps=steps, grad_accum_steps=accum, seed=seed,
                    log_every=1, eval_every=0, warmup_steps=2, lr=1e-3, **{**FAST, "batch_size": b})
 
     # The hand loop: AdamW (decay on matrices), warm-up + cosine, clip 1.0, order = randperm(seed + epoch).
@@ -162,7 +166,12 @@ def test_fp32_equals_hand_written_loop():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_fp16_inf_gradient_is_skipped_and_schedule_waits():
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # GradScaler("cpu") and GradScaler("cuda")
+def test_fp16_inf_gradient_is_skipped_and_schedule_waits(device):
     model = tiny_gpt()
     backward_calls = []
 
@@ -171,7 +180,9 @@ def test_fp16_inf_gradient_is_skipped_and_schedule_waits():
         return grad * float("inf") if len(backward_calls) == 3 else grad
 
     model.head.weight.register_hook(poison)
-    result = train(model, precision="fp16", max_steps=6, log_every=1, eval_every=0, warmup_steps=2, **FAST)
+    result = train(model, precision="fp16", device=device, max_steps=6, log_every=1, eval_every=0, warmup_steps=2,
+                   **FAST)
+    assert result.summary["device"].startswith(device)
     assert result.skipped_steps == 1 and result.summary["skipped_steps"] == 1
     (step, before, after), = [t for t in result.loss_scale_trace if t[2] < t[1]]
     assert step == 3 and after == before / 2
@@ -369,14 +380,15 @@ _KILL_SCRIPT = textwrap.dedent("""
     tt.train(model, data, **CONFIG, checkpoint_dir=ckpt_dir, resume=True)
 """)
 # 9 steps per epoch, so the 14 steps cross an epoch; dropout makes the RNG state matter.
-RESUME_CONFIG = dict(precision="fp32", batch_size=8, seq_len=16, max_steps=14, checkpoint_every=2, log_every=3,
-                     eval_every=4, eval_batches=1, deterministic=True, progress=False, seed=5)
+RESUME_CONFIG = dict(precision="fp32", batch_size=8, seq_len=16, max_steps=14, checkpoint_every=2,
+                     log_every=3, eval_every=4, eval_batches=1, deterministic=True, progress=False, seed=5)
 
 
-def test_sigkill_at_random_step_then_resume_is_bitwise_equal(tmp_path):
+def killed_and_resumed_vs_whole(tmp_path, config):
+    """SIGKILL a run at a random step, resume it to the end, and run the same config uninterrupted."""
     kill_at = random.Random().randint(2, 13)
     script = tmp_path / "run.py"
-    script.write_text(_KILL_SCRIPT.replace("**CONFIG", f"**{RESUME_CONFIG!r}"))
+    script.write_text(_KILL_SCRIPT.replace("**CONFIG", f"**{config!r}"))
     ckpt = tmp_path / "ckpt"
     killed = subprocess.run([sys.executable, str(script), str(ckpt), str(kill_at)], capture_output=True, text=True)
     assert killed.returncode == -9, (kill_at, killed.stderr[-2000:])
@@ -385,14 +397,27 @@ def test_sigkill_at_random_step_then_resume_is_bitwise_equal(tmp_path):
 
     torch.manual_seed(0)  # same construction as the script
     model = load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)
-    whole = train(model, token_rows(), **RESUME_CONFIG, checkpoint_dir=tmp_path / "whole")
+    whole = train(model, token_rows(), **config, checkpoint_dir=tmp_path / "whole")
     final = load_checkpoint(ckpt / "last.pt")
     assert final["step"] == 14, kill_at
     assert final["model"].keys() == whole.model.state_dict().keys()
     for name, tensor in whole.model.state_dict().items():
-        assert torch.equal(final["model"][name], tensor), (kill_at, name)
+        assert torch.equal(final["model"][name], tensor.cpu()), (kill_at, name)
     resumed_history = pd.DataFrame(final["history"]["rows"], columns=EXPECTED_COLUMNS)
     pd.testing.assert_frame_equal(resumed_history[DETERMINISTIC], whole.history[DETERMINISTIC], check_exact=True)
+
+
+def test_sigkill_at_random_step_then_resume_is_bitwise_equal(tmp_path):
+    # Pinned to the CPU, where bitwise resume is the promise on any machine; the CUDA test follows.
+    killed_and_resumed_vs_whole(tmp_path, {**RESUME_CONFIG, "device": "cpu"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_sigkill_then_resume_is_bitwise_equal_with_deterministic(tmp_path, precision):
+    # deterministic=True on CUDA: deterministic kernels, CUBLAS_WORKSPACE_CONFIG and math attention.
+    killed_and_resumed_vs_whole(tmp_path, {**RESUME_CONFIG, "device": "cuda", "precision": precision})
 
 
 class _Payload:

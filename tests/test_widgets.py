@@ -7,17 +7,25 @@ import torch
 import tier_utils
 from tier_utils.precision import supported_precisions
 from tier_utils.train import train
-from tier_utils.widgets import ConfigPanel, RunConfig, config_panel
+from tier_utils.widgets import DEVICE_SIZES, ConfigPanel, RunConfig, config_panel, forget_panel_choices
 
 SMALL = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_kernel():
+    forget_panel_choices()  # each test is a new kernel: no choices kept from another test's panel
+    yield
+    forget_panel_choices()
+
+
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 4
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 5
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
-    assert panel.precision_select.value == "auto" and panel.batch_size_input.value == 8
+    sizes = DEVICE_SIZES[tier_utils.resolve_device().type]  # None = sized for the device
+    assert panel.precision_select.value == "auto" and panel.batch_size_input.value == sizes["batch_size"]
     assert panel.decision.value.startswith("<small>auto: ")
 
 
@@ -81,3 +89,49 @@ def test_build_model_gives_the_same_initial_weights_every_time():
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
     cfg.seed = 4
     assert not torch.equal(cfg.build_model().tok_emb.weight, first.tok_emb.weight)
+
+
+def test_rerunning_the_cells_keeps_the_users_panel_choice():
+    # Run All: the parameters cell builds a fresh cfg, the panel cell shows a panel for it.
+    cfg = RunConfig(precision="auto", batch_size=4)
+    panel = config_panel(cfg)
+    panel.precision_select.value = "fp32"
+    panel.batch_size_input.value = 8
+    assert "re-run" in panel.status.value and "batch_size is now 8" in panel.status.value
+    # Run All again: the parameters cell says auto / 4 again, but the user's choice wins.
+    again = RunConfig(precision="auto", batch_size=4)
+    second = config_panel(again)
+    assert (again.precision, again.batch_size) == ("fp32", 8)
+    assert (second.precision_select.value, second.batch_size_input.value) == ("fp32", 8)
+    assert "kept your earlier panel choice (precision=fp32, batch_size=8)" in second.status.value
+    assert "fp32 → fp32 · batch size 8" in repr(second)
+    forget_panel_choices()
+    fresh = RunConfig(precision="auto", batch_size=4)
+    config_panel(fresh)
+    assert (fresh.precision, fresh.batch_size) == ("auto", 4)
+
+
+def test_headless_runs_keep_the_parameters_cell():
+    # nbval/papermill never touch a widget: panels shown one after another change nothing.
+    for batch in (4, 16):
+        cfg = RunConfig(batch_size=batch)
+        panel = config_panel(cfg)
+        assert cfg.batch_size == batch and panel.status.value == ""
+
+
+def test_panel_reads_as_text_where_widgets_cannot_render():
+    text = repr(config_panel(RunConfig(model="tiny-gpt", precision="fp32", batch_size=4)))
+    assert text == "settings: model tiny-gpt · precision fp32 → fp32 · batch size 4" and len(text) <= 110
+
+
+def test_sizes_left_at_none_follow_the_device():
+    fake_gpu = mock.patch.multiple(torch.cuda, is_available=lambda: True)
+    with fake_gpu:
+        gpu = RunConfig(device="cuda")
+    cpu = RunConfig(device="cpu")
+    assert gpu.model_kwargs["d_model"] > cpu.model_kwargs["d_model"] and gpu.batch_size > cpu.batch_size
+    assert (cpu.batch_size, cpu.seq_len) == (DEVICE_SIZES["cpu"]["batch_size"], DEVICE_SIZES["cpu"]["seq_len"])
+    assert RunConfig(model="my_model.py:Net", device="cpu").model_kwargs == {}  # unknown size arguments
+    assert RunConfig(batch_size=7, model_kwargs={"d_model": 64}, device="cpu").batch_size == 7
+    cpu.model_kwargs["d_model"] = 1
+    assert DEVICE_SIZES["cpu"]["model_kwargs"]["d_model"] == 32  # each config has its own copy

@@ -6,8 +6,10 @@ from .bench import BenchmarkResult, amp_benchmark
 from .checkpoint import CheckpointError, load_checkpoint
 from .data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .errors import AdapterError, DataError, ModelSpecError, TierError
+from .export import ExportError, ExportResult, export
 from .history import TrainResult
 from .info import InfoResult, info
+from .loggers import LoggerError
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model
 from .precision import (
                         Precision,
@@ -37,6 +39,8 @@ __all__ = [
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchResult", "search",
+    # export, experiment loggers
+    "ExportResult", "export", "ExportError", "LoggerError",
     # the main job
     "AllResult", "run_all", "write_report",
     # errors

@@ -7,6 +7,7 @@ tokens for a causal LM, (B,) class ids for classification), optional `attention_
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ TASKS = ("causal-lm", "classification")
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
 _VOCAB_KEYS = ("vocab_size", "n_vocab")
 _PROBE_LEN = 8
+# The length tested when a model has no position table and declares no limit (ALiBi, state-space
+# models): twice the default training window, cheap enough for a smoke test.
+DEFAULT_MAX_LEN = 128
 ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes")
 
 
@@ -35,6 +39,9 @@ class ModelAdapter:
     takes_input_ids_kwarg: bool
     takes_attention_mask: bool
     takes_inputs_embeds: bool
+    takes_position_ids: bool = False
+    padding_side: str = "right"  # where a padded batch puts its padding: left for decoder LMs
+    max_len_note: str | None = None  # set when max_len is tier_utils' default, not the model's own limit
 
     @property
     def device(self) -> torch.device:
@@ -49,6 +56,10 @@ class ModelAdapter:
         kwargs = {}
         if attention_mask is not None and self.takes_attention_mask:
             kwargs["attention_mask"] = attention_mask
+            if self.takes_position_ids and self.task == "causal-lm":
+                # Left padding shifts the real tokens; count positions from the first real one, as HF's
+                # generate() does (an all-ones mask gives the default 0..T-1).
+                kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         if inputs_embeds is not None:
             if not self.takes_inputs_embeds:
                 raise AdapterError(f"{self.name}.forward takes no inputs_embeds argument")
@@ -164,25 +175,33 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
         raise AdapterError(f"expected a torch.nn.Module, got {type(model).__name__}; load it with load_model first")
     if next(model.parameters(), None) is None:
         raise AdapterError(f"{type(model).__name__} has no parameters; there is nothing to smoke-test or train")
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise AdapterError(f"{name} is an encoder-decoder model, which tier_utils does not support yet; "
+                           "use a decoder-only LM or an encoder classifier")
     params = _forward_params(model)
     takes_kw = "input_ids" in params
-    config = getattr(model, "config", None)
     vocab = vocab_size or _first_attr((config, model), _VOCAB_KEYS) or _embedding_rows(model)
     if not vocab:
-        raise AdapterError(f"cannot find {type(model).__name__}'s vocabulary size; pass vocab_size=N "
+        raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
                            "(smoke/analyze take it as a keyword; for every tier: adapt(model, vocab_size=N))")
-    length = max_len or _first_attr((config, model), _MAX_LEN_KEYS) or _position_rows(model)
-    if not length:
-        raise AdapterError(f"cannot find {type(model).__name__}'s maximum sequence length; pass max_len=N "
-                           "(smoke/analyze take it as a keyword; for every tier: adapt(model, max_len=N))")
-    adapter = ModelAdapter(model, task or "", int(vocab), int(length), num_classes, takes_kw,
-                           "attention_mask" in params, "inputs_embeds" in params)
     if task is not None and task not in TASKS:
         raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
+    declared = _first_attr((config, model), _MAX_LEN_KEYS)
+    usable = _position_rows(model)
+    length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
+    adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
+                           num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
+                           "position_ids" in params)
     adapter.task = task or _declared_task(model) or _probe_task(adapter)
+    if length == math.inf:
+        _check_default_length(adapter)
     if adapter.task == "classification" and adapter.num_classes is None:
         adapter.num_classes = (getattr(config, "num_labels", None) or getattr(model, "num_classes", None)
                                or _probe_output(adapter).shape[-1])
+    side = getattr(model, "padding_side", None)
+    adapter.padding_side = side if side in ("left", "right") else "left" if adapter.task == "causal-lm" else "right"
     return adapter
 
 
@@ -221,10 +240,30 @@ def _embedding_rows(model: nn.Module) -> int | None:
 
 
 def _position_rows(model: nn.Module) -> int | None:
+    """How many positions the learned position table serves: its rows less the family's offset (OPT and
+    BART keep `offset` rows in front; RoBERTa-style tables start after the padding row, at padding_idx + 1)."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and "pos" in name.lower():
-            return module.num_embeddings
+        if isinstance(module, nn.Embedding) and ("pos" in name.lower() or name.endswith("wpe")):  # GPT-2: wpe
+            offset = getattr(module, "offset", 0)
+            if module.padding_idx is not None:
+                offset += module.padding_idx + 1
+            return module.num_embeddings - (offset if isinstance(offset, int) else 0)
     return None
+
+
+def _check_default_length(adapter: ModelAdapter) -> None:
+    """No position table and no declared limit: run DEFAULT_MAX_LEN tokens once, so a model with a hidden
+    limit asks for max_len instead of failing every long check."""
+    try:
+        _probe_output(adapter, adapter.max_len)
+    except AdapterError as exc:
+        cause = exc.__cause__ or exc
+        raise AdapterError(f"cannot find {adapter.name}'s maximum sequence length and {adapter.max_len} tokens fail "
+                           f"({type(cause).__name__}: {one_line(cause)}); pass max_len=N (smoke/analyze take it as "
+                           "a keyword; for every tier: adapt(model, max_len=N))") from exc
+    adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
+                            f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
+                            "for longer)")
 
 
 def _declared_task(model: nn.Module) -> str | None:
@@ -239,8 +278,8 @@ def _declared_task(model: nn.Module) -> str | None:
     return None
 
 
-def _probe_output(adapter: ModelAdapter) -> torch.Tensor:
-    ids = torch.zeros(1, min(_PROBE_LEN, adapter.max_len), dtype=torch.long, device=adapter.device)
+def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:
+    ids = torch.zeros(1, min(length, adapter.max_len), dtype=torch.long, device=adapter.device)
     was_training = adapter.model.training
     adapter.model.eval()
     try:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from .adapter import resolve_model
 from .data import build_datasets, make_loader, to_device
 from .history import evaluate
+from .loggers import log_result_tables, logger_names, run_stamp
 from .measure import (
     SavedTensorMeter,
     StepTimer,
@@ -82,18 +83,20 @@ class BenchmarkResult(Result):
 def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_size: int = 8, seq_len: int = 64,
                   warmup_steps: int = 3, timed_steps: int = 10, repeats: int = 5, accuracy_steps: int = 50,
                   thresholds: Thresholds = Thresholds(), force: bool = False, device=None, progress: bool = True,
-                  lr: float = 1e-3, val_batches: int = 20) -> BenchmarkResult:
+                  lr: float = 1e-3, val_batches: int = 20, loggers=(), log_dir=None) -> BenchmarkResult:
     """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).
 
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
     `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
+    `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
     """
     for name, value in dict(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
                             val_batches=val_batches).items():
         whole_number(value, name)
     whole_number(warmup_steps, "warmup_steps", minimum=0)
     whole_number(accuracy_steps, "accuracy_steps", minimum=0)
+    loggers = logger_names(loggers)  # a missing package fails here, before minutes of measuring
     dev = resolve_device(device)
     adapter = resolve_model(model)
     was_training = adapter.model.training
@@ -144,7 +147,11 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
               "thresholds": asdict(thresholds)}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": _load_average()}
-    return BenchmarkResult(config, metadata, flops, records, checks)
+    result = BenchmarkResult(config, metadata, flops, records, checks)
+    if loggers:
+        log_result_tables(loggers, log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
+                          {"amp_benchmark": result.table, "verdicts": result.verdicts}, {**config, **metadata})
+    return result
 
 
 def precision_list(precisions) -> list[str]:

@@ -52,17 +52,20 @@ def _model_arg(value: str) -> tuple[str, object]:
         return key, raw  # a bare string such as activation=gelu
 
 
-def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, precision: bool = True) -> None:
+def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, precision: bool = True,
+               device: bool = True) -> None:
     """The options every verb shares: model, model kwargs, device, precision, batch size, json, progress.
 
-    precision=False leaves out --precision, for a verb that takes several (bench's --precisions).
+    precision=False leaves out --precision, for a verb that takes several (bench's --precisions);
+    device=False leaves out --device, for a verb that runs on the CPU only (export).
     """
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="built-in name, path/file.py:Name, package.module:Name or hf:ModelClass "
                              f"(default {DEFAULT_MODEL})")
     parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
                         help="keyword argument for building the model (repeatable), e.g. d_model=256")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    if device:
+        parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     if precision:
         parser.add_argument("--precision", type=_precision, default="auto",
                             help=f"{', '.join(PRECISION_NAMES)} (Lightning/torch spellings accepted; default auto)")
@@ -110,7 +113,8 @@ def _run_train(args) -> tuple[dict, int]:
              "device")
     settings = {k: getattr(args, k) for k in names}
     settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
-                    checkpoint_dir=str(out / "checkpoints"))
+                    checkpoint_dir=str(out / "checkpoints"), loggers=args.log, log_project=args.log_project,
+                    log_run_name=args.log_run_name, mlflow_uri=args.mlflow_uri)  # logs: DIR/logs
     settings.update({k: getattr(args, k) for k in ("epochs", "max_steps") if getattr(args, k) is not None})
     config = TrainConfig(**settings)  # bad settings fail here, before anything is built or written
     code = 0
@@ -216,6 +220,23 @@ def _run_search(args) -> tuple[dict, int]:
     return summary, 0
 
 
+def _run_export(args) -> tuple[dict, int]:
+    from .export import export
+
+    result = export(args.model, args.out, format=args.format, precision=args.precision, data=args.data,
+                    repeats=args.repeats, **model_kwargs(args))
+    c, m = result.config, result.metadata
+    print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
+          f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to {c['max_len']})")
+    with _wide_pandas():
+        print(result.table.to_string(index=False))
+    for row in result.latency:
+        print(f"latency {row['shape']} {row['runner']}: {row['median_ms']:.3f} ms median (IQR {row['iqr_ms']:.3f}, "
+              f"n={row['n']}) on {m['device_name']}, {m['dtype']}")
+    print(f"parity: {result.status}")
+    return result.to_json(), 1 if result.status == "FAIL" else 0
+
+
 def _run_all(args) -> tuple[dict, int]:
     from .report import run_all
 
@@ -288,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10, help="steps per history row")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
+    p.add_argument("--log", default="", metavar="NAME,NAME",
+                   help="experiment loggers, written under DIR/logs: tensorboard, wandb, mlflow")
+    p.add_argument("--log-project", default="tier_utils", help="W&B project / MLflow experiment")
+    p.add_argument("--log-run-name", default=None, help="default: model-precision-UTC time")
+    p.add_argument("--mlflow-uri", default=None, help="MLflow folder or tracking URI (default DIR/logs/mlflow)")
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
@@ -326,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     p.set_defaults(run=_run_search)
 
+    p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
+                                        "against eager")
+    add_common(p, device=False)
+    p.set_defaults(precision="fp32")  # the API's default: the weights as trained
+    p.add_argument("--format", choices=["onnx", "pt2"], default="onnx")
+    p.add_argument("--out", required=True, metavar="PATH", help="the artifact to write, e.g. model.onnx")
+    p.add_argument("--data", default=None, help="text file or 'synthetic' for the parity batches (default: corpus)")
+    p.add_argument("--repeats", type=_positive_int, default=10, help="timed forwards per shape and runner")
+    p.set_defaults(run=_run_export)
+
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
                                      "with an HTML report")
     add_common(p)
@@ -349,7 +385,10 @@ def _check_outputs(args) -> None:
     from pathlib import Path
 
     out = getattr(args, "out", None)
-    if out is not None:
+    if out is not None and args.verb == "export":  # export's --out is the artifact file itself
+        writable_file(out, "--out", folder_made_by_run=True)
+        out = None
+    elif out is not None:
         writable_dir(out, "--out")
     if args.json:
         inside_out = out is not None and Path(out).resolve() in Path(args.json).resolve().parents

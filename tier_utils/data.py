@@ -186,7 +186,8 @@ def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_
         if task == "classification":
             if num_classes is not None and num_classes < len(TOPIC_GROUPS):
                 raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
-                                f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)}")
+                                f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
+                                f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
             return DataSplits(_snippets(train_topics, seq_len), _snippets(val_topics, seq_len), "corpus")
         corpus = corpus_topics()
         join = "\n\n".join

@@ -171,7 +171,8 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
 
     def objective(trial: optuna.Trial) -> float:
         params = _suggest(trial, space)
-        cfg = dataclasses.replace(base, **params)
+        # with loggers in the config, each trial is one logged run, named after it
+        cfg = dataclasses.replace(base, **params, log_run_name=f"{base.log_run_name or study_name}-trial-{trial.number}")
 
         def report(step: int, metrics: dict) -> None:
             trial.report(metrics["val_loss"], step)

@@ -60,6 +60,8 @@ def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
 def _shapes(adapter: ModelAdapter, report):
     adapter.model.eval()
     L = adapter.max_len
+    if adapter.max_len_note:
+        yield Check("shapes: max length (default)", "PASS", L, None, adapter.max_len_note)
     odd = sorted({n for n in (3, L - 1 - L % 2) if 1 < n < L})
     cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", 2, L)]
     cases += [(f"odd batch 3, length {n}", 3, n) for n in odd]
@@ -86,17 +88,22 @@ def _padding_case(name: str, adapter: ModelAdapter) -> Check:
     keep = max(1, T // 2)
     batch = adapter.example_batch(2, T, seed=1)
     ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
-    ids[1, keep:], mask[1, keep:] = 0, 0  # right padding with id 0
+    # Pad (id 0) on the side the model family pads: left for decoder LMs (batched generation), else right.
+    pad = slice(0, T - keep) if adapter.padding_side == "left" else slice(keep, T)
+    real = slice(T - keep, T) if adapter.padding_side == "left" else slice(0, keep)
+    ids[1, pad], mask[1, pad] = 0, 0
     with torch.no_grad():
         padded = adapter.logits(ids, mask)
-        alone = adapter.logits(ids[1:, :keep], mask[1:, :keep])
+        alone = adapter.logits(ids[1:, real], mask[1:, real])
     if tuple(padded.shape) != _expected_shape(adapter, 2, T):
         return Check(name, "FAIL", str(tuple(padded.shape)), str(_expected_shape(adapter, 2, T)),
                      "wrong output shape for a padded batch")
-    row = padded[1, :keep] if adapter.task == "causal-lm" else padded[1]
+    row = padded[1, real] if adapter.task == "causal-lm" else padded[1]
     dev = _rel_dev(row, alone[0])
     ok = math.isfinite(dev) and dev <= PADDING_TOL
-    detail = (f"row padded {keep}->{T} vs the same {keep} tokens alone: max relative difference {dev:.2g}"
+    detail = (f"row padded {keep}->{T} vs the same {keep} tokens alone: max relative difference {dev:.2g} "
+              f"({adapter.padding_side} padding" + (", position ids from the mask)" if adapter.takes_position_ids
+                                                   and adapter.task == "causal-lm" else ")")
               + ("" if ok else "; padding changes real tokens' outputs: is attention_mask used?"))
     return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {PADDING_TOL:g}", detail)
 
@@ -203,11 +210,16 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
 # --- initialisation -----------------------------------------------------------------------------
 
 def _init(adapter: ModelAdapter, report):
-    owner = {id(p): m for m in adapter.model.modules() for p in m.parameters(recurse=False)}
+    # A tied tensor (embedding = LM head) has several owners: it is an embedding if any of them is one.
+    owners: dict[int, list[nn.Module]] = {}
+    for m in adapter.model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
     rows = []
     for n, p in adapter.model.named_parameters():
-        w, module = p.detach().float(), owner[id(p)]
-        embedding = isinstance(module, nn.Embedding)
+        w = p.detach().float()
+        tables = [m for m in owners[id(p)] if isinstance(m, nn.Embedding)]
+        embedding = bool(tables)
         row = {"name": n, "shape": tuple(p.shape), "kind": "embedding" if embedding else "matrix" if w.dim() >= 2
                else "vector", "mean": w.mean().item(), "std": w.std(correction=0).item(),
                "finite": bool(torch.isfinite(w).all()), "constant": False, "scale": None, "dead_rows": 0}
@@ -216,8 +228,9 @@ def _init(adapter: ModelAdapter, report):
             row["constant"] = bool((w == w.flatten()[0]).all())
             row["scale"] = row["std"] if embedding else row["std"] * math.sqrt(w[0].numel())
             dead = (w.flatten(1) == 0).all(1)
-            if embedding and module.padding_idx is not None:
-                dead[module.padding_idx] = False  # the padding row is zero by design
+            for table in tables:
+                if table.padding_idx is not None:
+                    dead[table.padding_idx] = False  # the padding row is zero by design
             row["dead_rows"] = 0 if row["constant"] else int(dead.sum())
         rows.append(row)
     report.parameters = pd.DataFrame(rows)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import distributed
 from .adapter import ModelAdapter, resolve_model
@@ -34,6 +35,7 @@ from .checkpoint import (
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
+from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .results import run_metadata, writable_dir
 from .train_config import TRAJECTORY_FIELDS, TrainConfig, make_config
@@ -143,7 +145,7 @@ class TrainStep:
 
 
 @contextlib.contextmanager
-def _determinism(on: bool):
+def _determinism(on: bool, cuda: bool):
     """torch's deterministic mode for the run only; the caller's settings come back afterwards."""
     if not on:
         yield
@@ -154,8 +156,12 @@ def _determinism(on: bool):
     # warn_only: an op with no deterministic kernel warns instead of stopping the user's model.
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    # On CUDA the fused attention kernels' backward accumulates with atomics (run-to-run noise); the
+    # math kernel does not. On the CPU the fused kernel is already deterministic and stays.
+    attention = sdpa_kernel(SDPBackend.MATH) if cuda else contextlib.nullcontext()
     try:
-        yield
+        with attention:
+            yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
@@ -184,7 +190,7 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)
     try:
-        with _determinism(cfg.deterministic):
+        with _determinism(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
             return _Run(model, data, cfg, on_eval, env).run()
     finally:
         env.close()
@@ -230,9 +236,12 @@ class _Run:
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
-            self._load()  # last: it restores the RNG states, so nothing may draw from them after
+            self._load()  # it restores the RNG states: nothing after it draws from them (trackers use their own)
         elif cfg.resume and env.is_main:
             warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=3)
+        self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
+            "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            **run_metadata(self.device, self.precision.dtype)})
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -250,12 +259,20 @@ class _Run:
             if self.env.active or self.hist.sync() is None:
                 self.hist.emit(self.step, self.step / self.steps_per_epoch)
         except TrainingDiverged as exc:
-            exc.result = self.result(diverged_at=exc.step)
+            exc.result = self._logged(self.result(diverged_at=exc.step), "FAILED")
+            raise
+        except BaseException:  # e.g. on_eval's TrialPruned: the logged run ends too
+            self.log.close("KILLED")
             raise
         finally:
             self.bar.close()
             self.adapter.model.train()
-        return self.result(interrupted=interrupted)
+        return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
+
+    def _logged(self, result: TrainResult, status: str) -> TrainResult:
+        self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)
+        self.log.finish(result.summary, self.step, status)
+        return result
 
     def _loop(self) -> None:
         cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
@@ -278,6 +295,7 @@ class _Run:
                     self.hist.record(self.step, out, lr, tokens)
                     self.bar.update()
                 self._after_step()
+                self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
                 if self.step >= self.total_steps:
                     break
 

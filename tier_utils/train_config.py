@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from .loggers import logger_names
 from .precision import canonical_precision
 from .results import whole_number
 
@@ -44,14 +45,22 @@ class TrainConfig:
     resume: bool = False  # continue from checkpoint_dir/last.pt when it exists
     progress: bool = True
     device: str | None = None
+    # Experiment loggers (loggers.py): any of "tensorboard", "wandb", "mlflow"; rank 0 only.
+    loggers: tuple = ()
+    log_dir: str | None = None  # None: "logs" beside checkpoint_dir, else runs/logs
+    log_project: str = "tier_utils"  # W&B project / MLflow experiment
+    log_run_name: str | None = None  # None: model-precision-UTC time
+    mlflow_uri: str | None = None  # a folder or a tracking URI (sqlite:///runs/mlflow.db, http://...); None: log_dir/mlflow
 
     def __post_init__(self):
+        self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         _validate(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["device"] = None if self.device is None else str(self.device)
         d["checkpoint_dir"] = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
+        d["log_dir"] = None if self.log_dir is None else str(self.log_dir)
         return d
 
 

@@ -1,38 +1,68 @@
 """The notebooks' settings: a `RunConfig` object and an ipywidgets panel that edits it.
 
 The panel's observers only write into the config; nothing runs until a run cell reads it.
-So "change a widget, re-run the run cell" uses the new values, and "Run all" uses the
-parameters cell's defaults. Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
+Once the user changes a widget, the panel is the source of truth for this kernel: re-running
+the parameters and panel cells (or Run All) keeps that choice instead of the parameters cell's
+default. A headless run (nbval, papermill) never touches a widget, so its parameters always win.
+Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
 """
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import ipywidgets as widgets
 import torch
 
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
-from .precision import canonical_precision, resolve_precision, supported_precisions
+from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .results import whole_number
 
 MAX_BATCH_SIZE = 4096
+PANEL_FIELDS = ("model", "precision", "batch_size")
+
+# What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
+_user_choices: dict[str, object] = {}
+
+
+def forget_panel_choices() -> None:
+    """Drop the choices kept from earlier panels: the next panel starts from the parameters cell."""
+    _user_choices.clear()
+
+
+# The sizes a RunConfig left at None gets, by device type. On a GPU, large enough that the benchmark
+# measures arithmetic rather than kernel launches (a T4 still runs the tier 3 notebook in under a
+# minute); on a CPU, small enough for seconds, where the benchmark then says it is overhead-bound.
+DEVICE_SIZES = {
+    "cuda": {"model_kwargs": {"d_model": 512, "n_layer": 6, "n_head": 8, "max_len": 256},
+             "batch_size": 32, "seq_len": 256},
+    "cpu": {"model_kwargs": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": 32},
+            "batch_size": 4, "seq_len": 32},
+}
 
 
 @dataclass
 class RunConfig:
-    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths."""
+    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths.
+    `model_kwargs`, `batch_size` and `seq_len` left at None are sized for the device (DEVICE_SIZES;
+    model_kwargs only for the built-in models, whose size arguments are known)."""
 
     model: str = DEFAULT_MODEL
-    model_kwargs: dict = field(default_factory=dict)
+    model_kwargs: dict | None = None
     precision: str = "auto"
-    batch_size: int = 8
-    seq_len: int = 64
+    batch_size: int | None = None
+    seq_len: int | None = None
     max_steps: int = 20
     device: str | None = None
     seed: int = 0
 
     def __post_init__(self):
+        sizes = DEVICE_SIZES.get(resolve_device(self.device).type, DEVICE_SIZES["cpu"])
+        if self.model_kwargs is None:
+            self.model_kwargs = dict(sizes["model_kwargs"]) if self.model in BUILTIN_MODELS else {}
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) is None:
+                setattr(self, name, sizes[name])
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         for name in ("batch_size", "seq_len", "max_steps"):
             whole_number(getattr(self, name), name)
@@ -53,6 +83,9 @@ class ConfigPanel(widgets.VBox):
     """Model, precision and batch-size controls bound to a RunConfig (see `config_panel`)."""
 
     def __init__(self, config: RunConfig, models=None):
+        kept = {k: v for k, v in _user_choices.items() if getattr(config, k) != v}
+        for name, value in kept.items():
+            setattr(config, name, value)
         self.config = config
         names = list(models or BUILTIN_MODELS)
         if config.model not in names:
@@ -68,25 +101,44 @@ class ConfigPanel(widgets.VBox):
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
         self.decision = widgets.HTML()
-        self.model_select.observe(self._set("model"), names="value")
-        self.precision_select.observe(self._set("precision"), names="value")
-        self.precision_select.observe(lambda change: self._show_decision(), names="value")
-        self.batch_size_input.observe(self._set("batch_size"), names="value")
+        self.status = widgets.HTML()
+        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.precision_select, self.batch_size_input)):
+            widget.observe(self._set(name), names="value")
         self._show_decision()
-        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.decision])
+        if kept:
+            shown = ", ".join(f"{k}={v}" for k, v in kept.items())
+            self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
+                      "<code>tier_utils.widgets.forget_panel_choices()</code> drops it")
+        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.decision,
+                          self.status])
 
     def _set(self, attribute: str):
         def write(change):
             setattr(self.config, attribute, change["new"])
+            _user_choices[attribute] = change["new"]
+            self._show_decision()
+            self._say(f"{attribute} is now {html.escape(str(change['new']))}: outputs below are from the old "
+                      "settings; re-run from the cell after this panel (Run ▸ Run Selected Cell and All Below)")
         return write
+
+    def _say(self, text: str) -> None:
+        self.status.value = f"<small><b>{text}</b></small>"
 
     def _show_decision(self) -> None:
         # Resolving is a lookup of device rules, not a run; warn=False because the user is only browsing.
         decision = resolve_precision(self.config.precision, self.config.device, warn=False)
         self.decision.value = f"<small>{html.escape(decision.reason)}</small>"
 
+    def __repr__(self) -> str:
+        # What a notebook shows where the widget can't render (saved outputs without widget state,
+        # a terminal): the settings, short enough for ipywidgets 7's 110-character plain-text cut.
+        c = self.config
+        ran = resolve_precision(c.precision, c.device, warn=False).name
+        return f"settings: model {c.model} · precision {c.precision} → {ran} · batch size {c.batch_size}"
+
 
 def config_panel(config: RunConfig, models=None) -> ConfigPanel:
     """A widget box editing `config` in place: model (built-ins), precision (auto + what the device runs
-    natively), batch size. `models` overrides the model choices."""
+    natively), batch size. `models` overrides the model choices. Choices the user made in an earlier
+    panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models)

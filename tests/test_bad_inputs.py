@@ -375,6 +375,14 @@ def test_smoke_and_analyze_turn_a_raising_forward_into_fail_rows(files):
         tier_utils.train(broken, max_steps=1, progress=False)
 
 
+def test_main_job_on_a_raising_forward_writes_a_fail_report(files, tmp_path, capsys):
+    code = main(["all", "--model", f"{files}/models.py:Broken", "--out", str(tmp_path / "r"), "--fast", "--device",
+                 "cpu", "--no-progress"])
+    assert code == 1
+    assert (tmp_path / "r" / "index.html").is_file() and not (tmp_path / "r" / "train.csv").exists()
+    assert "planted: shapes do not line up" in (tmp_path / "r" / "smoke.csv").read_text()
+
+
 def test_instance_accepts_adapter_keywords(files):
     report = tier_utils.smoke(_models(files)["NoMaxLen"], max_len=16, checks="shapes", device="cpu", progress=False)
     assert report.model["max_len"] == 16 and report.passed

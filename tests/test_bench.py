@@ -228,16 +228,17 @@ def test_json_schema_exact_keys(forced_fp16):
     assert doc["schema"] == "tier_utils.bench/1"
     assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "warmup_steps", "timed_steps", "repeats", "accuracy_steps",
-                                  "val_batches", "lr", "weight_decay", "force", "thresholds"}
+                                  "val_batches", "lr", "weight_decay", "force", "compile", "compile_mode",
+                                  "thresholds"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
     assert set(doc["flops"]) == {"per_step", "by_op"}
     rec = doc["precisions"][1]
-    assert set(rec) == {"precision", "dtype", "native", "ran", "forced", "reason", "metadata", "speed", "mfu",
-                        "memory", "accuracy"}
+    assert set(rec) == {"precision", "mode", "dtype", "native", "ran", "forced", "reason", "compile", "metadata",
+                        "speed", "mfu", "memory", "accuracy"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
-    assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup"}
+    assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
     assert set(rec["speed"]["speedup"]) == {"median", "low", "high", "no_measurable_difference"}
     assert set(rec["mfu"]) == {"achieved_tflops", "peak_tflops", "mfu", "probe"}
@@ -249,7 +250,7 @@ def test_json_schema_exact_keys(forced_fp16):
     assert set(rec["accuracy"]) == {"steps", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
                                     "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
     assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "tolerance"}
-    assert set(doc["verdicts"][0]) == {"precision", "check", "status", "value", "threshold", "detail"}
+    assert set(doc["verdicts"][0]) == {"precision", "mode", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
 
 

@@ -21,11 +21,12 @@ def _fresh_kernel():
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 5
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 6
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
     sizes = DEVICE_SIZES[tier_utils.resolve_device().type]  # None = sized for the device
     assert panel.precision_select.value == "auto" and panel.batch_size_input.value == sizes["batch_size"]
+    assert panel.compile_box.value is False
     assert panel.decision.value.startswith("<small>auto: ")
 
 
@@ -51,7 +52,8 @@ def test_widgets_write_into_the_config_and_nothing_else():
     panel.model_select.value = "tiny-encoder"
     panel.precision_select.value = "fp32"
     panel.batch_size_input.value = 3
-    assert (cfg.model, cfg.precision, cfg.batch_size) == ("tiny-encoder", "fp32", 3)
+    panel.compile_box.value = True
+    assert (cfg.model, cfg.precision, cfg.batch_size, cfg.compile) == ("tiny-encoder", "fp32", 3, True)
     assert panel.decision.value == "<small>fp32 requested: fp32 runs everywhere</small>"
     panel.batch_size_input.value = 0  # BoundedIntText clamps to its minimum: no invalid batch reaches a run
     assert cfg.batch_size == 1
@@ -60,7 +62,8 @@ def test_widgets_write_into_the_config_and_nothing_else():
 @pytest.mark.parametrize("bad,match", [(dict(precision="fp8"), "unknown precision"),
                                        (dict(batch_size=0), "batch_size must be a whole number >= 1"),
                                        (dict(batch_size=10_000), "batch_size must be <= 4096"),
-                                       (dict(seq_len=2.5), "seq_len must be a whole number")])
+                                       (dict(seq_len=2.5), "seq_len must be a whole number"),
+                                       (dict(compile="yes"), "compile must be True or False")])
 def test_bad_config_values_fail_with_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         RunConfig(**bad)

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .adapter import resolve_model
+from .compiling import check_compile_mode, compile_for_training, compile_modes
 from .data import build_datasets, make_loader, to_device
 from .history import evaluate
 from .loggers import log_result_tables, logger_names, run_stamp
@@ -32,8 +33,10 @@ from .precision import canonical_precision, native_support, resolve_device, reso
 from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
 from .train import TrainStep, make_optimizer, make_scheduler
 from .verdicts import (
+    PrecisionCheck,
     Thresholds,
     accuracy_check,
+    compile_check,
     memory_check,
     parity,
     parity_check,
@@ -70,7 +73,7 @@ class BenchmarkResult(Result):
 
     @property
     def verdicts(self) -> pd.DataFrame:
-        return checks_table(self.checks, ("precision",))
+        return checks_table(self.checks, ("precision", "mode"))
 
     def plot(self):
         return _plot(self)
@@ -83,13 +86,17 @@ class BenchmarkResult(Result):
 def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_size: int = 8, seq_len: int = 64,
                   warmup_steps: int = 3, timed_steps: int = 10, repeats: int = 5, accuracy_steps: int = 50,
                   thresholds: Thresholds = Thresholds(), force: bool = False, device=None, progress: bool = True,
-                  lr: float = 1e-3, val_batches: int = 20, loggers=(), log_dir=None) -> BenchmarkResult:
+                  lr: float = 1e-3, val_batches: int = 20, loggers=(), log_dir=None, compile=False,
+                  compile_mode: str = "default") -> BenchmarkResult:
     """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).
 
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
     `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
     `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
+    compile: False (eager), True (every step torch.compiled) or "both": each precision eager and
+    compiled, repeats interleaved, compiled rows also judged against the same precision eager.
+    A model that can't be compiled gets a WARN row and is measured eager.
     """
     for name, value in dict(batch_size=batch_size, seq_len=seq_len, timed_steps=timed_steps, repeats=repeats,
                             val_batches=val_batches).items():
@@ -104,14 +111,20 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
     adapter.require_trainable()
     adapter.check_forward()
     seq_len = adapter.fit_length(seq_len)  # capped with a warning; config records the length used
-    plans = [_plan(name, dev, force) for name in precision_list(precisions)]
-    ran = [p for p in plans if p["ran"]]
+    modes = compile_modes(compile)
+    check_compile_mode(compile_mode)
+    plans = [_plan(name, mode, dev, force) for name in precision_list(precisions) for mode in modes]
     splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes,
                             max_len=adapter.max_len)
     speed_batches = list(_batches(splits.train, warmup_steps + timed_steps, batch_size, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
-    total = len(ran) * (repeats * (warmup_steps + timed_steps) + accuracy_steps)
     start = copy.deepcopy(adapter.model.state_dict())
+    for p in plans:
+        p["adapter"] = adapter  # what the steps call: the compiled model where compiling worked
+        if p["ran"] and p["mode"] == "compiled":
+            _compile_plan(p, adapter, speed_batches[0], compile_mode, eager_too="eager" in modes)
+    ran = [p for p in plans if p["ran"]]
+    total = len(ran) * (repeats * (warmup_steps + timed_steps) + accuracy_steps)
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
@@ -121,10 +134,10 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
             flops = count_flops(lambda: adapter.forward_loss(speed_batches[0])[0].backward())
             adapter.model.zero_grad(set_to_none=True)
             for p in ran:
-                p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr)
+                p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr, p["adapter"])
                 p["probe_size"], p["probe_ms"], p["step_samples"] = probe_size(dev, p["prec"].dtype), [], []
             for _, p in schedule(ran, repeats):
-                ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar)
+                ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar, p["adapter"])
                 p["step_samples"].append(sum(ms) / len(ms))
                 # The peak probe rides along with every repeat, so load drift hits it like the steps.
                 p["probe_ms"] += probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
@@ -133,18 +146,19 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
                 p["probe"] = probe_summary(p["prec"].dtype, p["probe_size"], p["probe_ms"])
                 if accuracy_steps:
                     p["accuracy"] = _accuracy_run(adapter, p["prec"], start, splits, accuracy_steps, batch_size,
-                                                  val_batches, lr, bar)
+                                                  val_batches, lr, bar, p["adapter"])
     finally:
         adapter.model.load_state_dict(start)
         adapter.model.train(was_training)
-    records = [_record(p, plans[0], flops, dev, thresholds) for p in plans]
+    eager = {p["precision"]: p for p in plans if p["mode"] == "eager" and p["ran"]}
+    records = [_record(p, plans[0], flops, dev, thresholds, eager.get(p["precision"])) for p in plans]
     checks = [c for p, r in zip(plans, records) for c in _checks(p, r, records[0], thresholds, accuracy_steps)]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
               "data": splits.source, "precisions": [p["precision"] for p in plans], "batch_size": batch_size,
               "seq_len": seq_len, "tokens_per_step": tokens_per_step, "warmup_steps": warmup_steps,
               "timed_steps": timed_steps, "repeats": repeats, "accuracy_steps": accuracy_steps,
               "val_batches": val_batches, "lr": lr, "weight_decay": _WEIGHT_DECAY, "force": force,
-              "thresholds": asdict(thresholds)}
+              "compile": compile, "compile_mode": compile_mode, "thresholds": asdict(thresholds)}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": _load_average()}
     result = BenchmarkResult(config, metadata, flops, records, checks)
@@ -183,10 +197,24 @@ def _load_average() -> float | None:
         return None
 
 
-def _plan(name: str, dev: torch.device, force: bool) -> dict:
+def _plan(name: str, mode: str, dev: torch.device, force: bool) -> dict:
     prec = resolve_precision(name, dev, warn=False)
-    return {"precision": name, "prec": prec, "ran": prec.native or force, "forced": force and not prec.native,
-            "reason": prec.reason, "why": native_support(name, dev)[1]}
+    why = f"not native: {native_support(name, dev)[1]}; force=True (CLI --force) runs it anyway"
+    return {"precision": name, "mode": mode, "prec": prec, "ran": prec.native or force,
+            "forced": force and not prec.native, "reason": prec.reason, "why": why, "compile": None}
+
+
+def _compile_plan(p: dict, adapter, batch: dict, mode: str, eager_too: bool) -> None:
+    """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
+    compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
+    p["adapter"], info = compile_for_training(adapter, p["prec"], batch, mode)
+    p["compile"] = info.to_dict()
+    if info.compiled:
+        return
+    if eager_too:
+        p["ran"], p["why"] = False, "could not compile: see this precision's eager rows"
+    else:
+        p["mode"] = "eager"
 
 
 def _batches(dataset, n: int, batch_size: int, device):
@@ -201,18 +229,20 @@ def _batches(dataset, n: int, batch_size: int, device):
                 return
 
 
-def _fresh_step(adapter, prec, start, lr, total_steps: int = 0, track_scale: bool = True) -> TrainStep:
+def _fresh_step(adapter, prec, start, lr, total_steps: int = 0, track_scale: bool = True,
+                step_adapter=None) -> TrainStep:
+    """Start weights loaded into the eager model; the step calls `step_adapter` (compiled) if given."""
     adapter.model.load_state_dict(start)
     torch.manual_seed(_SEED)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, lr, _WEIGHT_DECAY)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
-    return TrainStep(adapter, prec, opt, sched, grad_clip=1.0, track_scale=track_scale)
+    return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=1.0, track_scale=track_scale)
 
 
-def _memory(adapter, prec, start, batches, lr) -> dict:
+def _memory(adapter, prec, start, batches, lr, step_adapter=None) -> dict:
     """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks."""
     dev = adapter.device
-    step = _fresh_step(adapter, prec, start, lr)
+    step = _fresh_step(adapter, prec, start, lr, step_adapter=step_adapter)
     step([batches[0]])
     cuda = dev.type == "cuda"
     if cuda:
@@ -232,13 +262,13 @@ def _memory(adapter, prec, start, batches, lr) -> dict:
     return mem
 
 
-def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar) -> list[float]:
+def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar, step_adapter=None) -> list[float]:
     """One repeat: fresh optimizer, warm-up steps untimed, then each optimizer step timed.
 
     No scheduler here, so fp16 needs no skip decision: reading the loss scale (two host syncs per
     step that fp32/bf16 don't have) stays out of the timed region.
     """
-    step = _fresh_step(adapter, prec, start, lr, track_scale=False)
+    step = _fresh_step(adapter, prec, start, lr, track_scale=False, step_adapter=step_adapter)
     for batch in batches[:warmup]:
         step([batch])
         bar.update()
@@ -256,9 +286,9 @@ def _speed(step_ms: list[float], tokens_per_step: int, timed_steps: int) -> dict
             "samples_ms": step_ms, "timed_steps": timed_steps, "speedup": None}
 
 
-def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, lr, bar) -> dict:
-    """Train `steps` from the shared start, then validate in the same precision."""
-    step = _fresh_step(adapter, prec, start, lr, total_steps=steps)
+def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, lr, bar, step_adapter=None) -> dict:
+    """Train `steps` from the shared start, then validate (eager) in the same precision."""
+    step = _fresh_step(adapter, prec, start, lr, total_steps=steps, step_adapter=step_adapter)
     curve, scales, skipped, diverged_at, why = [], [], 0, None, None
     for i, batch in enumerate(_batches(splits.train, steps, batch_size, adapter.device)):
         out = step([batch])
@@ -280,18 +310,22 @@ def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, 
             "loss_scale": scales if prec.needs_scaler else None, "skipped_steps": skipped if prec.needs_scaler else None}
 
 
-def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds) -> dict:
-    """One precision's JSON record: measurements, comparisons with fp32, metadata."""
+def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds, eager: dict | None = None) -> dict:
+    """One precision x mode's JSON record: measurements, comparisons with the baseline (fp32 in the
+    first mode) and, compiled, with the same precision eager; metadata."""
     prec = p["prec"]
-    rec = {"precision": p["precision"], "dtype": str(prec.dtype).replace("torch.", ""), "native": prec.native,
-           "ran": p["ran"], "forced": p["forced"], "reason": p["reason"],
-           "metadata": run_metadata(dev, prec.dtype), "speed": None, "mfu": None, "memory": None, "accuracy": None}
+    rec = {"precision": p["precision"], "mode": p["mode"], "dtype": str(prec.dtype).replace("torch.", ""),
+           "native": prec.native, "ran": p["ran"], "forced": p["forced"], "reason": p["reason"],
+           "compile": p["compile"], "metadata": run_metadata(dev, prec.dtype), "speed": None, "mfu": None,
+           "memory": None, "accuracy": None}
     if not p["ran"]:
         return rec
     step_ms = p["speed"]["step_ms"]
-    speed = rec["speed"] = {**p["speed"], "step_ms": step_ms.to_dict()}
+    speed = rec["speed"] = {**p["speed"], "step_ms": step_ms.to_dict(), "speedup_vs_eager": None}
     if p is not base:
         speed["speedup"] = speedup(base["speed"]["step_ms"], step_ms)
+    if p["mode"] == "compiled" and eager is not None:
+        speed["speedup_vs_eager"] = speedup(eager["speed"]["step_ms"], step_ms)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
     # The best probe matmul: a peak is what the device reached, and other load only slows it.
     peak = p["probe"]["tflops"]["max"]
@@ -312,14 +346,30 @@ def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds) -> dict:
 
 
 def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) -> list:
+    rows = _precision_checks(p, rec, base, t, accuracy_steps)
+    info, vs_eager = p["compile"], (rec["speed"] or {}).get("speedup_vs_eager")
+    if info is not None and not info["compiled"]:
+        rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], p["precision"]))
+    elif vs_eager is not None:
+        eager_ms = vs_eager["median"] * rec["speed"]["step_ms"]["median"]
+        rows.insert(0, compile_check(p["precision"], vs_eager, rec["speed"]["step_ms"]["n"], info["compile_s"],
+                                     eager_ms - rec["speed"]["step_ms"]["median"], t))
+    for row in rows:
+        row.mode = p["mode"]
+    return rows
+
+
+def _precision_checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) -> list:
     name = p["precision"]
-    if name == "fp32":
+    if rec is base:
         return skip_checks(name, "fp32 is the baseline the others are compared with", t)
     if not p["ran"]:
-        return skip_checks(name, f"not native: {p['why']}; force=True (CLI --force) runs it anyway", t)
+        return skip_checks(name, p["why"], t)
     forced = " [forced: not native on this device]" if p["forced"] else ""
-    rows = [speed_check(name, rec["speed"]["speedup"], rec["speed"]["step_ms"]["n"], t),
-            memory_check(name, rec["memory"]["reduction"], t)]
+    rows = []
+    if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
+        rows += [speed_check(name, rec["speed"]["speedup"], rec["speed"]["step_ms"]["n"], t),
+                 memory_check(name, rec["memory"]["reduction"], t)]
     base_acc = base["accuracy"]
     if not accuracy_steps:
         rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
@@ -337,7 +387,7 @@ def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) 
 
 
 def _table_row(rec: dict) -> dict:
-    row = {"precision": rec["precision"], "dtype": rec["dtype"], "ran": rec["ran"]}
+    row = {"precision": rec["precision"], "mode": rec["mode"], "dtype": rec["dtype"], "ran": rec["ran"]}
     speed, mfu, mem, acc = rec["speed"] or {}, rec["mfu"] or {}, rec["memory"] or {}, rec["accuracy"] or {}
     step, tps, sp = speed.get("step_ms", {}), speed.get("tokens_per_s", {}), speed.get("speedup") or {}
     red, par = mem.get("reduction", {}), acc.get("parity") or {}
@@ -345,8 +395,10 @@ def _table_row(rec: dict) -> dict:
     row.update({
         "n_repeats": step.get("n"), "step_ms_median": step.get("median"), "step_ms_iqr": step.get("iqr"),
         "tokens_per_s_median": tps.get("median"), "tokens_per_s_iqr": tps.get("iqr"),
-        "speedup": sp.get("median", 1.0 if rec["precision"] == "fp32" and rec["ran"] else None),
+        "speedup": sp.get("median", 1.0 if rec["ran"] else None),  # ran with no speedup: the baseline
         "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
+        "speedup_vs_eager": (speed.get("speedup_vs_eager") or {}).get("median"),
+        "compile_s": (rec["compile"] or {}).get("compile_s"),
         "achieved_tflops": mfu.get("achieved_tflops"), "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"),
         "weights_mib": mib("weights_bytes"), "grads_mib": mib("grads_bytes"),
         "optimizer_state_mib": mib("optimizer_state_bytes"), "activations_mib": mib("activation_bytes"),
@@ -366,7 +418,7 @@ def _plot(result: BenchmarkResult):
     from matplotlib.figure import Figure
 
     ran = [r for r in result.records if r["ran"]]
-    names = [r["precision"] for r in ran]
+    names = [r["precision"] + (" compiled" if r["mode"] == "compiled" else "") for r in ran]
     fig = Figure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem, ax_loss, ax_scale = fig.subplots(2, 2).ravel()
     device = result.metadata["device_name"]
@@ -389,8 +441,9 @@ def _plot(result: BenchmarkResult):
     ax_mem.legend(fontsize="small")
 
     curves = [r for r in ran if r["accuracy"]]
-    for r in curves:
-        ax_loss.plot(r["accuracy"]["loss_curve"], label=r["precision"])
+    for name, r in zip(names, ran):
+        if r["accuracy"]:
+            ax_loss.plot(r["accuracy"]["loss_curve"], label=name)
     ax_loss.set_title("training loss, same start and batches")
     ax_loss.set_xlabel("step")
     if curves:

@@ -9,10 +9,12 @@ import ast
 import sys
 import warnings
 
+from .compiling import COMPILE_MODES
+from .errors import ModelForwardError, TierError, one_line
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
-from .errors import ModelForwardError, TierError, one_line
 from .results import whole_number, writable_dir, writable_file, write_json
+from .train_config import TrainConfig
 
 
 def _precision(value: str) -> str:
@@ -75,6 +77,15 @@ def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, p
     parser.add_argument("--no-progress", action="store_true", help="turn progress bars off")
 
 
+def add_compile_mode(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=TrainConfig.compile_mode,
+                        help="torch.compile mode; reduce-overhead uses CUDA graphs "
+                             f"(default: {TrainConfig.compile_mode})")
+
+
+_COMPILE_CHOICES = {"off": False, "on": True, "both": "both"}  # bench --compile -> amp_benchmark(compile=)
+
+
 def model_kwargs(args) -> dict:
     return dict(args.model_arg)
 
@@ -110,7 +121,7 @@ def _run_train(args) -> tuple[dict, int]:
     out = Path(args.out)
     names = ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",
              "deterministic", "num_workers", "eval_every", "eval_batches", "log_every", "checkpoint_every", "resume",
-             "device")
+             "device", "compile", "compile_mode")
     settings = {k: getattr(args, k) for k in names}
     settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
                     checkpoint_dir=str(out / "checkpoints"), loggers=args.log, log_project=args.log_project,
@@ -148,6 +159,7 @@ def _run_train(args) -> tuple[dict, int]:
               f"step {ms['median']:.1f} ms median (IQR {ms['iqr']:.1f})")
     if s["precision"] == "fp16":
         print(f"skipped steps (fp16 overflow): {s['skipped_steps']}")
+    print(f"optimizer: {s['optimizer']} · compile: {s['compile_reason']}")
     print("wrote: " + ", ".join(str(f) for f in files))
     if result.interrupted:
         print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
@@ -190,13 +202,14 @@ def _run_bench(args) -> tuple[dict, int]:
                            batch_size=args.batch_size, seq_len=args.seq_len, warmup_steps=args.warmup_steps,
                            timed_steps=args.timed_steps, repeats=args.repeats, accuracy_steps=args.accuracy_steps,
                            thresholds=thresholds, force=args.force, device=args.device,
-                           progress=not args.no_progress, lr=args.lr, val_batches=args.val_batches)
+                           progress=not args.no_progress, lr=args.lr, val_batches=args.val_batches,
+                           compile=_COMPILE_CHOICES[args.compile], compile_mode=args.compile_mode)
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
     with _wide_pandas():
         table = result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
-        print(table.set_index("precision").T.to_string())
+        print(table.set_index(["precision", "mode"]).T.to_string())
         print()
         print(result.verdicts.to_string(index=False))
     print(f"worst status: {result.status}")
@@ -314,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-project", default="tier_utils", help="W&B project / MLflow experiment")
     p.add_argument("--log-run-name", default=None, help="default: model-precision-UTC time")
     p.add_argument("--mlflow-uri", default=None, help="MLflow folder or tracking URI (default DIR/logs/mlflow)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (compile time reported apart; eager if it can't compile)")
+    add_compile_mode(p)
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
@@ -336,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-accuracy-diff", type=float, default=0.01, help="val accuracy gap to fp32 (default 0.01)")
     p.add_argument("--val-batches", type=_positive_int, default=20,
                    help="validation batches after each accuracy run (default 20)")
+    p.add_argument("--compile", choices=list(_COMPILE_CHOICES), default="off",
+                   help="torch.compile the steps: off, on, or both (each precision eager and compiled, interleaved)")
+    add_compile_mode(p)
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")

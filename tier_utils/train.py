@@ -32,6 +32,7 @@ from .checkpoint import (
     seed_everything,
     set_rng_state,
 )
+from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
@@ -53,13 +54,24 @@ class TrainingDiverged(TierError):
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT."""
+    """AdamW; weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT.
+
+    Fused on CUDA (one kernel launch for all parameters, the fastest there), foreach elsewhere.
+    `optimizer_impl` names the choice.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+    impl = {"fused": True} if params and all(p.is_cuda for p in params) else {"foreach": True}
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, **impl)
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
+    """How the optimizer's step runs: fused, foreach or for-loop."""
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
 def make_scheduler(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -236,9 +248,14 @@ class _Run:
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
-            self._load()  # it restores the RNG states: nothing after it draws from them (trackers use their own)
+            self._load()  # it restores the RNG states: only the compile below (which puts them back) follows
         elif cfg.resume and env.is_main:
             warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=3)
+        self.compile_info = None
+        if cfg.compile:  # the step calls the compiled model; evaluation and checkpoints use the eager one
+            shaped = next(iter(make_loader(splits.train, cfg.batch_size, shuffle=False, device=self.device)))
+            self.step_fn.adapter, self.compile_info = compile_for_training(
+                self.step_fn.adapter, self.precision, to_device(shaped, self.device), cfg.compile_mode)
         self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
             "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             **run_metadata(self.device, self.precision.dtype)})
@@ -393,7 +410,7 @@ class _Run:
         history = self.hist.frame()
         last_step = self.hist.last("step")
         last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), None)
-        cfg, env = self.cfg, self.env
+        cfg, env, info = self.cfg, self.env, self.compile_info
         summary = {
             "model": type(self.adapter.model).__name__, "task": self.adapter.task,
             "parameters": sum(p.numel() for p in self.adapter.model.parameters()), "data": self.data_source,
@@ -406,6 +423,9 @@ class _Run:
             "precision": self.precision.name, "precision_reason": self.precision.reason,
             "device": str(self.device), "device_name": device_name(self.device),
             "tokens_per_s": step_stats(history, "tokens_per_s"), "step_time_ms": step_stats(history, "step_time_ms"),
+            "optimizer": f"AdamW ({optimizer_impl(self.optimizer)})",
+            "compiled": bool(info and info.compiled), "compile_s": info.compile_s if info else None,
+            "compile_reason": info.reason if info else "off (compile=False)",
             "global_batch": cfg.batch_size * cfg.grad_accum_steps * env.world_size, "world_size": env.world_size,
             "rank": env.rank, "resumed_from_step": self.resumed_from,
             "checkpoint": str(self.ckpt_path) if self.last_saved is not None else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from .compiling import check_compile_mode
 from .loggers import logger_names
 from .precision import canonical_precision
 from .results import whole_number
@@ -51,6 +52,10 @@ class TrainConfig:
     log_project: str = "tier_utils"  # W&B project / MLflow experiment
     log_run_name: str | None = None  # None: model-precision-UTC time
     mlflow_uri: str | None = None  # a folder or a tracking URI (sqlite:///runs/mlflow.db, http://...); None: log_dir/mlflow
+    # torch.compile the model for the training step (evaluation stays eager); a model that can't be
+    # compiled runs eager with a warning. Not a trajectory setting: checkpoints resume either way.
+    compile: bool = False
+    compile_mode: str = "default"  # torch's: default, reduce-overhead (CUDA graphs), max-autotune
 
     def __post_init__(self):
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
@@ -79,6 +84,9 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"{name} must be a number {'>' if strict else '>='} {low}, got {v!r}")
 
     canonical_precision(c.precision)
+    if not isinstance(c.compile, bool):
+        raise ValueError(f"compile must be True or False, got {c.compile!r}")
+    check_compile_mode(c.compile_mode)
     for name in ("batch_size", "seq_len", "epochs", "grad_accum_steps", "log_every"):
         whole(name, 1)
     for name in ("warmup_steps", "seed", "num_workers"):

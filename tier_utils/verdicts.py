@@ -48,6 +48,7 @@ class PrecisionCheck(Check):
     """A verdict row that also names the precision it judges."""
 
     precision: str = ""
+    mode: str = "eager"  # or "compiled" (torch.compile)
 
 
 def speedup(base: Stats, other: Stats) -> dict:
@@ -143,6 +144,28 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds)
     return PrecisionCheck(name, "WARN", _rounded(dev), t.parity_tolerance,
                           f"max relative deviation {dev:.4f}; first left the +/-{t.parity_tolerance} band "
                           f"at step {par['first_step_out']} of {par['steps']}", precision)
+
+
+def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float,
+                  t: Thresholds) -> PrecisionCheck:
+    """Compiled against the same precision eager: PASS when the whole IQR range is faster, FAIL when
+    it is all slower; the detail says after how many steps the compile time is paid back."""
+    detail = f"{sp['median']:.2f}x eager (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats); " \
+             f"compile {compile_s:.1f} s"
+    if sp["low"] > 1:
+        status = "PASS"
+        detail += f", paid back after {math.ceil(compile_s * 1e3 / saved_ms)} steps at the median step times"
+    elif sp["high"] < 1:
+        status, detail = "FAIL", detail + "; slower than eager"
+    else:
+        status = "WARN"
+    if sp["no_measurable_difference"]:
+        detail += "; no measurable difference from eager (step-time IQRs overlap)"
+    if n < t.min_repeats and status != "WARN":
+        status = "WARN"
+        detail += f"; only {n} repeat(s), too few to judge noise: use repeats>={t.min_repeats}"
+    return PrecisionCheck("compile speedup vs eager", status, round(sp["median"], 4), 1.0, detail, precision,
+                          "compiled")
 
 
 def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -> list[PrecisionCheck]:

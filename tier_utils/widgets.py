@@ -19,7 +19,7 @@ from .precision import canonical_precision, resolve_device, resolve_precision, s
 from .results import whole_number
 
 MAX_BATCH_SIZE = 4096
-PANEL_FIELDS = ("model", "precision", "batch_size")
+PANEL_FIELDS = ("model", "precision", "batch_size", "compile")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -43,7 +43,8 @@ DEVICE_SIZES = {
 
 @dataclass
 class RunConfig:
-    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths.
+    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths,
+    and whether to torch.compile (train(compile=...), amp_benchmark(compile="both" or False)).
     `model_kwargs`, `batch_size` and `seq_len` left at None are sized for the device (DEVICE_SIZES;
     model_kwargs only for the built-in models, whose size arguments are known)."""
 
@@ -55,6 +56,7 @@ class RunConfig:
     max_steps: int = 20
     device: str | None = None
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self):
         sizes = DEVICE_SIZES.get(resolve_device(self.device).type, DEVICE_SIZES["cpu"])
@@ -64,6 +66,8 @@ class RunConfig:
             if getattr(self, name) is None:
                 setattr(self, name, sizes[name])
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         for name in ("batch_size", "seq_len", "max_steps"):
             whole_number(getattr(self, name), name)
         if self.batch_size > MAX_BATCH_SIZE:  # the panel's box could not show it; it would clamp silently
@@ -80,7 +84,7 @@ class RunConfig:
 
 
 class ConfigPanel(widgets.VBox):
-    """Model, precision and batch-size controls bound to a RunConfig (see `config_panel`)."""
+    """Model, precision, batch-size and compile controls bound to a RunConfig (see `config_panel`)."""
 
     def __init__(self, config: RunConfig, models=None):
         kept = {k: v for k, v in _user_choices.items() if getattr(config, k) != v}
@@ -100,17 +104,19 @@ class ConfigPanel(widgets.VBox):
                                                  style=style)
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
+        self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
-        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.precision_select, self.batch_size_input)):
+        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.precision_select, self.batch_size_input,
+                                                  self.compile_box)):
             widget.observe(self._set(name), names="value")
         self._show_decision()
         if kept:
             shown = ", ".join(f"{k}={v}" for k, v in kept.items())
             self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
                       "<code>tier_utils.widgets.forget_panel_choices()</code> drops it")
-        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.decision,
-                          self.status])
+        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.compile_box,
+                          self.decision, self.status])
 
     def _set(self, attribute: str):
         def write(change):
@@ -139,6 +145,6 @@ class ConfigPanel(widgets.VBox):
 
 def config_panel(config: RunConfig, models=None) -> ConfigPanel:
     """A widget box editing `config` in place: model (built-ins), precision (auto + what the device runs
-    natively), batch size. `models` overrides the model choices. Choices the user made in an earlier
-    panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
+    natively), batch size, torch.compile on/off. `models` overrides the model choices. Choices the user
+    made in an earlier panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models)

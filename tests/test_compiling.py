@@ -1,0 +1,212 @@
+"""torch.compile in train(): compiled fp32 matches eager, checkpoints move between compiled and eager
+runs, an uncompilable model falls back with a warning, and the optimizer choice is named.
+
+Inductor compiles on the CPU, about 20 s for the tiny model on a cold cache (a few seconds once
+its graphs are cached), so the real compiles are few and shared through one module fixture.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+
+from tier_utils import bench, cli, compiling
+from tier_utils.bench import amp_benchmark
+from tier_utils.checkpoint import load_checkpoint
+from tier_utils.compiling import CompileFallbackWarning, compile_modes
+from tier_utils.models import load_model
+from tier_utils.train import TrainConfig, make_optimizer, optimizer_impl, train
+
+STEPS, CUT = 10, 5
+RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,
+           deterministic=True, progress=False, seed=3, device="cpu")
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32)
+
+
+def losses(result, first=1):
+    steps = result.history.query("kind == 'step'")
+    return steps.loc[steps["step"] >= first, "train_loss"].tolist()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_after_checkpoint(step, metrics):
+    raise _Stop(step)  # eval_every=CUT + 1: the checkpoint at CUT is the last one written
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("compiled")
+    eager = train(tiny_gpt(), **RUN)
+    compiled = train(tiny_gpt(), **RUN, compile=True)
+    with pytest.raises(_Stop):
+        train(tiny_gpt(), **{**RUN, "eval_every": CUT + 1}, compile=True, checkpoint_dir=ckpt, checkpoint_every=CUT,
+              on_eval=_stop_after_checkpoint)
+    return eager, compiled, ckpt
+
+
+def test_compiled_fp32_matches_eager_within_1e4(runs):
+    eager, compiled, _ = runs
+    s = compiled.summary
+    assert s["compiled"] and s["compile_s"] > 0 and s["compile_reason"].startswith("compiled (mode default)")
+    assert not eager.summary["compiled"] and eager.summary["compile_s"] is None
+    assert compiled.config["compile"] is True and compiled.model is not None
+    assert len(losses(compiled)) == STEPS
+    assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+    # The trained module handed back is the eager one: plain parameter names.
+    assert not any(k.startswith("_orig_mod.") for k in compiled.model.state_dict())
+
+
+def test_compiled_checkpoint_loads_into_eager_model_and_resumes_either_way(runs):
+    eager, compiled, ckpt = runs
+    state = load_checkpoint(ckpt / "last.pt")
+    assert state["step"] == CUT and not any(k.startswith("_orig_mod.") for k in state["model"])
+    fresh = tiny_gpt()
+    fresh.load_state_dict(state["model"])  # strict: every key matches an eager model's
+
+    (ckpt / "again").mkdir()  # a copy for the compiled resume: the eager one overwrites last.pt
+    (ckpt / "again" / "last.pt").write_bytes((ckpt / "last.pt").read_bytes())
+
+    resumed_eager = train(fresh, **RUN, checkpoint_dir=ckpt, resume=True)
+    assert resumed_eager.summary["resumed_from_step"] == CUT and not resumed_eager.summary["compiled"]
+    assert losses(resumed_eager, CUT + 1) == pytest.approx(losses(eager, CUT + 1), rel=1e-4)
+
+    # Resuming compiled repeats the uninterrupted compiled run exactly: the warm-up that compiles
+    # leaves weights, gradients and RNG states as they were.
+    resumed_compiled = train(tiny_gpt(), **RUN, compile=True, checkpoint_dir=ckpt / "again", resume=True)
+    assert resumed_compiled.summary["compiled"]
+    assert losses(resumed_compiled, CUT + 1) == losses(compiled, CUT + 1)
+    for name, tensor in compiled.model.state_dict().items():
+        assert torch.equal(resumed_compiled.model.state_dict()[name], tensor), name
+
+
+def test_uncompilable_model_falls_back_to_eager_with_one_warning(monkeypatch):
+    # A real compile failure, cheaply: inductor finds no working C++ compiler.
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    torch._dynamo.reset()  # code compiled earlier in this process would otherwise be reused, not compiled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(tiny_gpt(), **{**RUN, "max_steps": 3}, compile=True)
+    fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(fallbacks) == 1 and "could not compile" in str(fallbacks[0].message)
+    s = result.summary
+    assert not s["compiled"] and s["compile_s"] is None and s["steps"] == 3
+    assert "ran eager" in s["compile_reason"] and "\n" not in s["compile_reason"]
+    # It ran the eager steps exactly: the failed warm-up left weights and RNG untouched.
+    assert losses(result) == losses(train(tiny_gpt(), **{**RUN, "max_steps": 3}))
+
+
+def test_compile_settings_are_validated_and_the_optimizer_is_named():
+    with pytest.raises(ValueError, match="compile_mode must be one of default, reduce-overhead, max-autotune"):
+        TrainConfig(compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        TrainConfig(compile="yes")
+    with pytest.raises(ValueError, match="compile must be False, True or 'both'"):
+        compile_modes("sometimes")
+    assert compile_modes("both") == ["eager", "compiled"]
+    cpu = make_optimizer(tiny_gpt(), 1e-3, 0.1)
+    assert optimizer_impl(cpu) == "foreach"  # fused is for CUDA parameters
+    if torch.cuda.is_available():
+        assert optimizer_impl(make_optimizer(tiny_gpt().cuda(), 1e-3, 0.1)) == "fused"
+    result = train(tiny_gpt(), **{**RUN, "max_steps": 1})
+    assert result.summary["optimizer"] == "AdamW (foreach)"
+    assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])
+
+
+# --- amp_benchmark(compile=...) ------------------------------------------------------------------
+BENCH = dict(batch_size=4, seq_len=16, warmup_steps=1, timed_steps=2, repeats=3, accuracy_steps=3, val_batches=1,
+             progress=False, device="cpu")
+
+
+@pytest.fixture
+def cheap_compile(monkeypatch):
+    """Dynamo + AOTAutograd without inductor's code generation: the same wrapping and fallback
+    paths in a second, not 20 s per precision (inductor itself is covered by the train tests)."""
+    monkeypatch.setattr(compiling, "_compile", lambda module, mode: torch.compile(module, backend="aot_eager"))
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 counts as native: it runs on any CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in test_bench.py: two threads on a shared CPU spin-wait on each other
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(cheap_compile, monkeypatch):
+    order, original = [], bench._timed_run
+
+    def recording(adapter, prec, *args):
+        order.append((prec.name, args[-1] is not adapter))  # the last argument is the adapter the steps call
+        return original(adapter, prec, *args)
+
+    monkeypatch.setattr(bench, "_timed_run", recording)
+    model = tiny_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = amp_benchmark(model, precisions=("fp32", "bf16"), compile="both", **BENCH)
+    assert order == [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)] * 3
+    table = result.table
+    assert list(zip(table["precision"], table["mode"])) == [("fp32", "eager"), ("fp32", "compiled"),
+                                                            ("bf16", "eager"), ("bf16", "compiled")]
+    compiled = table[table["mode"] == "compiled"]
+    assert (compiled["compile_s"] > 0).all() and compiled["speedup_vs_eager"].notna().all()
+    assert table.loc[0, "speedup"] == 1.0 and table["speedup"].notna().all()
+    assert table[table["mode"] == "eager"]["speedup_vs_eager"].isna().all()
+    v = result.verdicts
+    rows = v[(v["check"] == "compile speedup vs eager")]
+    assert list(zip(rows["precision"], rows["mode"])) == [("fp32", "compiled"), ("bf16", "compiled")]
+    assert rows["status"].isin(["PASS", "WARN", "FAIL"]).all() and rows["detail"].str.contains("n=3 repeats").all()
+    fp32_compiled = set(v[(v["precision"] == "fp32") & (v["mode"] == "compiled")]["check"])
+    assert fp32_compiled == {"compile speedup vs eager", "val accuracy diff", "loss-curve parity"}
+    parity_row = v[(v["mode"] == "compiled") & (v["check"] == "loss-curve parity") & (v["precision"] == "fp32")]
+    assert parity_row["status"].item() == "PASS"  # compiled fp32 tracks eager fp32's loss curve
+    assert result.config["compile"] == "both" and json.dumps(result.to_json())
+    assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
+    assert len(result.plot().axes) == 4
+
+
+def test_benchmark_compile_failure_is_a_warn_row_and_runs_eager(cheap_compile, monkeypatch):
+    def broken(module, mode):
+        def call(*args, **kwargs):
+            raise RuntimeError("unsupported op\nsecond line")
+        return call
+
+    monkeypatch.setattr(compiling, "_compile", broken)
+    with pytest.warns(CompileFallbackWarning):
+        both = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile="both", **{**BENCH, "accuracy_steps": 0})
+    warn = both.verdicts.query("check == 'compile'")
+    assert warn["status"].tolist() == ["WARN"] and "unsupported op second line" in warn["detail"].item()
+    assert both.table["ran"].tolist() == [True, False]  # measured once, eager
+    with pytest.warns(CompileFallbackWarning):
+        only = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile=True, **{**BENCH, "accuracy_steps": 0})
+    assert only.table["mode"].tolist() == ["eager"] and only.table["ran"].tolist() == [True]
+
+
+def test_cli_compile_options(cheap_compile, tmp_path, capsys):
+    sizes = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+    tiny = [a for k, v in sizes.items() for a in ("--model-arg", f"{k}={v}")]
+    out = tmp_path / "bench.json"
+    code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
+                     "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress",
+                     "--compile", "both", "--json", str(out), *tiny])
+    doc = json.loads(out.read_text())
+    assert code in (0, 1) and doc["config"]["compile"] == "both"
+    assert [(r["precision"], r["mode"]) for r in doc["precisions"]] == [("fp32", "eager"), ("fp32", "compiled")]
+    assert "compiled" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert cli.main(["train", "--precision", "fp32", "--batch-size", "4", "--seq-len", "16", "--max-steps", "2",
+                     "--eval-batches", "1", "--no-progress", "--compile", "--out", str(run), *tiny]) == 0
+    assert "optimizer: AdamW (foreach) · compile: compiled (mode default)" in capsys.readouterr().out
+    for bad in (["bench", "--compile", "maybe"], ["train", "--out", str(tmp_path / "t"), "--compile-mode", "fast"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(bad)
+        assert exc.value.code == 2 and "--compile" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

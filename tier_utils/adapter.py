@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import AdapterError, ModelSpecError, one_line
+from .errors import AdapterError, ModelForwardError, ModelSpecError, one_line
 from .models import load_model
 
 TASKS = ("causal-lm", "classification")
@@ -25,6 +26,7 @@ _PROBE_LEN = 8
 # The length tested when a model has no position table and declares no limit (ALiBi, state-space
 # models): twice the default training window, cheap enough for a smoke test.
 DEFAULT_MAX_LEN = 128
+ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes")
 
 
 @dataclass
@@ -96,6 +98,27 @@ class ModelAdapter:
         batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones(batch_size, T, dtype=torch.long)}
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    def require_trainable(self) -> list[nn.Parameter]:
+        """The trainable parameters; none is a one-line error before any step is taken."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise AdapterError(f"{self.name} has no trainable parameters (every requires_grad is False); "
+                               "unfreeze some with p.requires_grad_(True) to train or benchmark it")
+        return params
+
+    def fit_length(self, seq_len: int, what: str = "seq_len") -> int:
+        """The rule for every tier: a length past the model's max_len is capped to it, with a warning
+        (callers record the length used). The one place this is decided."""
+        if seq_len <= self.max_len:
+            return seq_len
+        warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",
+                      stacklevel=3)
+        return self.max_len
+
+    def check_forward(self) -> None:
+        """One small forward before a run, so a model that cannot run fails in one line, not mid-loop."""
+        _probe_output(self)
+
     def summary(self) -> dict:
         params = list(self.model.parameters())
         return {
@@ -128,11 +151,18 @@ def extract_logits(output, model_name: str = "model") -> torch.Tensor:
 
 def resolve_model(model, **model_kwargs) -> ModelAdapter:
     """An adapter for anything a tier accepts: a load_model spec (built with the kwargs), an nn.Module
-    (HF included) or an adapter."""
+    (HF included; the kwargs may be adapt's: task, vocab_size, max_len, num_classes) or an adapter."""
     if isinstance(model, ModelAdapter):
         if model_kwargs:
-            raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter")
+            raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter; "
+                                 "pass them to adapt(model, ...) when you make it")
         return model
+    if isinstance(model, nn.Module):
+        other = sorted(set(model_kwargs) - set(ADAPTER_KEYWORDS))
+        if other:
+            raise ModelSpecError(f"{', '.join(other)}: an nn.Module instance is already built, so only "
+                                 f"{', '.join(ADAPTER_KEYWORDS)} apply to it; build it with those arguments yourself")
+        return adapt(model, **model_kwargs)
     return adapt(load_model(model, **model_kwargs))
 
 
@@ -154,7 +184,8 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     takes_kw = "input_ids" in params
     vocab = vocab_size or _first_attr((config, model), _VOCAB_KEYS) or _embedding_rows(model)
     if not vocab:
-        raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N")
+        raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
+                           "(smoke/analyze take it as a keyword; for every tier: adapt(model, vocab_size=N))")
     if task is not None and task not in TASKS:
         raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
@@ -228,7 +259,8 @@ def _check_default_length(adapter: ModelAdapter) -> None:
     except AdapterError as exc:
         cause = exc.__cause__ or exc
         raise AdapterError(f"cannot find {adapter.name}'s maximum sequence length and {adapter.max_len} tokens fail "
-                           f"({type(cause).__name__}: {one_line(cause)}); pass max_len=N") from exc
+                           f"({type(cause).__name__}: {one_line(cause)}); pass max_len=N (smoke/analyze take it as "
+                           "a keyword; for every tier: adapt(model, max_len=N))") from exc
     adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
                             f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
                             "for longer)")
@@ -256,8 +288,11 @@ def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tens
     except AdapterError:
         raise
     except Exception as exc:
-        raise AdapterError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
-                           f"{type(exc).__name__}: {one_line(exc)}; pass task= and check its forward signature") from exc
+        err = ModelForwardError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
+                                f"{type(exc).__name__}: {one_line(exc)[:300]}; fix its forward (or its signature: "
+                                "it gets input_ids, and attention_mask if it takes one)")
+        err.model = adapter.summary()  # what smoke/analyze report it under
+        raise err from exc
     finally:
         adapter.model.train(was_training)
 

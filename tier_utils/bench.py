@@ -109,12 +109,14 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
     adapter = resolve_model(model)
     was_training = adapter.model.training
     adapter.model.to(dev).train()
-    if seq_len > adapter.max_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the model's max_len={adapter.max_len}; lower seq_len")
+    adapter.require_trainable()
+    adapter.check_forward()
+    seq_len = adapter.fit_length(seq_len)  # capped with a warning; config records the length used
     modes = compile_modes(compile)
     check_compile_mode(compile_mode)
     plans = [_plan(name, mode, dev, force) for name in precision_list(precisions) for mode in modes]
-    splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes)
+    splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes,
+                            max_len=adapter.max_len)
     speed_batches = list(_batches(splits.train, warmup_steps + timed_steps, batch_size, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
     start = copy.deepcopy(adapter.model.state_dict())

@@ -10,6 +10,7 @@ import hashlib
 import io
 import pickle
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -95,27 +96,29 @@ def load_checkpoint(path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found; check checkpoint_dir or drop resume")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty; "
+                              "delete it to start over")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"refused to load {path}: it holds more than tensors and plain containers "
-                              f"({_unpickler_reason(exc)}); only load checkpoints written by tier_utils") from exc
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(exc).__name__}: {_first_line(exc)}); "
-                              "delete it to start over") from exc
+        blocked = _blocked_global(exc)
+        if blocked is None:  # e.g. a raw pickle, or random bytes that happen to parse as one
+            raise CheckpointError(f"refused to load {path}: it holds pickle instructions no tier_utils checkpoint "
+                                  "uses (damaged, or not a tier_utils checkpoint); delete it to start over") from exc
+        # torch's own message suggests weights_only=False: never repeat that for a file that may run code.
+        raise CheckpointError(f"refused to load {path}: it references {blocked}, which no tier_utils checkpoint "
+                              "holds (loading it could run code); only resume from checkpoints tier_utils wrote") from exc
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's many ways to say "not mine"
+        raise CheckpointError(f"cannot read checkpoint {path}: not a torch checkpoint or damaged "
+                              f"({type(exc).__name__}); delete it to start over") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a tier_utils training checkpoint (format {FORMAT}); "
                               "point checkpoint_dir at a tier_utils run")
     return state
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _unpickler_reason(exc: Exception) -> str:
-    """The useful part of torch's long weights-only message, e.g. 'Unsupported global: GLOBAL getattr ...'."""
-    _, marker, rest = str(exc).partition("WeightsUnpickler error:")
-    reason = rest.strip().splitlines()[0].split(". ")[0] if marker and rest.strip() else ""
-    return reason or _first_line(exc)
+def _blocked_global(exc: Exception) -> str | None:
+    """The global torch's weights-only unpickler refused, e.g. 'posix.system'; None if it names none."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found.group(1) if found else None

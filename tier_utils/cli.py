@@ -10,10 +10,10 @@ import sys
 import warnings
 
 from .compiling import COMPILE_MODES
-from .errors import TierError
+from .errors import ModelForwardError, TierError, one_line
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
-from .results import whole_number, write_json
+from .results import whole_number, writable_dir, writable_file, write_json
 from .train_config import TrainConfig
 
 
@@ -119,8 +119,6 @@ def _run_train(args) -> tuple[dict, int]:
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out} is a file; give a folder for metrics.csv, training.png and checkpoints")
     names = ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",
              "deterministic", "num_workers", "eval_every", "eval_batches", "log_every", "checkpoint_every", "resume",
              "device", "compile", "compile_mode")
@@ -418,19 +416,38 @@ def _warning_line(message, category, filename, lineno, file=None, line=None):
     print(f"warning: {message}", file=sys.stderr)
 
 
+def _check_outputs(args) -> None:
+    """Every path the verb will write, probed before any model is built: a bad one costs no run."""
+    from pathlib import Path
+
+    out = getattr(args, "out", None)
+    if out is not None and args.verb == "export":  # export's --out is the artifact file itself
+        writable_file(out, "--out", folder_made_by_run=True)
+        out = None
+    elif out is not None:
+        writable_dir(out, "--out")
+    if args.json:
+        inside_out = out is not None and Path(out).resolve() in Path(args.json).resolve().parents
+        writable_file(args.json, "--json", folder_made_by_run=inside_out)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on bad arguments
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line
+            _check_outputs(args)
             summary, code = args.run(args)
-    except (TierError, ValueError, FileNotFoundError) as exc:
+        if args.json:
+            write_json(args.json, summary)
+    except ModelForwardError as exc:  # the model itself fails, not the user's input
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (TierError, ValueError, OSError) as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    if args.json:
-        write_json(args.json, summary)
     return code

@@ -6,6 +6,7 @@ yield the batch dicts the adapter expects: `input_ids`, `labels`, `attention_mas
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +60,10 @@ def corpus_split() -> tuple[list[str], list[str]]:
 
 def encode(text: str) -> torch.Tensor:
     """Byte-level tokens (UTF-8 bytes) as a long tensor."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    data = bytearray(text.encode("utf-8"))
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(data, dtype=torch.uint8).long()
 
 
 def decode(tokens) -> str:
@@ -152,12 +156,15 @@ class DataSplits:
 
 
 def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
-                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0) -> DataSplits:
+                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
+                   max_len: int | None = None) -> DataSplits:
     """Datasets for a task from any supported source.
 
     data: None (the bundled corpus), "synthetic", a path to a text file, a list of strings,
     a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
+    Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
+    `max_len`, class ids in [0, num_classes).
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
@@ -187,13 +194,13 @@ def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_
         return DataSplits(TokenWindows(encode(join(corpus[t] for t in train_topics)), seq_len),
                           TokenWindows(encode(join(corpus[t] for t in val_topics)), seq_len), "corpus")
     if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor) for d in data)):
-        return DataSplits(*_split(_tensor_dataset(data, task), val_fraction, seed), "tensors")
+        dataset = _tensor_dataset(data, task, vocab_size, num_classes, max_len)
+        return DataSplits(*_split(dataset, val_fraction, seed), "tensors")
     if isinstance(data, (str, Path)):
-        path = Path(data).expanduser()
-        if not path.is_file():
-            raise DataError(f"data file {str(data)!r} not found; give a UTF-8 text file, 'synthetic' or None")
-        texts = [path.read_text(encoding="utf-8", errors="replace")]
+        texts = [_read_text(data)]
     elif isinstance(data, list) and all(isinstance(t, str) for t in data):
+        if not "".join(data):
+            raise DataError("data is an empty list of strings; give some text, a text file, 'synthetic' or None")
         texts = data
     else:
         raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a text file path, "
@@ -208,14 +215,57 @@ def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_
     return DataSplits(TokenWindows(tokens[:cut], seq_len), TokenWindows(tokens[cut:], seq_len), "text")
 
 
-def _tensor_dataset(data, task: str) -> Dataset:
+def _read_text(data) -> str:
+    path = Path(data).expanduser()
+    if not path.is_file():
+        raise DataError(f"data file {str(data)!r} not found; give a UTF-8 text file, 'synthetic' or None")
+    raw = path.read_bytes()
+    if not raw:
+        raise DataError(f"data file {str(data)!r} is empty; give a UTF-8 text file with some text in it")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Still usable (every byte is a token), but most likely the wrong file: say so.
+        warnings.warn(f"data file {str(data)!r} is not UTF-8 text (first bad byte at offset {exc.start}); "
+                      "training on it with undecodable bytes replaced - give a text file if that is not meant")
+        return raw.decode("utf-8", errors="replace")
+
+
+def _check_ids(ids: torch.Tensor, what: str, high: int | None, fix: str) -> None:
+    """Integer ids in [0, high): a float tensor would be truncated to 0s and an id past the
+    table would fail deep inside torch, so both are refused here with the fix."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise DataError(f"{what} must be integer ids, got a {str(ids.dtype).replace('torch.', '')} tensor; "
+                        "tokenize first (e.g. torch.tensor(ids, dtype=torch.long))")
+    if ids.numel() == 0:
+        raise DataError(f"{what} is empty; give at least a few examples")
+    low, top = int(ids.min()), int(ids.max())
+    if low < 0 or (high is not None and top >= high):
+        bad = low if low < 0 else top
+        raise DataError(f"{what} holds {bad}, outside [0, {high}); {fix}")
+
+
+def _tensor_dataset(data, task: str, vocab_size: int, num_classes: int | None, max_len: int | None) -> Dataset:
+    vocab_fix = f"the model's vocab_size is {vocab_size}: re-tokenize or build the model with a larger vocab_size"
     if task == "causal-lm":
         if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.size(1) < 2:
             raise DataError("causal-LM tensors must be one (N, seq_len + 1) long tensor of token ids")
+        _check_ids(data, "the token tensor", vocab_size, vocab_fix)
+        if max_len is not None and data.size(1) - 1 > max_len:
+            raise DataError(f"token rows of {data.size(1)} give inputs of {data.size(1) - 1} tokens, past the model's "
+                            f"max_len={max_len}; cut rows to at most {max_len + 1} tokens")
         return TokenRows(data.long())
     if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 2 and data[1].dim() == 1):
         raise DataError("classification tensors must be an (input_ids (N, T), labels (N,)) pair")
     ids, labels = data
+    if len(ids) != len(labels):
+        raise DataError(f"{len(ids)} input rows but {len(labels)} labels; give one label per row")
+    _check_ids(ids, "input_ids", vocab_size, vocab_fix)
+    _check_ids(labels, "labels", num_classes, f"the model has {num_classes} classes: use class ids 0..{num_classes - 1}"
+               if num_classes else "use class ids from 0")
+    if max_len is not None and ids.size(1) > max_len:
+        raise DataError(f"input_ids rows of {ids.size(1)} tokens are past the model's max_len={max_len}; "
+                        f"cut them to at most {max_len}")
     return Snippets(list(ids.long()), labels.tolist(), ids.size(1))
 
 

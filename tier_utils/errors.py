@@ -13,8 +13,17 @@ class AdapterError(TierError, ValueError):
     """The model's calling convention, logits, vocab or length could not be worked out."""
 
 
+class ModelForwardError(AdapterError):
+    """The model's own forward raised on a well-formed batch: the model is broken, not the input.
+    smoke/analyze turn it into FAIL rows; the CLI exits 1 on it, not 2."""
+
+
 class DataError(TierError, ValueError):
     """The data given does not fit the model or the task."""
+
+
+class OutputError(TierError, ValueError):
+    """An output file or folder cannot be written; checked before any work starts."""
 
 
 def one_line(exc: BaseException) -> str:

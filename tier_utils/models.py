@@ -163,7 +163,8 @@ def load_model(spec=DEFAULT_MODEL, **kwargs) -> nn.Module:
     """
     if isinstance(spec, nn.Module):
         if kwargs:
-            raise ModelSpecError("keyword arguments are only used when building a model from a spec, not for an instance")
+            raise ModelSpecError("keyword arguments are only used when building a model from a spec, not for an "
+                                 "instance; for task, vocab_size, max_len or num_classes use adapt(model, max_len=N)")
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")

@@ -19,9 +19,10 @@ import torch
 from .adapter import adapt
 from .analysis import analyze
 from .bench import amp_benchmark
+from .errors import ModelForwardError
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, write_json
+from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
 from .smoke import smoke
 from .train import TrainingDiverged, train
 
@@ -218,11 +219,11 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
 
     model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy). fast: shorter runs (see SIZES). Training that
-    diverges is recorded as FAIL with its partial history; bad input raises as in each tier.
+    diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
+    analysis FAIL rows and no training or benchmark; bad input raises as in each tier.
     Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
     """
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"out_dir {out_dir} is a file; give a folder for the report")
+    writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
     sizes = dict(SIZES["fast" if fast else "default"])
     if batch_size is not None:
         sizes["batch_size"] = batch_size
@@ -231,8 +232,12 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
     b, t = sizes["batch_size"], sizes["seq_len"]
+    try:
+        t, runnable = min(t, adapt(base).max_len), True  # the job fits its window to the model, no warning
+    except ModelForwardError:
+        runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     steps = {
-        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(min(t, adapt(base).max_len),),
+        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,),
                                precision=precision, device=dev, progress=progress),
         "analysis": lambda: analyze(base, data=data, precision=precision, device=dev, batch_size=b,
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
@@ -245,6 +250,8 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                                repeats=sizes["repeats"], accuracy_steps=sizes["accuracy_steps"],
                                                val_batches=sizes["val_batches"], device=dev, progress=progress),
     }
+    if not runnable:
+        del steps["train"], steps["amp_benchmark"]
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()

@@ -1,9 +1,11 @@
 """Result building blocks: the PASS/WARN/FAIL/SKIP row, the Result base, run metadata, safe writes."""
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
 import platform
 import tempfile
 from abc import ABC, abstractmethod
@@ -14,7 +16,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .errors import one_line
+from .errors import OutputError, one_line
+
+# mkstemp's random part: 8 characters from [a-z0-9_] (tempfile._RandomNameSequence).
+_TEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")
 
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 CHECK_COLUMNS = ["check", "status", "value", "threshold", "detail"]
@@ -120,12 +125,26 @@ def jsonable(obj):
     return str(obj)
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it: set and put back
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path, data: bytes) -> Path:
-    """Write via a temp file in the same folder, fsync, then rename: never a half-written file."""
+    """Write via a temp file in the same folder, fsync, then rename: never a half-written file.
+
+    The file gets the user's umask (mkstemp alone would leave it 0600), and temp files an earlier
+    write left behind when its process was killed are removed first, so they never pile up.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        if _TEMP_SUFFIX.fullmatch(stale.name[len(path.name) + 2:]):
+            stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -134,6 +153,43 @@ def atomic_write_bytes(path, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def writable_dir(path, what: str) -> Path:
+    """Check, before any work, that folder `path` exists or can be created, and takes new files.
+
+    Probed with a temp folder made and removed in the nearest existing ancestor, so a bad run
+    leaves nothing behind; raises OutputError naming `what` (e.g. "--out") and the fix.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file; give a folder")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"{what} {path}: {existing} is a file, not a folder; give another folder")
+    try:
+        tempfile.TemporaryDirectory(prefix=".tier_utils_probe.", dir=existing).cleanup()
+    except OSError as exc:
+        raise OutputError(f"{what} {path} is not writable ({exc.strerror or one_line(exc)} in {existing}); "
+                          "give a folder you can write to") from exc
+    return path
+
+
+def writable_file(path, what: str, folder_made_by_run: bool = False) -> Path:
+    """Check, before any work, that file `path` can be written: its folder exists and takes files,
+    and it is not a folder. The folder is not created (a typo must not make folders), unless
+    `folder_made_by_run` (it lies in an output folder the run creates)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputError(f"{what} {path} is a folder; give a file path such as {path / 'summary.json'}")
+    if not path.parent.is_dir() and not folder_made_by_run:
+        raise OutputError(f"{what} {path}: folder {path.parent} does not exist; create it or give another path")
+    writable_dir(path.parent, what)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{what} {path} exists and is read-only; give another path")
     return path
 
 

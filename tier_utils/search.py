@@ -46,9 +46,22 @@ def _check_space(space: dict) -> dict:
         if not isinstance(spec, tuple) or not spec or spec[0] not in _KINDS:
             raise ValueError(f"search space {name!r} must be a tuple starting with one of {_KINDS}, "
                              f"e.g. ('log', 1e-4, 3e-3) or ('choice', [8, 16])")
-        if name == "precision" and spec[0] == "choice":
-            for p in spec[1]:
-                canonical_precision(p)
+        kind, args = spec[0], spec[1:]
+        if kind == "choice":
+            if len(args) != 1 or not isinstance(args[0], (list, tuple)) or not args[0]:
+                raise ValueError(f"search space {name!r}: ('choice', [values]) needs a non-empty list")
+            if name == "precision":
+                for p in args[0]:
+                    canonical_precision(p)
+            continue
+        numbers = len(args) == 2 and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+        if not numbers or not args[0] <= args[1]:
+            raise ValueError(f"search space {name!r}: ({kind!r}, lo, hi) needs two numbers with lo <= hi, got {args}")
+        if kind == "log" and args[0] <= 0:
+            raise ValueError(f"search space {name!r}: a log range must start above 0, got {args[0]}; "
+                             f"e.g. ('log', 1e-5, {args[1]})")
+        if kind == "int" and not all(isinstance(a, int) for a in args):
+            raise ValueError(f"search space {name!r}: ('int', lo, hi) needs whole numbers, got {args}")
     return space
 
 
@@ -140,7 +153,10 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
         raise ValueError(f"n_trials must be >= 1, got {n_trials}")
     space = _check_space(dict(DEFAULT_SPACE if space is None else space))
     base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
-    initial = resolve_model(model).model  # fails here, once, on a model the trials could not drive
+    adapter = resolve_model(model)  # fails here, once, on a model the trials could not drive
+    adapter.require_trainable()
+    adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
+    initial = adapter.model
     optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
     try:
         study = optuna.create_study(

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
+from .errors import ModelForwardError
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
 from .plotting import category_ticks
@@ -156,11 +157,17 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     groups = select_names(checks, CHECK_GROUPS, "check group")
     batch_sizes = _positive_ints(batch_sizes, "batch_sizes")
     prec = resolve_precision(precision, device)
-    adapter = resolve_model(model, **model_kwargs)
+    try:
+        adapter = resolve_model(model, **model_kwargs)
+    except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
+        checks = [Check(name, "FAIL", None, None, f"not run: {exc}") for name in groups]
+        lengths = [] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
+        report = SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths)
+        report.seconds = time.perf_counter() - start
+        return report
     adapter.model.to(prec.device)
     lengths = [adapter.max_len] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
-    if max(lengths) > adapter.max_len:
-        raise ValueError(f"seq_lens {lengths} go past {adapter.name}'s max length {adapter.max_len}; use shorter ones")
+    lengths = sorted({adapter.fit_length(t, "seq_lens entry") for t in lengths})  # the report records these
     report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths)
     net = adapter.model
     was_training, grads = net.training, [(p, p.grad) for p in net.parameters()]

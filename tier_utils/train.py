@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
 from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
-from .results import run_metadata
+from .results import run_metadata, writable_dir
 from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, make_config
 
 
@@ -198,6 +199,8 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = make_config(config, overrides)
+    if cfg.checkpoint_dir is not None:
+        writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)
     try:
         with _determinism(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
@@ -216,9 +219,12 @@ class _Run:
         self.device = env.device or resolve_device(cfg.device)
         self.precision: Precision = resolve_precision(cfg.precision, self.device)
         module = self.adapter.model.to(self.device).train()
-        seq_len = min(cfg.seq_len, self.adapter.max_len)
-        splits = build_datasets(data, task=self.adapter.task, seq_len=seq_len, vocab_size=self.adapter.vocab_size,
-                                num_classes=self.adapter.num_classes, seed=cfg.seed)
+        self.adapter.require_trainable()
+        self.adapter.check_forward()
+        if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
+            self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
+        splits = build_datasets(data, task=self.adapter.task, seq_len=cfg.seq_len, vocab_size=self.adapter.vocab_size,
+                                num_classes=self.adapter.num_classes, seed=cfg.seed, max_len=self.adapter.max_len)
         self.data_source = splits.source
         self.sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
         self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
@@ -245,6 +251,8 @@ class _Run:
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
         if cfg.resume and self.ckpt_path.is_file():
             self._load()  # it restores the RNG states: only the compile below (which puts them back) follows
+        elif cfg.resume and env.is_main:
+            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=3)
         self.compile_info = None
         if cfg.compile:  # the step calls the compiled model; evaluation and checkpoints use the eager one
             shaped = next(iter(make_loader(splits.train, cfg.batch_size, shuffle=False, device=self.device)))

@@ -39,7 +39,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0  # max total grad norm; None or 0 turns clipping off
     grad_accum_steps: int = 1
     seed: int = 0
-    deterministic: bool = False
+    deterministic: bool = False  # bitwise-equal reruns on the same machine, torch build and thread count (README)
     num_workers: int = 0
     eval_every: int | None = 50
     eval_batches: int | None = 20

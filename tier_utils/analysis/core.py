@@ -13,11 +13,11 @@ import pandas as pd
 
 from ..adapter import resolve_model
 from ..data import build_datasets, make_loader, to_device
-from ..errors import DataError
+from ..errors import DataError, ModelForwardError
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
 from ..progress import progress_bar
-from ..results import Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
+from ..results import Check, Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 
@@ -51,8 +51,8 @@ def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, d
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
     whole_number(batch_size, "batch_size")
     whole_number(n_batches, "n_batches")
-    splits = build_datasets(data, task=adapter.task, seq_len=min(seq_len, adapter.max_len),
-                            vocab_size=adapter.vocab_size, num_classes=adapter.num_classes)
+    splits = build_datasets(data, task=adapter.task, seq_len=adapter.fit_length(seq_len),
+                            vocab_size=adapter.vocab_size, num_classes=adapter.num_classes, max_len=adapter.max_len)
     loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
     if not batches:
@@ -156,7 +156,13 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
     names = select_names(analyses, ANALYSES, "analysis")
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
-    adapter = resolve_model(model, **model_kwargs)
+    try:
+        adapter = resolve_model(model, **model_kwargs)
+    except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
+        outcomes = {name: Outcome([Check("error", "FAIL", None, None, f"not run: {exc}")]) for name in names}
+        data_info = {"source": "none", "batches": 0, "batch_size": batch_size, "seq_len": 0}
+        return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec.to_dict(), data_info,
+                              run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
     batches, source = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
     ctx = Context(adapter, batches, prec)

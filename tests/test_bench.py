@@ -14,11 +14,12 @@ from tier_utils.bench import amp_benchmark, precision_list, schedule
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
-from tier_utils.models import load_model
+from tier_utils.models import TinyGPT, load_model
 from tier_utils.precision import native_support, resolve_precision
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,
+    launch_bound,
     memory_check,
     parity,
     parity_check,
@@ -59,9 +60,9 @@ def default_run():
     order = []
     original = bench._timed_run
 
-    def recording(adapter, prec, *args):
-        order.append(prec.name)
-        return original(adapter, prec, *args)
+    def recording(adapter, prec, start, batches, *args):
+        order.append((prec.name, len(batches[0]["input_ids"])))
+        return original(adapter, prec, start, batches, *args)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "_timed_run", recording)
@@ -96,8 +97,8 @@ def test_precisions_run_or_skip_by_native_support(default_run):
 
 def test_repeats_are_interleaved_across_precisions(default_run):
     result, _, _, order = default_run
-    ran = [r["precision"] for r in result.records if r["ran"]]
-    assert order == ran * RUN["repeats"]
+    ran = [(r["precision"], RUN["batch_size"]) for r in result.records if r["ran"]]
+    assert order == (ran + [("fp32", 1)]) * RUN["repeats"]  # the 1-sequence floor step rides along
     assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
@@ -161,7 +162,8 @@ def test_forced_fp16_runs_with_cpu_grad_scaler(forced_fp16):
     fp16 = _rec(result, "fp16")
     assert fp16["ran"] and fp16["forced"] == (not FP16_NATIVE)
     acc = fp16["accuracy"]
-    assert len(acc["loss_scale"]) == RUN["accuracy_steps"]
+    assert len(acc["loss_scale"]) == acc["attempts"] == RUN["accuracy_steps"] + acc["skipped_steps"]
+    assert acc["steps"] == len(acc["loss_curve"]) == RUN["accuracy_steps"]
     assert acc["loss_scale"][0] == 65536.0  # GradScaler's initial scale
     assert isinstance(acc["skipped_steps"], int) and 0 <= acc["skipped_steps"] <= RUN["accuracy_steps"]
     rows = result.verdicts[result.verdicts.precision == "fp16"]
@@ -195,8 +197,8 @@ def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    ms = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
-    assert len(ms) == 2 and reads == []
+    ms, losses = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
+    assert len(ms) == 2 and reads == [] and losses.shape == (3,)
 
 
 def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
@@ -204,7 +206,8 @@ def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
     adapter.model.head.weight.register_hook(lambda grad: grad * float("inf"))
     splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
     acc = bench._accuracy_run(adapter, prec, start, splits, 20, 4, 1, 1e-3, _NO_BAR)
-    assert acc["diverged_at"] == 16 and acc["steps"] == 17 and acc["skipped_steps"] == 17
+    # Every attempt at the first batch overflows: no update is applied, 17 skips halve the scale below 1.
+    assert acc["diverged_at"] == 16 and acc["attempts"] == 17 and acc["skipped_steps"] == 17 and acc["steps"] == 0
     assert acc["diverged_reason"] == "fp16 loss scale fell below 1"
     assert acc["loss_scale"][-1] == 1.0  # the 17th skip takes it to 0.5, below the 1.0 floor
 
@@ -224,18 +227,21 @@ def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
 def test_json_schema_exact_keys(forced_fp16):
     doc = forced_fp16.to_json()
     json.dumps(doc, allow_nan=False)
-    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "precisions", "verdicts"}
+    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
     assert doc["schema"] == "tier_utils.bench/1"
     assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "warmup_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "val_batches", "lr", "weight_decay", "force", "thresholds"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
-                                                "parity_tolerance", "min_repeats"}
+                                                "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
     assert set(doc["flops"]) == {"per_step", "by_op"}
+    assert set(doc["overhead"]) == {"floor_step_ms", "floor_shape", "launch_bound", "fixed_share", "mfu", "step_ms",
+                                    "floor_ms", "suggest_batch", "reason"}
+    assert doc["overhead"]["floor_shape"] == [1, 8] and doc["overhead"]["floor_step_ms"]["n"] == RUN["repeats"]
     rec = doc["precisions"][1]
     assert set(rec) == {"precision", "dtype", "native", "ran", "forced", "reason", "metadata", "speed", "mfu",
-                        "memory", "accuracy"}
+                        "memory", "accuracy", "stopped"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
@@ -246,9 +252,9 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
                                   "reduction"}
     assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
-    assert set(rec["accuracy"]) == {"steps", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
+    assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
                                     "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
-    assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "tolerance"}
+    assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "trailing_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
 
@@ -349,7 +355,16 @@ def test_accuracy_and_parity_checks():
     assert diverged.status == "FAIL" and diverged.detail == "training diverged at step 7: fp16 loss scale fell below 1"
     par = parity([2.0, 1.8, 1.6, 1.5], [2.0, 1.82, 1.8, float("nan")], 0.05)
     assert par["first_step_out"] == 2 and math.isinf(par["max_rel_dev"])
-    assert parity_check("fp16", par, None, t).status == "WARN"
+    nan = parity_check("fp16", par, None, t)
+    assert nan.status == "FAIL" and nan.value is None and "NaN/inf" in nan.detail
+    # Out of the band once, back in: a WARN. Out for the last quarter of the run: a real divergence.
+    base = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3]
+    blip = parity(base, [2.0, 1.9, 2.0, 1.7, 1.6, 1.5, 1.4, 1.3], 0.05)
+    assert blip["trailing_out"] == 0 and parity_check("bf16", blip, None, t).status == "WARN"
+    away = parity(base, [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.6, 1.6], 0.05)
+    assert away["first_step_out"] == 5 and away["trailing_out"] == 3
+    row = parity_check("fp16", away, None, t, 0, [65536.0])
+    assert row.status == "FAIL" and "stayed out for the last 3" in row.detail and "no skipped step" in row.detail
     close = parity([2.0, 1.8], [2.02, 1.8], 0.05)
     assert close["max_rel_dev"] == pytest.approx(0.01) and close["first_step_out"] is None
     assert parity_check("bf16", close, None, t).status == "PASS"
@@ -380,3 +395,94 @@ def test_saved_tensor_meter_single_linear():
     # autocast saves bf16 copies of the input and of the weight: both are extra memory.
     assert meter.bytes == (x.numel() + lin.weight.numel()) * 2
     assert meter.tensors == 2
+
+
+# --- verdicts that stay true: skipped steps, NaN, launch-bound sizes -------------------------------
+
+def test_a_skipped_fp16_step_is_retried_and_parity_still_passes():
+    adapter, prec, start = _fp16_parts()
+    splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
+    fp32 = bench._accuracy_run(adapter, resolve_precision("fp32", CPU, warn=False), start, splits, 8, 4, 1, 1e-3,
+                               _NO_BAR)
+    calls = []
+
+    def overflow_third_attempt(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 3 else grad
+
+    handle = adapter.model.head.weight.register_hook(overflow_third_attempt)
+    acc = bench._accuracy_run(adapter, prec, start, splits, 8, 4, 1, 1e-3, _NO_BAR)
+    handle.remove()
+    assert acc["skipped_steps"] == 1 and acc["attempts"] == 9 and acc["steps"] == len(acc["loss_curve"]) == 8
+    assert acc["loss_scale"][2:4] == [65536.0, 32768.0] and acc["diverged_at"] is None
+    # Update 3 ran on the same weights and batch as fp32's update 3, not one update behind.
+    assert acc["loss_curve"][3] == pytest.approx(fp32["loss_curve"][3], rel=1e-2)
+    row = parity_check("fp16", parity(fp32["loss_curve"], acc["loss_curve"], 0.05), None, Thresholds(),
+                       acc["skipped_steps"], acc["loss_scale"])
+    assert row.status == "PASS" and "1 skipped step(s)" in row.detail and "65536 -> 32768" in row.detail
+
+
+class NaNGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+
+
+class NaNUnderFp16(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        out = super().forward(input_ids, attention_mask, inputs_embeds)
+        fp16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+        return out * float("nan") if fp16 else out
+
+
+def test_nan_model_gets_no_pass_and_no_speed_verdict():
+    torch.manual_seed(0)
+    result = amp_benchmark(NaNGPT(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    v = result.verdicts
+    assert result.status == "FAIL" and "PASS" not in set(v.status)
+    speed = v[v.check == "speedup vs fp32"]
+    assert list(speed.status) == ["FAIL", "FAIL"] and speed.value.isna().all()
+    assert all(d.startswith("fp32 loss is nan on the first batch") for d in speed.detail)
+    assert all(r["speed"] is None and r["accuracy"] is None for r in result.records) and result.overhead is None
+    assert isinstance(result.plot(), Figure)
+    json.dumps(result.to_json(), allow_nan=False)
+
+
+def test_a_precision_whose_loss_is_nan_stops_alone():
+    torch.manual_seed(0)
+    result = amp_benchmark(NaNUnderFp16(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    fp16 = result.verdicts[result.verdicts.precision == "fp16"]
+    assert "PASS" not in set(fp16.status) and fp16.value.isna().all()
+    assert all(d.startswith("fp16 loss is nan") for d in fp16.detail)
+    assert _rec(result, "fp16")["speed"] is None and _rec(result, "fp32")["speed"] is not None
+    assert result.overhead is not None
+
+
+def test_launch_bound_rule_from_injected_timings():
+    t = Thresholds()
+    small = launch_bound(5.0, 4.0, 0.3, 8, t)  # a 1-sequence step is 80 % of the step
+    assert small["launch_bound"] and small["fixed_share"] == pytest.approx(0.8)
+    assert small["suggest_batch"] == 128  # per-sequence time 1 ms per 8 sequences; 16 ms of it makes 4.0 a fifth
+    assert launch_bound(100.0, 10.0, 0.01, 8, t)["launch_bound"]  # 1 % of the peak: far from arithmetic
+    big = launch_bound(100.0, 10.0, 0.6, 8, t)
+    assert not big["launch_bound"]
+    slower = speedup(_stats(4.9, 5.0, 5.1), _stats(5.5, 5.6, 5.7))  # 0.89x, as on an H100 at the default size
+    assert speed_check("bf16", slower, 5, t).status == "FAIL"
+    assert speed_check("bf16", slower, 5, t, big).status == "FAIL"
+    row = speed_check("bf16", slower, 5, t, small)
+    assert row.status == "WARN" and row.detail.startswith("launch-bound at this size")
+    assert "try batch >= 128" in row.detail and "0.89x" in row.detail
+    clear = speedup(_stats(100, 105, 110), _stats(40, 42, 45))
+    assert speed_check("bf16", clear, 5, t, small).status == "PASS"
+
+
+def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch):
+    # fp32 5 ms, bf16 5.6 ms, the 1-sequence floor 4.5 ms: a launch-bound size, whatever this machine does.
+    def fake(adapter, prec, start, batches, warmup, lr, bar):
+        ms = 4.5 if len(batches[0]["input_ids"]) == 1 else {"fp32": 5.0, "bf16": 5.6}[prec.name]
+        return [ms] * (len(batches) - warmup), torch.zeros(len(batches))
+
+    monkeypatch.setattr(bench, "_timed_run", fake)
+    result = amp_benchmark(_tiny(), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
+    assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(0.9)
+    row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]
+    assert row.status == "WARN" and "launch-bound at this size" in row.detail and "try batch >=" in row.detail

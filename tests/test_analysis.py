@@ -75,7 +75,8 @@ def test_table_and_frame_columns_are_exact(gpt_report):
     assert list(f["robustness"].columns) == ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
     assert list(f["attribution"].columns) == ["position", "token", "text", "saliency", "share"]
     assert list(f["headroom"].columns) == ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal",
-                                           "bf16_rel_dev", "fp16_rel_dev", "fp16_nonfinite"]
+                                           "bf16_rel_dev", "fp16_rel_dev", "fp16_nonfinite",
+                                           "fp32_nonfinite"]
     assert list(f["dtypes"].columns) == ["autocast", "op", "dtype", "count"]
 
 
@@ -257,3 +258,29 @@ def test_cli_analyze(tmp_path, capsys):
     assert {r["analysis"] for r in data["findings"]} == {"robustness", "headroom"}
     assert "fp16 safe" in capsys.readouterr().out
     assert main(["analyze", "--analyses", "vibes", "--no-progress"]) == 2
+
+
+class NaNOutputGPT(TinyGPT):
+    """Finite in every layer, NaN only in the returned logits (outside any leaf module)."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+
+
+def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs():
+    torch.manual_seed(0)
+    out = analyze(NaNOutputGPT(**GPT), analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
+    assert "PASS" not in set(out.status) and (out.status == "FAIL").all()
+    rec = out[out.check == "recommendation"].iloc[0]
+    assert rec.value == "fp32 is not finite" and "model output" in rec.detail
+    assert out[out.analysis == "robustness"].detail.str.contains("NaN/inf log-probabilities").all()
+    torch.manual_seed(0)
+    inner = TinyGPT(**GPT)
+    with torch.no_grad():
+        inner.blocks[0].attn.qkv.bias.fill_(float("nan"))  # NaN attention weights, NaN in fp32 layers
+    table = analyze(inner, analyses=["attention", "headroom"], precision="fp32", **SMALL).table
+    assert "PASS" not in set(table.status)
+    att = table[table.analysis == "attention"]
+    assert (att.status == "FAIL").all() and att.detail.str.contains("NaN/inf weights in blocks.0.attn").all()
+    rec = table[table.check == "recommendation"].iloc[0]
+    assert rec.status == "FAIL" and "first in blocks.0.attn.qkv" in rec.detail

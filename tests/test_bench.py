@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from tier_utils import bench
 from tier_utils.adapter import adapt
 from tier_utils.bench import amp_benchmark, precision_list, schedule
+from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
@@ -486,3 +487,39 @@ def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch):
     assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(0.9)
     row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]
     assert row.status == "WARN" and "launch-bound at this size" in row.detail and "try batch >=" in row.detail
+
+
+def _fake_gpu(fixed_ms=4.0, per_seq_ms=0.05, bytes_per_seq=2**20, oom_at=None):
+    """fp32 on a pretend GPU: a fixed per-step cost plus a per-sequence cost; memory grows with the batch."""
+    def measure(b):
+        if oom_at is not None and b >= oom_at:
+            return None
+        return {"step_ms": fixed_ms + per_seq_ms * b, "floor_ms": fixed_ms + per_seq_ms, "peak_bytes": b * bytes_per_seq}
+    return measure
+
+
+def test_grow_batch_until_the_step_is_mostly_arithmetic():
+    grown = grow_batch(8, _fake_gpu(), budget_bytes=2**40)
+    assert [r["batch_size"] for r in grown["trail"]] == [8, 16, 32, 64, 128, 256, 512]
+    assert grown["batch_size"] == 512 and grown["trail"][0]["fixed_share"] > 0.9
+    assert grown["trail"][-1]["fixed_share"] <= 0.2 and "fixed per-step cost at batch 512" in grown["reason"]
+    # Already compute-bound: measured once, kept.
+    big = grow_batch(8, _fake_gpu(fixed_ms=1.0, per_seq_ms=10.0), budget_bytes=2**40)
+    assert big["batch_size"] == 8 and len(big["trail"]) == 1
+
+
+def test_grow_batch_stops_at_the_memory_budget_and_at_out_of_memory():
+    capped = grow_batch(8, _fake_gpu(), budget_bytes=100 * 2**20)
+    assert capped["batch_size"] == 64 and "memory budget" in capped["reason"]  # 128 MiB predicted at batch 128
+    oom = grow_batch(8, _fake_gpu(oom_at=32), budget_bytes=None)
+    assert oom["batch_size"] == 16 and oom["reason"] == "batch 32 ran out of memory"
+    few = grow_batch(8, _fake_gpu(), budget_bytes=None, max_doublings=2)
+    assert few["batch_size"] == 32 and "after 2 doublings" in few["reason"]
+
+
+def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():
+    model = _tiny()
+    before = copy.deepcopy(model.state_dict())
+    m = fp32_measure(adapt(model), 16)(2)
+    assert m["step_ms"] > 0 and m["floor_ms"] > 0 and m["peak_bytes"] is None  # CUDA only
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -128,9 +128,12 @@ def main(argv=None) -> int:
         sp_h = [f / b for f, b in zip(ms["harness fp32"], ms[f"harness {low.name}"])]
         sp_b = [f / b for f, b in zip(ms["bare fp32"], ms[f"bare {low.name}"])]
         ratio = [h / b for h, b in zip(sp_h, sp_b)]
+        # Where a bias would come from: the harness step's own cost over the bare step's, per precision.
+        # A constant extra cost c lowers a speedup S to (F + c) / (F / S + c): it matters more as S grows.
+        step_ratio = {p: [h / b for h, b in zip(ms[f"harness {p}"], ms[f"bare {p}"])] for p in ("fp32", low.name)}
         meta = run_metadata(dev, low.dtype)
         runs[f"d_model={d}"] = {"step_ms": ms, "speedup_harness": sp_h, "speedup_bare": sp_b, "ratio": ratio,
-                                "ratio_stats": summarize(ratio).to_dict(), "load_average_1m_before": load_before,
+                                "ratio_stats": summarize(ratio).to_dict(), "step_ratio": step_ratio, "load_average_1m_before": load_before,
                                 "load_average_1m_after": load(), "metadata": meta, "config": vars(args)}
         print(f"\n== tiny-gpt d_model={d}, {args.n_layer} layers "
               f"({sum(p.numel() for p in model.parameters()):,} parameters), batch {args.batch_size} x "
@@ -141,6 +144,8 @@ def main(argv=None) -> int:
         print(f"  harness {low.name} speedup: {fmt(sp_h, 'x')}")
         print(f"     bare {low.name} speedup: {fmt(sp_b, 'x')}")
         print(f"  ratio harness / bare: {fmt(ratio)}")
+        for p, r in step_ratio.items():
+            print(f"  {p} step, harness / bare: {fmt(r)}")
     if args.json:
         write_json(args.json, runs)
     return 0

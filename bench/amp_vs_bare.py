@@ -6,7 +6,8 @@ repeats, bare loop first on odd ones), from the same initial weights on the same
 - the harness: `amp_benchmark(precisions=(fp32, P), repeats=1, accuracy_steps=0)`, its own
   timed optimizer steps (its full training step: autocast forward + loss, backward, gradient
   clipping, AdamW);
-- the bare loop: autocast forward + cross-entropy, backward, AdamW step, zero_grad: nothing else.
+- the bare loop: autocast forward + cross-entropy, backward, AdamW step, zero_grad: nothing else
+  (with --bare-clip, also the harness's gradient clipping, to see what is left once it is matched).
 
 Each side's speedup is fp32's mean step over P's within the repeat; the ratio is harness speedup /
 bare speedup, one per repeat, reported as median, IQR and n. Ratio 1 = no bias; below 1 the
@@ -15,7 +16,7 @@ on a GPU, perf_counter on a CPU). The 1-minute load average is printed before an
 
     python bench/amp_vs_bare.py [--sizes 256,512] [--n-layer 4] [--batch-size 16] [--seq-len 128]
                                 [--precision bf16] [--repeats 7] [--warmup-steps 2] [--timed-steps 5]
-                                [--threads N] [--device cpu|cuda] [--force] [--json out.json]
+                                [--threads N] [--device cpu|cuda] [--force] [--bare-clip] [--json out.json]
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def batches(seq_len: int, batch_size: int, n: int, dev) -> list[dict]:
     return out
 
 
-def bare_run(model, start, prec, data: list[dict], warmup: int, dev) -> float:
-    """Mean ms of the timed steps of the plainest AMP training loop a user would write."""
+def bare_run(model, start, prec, data: list[dict], warmup: int, dev, clip: bool = False) -> float:
+    """Mean ms of the timed steps of the plainest AMP training loop a user would write
+    (`clip`: plus the gradient clipping at norm 1.0 that train() and the harness do)."""
     model.load_state_dict(start)
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -60,6 +62,8 @@ def bare_run(model, start, prec, data: list[dict], warmup: int, dev) -> float:
                 logits = model(batch["input_ids"])
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1))
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
     ms = timer.milliseconds()
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--force", action="store_true", help="run the low precision even where it is not native")
+    ap.add_argument("--bare-clip", action="store_true",
+                    help="clip gradients in the bare loop too (norm 1.0, as the harness does)")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -123,8 +129,12 @@ def main(argv=None) -> int:
                     ms[f"harness {low.name}"].append(h[low.name])
                 else:
                     for prec in (fp32, low):
-                        ms[f"bare {prec.name}"].append(bare_run(model, start, prec, data, args.warmup_steps, dev))
+                        ms[f"bare {prec.name}"].append(bare_run(model, start, prec, data, args.warmup_steps, dev,
+                                                                        args.bare_clip))
             model.load_state_dict(start)
+            h32, hlo, b32, blo = (ms[k][-1] for k in ms)
+            print(f"  d_model={d} repeat {rep + 1}/{args.repeats}: harness {h32 / hlo:.3f}x, bare {b32 / blo:.3f}x "
+                  f"(load {load()})", flush=True)
         sp_h = [f / b for f, b in zip(ms["harness fp32"], ms[f"harness {low.name}"])]
         sp_b = [f / b for f, b in zip(ms["bare fp32"], ms[f"bare {low.name}"])]
         ratio = [h / b for h, b in zip(sp_h, sp_b)]

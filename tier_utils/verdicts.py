@@ -114,9 +114,10 @@ def launch_bound(step_ms: float, floor_ms: float, mfu: float | None, batch_size:
         need = batch_size * (1 / TARGET_FIXED_SHARE - 1) * floor_ms / variable
         suggest = max(2 * batch_size, 2 ** math.ceil(math.log2(need)))
     mfu_text = "" if mfu is None else f", and fp32 reaches {mfu:.1%} of its measured matmul peak"
-    reason = (f"a 1-sequence step takes {floor_ms:.3g} ms of fp32's {step_ms:.3g} ms ({share:.0%} fixed per-step "
-              f"cost){mfu_text}; AMP speeds arithmetic, not launches: "
-              + (f"try batch >= {suggest} or a larger model" if suggest else "try a larger batch or model"))
+    # Advice first: a one-screen summary clips the detail, and what to do must survive the clipping.
+    reason = ((f"try batch >= {suggest} or a larger model" if suggest else "try a larger batch or model")
+              + f": a 1-sequence step takes {floor_ms:.3g} ms of fp32's {step_ms:.3g} ms ({share:.0%} fixed "
+              f"per-step cost){mfu_text}; AMP speeds arithmetic, not launches")
     return {"launch_bound": bound, "fixed_share": share, "mfu": mfu, "step_ms": step_ms, "floor_ms": floor_ms,
             "suggest_batch": suggest, "reason": reason}
 
@@ -138,7 +139,7 @@ def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | N
         detail += f"; only {n} repeat(s), too few to judge noise: use repeats>={t.min_repeats}"
     if bound is not None and bound["launch_bound"] and status != "PASS":
         status = "WARN"  # the answer is about overhead at this size, not about the precision
-        detail = f"launch-bound at this size: {bound['reason']}; measured {detail}"
+        detail = f"launch-bound at this size, {bound['reason']}; measured {detail}"
     return PrecisionCheck("speedup vs fp32", status, round(sp["median"], 4), t.speedup, detail, precision)
 
 

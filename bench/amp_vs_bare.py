@@ -113,49 +113,51 @@ def main(argv=None) -> int:
     low = resolve_precision(args.precision, dev)
     fp32 = resolve_precision("fp32", dev, warn=False)
     data = batches(args.seq_len, args.batch_size, args.warmup_steps + args.timed_steps, dev)
+    pair = [fp32] if low.name == "fp32" else [fp32, low]  # --precision fp32: the harness's own cost alone
+    names = [p.name for p in pair]
     runs = {}
     for d in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
         model = load_model("tiny-gpt", d_model=d, n_layer=args.n_layer, max_len=args.seq_len).to(dev).train()
         start = copy.deepcopy(model.state_dict())
         load_before = load()
-        ms = {k: [] for k in ("harness fp32", f"harness {low.name}", "bare fp32", f"bare {low.name}")}
+        ms = {f"{side} {n}": [] for side in ("harness", "bare") for n in names}
         for rep in range(args.repeats):
             order = ("harness", "bare") if rep % 2 == 0 else ("bare", "harness")
             for side in order:
                 if side == "harness":
                     h = harness_run(model, low.name, args, dev)
-                    ms["harness fp32"].append(h["fp32"])
-                    ms[f"harness {low.name}"].append(h[low.name])
+                    for n in names:
+                        ms[f"harness {n}"].append(h[n])
                 else:
-                    for prec in (fp32, low):
+                    for prec in pair:
                         ms[f"bare {prec.name}"].append(bare_run(model, start, prec, data, args.warmup_steps, dev,
-                                                                        args.bare_clip))
+                                                                args.bare_clip))
             model.load_state_dict(start)
-            h32, hlo, b32, blo = (ms[k][-1] for k in ms)
-            print(f"  d_model={d} repeat {rep + 1}/{args.repeats}: harness {h32 / hlo:.3f}x, bare {b32 / blo:.3f}x "
-                  f"(load {load()})", flush=True)
-        sp_h = [f / b for f, b in zip(ms["harness fp32"], ms[f"harness {low.name}"])]
-        sp_b = [f / b for f, b in zip(ms["bare fp32"], ms[f"bare {low.name}"])]
-        ratio = [h / b for h, b in zip(sp_h, sp_b)]
+            print(f"  d_model={d} repeat {rep + 1}/{args.repeats}: "
+                  + ", ".join(f"{k} {v[-1]:.4g} ms" for k, v in ms.items()) + f" (load {load()})", flush=True)
         # Where a bias would come from: the harness step's own cost over the bare step's, per precision.
         # A constant extra cost c lowers a speedup S to (F + c) / (F / S + c): it matters more as S grows.
-        step_ratio = {p: [h / b for h, b in zip(ms[f"harness {p}"], ms[f"bare {p}"])] for p in ("fp32", low.name)}
+        step_ratio = {n: [h / b for h, b in zip(ms[f"harness {n}"], ms[f"bare {n}"])] for n in names}
         meta = run_metadata(dev, low.dtype)
-        runs[f"d_model={d}"] = {"step_ms": ms, "speedup_harness": sp_h, "speedup_bare": sp_b, "ratio": ratio,
-                                "ratio_stats": summarize(ratio).to_dict(), "step_ratio": step_ratio, "load_average_1m_before": load_before,
-                                "load_average_1m_after": load(), "metadata": meta, "config": vars(args)}
+        run = runs[f"d_model={d}"] = {"step_ms": ms, "step_ratio": step_ratio, "load_average_1m_before": load_before,
+                                      "load_average_1m_after": load(), "metadata": meta, "config": vars(args)}
         print(f"\n== tiny-gpt d_model={d}, {args.n_layer} layers "
               f"({sum(p.numel() for p in model.parameters()):,} parameters), batch {args.batch_size} x "
               f"{args.seq_len}, {meta['device_name']}, {meta['threads']} threads, torch {meta['torch']}, "
               f"load average {load_before} -> {load()}")
         for key, samples in ms.items():
             print(f"  {key:>14} step ms: {fmt(samples)}")
-        print(f"  harness {low.name} speedup: {fmt(sp_h, 'x')}")
-        print(f"     bare {low.name} speedup: {fmt(sp_b, 'x')}")
-        print(f"  ratio harness / bare: {fmt(ratio)}")
-        for p, r in step_ratio.items():
-            print(f"  {p} step, harness / bare: {fmt(r)}")
+        if len(pair) == 2:
+            sp_h = [f / b for f, b in zip(ms["harness fp32"], ms[f"harness {low.name}"])]
+            sp_b = [f / b for f, b in zip(ms["bare fp32"], ms[f"bare {low.name}"])]
+            run.update(speedup_harness=sp_h, speedup_bare=sp_b, ratio=[h / b for h, b in zip(sp_h, sp_b)])
+            run["ratio_stats"] = summarize(run["ratio"]).to_dict()
+            print(f"  harness {low.name} speedup: {fmt(sp_h, 'x')}")
+            print(f"     bare {low.name} speedup: {fmt(sp_b, 'x')}")
+            print(f"  ratio harness / bare: {fmt(run['ratio'])}")
+        for n, r in step_ratio.items():
+            print(f"  {n} step, harness / bare: {fmt(r)}")
     if args.json:
         write_json(args.json, runs)
     return 0

@@ -16,7 +16,8 @@ on a GPU, perf_counter on a CPU). The 1-minute load average is printed before an
 
     python bench/amp_vs_bare.py [--sizes 256,512] [--n-layer 4] [--batch-size 16] [--seq-len 128]
                                 [--precision bf16] [--repeats 7] [--warmup-steps 2] [--timed-steps 5]
-                                [--threads N] [--device cpu|cuda] [--force] [--bare-clip] [--json out.json]
+                                [--threads N] [--device cpu|cuda] [--force] [--bare-clip] [--clock wall|cpu]
+                                [--json out.json]
 """
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ import argparse
 import contextlib
 import copy
 import os
+import time
+import types
 
 import torch
 import torch.nn.functional as F
 
 from tier_utils.bench import amp_benchmark
 from tier_utils.data import build_datasets, make_loader, to_device
+from tier_utils import measure
 from tier_utils.measure import StepTimer, summarize
 from tier_utils.models import load_model
 from tier_utils.precision import resolve_device, resolve_precision
@@ -105,11 +109,19 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="run the low precision even where it is not native")
     ap.add_argument("--bare-clip", action="store_true",
                     help="clip gradients in the bare loop too (norm 1.0, as the harness does)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time CPU steps by this process's CPU time (use with --threads 1 on a busy machine)")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
+    if args.clock == "cpu":
+        if dev.type != "cpu" or torch.get_num_threads() != 1:
+            raise SystemExit("--clock cpu needs --device cpu and --threads 1")
+        # On a busy machine wall time is mostly waiting for a core; the one thread's CPU time is the work
+        # done. Both sides time through StepTimer, so swapping its clock changes both alike.
+        measure.time = types.SimpleNamespace(perf_counter=time.process_time)
     low = resolve_precision(args.precision, dev)
     fp32 = resolve_precision("fp32", dev, warn=False)
     data = batches(args.seq_len, args.batch_size, args.warmup_steps + args.timed_steps, dev)

@@ -75,7 +75,8 @@ def test_table_and_frame_columns_are_exact(gpt_report):
     assert list(f["robustness"].columns) == ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
     assert list(f["attribution"].columns) == ["position", "token", "text", "saliency", "share"]
     assert list(f["headroom"].columns) == ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal",
-                                           "bf16_rel_dev", "fp16_rel_dev", "fp16_nonfinite"]
+                                           "bf16_rel_dev", "fp16_rel_dev", "fp16_nonfinite",
+                                           "fp32_nonfinite"]
     assert list(f["dtypes"].columns) == ["autocast", "op", "dtype", "count"]
 
 
@@ -263,9 +264,36 @@ def test_headroom_subnormal_outputs_that_fp16_kept_close_do_not_contradict_the_d
     from tier_utils.analysis.headroom import COLUMNS, recommend
 
     def table(dev, abs_max=1.0):  # one layer with 20% of its outputs below fp16's smallest normal
-        return pd.DataFrame([["attn.drop", "Dropout", 1, abs_max, 65504 / abs_max, 0.2, 0.004, dev, 0]], columns=COLUMNS)
+        return pd.DataFrame([["attn.drop", "Dropout", 1, abs_max, 65504 / abs_max, 0.2, 0.004, dev, 0, 0]],
+                            columns=COLUMNS)
 
     assert recommend(table(0.001))[0] == "fp16 safe"  # measured: the underflow cost nothing
     assert recommend(table(0.2)) == ("fp16 needs scaling care", ["attn.drop"], "WARN")  # measured: it did
     assert recommend(table(float("nan")))[0] == "fp16 needs scaling care"  # not measured: keep the caution
     assert recommend(table(0.001, abs_max=10000.0))[0] == "fp16 needs scaling care"  # range is never cleared
+
+
+class NaNOutputGPT(TinyGPT):
+    """Finite in every layer, NaN only in the returned logits (outside any leaf module)."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+
+
+def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs():
+    torch.manual_seed(0)
+    out = analyze(NaNOutputGPT(**GPT), analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
+    assert "PASS" not in set(out.status) and (out.status == "FAIL").all()
+    rec = out[out.check == "recommendation"].iloc[0]
+    assert rec.value == "fp32 is not finite" and "model output" in rec.detail
+    assert out[out.analysis == "robustness"].detail.str.contains("NaN/inf log-probabilities").all()
+    torch.manual_seed(0)
+    inner = TinyGPT(**GPT)
+    with torch.no_grad():
+        inner.blocks[0].attn.qkv.bias.fill_(float("nan"))  # NaN attention weights, NaN in fp32 layers
+    table = analyze(inner, analyses=["attention", "headroom"], precision="fp32", **SMALL).table
+    assert "PASS" not in set(table.status)
+    att = table[table.analysis == "attention"]
+    assert (att.status == "FAIL").all() and att.detail.str.contains("NaN/inf weights in blocks.0.attn").all()
+    rec = table[table.check == "recommendation"].iloc[0]
+    assert rec.status == "FAIL" and "first in blocks.0.attn.qkv" in rec.detail

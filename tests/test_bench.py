@@ -11,14 +11,16 @@ from matplotlib.figure import Figure
 from tier_utils import bench
 from tier_utils.adapter import adapt
 from tier_utils.bench import amp_benchmark, precision_list, schedule
+from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
-from tier_utils.models import load_model
+from tier_utils.models import TinyGPT, load_model
 from tier_utils.precision import native_support, resolve_precision
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,
+    launch_bound,
     memory_check,
     parity,
     parity_check,
@@ -59,9 +61,9 @@ def default_run():
     order = []
     original = bench._timed_run
 
-    def recording(adapter, prec, *args):
-        order.append(prec.name)
-        return original(adapter, prec, *args)
+    def recording(adapter, prec, start, batches, *args):
+        order.append((prec.name, len(batches[0]["input_ids"])))
+        return original(adapter, prec, start, batches, *args)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "_timed_run", recording)
@@ -96,8 +98,8 @@ def test_precisions_run_or_skip_by_native_support(default_run):
 
 def test_repeats_are_interleaved_across_precisions(default_run):
     result, _, _, order = default_run
-    ran = [r["precision"] for r in result.records if r["ran"]]
-    assert order == ran * RUN["repeats"]
+    ran = [(r["precision"], RUN["batch_size"]) for r in result.records if r["ran"]]
+    assert order == (ran + [("fp32", 1)]) * RUN["repeats"]  # the 1-sequence floor step rides along
     assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
@@ -161,7 +163,8 @@ def test_forced_fp16_runs_with_cpu_grad_scaler(forced_fp16):
     fp16 = _rec(result, "fp16")
     assert fp16["ran"] and fp16["forced"] == (not FP16_NATIVE)
     acc = fp16["accuracy"]
-    assert len(acc["loss_scale"]) == RUN["accuracy_steps"]
+    assert len(acc["loss_scale"]) == acc["attempts"] == RUN["accuracy_steps"] + acc["skipped_steps"]
+    assert acc["steps"] == len(acc["loss_curve"]) == RUN["accuracy_steps"]
     assert acc["loss_scale"][0] == 65536.0  # GradScaler's initial scale
     assert isinstance(acc["skipped_steps"], int) and 0 <= acc["skipped_steps"] <= RUN["accuracy_steps"]
     rows = result.verdicts[result.verdicts.precision == "fp16"]
@@ -195,8 +198,8 @@ def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    ms = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
-    assert len(ms) == 2 and reads == []
+    ms, losses = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
+    assert len(ms) == 2 and reads == [] and losses.shape == (3,)
 
 
 def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
@@ -204,7 +207,8 @@ def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
     adapter.model.head.weight.register_hook(lambda grad: grad * float("inf"))
     splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
     acc = bench._accuracy_run(adapter, prec, start, splits, 20, 4, 1, 1e-3, _NO_BAR)
-    assert acc["diverged_at"] == 16 and acc["steps"] == 17 and acc["skipped_steps"] == 17
+    # Every attempt at the first batch overflows: no update is applied, 17 skips halve the scale below 1.
+    assert acc["diverged_at"] == 16 and acc["attempts"] == 17 and acc["skipped_steps"] == 17 and acc["steps"] == 0
     assert acc["diverged_reason"] == "fp16 loss scale fell below 1"
     assert acc["loss_scale"][-1] == 1.0  # the 17th skip takes it to 0.5, below the 1.0 floor
 
@@ -224,19 +228,22 @@ def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
 def test_json_schema_exact_keys(forced_fp16):
     doc = forced_fp16.to_json()
     json.dumps(doc, allow_nan=False)
-    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "precisions", "verdicts"}
+    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
     assert doc["schema"] == "tier_utils.bench/1"
     assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "warmup_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "val_batches", "lr", "weight_decay", "force", "compile", "compile_mode",
                                   "thresholds"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
-                                                "parity_tolerance", "min_repeats"}
+                                                "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
     assert set(doc["flops"]) == {"per_step", "by_op"}
+    assert set(doc["overhead"]) == {"floor_step_ms", "floor_shape", "launch_bound", "fixed_share", "mfu", "step_ms",
+                                    "floor_ms", "suggest_batch", "reason"}
+    assert doc["overhead"]["floor_shape"] == [1, 8] and doc["overhead"]["floor_step_ms"]["n"] == RUN["repeats"]
     rec = doc["precisions"][1]
     assert set(rec) == {"precision", "mode", "dtype", "native", "ran", "forced", "reason", "compile", "metadata",
-                        "speed", "mfu", "memory", "accuracy"}
+                        "speed", "mfu", "memory", "accuracy", "stopped"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
@@ -247,9 +254,9 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
                                   "reduction"}
     assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
-    assert set(rec["accuracy"]) == {"steps", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
+    assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
                                     "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
-    assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "tolerance"}
+    assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "trailing_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "mode", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
 
@@ -348,7 +355,16 @@ def test_accuracy_and_parity_checks():
     assert diverged.status == "FAIL" and diverged.detail == "training diverged at step 7: fp16 loss scale fell below 1"
     par = parity([2.0, 1.8, 1.6, 1.5], [2.0, 1.82, 1.8, float("nan")], 0.05)
     assert par["first_step_out"] == 2 and math.isinf(par["max_rel_dev"])
-    assert parity_check("fp16", par, None, t).status == "WARN"
+    nan = parity_check("fp16", par, None, t)
+    assert nan.status == "FAIL" and nan.value is None and "NaN/inf" in nan.detail
+    # Out of the band once, back in: a WARN. Out for the last quarter of the run: a real divergence.
+    base = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3]
+    blip = parity(base, [2.0, 1.9, 2.0, 1.7, 1.6, 1.5, 1.4, 1.3], 0.05)
+    assert blip["trailing_out"] == 0 and parity_check("bf16", blip, None, t).status == "WARN"
+    away = parity(base, [2.0, 1.9, 1.8, 1.7, 1.6, 1.6, 1.6, 1.6], 0.05)
+    assert away["first_step_out"] == 5 and away["trailing_out"] == 3
+    row = parity_check("fp16", away, None, t, 0, [65536.0])
+    assert row.status == "FAIL" and "stayed out for the last 3" in row.detail and "no skipped step" in row.detail
     close = parity([2.0, 1.8], [2.02, 1.8], 0.05)
     assert close["max_rel_dev"] == pytest.approx(0.01) and close["first_step_out"] is None
     assert parity_check("bf16", close, None, t).status == "PASS"
@@ -392,3 +408,135 @@ def test_cuda_step_timer_reads_gpu_time_from_events():
         torch.cuda._sleep(100_000_000)  # queued GPU work: a host clock would read ~0 here, events read the GPU
     empty, slept = timer.milliseconds()
     assert slept > 5 and slept > 10 * empty
+
+
+# --- verdicts that stay true: skipped steps, NaN, launch-bound sizes -------------------------------
+
+def test_a_skipped_fp16_step_is_retried_and_parity_still_passes():
+    adapter, prec, start = _fp16_parts()
+    splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
+    fp32 = bench._accuracy_run(adapter, resolve_precision("fp32", CPU, warn=False), start, splits, 8, 4, 1, 1e-3,
+                               _NO_BAR)
+    calls = []
+
+    def overflow_third_attempt(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 3 else grad
+
+    handle = adapter.model.head.weight.register_hook(overflow_third_attempt)
+    acc = bench._accuracy_run(adapter, prec, start, splits, 8, 4, 1, 1e-3, _NO_BAR)
+    handle.remove()
+    assert acc["skipped_steps"] == 1 and acc["attempts"] == 9 and acc["steps"] == len(acc["loss_curve"]) == 8
+    assert acc["loss_scale"][2:4] == [65536.0, 32768.0] and acc["diverged_at"] is None
+    # Update 3 ran on the same weights and batch as fp32's update 3, not one update behind.
+    assert acc["loss_curve"][3] == pytest.approx(fp32["loss_curve"][3], rel=1e-2)
+    row = parity_check("fp16", parity(fp32["loss_curve"], acc["loss_curve"], 0.05), None, Thresholds(),
+                       acc["skipped_steps"], acc["loss_scale"])
+    assert row.status == "PASS" and "1 skipped step(s)" in row.detail and "65536 -> 32768" in row.detail
+
+
+class NaNGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
+
+
+class NaNUnderFp16(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        out = super().forward(input_ids, attention_mask, inputs_embeds)
+        fp16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+        return out * float("nan") if fp16 else out
+
+
+def test_nan_model_gets_no_pass_and_no_speed_verdict():
+    torch.manual_seed(0)
+    result = amp_benchmark(NaNGPT(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    v = result.verdicts
+    assert result.status == "FAIL" and "PASS" not in set(v.status)
+    speed = v[v.check == "speedup vs fp32"]
+    assert list(speed.status) == ["FAIL", "FAIL"] and speed.value.isna().all()
+    assert all(d.startswith("fp32 loss is nan on the first batch") for d in speed.detail)
+    assert all(r["speed"] is None and r["accuracy"] is None for r in result.records) and result.overhead is None
+    assert isinstance(result.plot(), Figure)
+    json.dumps(result.to_json(), allow_nan=False)
+
+
+def test_a_precision_whose_loss_is_nan_stops_alone():
+    torch.manual_seed(0)
+    result = amp_benchmark(NaNUnderFp16(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    fp16 = result.verdicts[result.verdicts.precision == "fp16"]
+    assert "PASS" not in set(fp16.status) and fp16.value.isna().all()
+    assert all(d.startswith("fp16 loss is nan") for d in fp16.detail)
+    assert _rec(result, "fp16")["speed"] is None and _rec(result, "fp32")["speed"] is not None
+    assert result.overhead is not None
+
+
+def test_launch_bound_rule_from_injected_timings():
+    t = Thresholds()
+    small = launch_bound(5.0, 4.0, 0.3, 8, t)  # a 1-sequence step is 80 % of the step
+    assert small["launch_bound"] and small["fixed_share"] == pytest.approx(0.8)
+    assert small["suggest_batch"] == 128  # per-sequence time 1 ms per 8 sequences; 16 ms of it makes 4.0 a fifth
+    assert launch_bound(100.0, 10.0, 0.01, 8, t)["launch_bound"]  # 1 % of the peak: far from arithmetic
+    big = launch_bound(100.0, 10.0, 0.6, 8, t)
+    assert not big["launch_bound"]
+    slower = speedup(_stats(4.9, 5.0, 5.1), _stats(5.5, 5.6, 5.7))  # 0.89x, as on an H100 at the default size
+    assert speed_check("bf16", slower, 5, t).status == "FAIL"
+    assert speed_check("bf16", slower, 5, t, big).status == "FAIL"
+    row = speed_check("bf16", slower, 5, t, small)
+    assert row.status == "WARN" and row.detail.startswith("launch-bound at this size")
+    assert "try batch >= 128" in row.detail and "0.89x" in row.detail
+    clear = speedup(_stats(100, 105, 110), _stats(40, 42, 45))
+    assert speed_check("bf16", clear, 5, t, small).status == "PASS"
+
+
+@pytest.mark.parametrize("floor_ms,fp32_ms,why", [
+    (4.5, 5.0, "(90% fixed per-step cost)"),  # the 1-sequence step is nearly the whole step
+    # Floor 10 %, but 1 s for ~12 MFLOP of tiny-gpt is far below any CPU's matmul peak: < 5 % MFU.
+    (100.0, 1000.0, "of its measured matmul peak"),
+], ids=["fixed-cost", "low-mfu"])
+def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch, floor_ms, fp32_ms, why):
+    def fake(adapter, prec, start, batches, warmup, lr, bar, step_adapter=None):  # bf16 12 % slower, as on an H100
+        ms = floor_ms if len(batches[0]["input_ids"]) == 1 else fp32_ms * (1.12 if prec.name == "bf16" else 1.0)
+        return [ms] * (len(batches) - warmup), torch.zeros(len(batches))
+
+    monkeypatch.setattr(bench, "_timed_run", fake)
+    result = amp_benchmark(_tiny(), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
+    assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(floor_ms / fp32_ms)
+    row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]
+    assert row.status == "WARN" and row.detail.startswith("launch-bound at this size") and why in row.detail
+    assert "try batch >=" in row.detail and "0.89x" in row.detail
+
+
+def _fake_gpu(fixed_ms=4.0, per_seq_ms=0.05, bytes_per_seq=2**20, oom_at=None):
+    """fp32 on a pretend GPU: a fixed per-step cost plus a per-sequence cost; memory grows with the batch."""
+    def measure(b):
+        if oom_at is not None and b >= oom_at:
+            return None
+        return {"step_ms": fixed_ms + per_seq_ms * b, "floor_ms": fixed_ms + per_seq_ms, "peak_bytes": b * bytes_per_seq}
+    return measure
+
+
+def test_grow_batch_until_the_step_is_mostly_arithmetic():
+    grown = grow_batch(8, _fake_gpu(), budget_bytes=2**40)
+    assert [r["batch_size"] for r in grown["trail"]] == [8, 16, 32, 64, 128, 256, 512]
+    assert grown["batch_size"] == 512 and grown["trail"][0]["fixed_share"] > 0.9
+    assert grown["trail"][-1]["fixed_share"] <= 0.2 and "fixed per-step cost at batch 512" in grown["reason"]
+    # Already compute-bound: measured once, kept.
+    big = grow_batch(8, _fake_gpu(fixed_ms=1.0, per_seq_ms=10.0), budget_bytes=2**40)
+    assert big["batch_size"] == 8 and len(big["trail"]) == 1
+
+
+def test_grow_batch_stops_at_the_memory_budget_and_at_out_of_memory():
+    capped = grow_batch(8, _fake_gpu(), budget_bytes=100 * 2**20)
+    assert capped["batch_size"] == 64 and "memory budget" in capped["reason"]  # 128 MiB predicted at batch 128
+    oom = grow_batch(8, _fake_gpu(oom_at=32), budget_bytes=None)
+    assert oom["batch_size"] == 16 and oom["reason"] == "batch 32 ran out of memory"
+    few = grow_batch(8, _fake_gpu(), budget_bytes=None, max_doublings=2)
+    assert few["batch_size"] == 32 and "after 2 doublings" in few["reason"]
+
+
+def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():
+    model = _tiny()
+    before = copy.deepcopy(model.state_dict())
+    m = fp32_measure(adapt(model), 16)(2)
+    assert m["step_ms"] > 0 and m["floor_ms"] > 0 and m["peak_bytes"] is None  # CUDA only
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -67,7 +67,8 @@ def test_write_report_refuses_names_that_are_not_file_names(tmp_path, name):
         write_report({name: Fake(["PASS"])}, tmp_path)
 
 
-def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, capsys):
+def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, capsys, monkeypatch):
+    monkeypatch.setattr(report, "load_average", lambda: 99.0)  # other jobs on the machine
     out, summary = tmp_path / "report", tmp_path / "all.json"
     code = main(["all", *TINY, "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
     data = json.loads(summary.read_text())
@@ -84,8 +85,11 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     train = json.loads((out / "train.json").read_text())
     assert train["summary"]["steps"] == TINY_SIZES["train_steps"] and train["summary"]["global_batch"] == 4
     printed = capsys.readouterr().out
-    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "amp_benchmark: ", "model checks: "):
+    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "amp_benchmark: ", "model checks: ",
+                 "  at batch 4 x 16 tokens"):
         assert head in printed
+    assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
+    assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only
     assert len(printed.splitlines()) < 60  # one screen
 
 

@@ -279,3 +279,20 @@ def test_tied_embedding_is_judged_as_an_embedding_with_its_padding_row():
     rows = report.table.set_index("check")
     assert rows.loc["init: dead units (all-zero rows)", "status"] == "PASS"
     assert report.parameters.set_index("name").loc["tok_emb.weight", "kind"] == "embedding"
+
+
+# Checks that read the model's outputs, loss or gradients. The rest read shapes, bytes, weights or time,
+# which a NaN output doesn't change.
+READS_OUTPUTS = ("shapes: padded", "gradients: loss", "gradients: finite", "gradients: non-zero",
+                 "gradients: layer", "gradients: vanishing", "gradients: exploding", "stability", "determinism")
+
+
+def test_nan_model_gets_no_pass_on_any_check_that_reads_a_number():
+    report = smoke(NaNGPT(**GPT), device="cpu", precision="fp16", progress=False)  # fp16 asked for: runs, forced
+    rows = report.table[report.table.check.str.startswith(READS_OUTPUTS)]
+    assert len(rows) >= 12 and "PASS" not in set(rows.status)
+    det = rows[rows.check.str.startswith("determinism")]
+    assert list(det.status) == ["FAIL", "FAIL"] and det.detail.str.contains("NaN/inf").all()
+    fp16 = rows[rows.check == "stability: fp16 vs fp32 logits"].iloc[0]
+    assert fp16.status == "FAIL" and "fp32 logits are already NaN/inf" in fp16.detail
+    assert rows[rows.check == "gradients: non-zero"].status.iloc[0] == "FAIL"

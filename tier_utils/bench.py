@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
+from .checkpoint import rng_state, set_rng_state
 from .compiling import check_compile_mode, compile_for_training, compile_modes
 from .data import build_datasets, make_loader, to_device
 from .history import evaluate
@@ -28,7 +29,6 @@ from .measure import (
     static_memory,
     summarize,
 )
-from .plotting import caption, integer_axis, power_of_two_axis
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, checks_table, jsonable, run_metadata, whole_number, worst_status
@@ -38,7 +38,9 @@ from .verdicts import (
     Thresholds,
     accuracy_check,
     compile_check,
+    launch_bound,
     memory_check,
+    nonfinite_checks,
     parity,
     parity_check,
     reduction,
@@ -51,6 +53,7 @@ SCHEMA = "tier_utils.bench/1"
 _SEED = 0
 _WEIGHT_DECAY = 0.1
 _PROBE_REPS = 3  # probe matmuls per speed repeat
+_FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
 _MIB = 2**20
 
 
@@ -63,6 +66,7 @@ class BenchmarkResult(Result):
     flops: dict  # {"per_step": int, "by_op": {op: flops}} of one fp32 forward + backward
     records: list[dict]
     checks: list
+    overhead: dict | None  # fp32's floor step and launch_bound()'s diagnosis; None when fp32 was not timed
 
     @property
     def status(self) -> str:
@@ -77,11 +81,14 @@ class BenchmarkResult(Result):
         return checks_table(self.checks, ("precision", "mode"))
 
     def plot(self):
-        return _plot(self)
+        from .bench_plot import plot_benchmark
+
+        return plot_benchmark(self)
 
     def to_json(self) -> dict:
         return jsonable({"schema": SCHEMA, "status": self.status, "config": self.config, "metadata": self.metadata,
-                         "flops": self.flops, "precisions": self.records, "verdicts": self.verdicts})
+                         "flops": self.flops, "overhead": self.overhead, "precisions": self.records,
+                         "verdicts": self.verdicts})
 
 
 def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_size: int = 8, seq_len: int = 64,
@@ -125,24 +132,48 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
         if p["ran"] and p["mode"] == "compiled":
             _compile_plan(p, adapter, speed_batches[0], compile_mode, eager_too="eager" in modes)
     ran = [p for p in plans if p["ran"]]
+    # The floor: eager fp32 on one short sequence, almost all fixed per-step cost (launches, dispatch).
+    floor = {"precision": "fp32 floor", "prec": plans[0]["prec"], "adapter": adapter,
+             "batches": [_one_short(b) for b in speed_batches], "step_samples": []}
     total = len(ran) * (repeats * (warmup_steps + timed_steps) + accuracy_steps)
+    total += repeats * (warmup_steps + timed_steps)  # the floor
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
                                                                      unit="step", enabled=progress) as bar:
             # One fp32 forward + backward, counted once: precision changes no FLOP count.
-            flops = count_flops(lambda: adapter.forward_loss(speed_batches[0])[0].backward())
+            first = []
+
+            def forward_backward():
+                first.append(adapter.forward_loss(speed_batches[0])[0])
+                first[0].backward()
+
+            flops = count_flops(forward_backward)
             adapter.model.zero_grad(set_to_none=True)
+            # Nothing is timed on a loss that is not finite: its speed would be a verdict on NaN.
+            stopped = _nonfinite("fp32", first[0], "on the first batch")
             for p in ran:
-                p["memory"] = _memory(adapter, p["prec"], start, speed_batches, lr, p["adapter"])
-                p["probe_size"], p["probe_ms"], p["step_samples"] = probe_size(dev, p["prec"].dtype), [], []
-            for _, p in schedule(ran, repeats):
-                ms = _timed_run(adapter, p["prec"], start, speed_batches, warmup_steps, lr, bar, p["adapter"])
+                p["stopped"] = stopped
+                if not stopped:
+                    p["memory"], loss = _memory(adapter, p["prec"], start, speed_batches, lr, p["adapter"])
+                    p["stopped"] = _nonfinite(p["precision"], loss, "on the second batch")
+                    p["probe_size"], p["probe_ms"], p["step_samples"] = probe_size(dev, p["prec"].dtype), [], []
+            live = [p for p in ran if not p["stopped"]]
+            timed = live if plans[0]["stopped"] else live + [floor]  # the floor only means something next to fp32
+            for _, p in schedule(timed, repeats):
+                ms, worst = _timed_run(adapter, p["prec"], start, p.get("batches", speed_batches), warmup_steps, lr,
+                                       bar, p["adapter"])
                 p["step_samples"].append(sum(ms) / len(ms))
-                # The peak probe rides along with every repeat, so load drift hits it like the steps.
-                p["probe_ms"] += probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
+                if p is not floor:
+                    p["stopped"] = p["stopped"] or _nonfinite(p["precision"], worst, "during the timed steps")
+                    # The peak probe rides along with every repeat, so load drift hits it like the steps.
+                    p["probe_ms"] += probe_ms(dev, p["prec"].dtype, p["probe_size"], _PROBE_REPS)
             for p in ran:
+                if plans[0]["stopped"]:  # no baseline: no precision gets a verdict
+                    p["stopped"] = plans[0]["stopped"]
+                if p["stopped"]:
+                    continue
                 p["speed"] = _speed(p["step_samples"], tokens_per_step, timed_steps)
                 p["probe"] = probe_summary(p["prec"].dtype, p["probe_size"], p["probe_ms"])
                 if accuracy_steps:
@@ -153,7 +184,14 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
         adapter.model.train(was_training)
     eager = {p["precision"]: p for p in plans if p["mode"] == "eager" and p["ran"]}
     records = [_record(p, plans[0], flops, dev, thresholds, eager.get(p["precision"])) for p in plans]
-    checks = [c for p, r in zip(plans, records) for c in _checks(p, r, records[0], thresholds, accuracy_steps)]
+    overhead = None
+    if records[0]["speed"] is not None:
+        floor_ms = summarize(floor["step_samples"])
+        overhead = {"floor_step_ms": floor_ms.to_dict(), "floor_shape": list(floor["batches"][0]["input_ids"].shape),
+                    **launch_bound(records[0]["speed"]["step_ms"]["median"], floor_ms.median,
+                                   records[0]["mfu"]["mfu"], batch_size, thresholds)}
+    checks = [c for p, r in zip(plans, records)
+              for c in _checks(p, r, records[0], thresholds, accuracy_steps, overhead)]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
               "data": splits.source, "precisions": [p["precision"] for p in plans], "batch_size": batch_size,
               "seq_len": seq_len, "tokens_per_step": tokens_per_step, "warmup_steps": warmup_steps,
@@ -162,7 +200,7 @@ def amp_benchmark(model, data=None, precisions=("fp32", "bf16", "fp16"), batch_s
               "compile": compile, "compile_mode": compile_mode, "thresholds": asdict(thresholds)}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
-    result = BenchmarkResult(config, metadata, flops, records, checks)
+    result = BenchmarkResult(config, metadata, flops, records, checks, overhead)
     if loggers:
         log_result_tables(loggers, log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
                           {"amp_benchmark": result.table, "verdicts": result.verdicts}, {**config, **metadata})
@@ -194,7 +232,19 @@ def _plan(name: str, mode: str, dev: torch.device, force: bool) -> dict:
     prec = resolve_precision(name, dev, warn=False)
     why = f"not native: {native_support(name, dev)[1]}; force=True (CLI --force) runs it anyway"
     return {"precision": name, "mode": mode, "prec": prec, "ran": prec.native or force,
-            "forced": force and not prec.native, "reason": prec.reason, "why": why, "compile": None}
+            "forced": force and not prec.native, "reason": prec.reason, "why": why, "compile": None, "stopped": None}
+
+
+def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
+    """The reason to stop a precision whose loss (a scalar, or the losses of a run) is NaN/inf; else None."""
+    loss = loss.detach().reshape(-1)
+    bad = loss[~torch.isfinite(loss)]
+    return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
+
+
+def _one_short(batch: dict) -> dict:
+    """One sequence of _FLOOR_TOKENS tokens from `batch` (labels of a classifier stay one per sequence)."""
+    return {k: v[:1, :_FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in batch.items()}
 
 
 def _compile_plan(p: dict, adapter, batch: dict, mode: str, eager_too: bool) -> None:
@@ -232,8 +282,9 @@ def _fresh_step(adapter, prec, start, lr, total_steps: int = 0, track_scale: boo
     return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=1.0, track_scale=track_scale)
 
 
-def _memory(adapter, prec, start, batches, lr, step_adapter=None) -> dict:
-    """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks."""
+def _memory(adapter, prec, start, batches, lr, step_adapter=None) -> tuple[dict, torch.Tensor]:
+    """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks;
+    and that step's loss."""
     dev = adapter.device
     step = _fresh_step(adapter, prec, start, lr, step_adapter=step_adapter)
     step([batches[0]])
@@ -242,7 +293,7 @@ def _memory(adapter, prec, start, batches, lr, step_adapter=None) -> dict:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     with SavedTensorMeter(adapter.model) as meter:
-        step([batches[1 % len(batches)]])
+        loss = step([batches[1 % len(batches)]]).loss
     mem = static_memory(adapter.model, step.optimizer)
     mem["activation_bytes"] = meter.bytes
     mem["total_bytes"] = sum(mem.values())
@@ -252,25 +303,28 @@ def _memory(adapter, prec, start, batches, lr, step_adapter=None) -> dict:
         torch.cuda.synchronize(dev)
         mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
         mem["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
-    return mem
+    return mem, loss
 
 
-def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar, step_adapter=None) -> list[float]:
+def _timed_run(adapter, prec, start, batches, warmup: int, lr, bar,
+               step_adapter=None) -> tuple[list[float], torch.Tensor]:
     """One repeat: fresh optimizer, warm-up steps untimed, then each optimizer step timed.
+    Returns the timed steps' milliseconds and every step's loss, read after the timing.
 
     No scheduler here, so fp16 needs no skip decision: reading the loss scale (two host syncs per
     step that fp32/bf16 don't have) stays out of the timed region.
     """
     step = _fresh_step(adapter, prec, start, lr, track_scale=False, step_adapter=step_adapter)
+    losses = []
     for batch in batches[:warmup]:
-        step([batch])
+        losses.append(step([batch]).loss)
         bar.update()
     timer = StepTimer(adapter.device)
     for batch in batches[warmup:]:
         with timer.region():
-            step([batch])
+            losses.append(step([batch]).loss)
         bar.update()
-    return timer.milliseconds()
+    return timer.milliseconds(), torch.stack(losses)
 
 
 def _speed(step_ms: list[float], tokens_per_step: int, timed_steps: int) -> dict:
@@ -280,25 +334,40 @@ def _speed(step_ms: list[float], tokens_per_step: int, timed_steps: int) -> dict
 
 
 def _accuracy_run(adapter, prec, start, splits, steps, batch_size, val_batches, lr, bar, step_adapter=None) -> dict:
-    """Train `steps` from the shared start, then validate (eager) in the same precision."""
+    """Train `steps` applied updates from the shared start, then validate (eager) in the same precision.
+
+    An fp16 step whose gradients overflowed changes no weight: it is retried on the same batch from the
+    same random state, so update k of every precision sees batch k and the curves compare applied
+    updates. Skipped steps are counted and the loss scale of every attempt is traced.
+    """
     step = _fresh_step(adapter, prec, start, lr, total_steps=steps, step_adapter=step_adapter)
-    curve, scales, skipped, diverged_at, why = [], [], 0, None, None
+    curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
     for i, batch in enumerate(_batches(splits.train, steps, batch_size, adapter.device)):
-        out = step([batch])
+        while True:
+            rng = rng_state() if prec.needs_scaler else None
+            out = step([batch])
+            attempts += 1
+            if out.skipped is not None:
+                scales.append(out.scale_before)
+            if not out.skipped or out.scale_collapsed:
+                break
+            skipped += 1
+            set_rng_state(rng)  # the retry draws the same dropout masks
         bar.update()
-        curve.append(out.loss.item())  # not timed: a sync per step is fine here
-        if out.skipped is not None:
-            scales.append(out.scale_before)
-            skipped += out.skipped
         # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
         if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
-            diverged_at = i
+            diverged_at = attempts - 1
+            skipped += bool(out.skipped)
             why = "fp16 loss scale fell below 1" if out.scale_collapsed else f"loss became {out.loss.item()}"
+            if out.skipped is None:
+                curve.append(out.loss.item())
             bar.update(steps - i - 1)
             break
+        curve.append(out.loss.item())  # not timed: a sync per step is fine here
     val = evaluate(adapter, make_loader(splits.val, batch_size, shuffle=False, device=adapter.device), prec,
                    val_batches)
-    return {"steps": len(curve), "loss_curve": curve, "val_loss": val["val_loss"], "val_accuracy": val["accuracy"],
+    return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
+            "val_accuracy": val["accuracy"],
             "val_targets": val["targets"], "diverged_at": diverged_at, "diverged_reason": why,
             "loss_scale": scales if prec.needs_scaler else None, "skipped_steps": skipped if prec.needs_scaler else None}
 
@@ -310,8 +379,8 @@ def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds, eager: dict | 
     rec = {"precision": p["precision"], "mode": p["mode"], "dtype": str(prec.dtype).replace("torch.", ""),
            "native": prec.native, "ran": p["ran"], "forced": p["forced"], "reason": p["reason"],
            "compile": p["compile"], "metadata": run_metadata(dev, prec.dtype), "speed": None, "mfu": None,
-           "memory": None, "accuracy": None}
-    if not p["ran"]:
+           "memory": None, "accuracy": None, "stopped": p["stopped"]}
+    if not p["ran"] or p["stopped"]:
         return rec
     step_ms = p["speed"]["step_ms"]
     speed = rec["speed"] = {**p["speed"], "step_ms": step_ms.to_dict(), "speedup_vs_eager": None}
@@ -338,8 +407,8 @@ def _record(p: dict, base: dict, flops: dict, dev, t: Thresholds, eager: dict | 
     return rec
 
 
-def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) -> list:
-    rows = _precision_checks(p, rec, base, t, accuracy_steps)
+def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int, overhead: dict | None) -> list:
+    rows = _precision_checks(p, rec, base, t, accuracy_steps, overhead)
     info, vs_eager = p["compile"], (rec["speed"] or {}).get("speedup_vs_eager")
     if info is not None and not info["compiled"]:
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], p["precision"]))
@@ -352,8 +421,11 @@ def _checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) 
     return rows
 
 
-def _precision_checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int) -> list:
+def _precision_checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_steps: int,
+                      overhead: dict | None) -> list:
     name = p["precision"]
+    if p["stopped"]:
+        return nonfinite_checks(name, p["stopped"], t)
     if rec is base:
         return skip_checks(name, "fp32 is the baseline the others are compared with", t)
     if not p["ran"]:
@@ -361,7 +433,7 @@ def _precision_checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_st
     forced = " [forced: not native on this device]" if p["forced"] else ""
     rows = []
     if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
-        rows += [speed_check(name, rec["speed"]["speedup"], rec["speed"]["step_ms"]["n"], t),
+        rows += [speed_check(name, rec["speed"]["speedup"], rec["speed"]["step_ms"]["n"], t, overhead),
                  memory_check(name, rec["memory"]["reduction"], t)]
     base_acc = base["accuracy"]
     if not accuracy_steps:
@@ -373,7 +445,7 @@ def _precision_checks(p: dict, rec: dict, base: dict, t: Thresholds, accuracy_st
         acc = rec["accuracy"]
         diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
         rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
-                 parity_check(name, acc["parity"], diverged, t)]
+                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"])]
     for row in rows:
         row.detail += forced
     return rows
@@ -406,62 +478,3 @@ def _table_row(rec: dict) -> dict:
     })
     return row
 
-
-def _plot(result: BenchmarkResult):
-    from matplotlib.figure import Figure
-
-    ran = [r for r in result.records if r["ran"]]
-    names = [r["precision"] + (" compiled" if r["mode"] == "compiled" else "") for r in ran]
-    curves = [(name, r) for name, r in zip(names, ran) if r["accuracy"]]
-    scaled = [(name, r) for name, r in curves if r["accuracy"]["loss_scale"]]
-    # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
-    fig = Figure(figsize=(12, 8) if scaled else (15, 4.5), layout="constrained")
-    axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
-    ax_speed, ax_mem, ax_loss = axes[:3]
-    device = result.metadata["device_name"]
-    fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
-
-    tps = [r["speed"]["tokens_per_s"] for r in ran]
-    err = [[s["median"] - s["q1"] for s in tps], [s["q3"] - s["median"] for s in tps]]
-    ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
-    ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
-    ax_speed.set_ylabel("tokens / s")
-    ax_speed.set_xlabel("precision")
-
-    bottom = [0.0] * len(ran)
-    for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
-                       ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
-        heights = [r["memory"][key] / _MIB for r in ran]
-        ax_mem.bar(names, heights, bottom=bottom, label=label)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    ax_mem.set_title("memory of one training step (saved-tensor accounting)")
-    ax_mem.set_ylabel("MiB")
-    ax_mem.set_xlabel("precision")
-    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
-
-    for name, r in curves:
-        curve = r["accuracy"]["loss_curve"]
-        ax_loss.plot(range(1, len(curve) + 1), curve, label=name)
-    ax_loss.set_title("training loss, same start and batches")
-    ax_loss.set_ylabel("cross-entropy (nats)")
-    if curves:
-        ax_loss.legend()
-    else:
-        ax_loss.text(0.5, 0.5, "no accuracy run (accuracy_steps=0)", ha="center", va="center",
-                     transform=ax_loss.transAxes)
-
-    for name, r in scaled:
-        trace, skipped = r["accuracy"]["loss_scale"], r["accuracy"]["skipped_steps"]
-        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
-    if scaled:
-        axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
-        power_of_two_axis(axes[3], [v for _, r in scaled for v in r["accuracy"]["loss_scale"]])
-        axes[3].legend()
-    for ax in axes[2:]:
-        ax.set_xlabel("optimizer step")
-        integer_axis(ax.xaxis)
-    cfg = result.config
-    caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
-                 f"{cfg['repeats']} interleaved repeats of {cfg['timed_steps']} timed steps, batch {cfg['batch_size']} "
-                 f"x {cfg['seq_len']} tokens, {result.metadata['threads']} threads")
-    return fig

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import html
 import io
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ import torch
 from .adapter import adapt
 from .analysis import analyze
 from .bench import amp_benchmark
+from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
+from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
 from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
@@ -134,6 +137,7 @@ class AllResult(Result):
     seconds: dict
     index: Path
     metadata: dict
+    bench_size: dict | None = None  # grow_batch()'s choice on a GPU; None where the default size was used
 
     @property
     def status(self) -> str:
@@ -161,14 +165,17 @@ class AllResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index,
+                         "index": self.index, "bench_size": self.bench_size,
                          "run_metadata": self.metadata})
 
     def summary_text(self, width: int = 110) -> str:
         """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
         r, lines = self.results, []
         m = self.metadata
-        lines.append(f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads")
+        busy = m.get("load_average_1m") is not None and m["load_average_1m"] > m["cpu_count"]
+        lines.append(f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads"
+                     + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
+                        "so the timings below are slower than on an idle machine" if busy else ""))
         if "smoke" in r:
             lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
         if "analysis" in r:
@@ -177,8 +184,12 @@ class AllResult(Result):
         if "train" in r:
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
         if "amp_benchmark" in r:
-            v = r["amp_benchmark"].verdicts
+            v, c = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
+            size = f"  at batch {c['batch_size']} x {c['seq_len']} tokens"
+            if self.bench_size:
+                size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
+            lines.append(size)
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")
         return "\n".join(lines)
@@ -236,6 +247,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         t, runnable = min(t, adapt(base).max_len), True  # the job fits its window to the model, no warning
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
+    sizing = {}
     steps = {
         "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,),
                                precision=precision, device=dev, progress=progress),
@@ -245,7 +257,8 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         "train": lambda: _train(copy.deepcopy(base), data, precision=precision, device=str(dev), batch_size=b,
                                 seq_len=t, max_steps=sizes["train_steps"], eval_every=sizes["eval_every"],
                                 eval_batches=sizes["eval_batches"], seed=seed, progress=progress),
-        "amp_benchmark": lambda: amp_benchmark(base, data=data, batch_size=b, seq_len=t,
+        "amp_benchmark": lambda: amp_benchmark(base, data=data, batch_size=_bench_batch(base, dev, b, t, sizing),
+                                               seq_len=t,
                                                warmup_steps=sizes["warmup_steps"], timed_steps=sizes["timed_steps"],
                                                repeats=sizes["repeats"], accuracy_steps=sizes["accuracy_steps"],
                                                val_batches=sizes["val_batches"], device=dev, progress=progress),
@@ -258,9 +271,25 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         results[name] = run()
         seconds[name] = time.perf_counter() - start
         statuses[name] = result_status(results[name])
-    meta = run_metadata(dev, prec.dtype)
+    # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.
+    meta = {**run_metadata(dev, prec.dtype), "load_average_1m": load_average(), "cpu_count": os.cpu_count()}
     index = write_report(results, out_dir, title=f"tier_utils report: {type(base).__name__}", metadata=meta)
-    return AllResult(results, statuses, seconds, index, meta)
+    return AllResult(results, statuses, seconds, index, meta, sizing.get("chosen"))
+
+
+def _bench_batch(model, dev, batch_size: int, seq_len: int, sizing: dict) -> int:
+    """The benchmark's batch: on a GPU, grown until fp32's step is mostly arithmetic (a tiny model at
+    the default batch is launch-bound there, and every precision then times the same); else as given."""
+    if dev.type != "cuda":
+        return batch_size
+    budget = int(MEMORY_FRACTION * torch.cuda.get_device_properties(dev).total_memory)
+    was_training = model.training
+    model.to(dev).train()
+    try:
+        sizing["chosen"] = grow_batch(batch_size, fp32_measure(adapt(model), seq_len), budget)
+    finally:
+        model.train(was_training)
+    return sizing["chosen"]["batch_size"]
 
 
 def _train(model, data, **settings):

@@ -136,15 +136,25 @@ def _gradients(adapter: ModelAdapter, report):
     yield Check("gradients: finite", "FAIL" if bad else "PASS", len(bad), 0,
                 f"NaN/inf gradient in: {_names(bad)}" if bad else "every gradient is finite")
     zero = [n for n, g in got if n not in bad and not g.any()]
-    yield Check("gradients: non-zero", "WARN" if zero else "PASS", len(zero), 0,
-                f"exactly zero gradient (fine only behind a deliberately zero-initialised layer): {_names(zero)}"
-                if zero else "every gradient has a non-zero entry")
+    if bad:  # a NaN is "non-zero" too: nothing to judge until the gradients are finite
+        yield Check("gradients: non-zero", "FAIL", None, 0,
+                    f"{len(bad)} of {len(got)} gradients are NaN/inf (see 'gradients: finite'); "
+                    f"{len(zero)} of the finite ones are exactly zero")
+    else:
+        yield Check("gradients: non-zero", "WARN" if zero else "PASS", len(zero), 0,
+                    f"exactly zero gradient (fine only behind a deliberately zero-initialised layer): {_names(zero)}"
+                    if zero else "every gradient has a non-zero entry")
 
     squares: dict[str, float] = {}
     for n, g in got:
         layer = n.rpartition(".")[0] or n
         squares[layer] = squares.get(layer, 0.0) + torch.linalg.vector_norm(g.float()).item() ** 2
     report.grad_norms = {k: math.sqrt(v) for k, v in squares.items()}
+    broken = [k for k, v in report.grad_norms.items() if not math.isfinite(v)]
+    if broken:  # ratios over the finite layers only would pass a model whose gradients are NaN
+        yield Check("gradients: layer norm ratio", "FAIL", None, None,
+                    f"gradient norm is NaN/inf in {len(broken)} of {len(squares)} layers: {_names(broken)}")
+        return
     live = {k: v for k, v in report.grad_norms.items() if 0 < v < math.inf}
     if not live:
         yield Check("gradients: layer norm ratio", "FAIL", None, None, "no layer has a finite non-zero gradient")
@@ -195,6 +205,9 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
     forced = requested.name == low  # asked for by name; auto only ever picks a native one
     if not native and not forced:
         return Check(name, "SKIP", None, f"<= {tol:g}", f"{why}; pass precision='{low}' to run it anyway")
+    if not torch.isfinite(ref).all():
+        return Check(name, "FAIL", None, f"<= {tol:g}", "the fp32 logits are already NaN/inf: nothing to compare "
+                                                         f"{low} with (see the stability rows above)")
     prec = requested if forced else resolve_precision(low, adapter.device, warn=False)
     with torch.no_grad(), prec.autocast():
         out = adapter.logits(batch["input_ids"], batch["attention_mask"])
@@ -344,6 +357,12 @@ def _determinism(adapter: ModelAdapter, report):
         first, second = adapter.logits(*args), adapter.logits(*args)
         net.train()
         trained = adapter.logits(*args)
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in (first, second, trained))
+    if bad:  # NaN == NaN under equal_nan, and NaN - NaN is no difference: both rows would PASS
+        for check in ("determinism: eval, same input twice", "determinism: train vs eval mode"):
+            yield Check(check, "FAIL", None, None, f"{bad} of {3 * first.numel()} outputs are NaN/inf: "
+                                                   "determinism can't be judged (see the stability rows)")
+        return
     same = torch.allclose(first, second, rtol=0, atol=0, equal_nan=True)
     diff = 0.0 if same else _rel_dev(second, first)
     status = "PASS" if same else "WARN" if diff <= 1e-5 else "FAIL"

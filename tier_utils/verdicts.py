@@ -12,6 +12,9 @@ from .measure import Stats
 from .results import Check
 
 MEMORY_BASES = ("activations", "total", "peak_allocated")
+# The fixed per-step cost's share of fp32's step that leaves room for AMP's arithmetic speedup to show:
+# the batch `launch_bound` suggests, and the one the main job grows to on a GPU, aim at it.
+TARGET_FIXED_SHARE = 0.2
 CRITERIA = ("speedup", "memory", "accuracy", "parity")
 
 
@@ -30,6 +33,10 @@ class Thresholds:
     accuracy_diff: float = 0.01  # |val accuracy - fp32's val accuracy|
     parity_tolerance: float = 0.05  # relative band around fp32's training-loss curve
     min_repeats: int = 3  # below this the IQR is no estimate of noise: a PASS/FAIL on speed becomes WARN
+    # fp32's step is launch-bound (AMP speeds arithmetic, not launches) when a 1-sequence step, nearly
+    # all fixed per-step cost, takes more than this share of it, or its matmul share of the peak is below min_mfu.
+    max_fixed_share: float = 0.5
+    min_mfu: float = 0.05
 
     def __post_init__(self):
         if self.memory not in MEMORY_BASES:
@@ -39,6 +46,9 @@ class Thresholds:
                 raise ValueError(f"Thresholds.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.memory_reduction < 1:
             raise ValueError(f"Thresholds.memory_reduction is a fraction in [0, 1), got {self.memory_reduction}")
+        for name in ("max_fixed_share", "min_mfu"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)}")
         if self.min_repeats < 1:
             raise ValueError(f"Thresholds.min_repeats must be >= 1, got {self.min_repeats}")
 
@@ -82,11 +92,39 @@ def parity(base_curve, curve, tolerance: float) -> dict:
         finite = math.isfinite(b) and math.isfinite(c)
         devs.append(abs(c - b) / max(abs(b), 1e-12) if finite else math.inf)
     first_out = next((i for i, d in enumerate(devs) if d > tolerance), None)
+    trailing = next((i for i, d in enumerate(reversed(devs)) if not d > tolerance), len(devs))
     return {"steps": steps, "max_rel_dev": max(devs) if devs else None, "first_step_out": first_out,
-            "tolerance": tolerance}
+            "trailing_out": trailing, "tolerance": tolerance}
 
 
-def speed_check(precision: str, sp: dict, n: int, t: Thresholds) -> PrecisionCheck:
+def launch_bound(step_ms: float, floor_ms: float, mfu: float | None, batch_size: int, t: Thresholds) -> dict:
+    """Is fp32's step at this size about per-step overhead (launches, dispatch, the optimizer) rather
+    than arithmetic? Then no precision can make it much faster, and a speed FAIL would mislead.
+
+    step_ms: fp32's median step; floor_ms: the median step of the same model on one short sequence,
+    which is almost all fixed per-step cost; mfu: fp32's achieved over its measured peak FLOP/s.
+    suggest_batch: the power-of-two batch at which the per-sequence time, grown linearly from this
+    batch, brings the fixed cost down to TARGET_FIXED_SHARE of the step (None when the step is no
+    longer than its floor).
+    """
+    share = floor_ms / step_ms
+    bound = share > t.max_fixed_share or (mfu is not None and mfu < t.min_mfu)
+    variable = step_ms - floor_ms
+    suggest = None
+    if variable > 0:
+        need = batch_size * (1 / TARGET_FIXED_SHARE - 1) * floor_ms / variable
+        suggest = max(2 * batch_size, 2 ** math.ceil(math.log2(need)))
+    mfu_text = "" if mfu is None else f", and fp32 reaches {mfu:.1%} of its measured matmul peak"
+    # Advice first: a one-screen summary clips the detail, and what to do must survive the clipping.
+    reason = ((f"try batch >= {suggest} or a larger model" if suggest else "try a larger batch or model")
+              + f": a 1-sequence step takes {floor_ms:.3g} ms of fp32's {step_ms:.3g} ms ({share:.0%} fixed "
+              f"per-step cost){mfu_text}; AMP speeds arithmetic, not launches")
+    return {"launch_bound": bound, "fixed_share": share, "mfu": mfu, "step_ms": step_ms, "floor_ms": floor_ms,
+            "suggest_batch": suggest, "reason": reason}
+
+
+def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | None = None) -> PrecisionCheck:
+    """`bound`: `launch_bound()`'s diagnosis of fp32's step; a launch-bound size turns a miss into WARN."""
     detail = f"{sp['median']:.2f}x (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats)"
     if sp["low"] >= t.speedup:
         status = "PASS"
@@ -100,7 +138,20 @@ def speed_check(precision: str, sp: dict, n: int, t: Thresholds) -> PrecisionChe
     if n < t.min_repeats and status != "WARN":
         status = "WARN"
         detail += f"; only {n} repeat(s), too few to judge noise: use repeats>={t.min_repeats}"
+    if bound is not None and bound["launch_bound"] and status != "PASS":
+        status = "WARN"  # the answer is about overhead at this size, not about the precision
+        detail = f"launch-bound at this size, {bound['reason']}; measured {detail}"
     return PrecisionCheck("speedup vs fp32", status, round(sp["median"], 4), t.speedup, detail, precision)
+
+
+def nonfinite_checks(precision: str, reason: str, t: Thresholds) -> list[PrecisionCheck]:
+    """A run whose loss is NaN/inf: FAIL on every criterion that reads a loss or a step time, no figures."""
+    rows = skip_checks(precision, f"{reason}: no verdict on a model whose loss is not finite; "
+                                  "run smoke(model) to find where it starts", t)
+    for row in rows:
+        if row.check != f"{t.memory} memory reduction":  # bytes are not a loss: not measured, not failed
+            row.status = "FAIL"
+    return rows
 
 
 def memory_check(precision: str, reductions: dict, t: Thresholds) -> PrecisionCheck:
@@ -133,17 +184,33 @@ def accuracy_check(precision: str, diff: float | None, diverged: str | None, t: 
                           "differ by more than rounding alone should explain", precision)
 
 
-def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds) -> PrecisionCheck:
+def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
+                 skipped: int | None = None, scales: list | None = None) -> PrecisionCheck:
+    """Curves compare applied optimizer updates (a skipped fp16 step is retried, not counted as one);
+    `skipped` and the loss-scale trace `scales` (fp16 only) are reported beside the deviation."""
     name = "loss-curve parity"
     if diverged is not None:
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance, f"training diverged {diverged}", precision)
-    dev = par["max_rel_dev"]
+    dev, steps = par["max_rel_dev"], par["steps"]
+    scaler = ""
+    if skipped is not None:
+        trace = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
+        scaler = (f"; {skipped} skipped step(s), each retried on the same batch" if skipped else "; no skipped step")
+        scaler += trace
+    if dev is None or not math.isfinite(dev):
+        return PrecisionCheck(name, "FAIL", None, t.parity_tolerance,
+                              f"a loss became NaN/inf within the {steps} applied updates compared{scaler}", precision)
     if par["first_step_out"] is None:
         return PrecisionCheck(name, "PASS", round(dev, 4), t.parity_tolerance,
-                              f"max relative deviation {dev:.4f} over {par['steps']} steps", precision)
-    return PrecisionCheck(name, "WARN", _rounded(dev), t.parity_tolerance,
-                          f"max relative deviation {dev:.4f}; first left the +/-{t.parity_tolerance} band "
-                          f"at step {par['first_step_out']} of {par['steps']}", precision)
+                              f"max relative deviation {dev:.4f} over {steps} applied updates{scaler}", precision)
+    detail = (f"max relative deviation {dev:.4f}; first left the +/-{t.parity_tolerance} band at update "
+              f"{par['first_step_out']} of {steps}")
+    # Out of the band for the last quarter of the run (at least 2 updates): it went away and stayed away.
+    if par["trailing_out"] >= max(2, steps // 4):
+        return PrecisionCheck(name, "FAIL", round(dev, 4), t.parity_tolerance,
+                              f"{detail} and stayed out for the last {par['trailing_out']}: the curves diverge"
+                              f"{scaler}", precision)
+    return PrecisionCheck(name, "WARN", round(dev, 4), t.parity_tolerance, f"{detail}{scaler}", precision)
 
 
 def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float,
@@ -180,6 +247,3 @@ def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -
 def _pct(fraction: float) -> str:
     return f"{-fraction:+.1%}"  # a 40 % reduction reads as -40.0 %
 
-
-def _rounded(x: float):
-    return round(x, 4) if math.isfinite(x) else None

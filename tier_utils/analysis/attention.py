@@ -178,6 +178,8 @@ class _HeadStats:
             s[key] = s.get(key, 0) + (value * r).sum((0, 2)).cpu()
         s["profile"] = s.get("profile", 0) + (profile * r.unsqueeze(-1)).sum((0, 2)).cpu()
         s["rows"] = s.get("rows", 0) + r.sum((0, 2)).cpu()
+        # nan_to_num above is for fully masked rows; NaN/inf in a row with a choice is the model's doing.
+        s["nonfinite"] = s.get("nonfinite", 0) + int(((~torch.isfinite(weights)).any(-1) & rows).sum())
         # How alike the heads are: mean total-variation distance between every pair, over valid rows.
         pairs = list(itertools.combinations(range(w.size(1)), 2))
         if pairs:
@@ -275,6 +277,11 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
                         ", ".join(bad_layers.layer) + ("; all heads uniform, which is what an untrained model shows"
                                                        if untrained else "")
                         if len(bad_layers) else "heads differ within every layer"))
+    broken = {name: s["nonfinite"] for name, s in stats.sums.items() if s["nonfinite"]}
+    for check in checks if broken else ():  # the statistics above read NaN rows as zeros: none may PASS
+        check.status = "FAIL"
+        check.detail = (f"{sum(broken.values())} attention rows hold NaN/inf weights in {', '.join(broken)}; "
+                        + check.detail)
     frames = {"attention": heads_df, "attention_layers": layers_df, "attention_distance": pd.DataFrame(profile_rows)}
     return Outcome(checks, frames, {"maps": example})
 

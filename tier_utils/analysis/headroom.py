@@ -29,7 +29,7 @@ CARE_FACTOR = 16  # abs-max within 16x (4 bits) of 65504 leaves too little room:
 CARE_UNDERFLOW = 0.05  # more than 5% of a layer's non-zero outputs are fp16-subnormal: fp16 needs care
 DRIFT = 0.05  # relative deviation of the model output from fp32 above this: WARN
 COLUMNS = ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal", "bf16_rel_dev",
-           "fp16_rel_dev", "fp16_nonfinite"]
+           "fp16_rel_dev", "fp16_nonfinite", "fp32_nonfinite"]
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -59,11 +59,13 @@ class _RangeStats:
 
     def __call__(self, name, module, t):
         t = t.float()
+        finite = torch.isfinite(t)
         nonzero = t != 0
         row = self.rows.setdefault(name, {"type": type(module).__name__, "calls": 0, "abs_max": 0.0,
-                                          "nonzero": 0, "tiny": 0})
+                                          "nonzero": 0, "tiny": 0, "nonfinite": 0})
         row["calls"] += 1
-        row["abs_max"] = max(row["abs_max"], float(t.abs().max()) if t.numel() else 0.0)
+        row["nonfinite"] += int((~finite).sum())  # already in fp32: no precision can be safe
+        row["abs_max"] = max(row["abs_max"], float(t[finite].abs().max()) if finite.any() else 0.0)
         row["nonzero"] += int(nonzero.sum())
         row["tiny"] += int((nonzero & (t.abs() < FP16_TINY)).sum())
 
@@ -94,9 +96,11 @@ def _deviation(ref: list[torch.Tensor], low: list[torch.Tensor]) -> tuple[float,
 def run(ctx: Context) -> Outcome:
     model = ctx.adapter.model
     stats = _RangeStats()
+    out_nonfinite = 0  # the model's own output, which may be computed outside every leaf module
     with tap_outputs(model, stats), torch.no_grad():
         for batch in ctx.batches:  # fp32 reference: no autocast
-            ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+            logits = ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+            out_nonfinite += int((~torch.isfinite(logits)).sum())
     dev = ctx.adapter.device
     ref = _outputs(ctx, ctx.batches[0], resolve_precision("fp32", dev, warn=False))
     low = {name: _outputs(ctx, ctx.batches[0], resolve_precision(name, dev, warn=False)) for name in ("bf16", "fp16")}
@@ -107,8 +111,19 @@ def run(ctx: Context) -> Outcome:
         rows.append({"layer": name, "type": s["type"], "calls": s["calls"], "abs_max": s["abs_max"],
                      "fp16_headroom": FP16_MAX / s["abs_max"] if s["abs_max"] else float("inf"),
                      "below_fp16_normal": s["tiny"] / s["nonzero"] if s["nonzero"] else 0.0,
-                     "bf16_rel_dev": bf16_dev, "fp16_rel_dev": fp16_dev, "fp16_nonfinite": fp16_bad})
+                     "bf16_rel_dev": bf16_dev, "fp16_rel_dev": fp16_dev, "fp16_nonfinite": fp16_bad,
+                     "fp32_nonfinite": s["nonfinite"]})
     df = pd.DataFrame(rows, columns=COLUMNS)
+    broken = df[df.fp32_nonfinite > 0].layer.tolist()
+    if broken or out_nonfinite:
+        first = df[df.fp32_nonfinite > 0].iloc[0] if broken else None
+        where = (f"first in {first.layer} ({first.fp32_nonfinite} values)" if broken
+                 else f"at the model output ({out_nonfinite} values), computed outside every leaf layer")
+        reason = f"fp32 outputs are already NaN/inf {where}; no precision is safe until fp32 is finite"
+        checks = [Check("recommendation", "FAIL", "fp32 is not finite", "finite fp32 outputs", reason)]
+        checks += [Check(f"{prec} drift", "FAIL", None, f"<= {DRIFT} at the output", f"no finite fp32 reference: {reason}")
+                   for prec in ("bf16", "fp16")]
+        return Outcome(checks, {"headroom": df}, {"drivers": broken})
     recommendation, drivers, status = recommend(df)
     if status == "WARN" and recommendation == "prefer bf16" and ctx.precision.name == "fp16":
         status = "FAIL"  # fp16 was asked for and these layers overflow it

@@ -14,6 +14,7 @@ means the model is not deterministic in eval mode, which FAILs.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -123,10 +124,12 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
                          "agreement": float(agree.float().mean()), "kl": float(kl.mean()), "n_correct": n_correct,
                          "flip_rate": float(flipped.sum()) / n_correct if n_correct else float("nan")})
     df = pd.DataFrame(rows, columns=COLUMNS)
-    return Outcome(_checks(df, notes), {"robustness": df})
+    nonfinite = sum(int((~torch.isfinite(c).all(-1)).sum()) for c in clean)
+    return Outcome(_checks(df, notes, nonfinite), {"robustness": df})
 
 
-def _checks(df: pd.DataFrame, notes: list[str]) -> list[Check]:
+def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0) -> list[Check]:
+    """`nonfinite`: clean predictions with a NaN/inf log-probability; any of them and nothing can PASS."""
     checks = []
     for kind, grp in df.groupby("perturbation", sort=False):
         zero = grp[grp.level == 0]
@@ -136,7 +139,10 @@ def _checks(df: pd.DataFrame, notes: list[str]) -> list[Check]:
         flips = (f"flip rate {ref.flip_rate:.2f} of {ref.n_correct} correct" if ref.n_correct
                  else "no correct predictions to flip")
         detail = f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, over {ref.n} predictions"
-        if len(zero) and zero.agreement.iloc[0] != 1.0:
+        if nonfinite or not math.isfinite(ref.kl):
+            status, detail = "FAIL", (f"{nonfinite} clean predictions have NaN/inf log-probabilities: agreement "
+                                      "between NaN outputs means nothing; " + detail)
+        elif len(zero) and zero.agreement.iloc[0] != 1.0:
             status, detail = "FAIL", (f"agreement {zero.agreement.iloc[0]:.4f} on unperturbed input: the model is "
                                       "not deterministic in eval mode; " + detail)
         else:

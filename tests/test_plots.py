@@ -133,3 +133,21 @@ def test_search_plots_are_readable(model):
                    progress=False, device="cpu")
     for kind in ("history", "importances"):
         assert problems(study.plot(kind)) == [], kind
+
+
+def test_no_plot_changes_global_matplotlib_state(model):
+    # Optuna's plots switch pyplot to its ggplot style; every later figure in the kernel would be restyled.
+    import matplotlib
+
+    before = dict(matplotlib.rcParams)
+    _figures(smoke(model, checks=["gradients", "memory"], batch_sizes=(1,), seq_lens=(16,), progress=False))
+    train(model, max_steps=2, eval_every=0, eval_batches=1, batch_size=2, seq_len=16, progress=False,
+          device="cpu").plot()
+    amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, warmup_steps=1, timed_steps=1, repeats=1,
+                  accuracy_steps=2, val_batches=1, progress=False, device="cpu").plot()
+    study = search(model, n_trials=2, max_steps=2, eval_every=1, eval_batches=1, batch_size=2, seq_len=16,
+                   progress=False, device="cpu")
+    study.plot("history")
+    study.plot("importances")
+    changed = {k for k, v in matplotlib.rcParams.items() if str(before.get(k)) != str(v)}
+    assert changed == set()

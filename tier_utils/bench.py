@@ -80,6 +80,9 @@ class BenchmarkResult(Result):
     def verdicts(self) -> pd.DataFrame:
         return checks_table(self.checks, ("precision", "mode"))
 
+    def overview(self) -> pd.DataFrame:
+        return self.verdicts  # the answer per precision; the measurements are in .table
+
     def plot(self):
         from .bench_plot import plot_benchmark
 

@@ -52,7 +52,7 @@ class _Logits(torch.nn.Module):
         return self.adapter.logits(input_ids, attention_mask)
 
 
-@dataclass
+@dataclass(repr=False)
 class ExportResult(Result):
     """What `export` wrote and how the artifact compares with eager."""
 

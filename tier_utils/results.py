@@ -213,10 +213,18 @@ class Result(ABC):
     def save_json(self, path) -> Path:
         return write_json(path, self.to_json())
 
-    # print(result), a REPL and a notebook show the summary table, never a dump of the fields.
+    def overview(self) -> pd.DataFrame:
+        """The short table that printing the result shows; `.table` is the full one."""
+        return self.table
+
+    # print(result), a REPL and a notebook show the overview, rounded, reasons whole; never a dump of the fields.
     def __repr__(self) -> str:
         head = self.headline() if hasattr(self, "headline") else type(self).__name__
-        return f"{head}\n{self.table.to_string(index=False, max_colwidth=100)}"
+        return f"{head}\n{self.overview().to_string(index=False, float_format=_short, max_colwidth=200)}"
 
     def _repr_html_(self) -> str:
-        return self.table.to_html(index=False)  # the row numbers carry nothing
+        return self.overview().to_html(index=False, float_format=_short)  # the row numbers carry nothing
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}"

@@ -104,6 +104,7 @@ class SearchResult(Result):
 
     def plot(self, kind: str = "history"):
         """kind="history": val loss per trial and best so far; kind="importances": fANOVA importances."""
+        import matplotlib
         import matplotlib.pyplot as plt
         from optuna.visualization import matplotlib as ovm
 
@@ -113,7 +114,8 @@ class SearchResult(Result):
             done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
             if len(done) < 2:
                 raise ValueError("parameter importances need at least 2 completed trials; run more trials")
-        with warnings.catch_warnings():
+        # rc_context: Optuna switches matplotlib to its ggplot style, which would restyle every later plot.
+        with warnings.catch_warnings(), matplotlib.rc_context():
             # Optuna marks its matplotlib plots experimental; the warning says nothing to our users.
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             draw = ovm.plot_optimization_history if kind == "history" else ovm.plot_param_importances

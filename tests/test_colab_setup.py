@@ -38,7 +38,9 @@ def env(tmp_path):
     (installed / "tier_utils-0.1.0.dist-info").mkdir(parents=True)
     (installed / "tier_utils-0.1.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: tier_utils\nVersion: 0.1.0\n")
-    pythonpath = os.pathsep.join([str(installed), str(ROOT)])
+    # The environment's own PYTHONPATH stays after them (the dependencies may live there), made absolute.
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    pythonpath = os.pathsep.join([str(installed), str(ROOT), *inherited])
     return {**os.environ, "PATH": path, "PIP_LOG": str(log), "PYTHON": sys.executable,
             "PYTHONPATH": pythonpath}, log
 

@@ -129,3 +129,12 @@ def test_an_existing_maximizing_study_is_refused_not_silently_reused(tmp_path):
     optuna.create_study(study_name="accuracy", storage=url, direction="maximize")
     with pytest.raises(SearchStorageError, match="maximizes; .* give a new study_name"):
         search(tiny_gpt(), n_trials=1, storage=url, study_name="accuracy", **FAST)
+
+
+def test_import_tier_utils_leaves_optuna_unloaded():
+    import subprocess
+    import sys
+
+    code = "import sys, tier_utils; print('optuna' in sys.modules, tier_utils.search.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "search"]  # the function, not the module, and no optuna until a study runs

@@ -10,8 +10,8 @@ import copy
 import dataclasses
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
-import optuna
 import pandas as pd
 
 from .adapter import resolve_model
@@ -22,6 +22,9 @@ from .precision import canonical_precision
 from .progress import interactive
 from .results import Result, jsonable, run_metadata
 from .train import TrainConfig, TrainingDiverged, train
+
+if TYPE_CHECKING:
+    import optuna
 
 class SearchStorageError(TierError, ValueError):
     """The storage URL given to `search` could not be opened."""
@@ -35,7 +38,7 @@ DEFAULT_SPACE = {
     "batch_size": ("choice", [8, 16, 32]),
 }
 _KINDS = ("log", "float", "int", "choice")
-_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+# optuna is imported where a study is used, not with the package: `import tier_utils` stays light.
 
 
 def _check_space(space: dict) -> dict:
@@ -97,6 +100,8 @@ class SearchResult(Result):
     @property
     def best_config(self) -> TrainConfig:
         """The base config with the best trial's parameters: ready for `train(model, config=...)`."""
+        import optuna
+
         completed = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         if not completed:
             raise ValueError("no trial completed yet; run more trials or widen the search space")
@@ -106,6 +111,7 @@ class SearchResult(Result):
         """kind="history": val loss per trial and best so far; kind="importances": fANOVA importances."""
         import matplotlib
         import matplotlib.pyplot as plt
+        import optuna
         from optuna.visualization import matplotlib as ovm
 
         if kind not in ("history", "importances"):
@@ -151,6 +157,8 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
     A trial whose training diverges ends PRUNED with the reason in its `diverged` column.
     """
+    import optuna
+
     if n_trials < 1:
         raise ValueError(f"n_trials must be >= 1, got {n_trials}")
     space = _check_space(dict(DEFAULT_SPACE if space is None else space))
@@ -174,7 +182,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     if study.direction != optuna.study.StudyDirection.MINIMIZE:
         raise SearchStorageError(f"study {study_name!r} in {storage} maximizes; a search minimizes validation loss, "
                                  "so give a new study_name")
-    done = sum(t.state in _FINISHED for t in study.trials)
+    done = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
     for params in start_with or ():
         study.enqueue_trial(params, skip_if_exists=True)
 

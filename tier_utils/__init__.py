@@ -22,9 +22,9 @@ from .precision import (
 from .report import AllResult, run_all, write_report
 from .results import Check
 from .search import SearchResult, search
+from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
 from .smoke import SmokeReport, smoke
-from .train import TrainConfig, TrainingDiverged, train
-from .verdicts import Thresholds
+from .train import TrainingDiverged, train
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ __all__ = [
     "Check", "SmokeReport", "smoke", "AnalysisReport", "analyze",
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
-    "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchResult", "search",
+    "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
     # export, experiment loggers
     "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

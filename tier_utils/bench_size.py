@@ -15,7 +15,8 @@ import torch
 
 from .bench import _FLOOR_TOKENS, _timed_run
 from .precision import resolve_precision
-from .verdicts import TARGET_FIXED_SHARE, Thresholds, launch_bound
+from .settings import Thresholds
+from .verdicts import TARGET_FIXED_SHARE, launch_bound
 
 MAX_DOUBLINGS = 10  # 8 -> 8192 sequences: past that, a model is no longer "tiny at this size"
 MEMORY_FRACTION = 0.5  # of the GPU's memory: the benchmark also holds low-precision copies and AdamW state

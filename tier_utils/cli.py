@@ -14,7 +14,7 @@ from .errors import ModelForwardError, TierError, one_line
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
 from .results import whole_number, writable_dir, writable_file, write_json
-from .train_config import TrainConfig
+from .settings import TrainConfig
 
 
 def _precision(value: str) -> str:

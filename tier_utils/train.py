@@ -40,7 +40,7 @@ from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata, writable_dir
-from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, make_config
+from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
 
 
 class TrainingDiverged(TierError):
@@ -198,7 +198,7 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
-    cfg = make_config(config, overrides)
+    cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)

@@ -10,47 +10,12 @@ from dataclasses import dataclass
 
 from .measure import Stats
 from .results import Check
+from .settings import Thresholds
 
-MEMORY_BASES = ("activations", "total", "peak_allocated")
 # The fixed per-step cost's share of fp32's step that leaves room for AMP's arithmetic speedup to show:
 # the batch `launch_bound` suggests, and the one the main job grows to on a GPU, aim at it.
 TARGET_FIXED_SHARE = 0.2
 CRITERIA = ("speedup", "memory", "accuracy", "parity")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """What a low precision must show against fp32 to PASS; every field is configurable.
-
-    memory: which memory the reduction threshold applies to: `activations` (bytes saved for
-    backward in one training step), `total` (weights + gradients + optimizer state + activations)
-    or `peak_allocated` (CUDA only). The other two are still reported in the row's detail.
-    """
-
-    speedup: float = 1.5  # fp32 median step time / this precision's
-    memory_reduction: float = 0.40  # 1 - bytes / fp32's bytes
-    memory: str = "activations"
-    accuracy_diff: float = 0.01  # |val accuracy - fp32's val accuracy|
-    parity_tolerance: float = 0.05  # relative band around fp32's training-loss curve
-    min_repeats: int = 3  # below this the IQR is no estimate of noise: a PASS/FAIL on speed becomes WARN
-    # fp32's step is launch-bound (AMP speeds arithmetic, not launches) when a 1-sequence step, nearly
-    # all fixed per-step cost, takes more than this share of it, or its matmul share of the peak is below min_mfu.
-    max_fixed_share: float = 0.5
-    min_mfu: float = 0.05
-
-    def __post_init__(self):
-        if self.memory not in MEMORY_BASES:
-            raise ValueError(f"Thresholds.memory must be one of {', '.join(MEMORY_BASES)}, got {self.memory!r}")
-        for name in ("speedup", "accuracy_diff", "parity_tolerance"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Thresholds.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.memory_reduction < 1:
-            raise ValueError(f"Thresholds.memory_reduction is a fraction in [0, 1), got {self.memory_reduction}")
-        for name in ("max_fixed_share", "min_mfu"):
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)}")
-        if self.min_repeats < 1:
-            raise ValueError(f"Thresholds.min_repeats must be >= 1, got {self.min_repeats}")
 
 
 @dataclass

@@ -186,9 +186,9 @@ def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch):
     scroll inside their own box, the page itself has no horizontal overflow."""
     from tier_utils import report
 
-    monkeypatch.setitem(report.SIZES, "fast", dict(batch_size=4, seq_len=16, n_batches=1, train_steps=4,
-                                                   eval_every=2, eval_batches=1, warmup_steps=1, timed_steps=1,
-                                                   repeats=1, accuracy_steps=2, val_batches=1))
+    monkeypatch.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
+                                             eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1,
+                                             accuracy_steps=2))
     result = report.run_all("tiny-gpt", tmp_path / "report", fast=True, progress=False, device="cpu",
                             d_model=32, n_layer=1, n_head=2, max_len=32)
     ARTIFACTS.mkdir(exist_ok=True)

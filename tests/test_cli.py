@@ -1,4 +1,6 @@
 """CLI conventions shared by every verb: exit codes, one-line errors, no --json file on bad input."""
+import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -7,7 +9,9 @@ import warnings
 
 import pytest
 
-from tier_utils.cli import main
+import tier_utils
+from tier_utils.cli import build_parser, main
+from tier_utils.settings import TRIAL_DEFAULTS, BenchConfig, SearchConfig, Thresholds, TrainConfig
 
 
 def run_cli(*args):
@@ -117,3 +121,40 @@ def test_bad_input_writes_no_json(tmp_path, capsys, args):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert not out.exists()
+
+
+def _defaults(verb: str) -> dict:
+    """Each option's default in `verb`'s parser, by destination."""
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "verb").choices[verb]
+    return {a.dest: a.default for a in sub._actions if a.dest != "help"}
+
+
+@pytest.mark.parametrize("verb,sources", [
+    ("train", [(TrainConfig, {})]),
+    ("bench", [(BenchConfig, {}), (Thresholds, {})]),
+    ("search", [(SearchConfig, {}), (TrainConfig, TRIAL_DEFAULTS)]),
+    ("info", [(TrainConfig, {})]),
+])
+def test_cli_defaults_are_the_settings_defaults(verb, sources):
+    """Each setting's default is declared once, in its dataclass (or, for search's trials, TRIAL_DEFAULTS):
+    a verb's option that names a field has exactly that default."""
+    cli, compared = _defaults(verb), 0
+    for cls, own in sources:
+        for f in dataclasses.fields(cls):
+            if f.name in cli:
+                expected = own.get(f.name, f.default)
+                assert cli[f.name] == expected, f"{verb} --{f.name}: {cli[f.name]!r} != {cls.__name__} {expected!r}"
+                compared += 1
+    assert compared >= {"train": 25, "bench": 20, "search": 11, "info": 3}[verb]
+
+
+@pytest.mark.parametrize("verb,func", [("smoke", "smoke"), ("analyze", "analyze"), ("export", "export"),
+                                       ("all", "run_all")])
+def test_cli_defaults_are_the_api_defaults(verb, func):
+    """Verbs without a settings class take their defaults from the API function's signature."""
+    params = inspect.signature(getattr(tier_utils, func)).parameters
+    cli = _defaults(verb)
+    shared = [n for n in params if n in cli and params[n].default is not inspect.Parameter.empty]
+    assert len(shared) >= 3
+    for name in shared:
+        assert cli[name] == params[name].default, f"{verb} --{name}: {cli[name]!r} != {params[name].default!r}"

@@ -14,8 +14,8 @@ from tier_utils.train import TrainingDiverged
 TINY = ["--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
         "--model-arg", "max_len=32"]
 TINY_KW = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
-TINY_SIZES = dict(batch_size=4, seq_len=16, n_batches=1, train_steps=4, eval_every=2, eval_batches=1,
-                  warmup_steps=1, timed_steps=2, repeats=2, accuracy_steps=2, val_batches=1)
+TINY_SIZES = dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2, eval_batches=1,
+                  untimed_steps=1, timed_steps=2, repeats=2, accuracy_steps=2)
 
 
 class Fake(Result):
@@ -40,7 +40,7 @@ class Fake(Result):
 
 @pytest.fixture
 def tiny_sizes(monkeypatch):
-    monkeypatch.setitem(report.SIZES, "fast", TINY_SIZES)
+    monkeypatch.setattr(report, "FAST", TINY_SIZES)
 
 
 def test_write_report_puts_tables_plots_and_an_index_together(tmp_path):
@@ -83,7 +83,7 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     assert set(verdicts["precision"]) == {"fp32", "bf16", "fp16"}
     assert data["tiers"][3]["status"] in verdicts["status"].tolist()
     train = json.loads((out / "train.json").read_text())
-    assert train["summary"]["steps"] == TINY_SIZES["train_steps"] and train["summary"]["global_batch"] == 4
+    assert train["summary"]["steps"] == TINY_SIZES["max_steps"] and train["summary"]["global_batch"] == 4
     printed = capsys.readouterr().out
     for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "amp_benchmark: ", "model checks: ",
                  "  at batch 4 x 16 tokens"):

@@ -6,42 +6,41 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import sys
+import types
+import typing
 import warnings
+from dataclasses import fields
 
-from .compiling import COMPILE_MODES
 from .errors import ModelForwardError, TierError, one_line
 from .models import DEFAULT_MODEL
-from .precision import PRECISION_NAMES, canonical_precision
 from .results import whole_number, writable_dir, writable_file, write_json
-from .settings import TrainConfig
+from .settings import FAST, JOB, TRIAL_DEFAULTS, BenchConfig, SearchConfig, Thresholds, TrainConfig
 
 
-def _precision(value: str) -> str:
+def _optional(convert):
+    """A converter for a setting that may be None: 'none' gives None."""
+    def parse(value: str):
+        return None if value.strip().lower() == "none" else convert(value)
+    parse.__name__ = convert.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def _int_list(value: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; the API checks each is >= 1."""
     try:
-        canonical_precision(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
+        return [int(v) for v in value.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    try:
-        return whole_number(n, "value")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 1,4; got {value!r}") from None
 
 
-def _positive_int_list(value: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]."""
+def _whole(value: str) -> int:
+    """A whole number >= 1, checked while parsing: for an option whose API checks it only after work began."""
     try:
-        return [_positive_int(v) for v in value.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 such as 1,4; got {value!r}") from None
+        return whole_number(int(value), "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
 
 
 def _model_arg(value: str) -> tuple[str, object]:
@@ -54,36 +53,73 @@ def _model_arg(value: str) -> tuple[str, object]:
         return key, raw  # a bare string such as activation=gelu
 
 
-def add_common(parser: argparse.ArgumentParser, batch_size: int | None = None, precision: bool = True,
-               device: bool = True) -> None:
-    """The options every verb shares: model, model kwargs, device, precision, batch size, json, progress.
+def _add_option(parser, name: str, default, kind, meta: dict) -> None:
+    """One option: `--name` (or meta's flag), its type from `kind`, its default shown in the help."""
+    flag = "--" + (meta.get("flag") or name).replace("_", "-")
+    text = meta.get("help", "")
+    if kind is bool:
+        if default:
+            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"turn off: {text}")
+        else:
+            parser.add_argument(flag, dest=name, action="store_true", help=text)
+        return
+    optional = isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
+    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if optional else kind
+    convert = meta.get("type") or (base if base in (int, float) else str)
+    parser.add_argument(flag, dest=name, default=default, type=_optional(convert) if optional else convert,
+                        choices=meta.get("choices"), metavar=None if meta.get("choices") else _METAVARS.get(base),
+                        help=f"{text} (default: {_shown(default)})")
 
-    precision=False leaves out --precision, for a verb that takes several (bench's --precisions);
-    device=False leaves out --device, for a verb that runs on the CPU only (export).
+
+_METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "A,B"}
+
+
+def _shown(default) -> str:
+    if isinstance(default, (tuple, list)):
+        return ",".join(map(str, default)) or "none"
+    return "none" if default is None else str(default)
+
+
+def add_settings(parser, cls, names=None, defaults: dict | None = None) -> None:
+    """Options for the fields of settings dataclass `cls` (all, or `names`): flag, type, choices and help
+    from the field; the default from the field, or from `defaults` (a verb's own, declared in settings.py)."""
+    kinds = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if names is None or f.name in names:
+            default = (defaults or {}).get(f.name, f.default)
+            _add_option(parser, f.name, default, kinds[f.name], f.metadata)
+
+
+def add_parameters(parser, func, helps: dict) -> None:
+    """Options for `func`'s parameters named in `helps` (name -> help, or (help, converter)), their
+    defaults and types read from its signature: the API's default is the CLI's."""
+    params, kinds = inspect.signature(func).parameters, typing.get_type_hints(func)
+    for name, text in helps.items():
+        text, convert = text if isinstance(text, tuple) else (text, None)
+        default = params[name].default
+        _add_option(parser, name, default, kinds.get(name, type(default)), {"help": text, "type": convert})
+
+
+def settings_from(args, cls, **given):
+    """An instance of `cls` from the parsed options that are its fields, and `given`."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
+                  and f.name not in given}, **given)
+
+
+def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: bool = True) -> None:
+    """The options every verb shares: model, model kwargs, device, precision, json, progress.
+
+    precision=False leaves out --precision, for a verb that takes several (bench's --precisions) or has
+    its own default (export); device=False leaves out --device, for a verb that runs on the CPU only.
     """
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="built-in name, path/file.py:Name, package.module:Name or hf:ModelClass "
-                             f"(default {DEFAULT_MODEL})")
+                             f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
                         help="keyword argument for building the model (repeatable), e.g. d_model=256")
-    if device:
-        parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    if precision:
-        parser.add_argument("--precision", type=_precision, default="auto",
-                            help=f"{', '.join(PRECISION_NAMES)} (Lightning/torch spellings accepted; default auto)")
-    if batch_size is not None:
-        parser.add_argument("--batch-size", type=_positive_int, default=batch_size)
+    add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device), ("progress", True))
+                                       if on])
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
-    parser.add_argument("--no-progress", action="store_true", help="turn progress bars off")
-
-
-def add_compile_mode(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=TrainConfig.compile_mode,
-                        help="torch.compile mode; reduce-overhead uses CUDA graphs "
-                             f"(default: {TrainConfig.compile_mode})")
-
-
-_COMPILE_CHOICES = {"off": False, "on": True, "both": "both"}  # bench --compile -> amp_benchmark(compile=)
 
 
 def model_kwargs(args) -> dict:
@@ -103,7 +139,7 @@ def _run_smoke(args) -> tuple[dict, int]:
     from .smoke import smoke
 
     report = smoke(args.model, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, precision=args.precision,
-                   checks=args.checks, device=args.device, progress=not args.no_progress, **model_kwargs(args))
+                   checks=args.checks, device=args.device, progress=args.progress, **model_kwargs(args))
     with _wide_pandas():
         print(report.table.to_string(index=False))
     print(report.headline())
@@ -119,15 +155,8 @@ def _run_train(args) -> tuple[dict, int]:
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)
-    names = ("precision", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "grad_clip", "seed",
-             "deterministic", "num_workers", "eval_every", "eval_batches", "log_every", "checkpoint_every", "resume",
-             "device", "compile", "compile_mode")
-    settings = {k: getattr(args, k) for k in names}
-    settings.update(grad_accum_steps=args.grad_accum, progress=not args.no_progress,
-                    checkpoint_dir=str(out / "checkpoints"), loggers=args.log, log_project=args.log_project,
-                    log_run_name=args.log_run_name, mlflow_uri=args.mlflow_uri)  # logs: DIR/logs
-    settings.update({k: getattr(args, k) for k in ("epochs", "max_steps") if getattr(args, k) is not None})
-    config = TrainConfig(**settings)  # bad settings fail here, before anything is built or written
+    # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
+    config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0
     try:
         seed_everything(config.seed)  # so --seed also fixes the initial weights
@@ -172,7 +201,7 @@ def _run_analyze(args) -> tuple[dict, int]:
 
     report = analyze(args.model, data=args.data, analyses=args.analyses, precision=args.precision, device=args.device,
                      batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
-                     progress=not args.no_progress, **model_kwargs(args))
+                     progress=args.progress, **model_kwargs(args))
     with _wide_pandas():
         print(report.table.drop(columns="threshold").to_string(index=False))
     d = report.data
@@ -182,28 +211,13 @@ def _run_analyze(args) -> tuple[dict, int]:
     return report.to_json(), 1 if report.status == "FAIL" else 0
 
 
-def _precision_list(value: str) -> list[str]:
-    from .bench import precision_list  # the API's parsing: canonical names, fp32 first, 'auto' refused
-
-    try:
-        return precision_list([v for v in value.split(",") if v.strip()])
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _run_bench(args) -> tuple[dict, int]:
     from .bench import amp_benchmark
     from .models import load_model
-    from .verdicts import Thresholds
 
-    thresholds = Thresholds(speedup=args.min_speedup, memory_reduction=args.min_memory_reduction,
-                            memory=args.memory, accuracy_diff=args.max_accuracy_diff)
-    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), data=args.data, precisions=args.precisions,
-                           batch_size=args.batch_size, seq_len=args.seq_len, warmup_steps=args.warmup_steps,
-                           timed_steps=args.timed_steps, repeats=args.repeats, accuracy_steps=args.accuracy_steps,
-                           thresholds=thresholds, force=args.force, device=args.device,
-                           progress=not args.no_progress, lr=args.lr, val_batches=args.val_batches,
-                           compile=_COMPILE_CHOICES[args.compile], compile_mode=args.compile_mode)
+    config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))
+    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), args.data, config, device=args.device,
+                           progress=args.progress)
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
@@ -220,10 +234,8 @@ def _run_search(args) -> tuple[dict, int]:
     from .models import load_model
     from .search import search
 
-    result = search(load_model(args.model, **model_kwargs(args)), data=args.data, n_trials=args.trials, timeout=args.timeout, storage=args.storage,
-                    study_name=args.study_name, seed=args.seed, progress=not args.no_progress,
-                    precision=args.precision, max_steps=args.max_steps,
-                    eval_every=args.eval_every, seq_len=args.seq_len, device=args.device)
+    result = search(load_model(args.model, **model_kwargs(args)), args.data, config=settings_from(args, TrainConfig),
+                    settings=settings_from(args, SearchConfig), progress=args.progress)
     with _wide_pandas():
         print(result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=False))
     summary = result.to_json()
@@ -256,7 +268,7 @@ def _run_all(args) -> tuple[dict, int]:
 
     print(f"all: smoke, analysis, training, AMP benchmark ({machine_load() or 'load unknown'})", file=sys.stderr)
     result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
-                     fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress,
+                     fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
                      **model_kwargs(args))
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
@@ -283,9 +295,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+DATA_HELP = "text file or 'synthetic' (default: the bundled corpus)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The verbs, their options generated from the settings dataclasses and the API's signatures."""
+    from .analysis import analyze
+    from .export import export
+    from .report import run_all
+    from .smoke import smoke
+
     parser = _Parser(prog="python -m tier_utils",
-                                     description="Smoke-test, analyse, train and benchmark a PyTorch transformer.")
+                     description="Smoke-test, analyse, train and benchmark a PyTorch transformer.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = verbs.add_parser("info", help="device, precision decision and model summary")
@@ -294,114 +315,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
     add_common(p)
-    p.add_argument("--batch-sizes", type=_positive_int_list, default=[1, 4], metavar="B,B",
-                   help="batch sizes for memory and latency (default 1,4)")
-    p.add_argument("--seq-lens", type=_positive_int_list, default=None, metavar="T,T",
-                   help="sequence lengths for memory and latency (default: the model's max length)")
-    p.add_argument("--checks", default=None, metavar="NAME,NAME",
-                   help="check groups to run (default all): shapes, gradients, stability, init, memory, latency, "
-                        "determinism")
+    add_parameters(p, smoke, {
+        "batch_sizes": ("batch sizes for memory and latency, e.g. 1,4", _int_list),
+        "seq_lens": ("sequence lengths for memory and latency (none: the model's max length)", _int_list),
+        "checks": "check groups to run (none: all): shapes, gradients, stability, init, memory, latency, determinism"})
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
-    add_common(p, batch_size=8)
-    p.add_argument("--analyses", default=None, metavar="NAME,NAME",
-                   help="analyses to run (default all): attention, robustness, attribution, headroom, dtypes")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
-    p.add_argument("--n-batches", type=_positive_int, default=2, help="validation batches to analyse (default 2)")
-    p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per example (capped at the model's max)")
+    add_common(p)
+    add_parameters(p, analyze, {
+        "analyses": "analyses to run (none: all): attention, robustness, attribution, headroom, dtypes",
+        "data": DATA_HELP, "batch_size": "sequences per batch", "n_batches": "validation batches to analyse",
+        "seq_len": "tokens per example (capped at the model's max)"})
     p.set_defaults(run=_run_analyze)
 
     p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
-    add_common(p, batch_size=16)
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for metrics.csv, training.png, checkpoints/")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=int, help="passes over the training set (default 1)")
-    length.add_argument("--max-steps", type=int, help="optimizer steps (wins over epochs)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deterministic", action="store_true", help="torch deterministic algorithms")
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (0: epoch ends only)")
-    p.add_argument("--eval-batches", type=int, default=20, help="validation batches per evaluation")
-    p.add_argument("--log-every", type=int, default=None,
-                   help="steps per history row (default: every step on short runs, else 10)")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints/last.pt if it exists")
-    p.add_argument("--log", default="", metavar="NAME,NAME",
-                   help="experiment loggers, written under DIR/logs: tensorboard, wandb, mlflow")
-    p.add_argument("--log-project", default="tier_utils", help="W&B project / MLflow experiment")
-    p.add_argument("--log-run-name", default=None, help="default: model-precision-UTC time")
-    p.add_argument("--mlflow-uri", default=None, help="MLflow folder or tracking URI (default DIR/logs/mlflow)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the training step (compile time reported apart; eager if it can't compile)")
-    add_compile_mode(p)
+    add_common(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for metrics.csv, training.png, checkpoints/, "
+                                                               "logs/")
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_settings(p.add_mutually_exclusive_group(), TrainConfig, ("epochs", "max_steps"))  # max_steps would win
+    add_settings(p, TrainConfig, {f.name for f in fields(TrainConfig)} - {"precision", "device", "progress",
+                                                                           "checkpoint_dir", "log_dir", "epochs",
+                                                                           "max_steps"})
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
-    add_common(p, batch_size=8, precision=False)
-    p.add_argument("--precisions", type=_precision_list, default=["fp32", "bf16", "fp16"], metavar="P,P",
-                   help="precisions to compare; fp32 (the baseline) is always included (default fp32,bf16,fp16)")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
-    p.add_argument("--seq-len", type=_positive_int, default=64)
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps before each timed repeat")
-    p.add_argument("--timed-steps", type=_positive_int, default=10, help="timed optimizer steps per repeat")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="repeats per precision, interleaved")
-    p.add_argument("--accuracy-steps", type=int, default=50, help="training steps for accuracy parity (0: skip)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--force", action="store_true", help="run precisions this device has no native support for")
-    p.add_argument("--min-speedup", type=float, default=1.5, help="speedup vs fp32 to PASS (default 1.5)")
-    p.add_argument("--min-memory-reduction", type=float, default=0.40,
-                   help="memory reduction vs fp32 to PASS, a fraction (default 0.40)")
-    p.add_argument("--memory", choices=["activations", "total", "peak_allocated"], default="activations",
-                   help="which memory --min-memory-reduction applies to (default activations)")
-    p.add_argument("--max-accuracy-diff", type=float, default=0.01, help="val accuracy gap to fp32 (default 0.01)")
-    p.add_argument("--val-batches", type=_positive_int, default=20,
-                   help="validation batches after each accuracy run (default 20)")
-    p.add_argument("--compile", choices=list(_COMPILE_CHOICES), default="off",
-                   help="torch.compile the steps: off, on, or both (each precision eager and compiled, interleaved)")
-    add_compile_mode(p)
+    add_common(p, precision=False)
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds"})
+    add_settings(p, Thresholds)
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
     add_common(p)
-    p.add_argument("--trials", type=_positive_int, default=8, help="finished trials the study should hold (default 8)")
-    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
-    p.add_argument("--storage", default=None, metavar="URL",
-                   help="e.g. sqlite:///study.db: persist the study; rerun with the same --study-name to continue")
-    p.add_argument("--study-name", default="tier_utils")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
-    p.add_argument("--max-steps", type=_positive_int, default=60, help="optimizer steps per trial (default 60)")
-    p.add_argument("--eval-every", type=_positive_int, default=10, help="steps between val-loss reports (pruning)")
-    p.add_argument("--seq-len", type=_positive_int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_settings(p, SearchConfig)
+    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
+                 defaults=TRIAL_DEFAULTS)
     p.set_defaults(run=_run_search)
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
                                         "against eager")
-    add_common(p, device=False)
-    p.set_defaults(precision="fp32")  # the API's default: the weights as trained
-    p.add_argument("--format", choices=["onnx", "pt2"], default="onnx")
+    add_common(p, precision=False, device=False)
     p.add_argument("--out", required=True, metavar="PATH", help="the artifact to write, e.g. model.onnx")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' for the parity batches (default: corpus)")
-    p.add_argument("--repeats", type=_positive_int, default=10, help="timed forwards per shape and runner")
+    add_parameters(p, export, {
+        "format": "onnx or pt2", "precision": "the dtype the weights are exported in",
+        "data": "text file or 'synthetic' for the parity batches (default: the bundled corpus)",
+        "repeats": "timed forwards per shape and runner"})
     p.set_defaults(run=_run_export)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
                                      "with an HTML report")
     add_common(p)
-    p.add_argument("--out", default="runs/report", metavar="DIR",
-                   help="folder for the CSV tables, PNG plots, JSON and index.html (default runs/report)")
-    p.add_argument("--data", default=None, help="text file or 'synthetic' (default: the bundled corpus)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="default 8 (4 with --fast)")
-    p.add_argument("--fast", action="store_true", help="shorter runs: fewer steps, repeats and batches")
-    p.add_argument("--seed", type=int, default=0, help="initial weights and training data order (default 0)")
+    p.add_argument("--out", default=inspect.signature(run_all).parameters["out_dir"].default, metavar="DIR",
+                   help="folder for the CSV tables, PNG plots, JSON and index.html (default: %(default)s)")
+    add_parameters(p, run_all, {
+        "data": DATA_HELP, "fast": "shorter runs: fewer steps, repeats and batches (settings.FAST)",
+        "batch_size": (f"sequences per batch (none: {JOB['batch_size']}, {FAST['batch_size']} with --fast)",
+                       _whole),
+        "seed": "initial weights and training data order"})
     p.set_defaults(run=_run_all)
 
     p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")

@@ -11,7 +11,7 @@ import io
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +26,7 @@ from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
 from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
+from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
 
@@ -117,15 +118,6 @@ def _for_page(table: pd.DataFrame) -> pd.DataFrame:
         measured = (shown["status"] == "PASS") & (shown["threshold"].astype(str) == "")
         shown.loc[measured, "status"] = MEASURED
     return shown.loc[:, [c for c in shown.columns if (shown[c].astype(str) != "").any()]]
-
-
-# Run lengths for `run_all`: the default fits a few minutes on a 2-core CPU; fast is for CI and tests.
-SIZES = {
-    "default": dict(batch_size=8, seq_len=64, n_batches=2, train_steps=60, eval_every=20, eval_batches=10,
-                    warmup_steps=3, timed_steps=10, repeats=5, accuracy_steps=50, val_batches=10),
-    "fast": dict(batch_size=4, seq_len=32, n_batches=1, train_steps=20, eval_every=10, eval_batches=2,
-                 warmup_steps=1, timed_steps=3, repeats=3, accuracy_steps=10, val_batches=2),
-}
 
 
 @dataclass(repr=False)
@@ -229,39 +221,34 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
-    initial weights (training works on a copy). fast: shorter runs (see SIZES). Training that
-    diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
-    analysis FAIL rows and no training or benchmark; bad input raises as in each tier.
-    Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
+    initial weights (training works on a copy). Run lengths: settings.JOB, or settings.FAST with
+    fast=True. Training that diverges is recorded as FAIL with its partial history; a model whose
+    forward raises gets smoke and analysis FAIL rows and no training or benchmark; bad input raises
+    as in each tier. Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
     """
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
-    sizes = dict(SIZES["fast" if fast else "default"])
-    if batch_size is not None:
-        sizes["batch_size"] = batch_size
+    sizes = {**(FAST if fast else JOB), **({} if batch_size is None else {"batch_size": batch_size})}
     torch.manual_seed(seed)
     base = load_model(model, **model_kwargs)
     dev = resolve_device(device)
-    prec = resolve_precision(precision, dev)
-    b, t = sizes["batch_size"], sizes["seq_len"]
+    prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
+    train_cfg = pick(TrainConfig, sizes, precision=prec, device=dev, seed=seed, progress=progress)
+    bench_cfg = pick(BenchConfig, sizes)
+    b, t = train_cfg.batch_size, train_cfg.seq_len
     try:
         t, runnable = min(t, adapt(base).max_len), True  # the job fits its window to the model, no warning
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}
     steps = {
-        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,),
-                               precision=precision, device=dev, progress=progress),
-        "analysis": lambda: analyze(base, data=data, precision=precision, device=dev, batch_size=b,
+        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,), precision=prec, device=dev,
+                               progress=progress),
+        "analysis": lambda: analyze(base, data=data, precision=prec, device=dev, batch_size=b,
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
-        "train": lambda: _train(copy.deepcopy(base), data, precision=precision, device=str(dev), batch_size=b,
-                                seq_len=t, max_steps=sizes["train_steps"], eval_every=sizes["eval_every"],
-                                eval_batches=sizes["eval_batches"], seed=seed, progress=progress),
-        "amp_benchmark": lambda: amp_benchmark(base, data=data, batch_size=_bench_batch(base, dev, b, t, sizing),
-                                               seq_len=t,
-                                               warmup_steps=sizes["warmup_steps"], timed_steps=sizes["timed_steps"],
-                                               repeats=sizes["repeats"], accuracy_steps=sizes["accuracy_steps"],
-                                               val_batches=sizes["val_batches"], device=dev, progress=progress),
+        "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
+        "amp_benchmark": lambda: amp_benchmark(base, data, replace(bench_cfg, seq_len=t, batch_size=_bench_batch(
+            base, dev, b, t, sizing)), device=dev, progress=progress),
     }
     if not runnable:
         del steps["train"], steps["amp_benchmark"]
@@ -292,11 +279,11 @@ def _bench_batch(model, dev, batch_size: int, seq_len: int, sizing: dict) -> int
     return sizing["chosen"]["batch_size"]
 
 
-def _train(model, data, **settings):
+def _train(model, data, config: TrainConfig):
     """A short training run; divergence keeps its partial result (its summary says where).
     Ctrl-C during it stops the whole job: train() hands back its partial result, we re-raise."""
     try:
-        result = train(model, data, **settings)
+        result = train(model, data, config)
     except TrainingDiverged as exc:
         if exc.result is None:
             raise

@@ -21,7 +21,8 @@ from .plotting import integer_axis
 from .precision import canonical_precision
 from .progress import interactive
 from .results import Result, jsonable, run_metadata
-from .train import TrainConfig, TrainingDiverged, train
+from .settings import TRIAL_DEFAULTS, SearchConfig, TrainConfig, merge
+from .train import TrainingDiverged, train
 
 if TYPE_CHECKING:
     import optuna
@@ -146,23 +147,27 @@ class SearchResult(Result):
                          "states": states, "best": best, "trials": self.table, "meta": self.meta})
 
 
-def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: int = 8, timeout: float | None = None,
-           storage: str | None = None, study_name: str = "tier_utils", config: TrainConfig | None = None,
-           pruner: optuna.pruners.BasePruner | None = None, sampler: optuna.samplers.BaseSampler | None = None,
-           seed: int = 0, start_with: list[dict] | None = None, progress: bool = True, **overrides) -> SearchResult:
+def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: TrainConfig | None = None,
+           settings: SearchConfig | None = None, *, pruner: optuna.pruners.BasePruner | None = None,
+           sampler: optuna.samplers.BaseSampler | None = None, start_with: list[dict] | None = None,
+           progress: bool = True, **overrides) -> SearchResult:
     """Search `space` (default: lr, weight decay, warm-up, batch size) minimising validation loss.
 
-    `n_trials` counts finished (complete or pruned) trials in the study, so a continued study
-    with storage runs only what is left. `config`/`overrides` set the fixed TrainConfig fields.
+    `settings` (or overrides naming SearchConfig fields: n_trials, timeout, storage, study_name,
+    sampler_seed) shape the study; `n_trials` counts finished (complete or pruned) trials in it, so a
+    continued study with storage runs only what is left. `config` and the other overrides set the
+    trials' fixed TrainConfig fields (default: TRIAL_DEFAULTS, short runs evaluated often).
     `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
     A trial whose training diverges ends PRUNED with the reason in its `diverged` column.
     """
     import optuna
 
-    if n_trials < 1:
-        raise ValueError(f"n_trials must be >= 1, got {n_trials}")
+    names = {f.name for f in dataclasses.fields(SearchConfig)}
+    study_cfg = merge(SearchConfig, settings, {k: v for k, v in overrides.items() if k in names}, "search")
+    trial_overrides = {k: v for k, v in overrides.items() if k not in names}
     space = _check_space(dict(DEFAULT_SPACE if space is None else space))
-    base = dataclasses.replace(config or TrainConfig(max_steps=60, eval_every=10), progress=False, **overrides)
+    base = merge(TrainConfig, config or TrainConfig(**TRIAL_DEFAULTS), {**trial_overrides, "progress": False},
+                 "training")
     adapter = resolve_model(model)  # fails here, once, on a model the trials could not drive
     adapter.require_trainable()
     adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
@@ -170,17 +175,17 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
     try:
         study = optuna.create_study(
-            study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
+            study_name=study_cfg.study_name, storage=study_cfg.storage, direction="minimize", load_if_exists=True,
             pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-            sampler=sampler or optuna.samplers.TPESampler(seed=seed),
+            sampler=sampler or optuna.samplers.TPESampler(seed=study_cfg.sampler_seed),
         )
     except Exception as exc:  # SQLAlchemy/Optuna raise many types for a bad URL or an unreadable file
-        if storage is None:
+        if study_cfg.storage is None:
             raise
-        raise SearchStorageError(f"cannot open study storage {storage!r} ({one_line(exc)}); "
+        raise SearchStorageError(f"cannot open study storage {study_cfg.storage!r} ({one_line(exc)}); "
                                  "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
     if study.direction != optuna.study.StudyDirection.MINIMIZE:
-        raise SearchStorageError(f"study {study_name!r} in {storage} maximizes; a search minimizes validation loss, "
+        raise SearchStorageError(f"study {study_cfg.study_name!r} in {study_cfg.storage} maximizes; a search minimizes validation loss, "
                                  "so give a new study_name")
     done = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
     for params in start_with or ():
@@ -189,7 +194,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
     def objective(trial: optuna.Trial) -> float:
         params = _suggest(trial, space)
         # with loggers in the config, each trial is one logged run, named after it
-        cfg = dataclasses.replace(base, **params, log_run_name=f"{base.log_run_name or study_name}-trial-{trial.number}")
+        cfg = dataclasses.replace(base, **params, log_run_name=f"{base.log_run_name or study_cfg.study_name}-trial-{trial.number}")
 
         def report(step: int, metrics: dict) -> None:
             trial.report(metrics["val_loss"], step)
@@ -208,7 +213,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
         return result.summary["val_loss"]
 
-    if done < n_trials:
-        study.optimize(objective, n_trials=n_trials - done, timeout=timeout,
+    if done < study_cfg.n_trials:
+        study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,
                        show_progress_bar=progress and interactive())  # Optuna's bar redraws: terminals only
     return SearchResult(study, base, run_metadata(base.device))

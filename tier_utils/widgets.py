@@ -17,6 +17,7 @@ import torch
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .results import whole_number
+from .settings import FAST
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "precision", "batch_size", "compile")
@@ -36,8 +37,8 @@ def forget_panel_choices() -> None:
 DEVICE_SIZES = {
     "cuda": {"model_kwargs": {"d_model": 512, "n_layer": 6, "n_head": 8, "max_len": 256},
              "batch_size": 32, "seq_len": 256},
-    "cpu": {"model_kwargs": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": 32},
-            "batch_size": 4, "seq_len": 32},
+    "cpu": {"model_kwargs": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": FAST["seq_len"]},
+            "batch_size": FAST["batch_size"], "seq_len": FAST["seq_len"]},
 }
 
 
@@ -53,7 +54,7 @@ class RunConfig:
     precision: str = "auto"
     batch_size: int | None = None
     seq_len: int | None = None
-    max_steps: int = 20
+    max_steps: int = FAST["max_steps"]
     device: str | None = None
     seed: int = 0
     compile: bool = False

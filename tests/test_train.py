@@ -490,7 +490,7 @@ def test_cli_train_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     afile.write_text("x")
     assert _cli(tmp_path, "--max-steps", "2", "--out", str(afile)) == 2
     with pytest.raises(SystemExit) as exit_info:
-        _cli(tmp_path, "--epochs", "1", "--max-steps", "2", "--out", str(out))
+        _cli(tmp_path, "--epochs", "2", "--max-steps", "2", "--out", str(out))
     assert exit_info.value.code == 2 and not out.exists()
 
 

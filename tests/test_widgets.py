@@ -61,7 +61,7 @@ def test_widgets_write_into_the_config_and_nothing_else():
 
 @pytest.mark.parametrize("bad,match", [(dict(precision="fp8"), "unknown precision"),
                                        (dict(batch_size=0), "batch_size must be a whole number >= 1"),
-                                       (dict(batch_size=10_000), "batch_size must be <= 4096"),
+                                       (dict(batch_size=10_000), "batch_size must be a whole number >= 1 and <= 4096"),
                                        (dict(seq_len=2.5), "seq_len must be a whole number"),
                                        (dict(compile="yes"), "compile must be True or False")])
 def test_bad_config_values_fail_with_the_fix(bad, match):

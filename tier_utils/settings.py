@@ -7,40 +7,41 @@ defaults, and every config checks its fields on construction with one-line messa
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from .compiling import COMPILE_MODES, compile_modes
 from .loggers import logger_names
 from .precision import canonical_precision
-from .results import whole_number
 
 
 def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices=None, low=None, above=None,
-            below=None, factory=None):
+            below=None, high=None, factory=None):
     """A dataclass field carrying what the CLI and validation need: its help text, an option name when
-    it is not the field's (`flag`), `choices`, and bounds (`low` inclusive, `above`/`below` exclusive)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "low": low, "above": above, "below": below}
+    it is not the field's (`flag`), `choices`, and bounds (`low`/`high` inclusive, `above`/`below` exclusive)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "low": low, "above": above, "below": below, "high": high}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def check_fields(config) -> None:
-    """Each field against its bounds: whole numbers for int fields, finite numbers for float ones."""
+    """Each field against its bounds: whole numbers for int fields (True and numpy ints refused here, where
+    the message is clear, not deep inside torch later), finite numbers for float ones."""
     for f in fields(config):
         m, value = f.metadata, getattr(config, f.name)
         if (m.get("low") is None and m.get("above") is None) or (value is None and "None" in str(f.type)):
             continue
-        if str(f.type).startswith("int"):
-            whole_number(value, f.name, m["low"])
-            continue
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        low, above, below = m["low"], m["above"], m["below"]
-        ok = ok and (low is None or value >= low) and (above is None or value > above)
-        if not (ok and (below is None or value < below)):
-            bound = f">= {low}" if low is not None else f"> {above}"
-            raise ValueError(f"{f.name} must be a number {bound}{f' and < {below}' if below is not None else ''}, "
-                             f"got {value!r}")
+        whole = str(f.type).startswith("int")
+        ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float)) and math.isfinite(value)
+        bounds = {">=": m["low"], ">": m["above"], "<": m["below"], "<=": m["high"]}
+        bounds = {op: bound for op, bound in bounds.items() if bound is not None}
+        if not (ok and all(_OPERATORS[op](value, bound) for op, bound in bounds.items())):
+            said = " and ".join(f"{op} {bound}" for op, bound in bounds.items())
+            raise ValueError(f"{f.name} must be a {'whole number' if whole else 'number'} {said}, got {value!r}")
+
+
+_OPERATORS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}
 
 
 def merge(cls, config, overrides: dict, what: str):
@@ -73,7 +74,7 @@ def precision_list(precisions) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _check_switch(config, name: str) -> None:
+def check_switch(config, name: str) -> None:
     if not isinstance(getattr(config, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
 
@@ -129,7 +130,7 @@ class TrainConfig:
     def __post_init__(self):
         self.precision = canonical_precision(self.precision)
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
-        _check_switch(self, "compile")
+        check_switch(self, "compile")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         check_fields(self)
@@ -210,7 +211,7 @@ class BenchConfig:
         compile_modes(self.compile)
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
-        _check_switch(self, "force")
+        check_switch(self, "force")
         if not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")
         check_fields(self)

@@ -16,8 +16,7 @@ import torch
 
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
-from .results import whole_number
-from .settings import FAST
+from .settings import FAST, check_fields, check_switch, setting
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "precision", "batch_size", "compile")
@@ -52,9 +51,9 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     model_kwargs: dict | None = None
     precision: str = "auto"
-    batch_size: int | None = None
-    seq_len: int | None = None
-    max_steps: int = FAST["max_steps"]
+    batch_size: int | None = setting(None, low=1, high=MAX_BATCH_SIZE)
+    seq_len: int | None = setting(None, low=1)
+    max_steps: int = setting(FAST["max_steps"], low=1)
     device: str | None = None
     seed: int = 0
     compile: bool = False
@@ -67,12 +66,8 @@ class RunConfig:
             if getattr(self, name) is None:
                 setattr(self, name, sizes[name])
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got {self.compile!r}")
-        for name in ("batch_size", "seq_len", "max_steps"):
-            whole_number(getattr(self, name), name)
-        if self.batch_size > MAX_BATCH_SIZE:  # the panel's box could not show it; it would clamp silently
-            raise ValueError(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
+        check_switch(self, "compile")
+        check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
 
     def build_model(self):
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts

@@ -22,7 +22,7 @@ def _run():
 
 def test_ten_identical_deterministic_bf16_runs_are_bitwise_equal():
     first = _run()
-    assert first.summary["precision"] == "bf16"
+    assert first.summary.precision == "bf16"
     weights = first.model.state_dict()
     for _ in range(9):
         other = _run()

@@ -206,7 +206,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, n_trials: 
             raise optuna.TrialPruned(f"diverged: {exc}") from exc
         if result.interrupted:
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
-        return result.summary["val_loss"]
+        return result.summary.val_loss
 
     if done < n_trials:
         study.optimize(objective, n_trials=n_trials - done, timeout=timeout,

@@ -35,7 +35,7 @@ from .checkpoint import (
 from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
-from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
+from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, evaluate, step_stats
 from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
@@ -158,7 +158,7 @@ class TrainStep:
 
 
 @contextlib.contextmanager
-def _determinism(on: bool, cuda: bool):
+def _deterministic_algorithms(on: bool, cuda: bool):
     """torch's deterministic mode for the run only; the caller's settings come back afterwards."""
     if not on:
         yield
@@ -203,7 +203,7 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)
     try:
-        with _determinism(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
+        with _deterministic_algorithms(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
             return _Run(model, data, cfg, on_eval, env).run()
     finally:
         env.close()
@@ -288,7 +288,7 @@ class _Run:
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
         self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)
-        self.log.finish(result.summary, self.step, status)
+        self.log.finish(result.summary.to_dict(), self.step, status)
         return result
 
     def _loop(self) -> None:
@@ -411,26 +411,26 @@ class _Run:
         last_step = self.hist.last("step")
         last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), None)
         cfg, env, info = self.cfg, self.env, self.compile_info
-        summary = {
-            "model": type(self.adapter.model).__name__, "task": self.adapter.task,
-            "parameters": sum(p.numel() for p in self.adapter.model.parameters()), "data": self.data_source,
-            "steps": self.step, "total_steps": self.total_steps, "epochs": round(self.step / self.steps_per_epoch, 3),
-            "train_loss": last_step["train_loss"] if last_step else None,
-            "val_loss": last_eval["val_loss"] if last_eval else None,
-            "perplexity": last_eval["perplexity"] if last_eval else None,
-            "accuracy": last_eval["accuracy"] if last_eval else None, "val_targets": self.val_targets,
-            "skipped_steps": self.hist.skipped_total,
-            "precision": self.precision.name, "precision_reason": self.precision.reason,
-            "device": str(self.device), "device_name": device_name(self.device),
-            "tokens_per_s": step_stats(history, "tokens_per_s"), "step_time_ms": step_stats(history, "step_time_ms"),
-            "optimizer": f"AdamW ({optimizer_impl(self.optimizer)})",
-            "compiled": bool(info and info.compiled), "compile_s": info.compile_s if info else None,
-            "compile_reason": info.reason if info else "off (compile=False)",
-            "global_batch": cfg.batch_size * cfg.grad_accum_steps * env.world_size, "world_size": env.world_size,
-            "rank": env.rank, "resumed_from_step": self.resumed_from,
-            "checkpoint": str(self.ckpt_path) if self.last_saved is not None else None,
-            "interrupted": interrupted, "diverged_at_step": diverged_at,
-            "run_metadata": run_metadata(self.device, self.precision.dtype),
-        }
+        summary = TrainSummary(
+            model=type(self.adapter.model).__name__, task=self.adapter.task,
+            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data_source,
+            steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
+            train_loss=last_step["train_loss"] if last_step else None,
+            val_loss=last_eval["val_loss"] if last_eval else None,
+            perplexity=last_eval["perplexity"] if last_eval else None,
+            accuracy=last_eval["accuracy"] if last_eval else None, val_targets=self.val_targets,
+            skipped_steps=self.hist.skipped_total,
+            precision=self.precision.name, precision_reason=self.precision.reason,
+            device=str(self.device), device_name=device_name(self.device),
+            tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
+            optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
+            compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
+            compile_reason=info.reason if info else "off (compile=False)",
+            global_batch=cfg.batch_size * cfg.grad_accum_steps * env.world_size, world_size=env.world_size,
+            rank=env.rank, resumed_from_step=self.resumed_from,
+            checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
+            interrupted=interrupted, diverged_at_step=diverged_at,
+            run_metadata=run_metadata(self.device, self.precision.dtype),
+        )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())

@@ -501,6 +501,15 @@ def test_summary_names_how_many_targets_validation_scored():
     assert result.summary.val_targets == cfg["eval_batches"] * cfg["batch_size"] * cfg["seq_len"]
 
 
+def test_spec_keywords_build_the_model_and_a_decided_precision_is_kept():
+    prec = resolve_precision("auto", "cpu")  # its reason says auto; deciding "fp32" again would not
+    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST,
+                   d_model=32, n_layer=1, n_head=2, max_len=32)
+    assert result.summary.parameters == sum(p.numel() for p in tiny_gpt().parameters())
+    assert result.summary.precision_reason == prec.reason and result.config["precision"] == prec.name
+    assert result.config["device"] == "cpu"
+
+
 @pytest.mark.parametrize("bad", [np.int64(4), 4.0, True])
 def test_sizes_must_be_python_ints_with_a_clear_message(bad):
     with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):

@@ -113,8 +113,6 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
-    from .checkpoint import seed_everything
-    from .models import load_model
     from .results import jsonable
     from .train import TrainConfig, TrainingDiverged, train
 
@@ -130,8 +128,7 @@ def _run_train(args) -> tuple[dict, int]:
     config = TrainConfig(**settings)  # bad settings fail here, before anything is built or written
     code = 0
     try:
-        seed_everything(config.seed)  # so --seed also fixes the initial weights
-        result = train(load_model(args.model, **model_kwargs(args)), args.data, config)
+        result = train(args.model, args.data, config, **model_kwargs(args))  # seeded before it builds the model
     except TrainingDiverged as exc:
         if exc.result is None:
             raise

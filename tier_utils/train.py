@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -185,7 +185,9 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
 
     model: a spec string (see `load_model`), an nn.Module (trained in place) or a ModelAdapter.
     data: None for the bundled corpus in the model's task, or anything `build_datasets` accepts.
-    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords.
+    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords; a
+        `precision=` Precision already decided for the device (as run_all does) is used as is.
+        Other keywords build a spec's model (as in smoke and analyze); a module takes none.
     on_eval(step, metrics): called on rank 0 after every evaluation with `val_loss`, `perplexity`,
         `accuracy`, `targets` (how many were scored) and `epoch`; an exception it raises stops
         training and propagates (e.g. Optuna's TrialPruned), so it can prune a run.
@@ -198,13 +200,15 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
+    names = {f.name for f in fields(TrainConfig)}
+    model_kwargs = {k: overrides.pop(k) for k in list(overrides) if k not in names} if isinstance(model, str) else {}
     cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)
     try:
         with _deterministic_algorithms(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
-            return _Run(model, data, cfg, on_eval, env).run()
+            return _Run(model, model_kwargs, data, cfg, on_eval, env, overrides.get("precision")).run()
     finally:
         env.close()
 
@@ -212,12 +216,14 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
 class _Run:
     """One call of train(): the state the loop, evaluation and checkpoints share."""
 
-    def __init__(self, model, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv):
+    def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
+                 precision=None):
         self.cfg, self.on_eval, self.env = cfg, on_eval, env
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-        self.adapter = resolve_model(model)
+        self.adapter = resolve_model(model, **model_kwargs)
         self.device = env.device or resolve_device(cfg.device)
-        self.precision: Precision = resolve_precision(cfg.precision, self.device)
+        self.precision: Precision = resolve_precision(
+            precision if isinstance(precision, Precision) else cfg.precision, self.device)
         module = self.adapter.model.to(self.device).train()
         self.adapter.require_trainable()
         self.adapter.check_forward()

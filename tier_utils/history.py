@@ -216,8 +216,7 @@ def step_stats(history: pd.DataFrame, column: str) -> dict | None:
 
 @dataclass
 class TrainSummary:
-    """A run's figures and metadata; `to_dict()` is the JSON's `summary`.
-    Figures a run has not measured yet (no step row, no evaluation) are None."""
+    """A run's figures and metadata (None: not measured yet); `to_dict()` is the JSON's `summary`."""
 
     model: str
     task: str

@@ -222,8 +222,8 @@ class _Run:
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
         self.adapter = resolve_model(model, **model_kwargs)
         self.device = env.device or resolve_device(cfg.device)
-        self.precision: Precision = resolve_precision(
-            precision if isinstance(precision, Precision) else cfg.precision, self.device)
+        # As given: a Precision already decided for this device is kept, reason included.
+        self.precision: Precision = resolve_precision(precision or cfg.precision, self.device)
         module = self.adapter.model.to(self.device).train()
         self.adapter.require_trainable()
         self.adapter.check_forward()
@@ -414,20 +414,17 @@ class _Run:
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
         history = self.hist.frame()
-        last_step = self.hist.last("step")
-        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), None)
+        last_step = self.hist.last("step") or {}
+        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), {})
         cfg, env, info = self.cfg, self.env, self.compile_info
         summary = TrainSummary(
             model=type(self.adapter.model).__name__, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data_source,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
-            train_loss=last_step["train_loss"] if last_step else None,
-            val_loss=last_eval["val_loss"] if last_eval else None,
-            perplexity=last_eval["perplexity"] if last_eval else None,
-            accuracy=last_eval["accuracy"] if last_eval else None, val_targets=self.val_targets,
-            skipped_steps=self.hist.skipped_total,
-            precision=self.precision.name, precision_reason=self.precision.reason,
-            device=str(self.device), device_name=device_name(self.device),
+            train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
+            perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
+            skipped_steps=self.hist.skipped_total, precision=self.precision.name,
+            precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,

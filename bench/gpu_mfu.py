@@ -123,11 +123,11 @@ def main(argv=None) -> int:
             else:
                 res = train(model, rows, **run, compile=v.endswith("compiled"))
                 ms = res.history.query("kind == 'step'")["step_time_ms"].tolist()
-                optimizers.add(res.summary["optimizer"])
-                if res.summary["compile_s"] is not None:
-                    compile_s.append(res.summary["compile_s"])
+                optimizers.add(res.summary.optimizer)
+                if res.summary.compile_s is not None:
+                    compile_s.append(res.summary.compile_s)
                 elif v.endswith("compiled"):
-                    print(f"warning: train(compile=True) ran eager: {res.summary['compile_reason']}", file=sys.stderr)
+                    print(f"warning: train(compile=True) ran eager: {res.summary.compile_reason}", file=sys.stderr)
             windows[v] += ms[1:]  # the first window holds the warm-up (and, bare, the compile)
             del model
             torch.cuda.empty_cache()

@@ -34,8 +34,8 @@ r = tier_utils.train(model, None, precision=cfg["precision"], batch_size=16, seq
 h = hashlib.sha1()
 for name, t in sorted(r.model.state_dict().items()):
     h.update(name.encode()); h.update(t.detach().float().contiguous().numpy().tobytes())
-print(json.dumps({"hash": h.hexdigest(), "threads": torch.get_num_threads(), "precision": r.summary["precision"],
-                  "val_loss": r.summary["val_loss"]}))
+print(json.dumps({"hash": h.hexdigest(), "threads": torch.get_num_threads(), "precision": r.summary.precision,
+                  "val_loss": r.summary.val_loss}))
 '''
 
 

@@ -407,7 +407,7 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path):
     with pytest.warns(UserWarning, match="does not exist; starting from step 0"):
         result = tier_utils.train(_tiny(), "synthetic", max_steps=1, batch_size=4, seq_len=16, progress=False,
                                   device="cpu", eval_batches=1, checkpoint_dir=str(tmp_path / "ck"), resume=True)
-    assert result.summary["resumed_from_step"] is None and result.summary["steps"] == 1
+    assert result.summary.resumed_from_step is None and result.summary.steps == 1
 
 
 def test_binary_data_file_warns(tmp_path):

@@ -57,8 +57,8 @@ def runs(tmp_path_factory):
 def test_compiled_fp32_matches_eager_within_1e4(runs):
     eager, compiled, _ = runs
     s = compiled.summary
-    assert s["compiled"] and s["compile_s"] > 0 and s["compile_reason"].startswith("compiled (mode default)")
-    assert not eager.summary["compiled"] and eager.summary["compile_s"] is None
+    assert s.compiled and s.compile_s > 0 and s.compile_reason.startswith("compiled (mode default)")
+    assert not eager.summary.compiled and eager.summary.compile_s is None
     assert compiled.config["compile"] is True and compiled.model is not None
     assert len(losses(compiled)) == STEPS
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
@@ -77,13 +77,13 @@ def test_compiled_checkpoint_loads_into_eager_model_and_resumes_either_way(runs)
     (ckpt / "again" / "last.pt").write_bytes((ckpt / "last.pt").read_bytes())
 
     resumed_eager = train(fresh, **RUN, checkpoint_dir=ckpt, resume=True)
-    assert resumed_eager.summary["resumed_from_step"] == CUT and not resumed_eager.summary["compiled"]
+    assert resumed_eager.summary.resumed_from_step == CUT and not resumed_eager.summary.compiled
     assert losses(resumed_eager, CUT + 1) == pytest.approx(losses(eager, CUT + 1), rel=1e-4)
 
     # Resuming compiled repeats the uninterrupted compiled run exactly: the warm-up that compiles
     # leaves weights, gradients and RNG states as they were.
     resumed_compiled = train(tiny_gpt(), **RUN, compile=True, checkpoint_dir=ckpt / "again", resume=True)
-    assert resumed_compiled.summary["compiled"]
+    assert resumed_compiled.summary.compiled
     assert losses(resumed_compiled, CUT + 1) == losses(compiled, CUT + 1)
     for name, tensor in compiled.model.state_dict().items():
         assert torch.equal(resumed_compiled.model.state_dict()[name], tensor), name
@@ -101,8 +101,8 @@ def test_uncompilable_model_falls_back_to_eager_with_one_warning(monkeypatch):
     fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
     assert len(fallbacks) == 1 and "could not compile" in str(fallbacks[0].message)
     s = result.summary
-    assert not s["compiled"] and s["compile_s"] is None and s["steps"] == 3
-    assert "ran eager" in s["compile_reason"] and "\n" not in s["compile_reason"]
+    assert not s.compiled and s.compile_s is None and s.steps == 3
+    assert "ran eager" in s.compile_reason and "\n" not in s.compile_reason
     # It ran the eager steps exactly: the failed warm-up left weights and RNG untouched.
     assert losses(result) == losses(train(tiny_gpt(), **{**RUN, "max_steps": 3}))
 
@@ -120,7 +120,7 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
     if torch.cuda.is_available():
         assert optimizer_impl(make_optimizer(tiny_gpt().cuda(), 1e-3, 0.1)) == "fused"
     result = train(tiny_gpt(), **{**RUN, "max_steps": 1})
-    assert result.summary["optimizer"] == "AdamW (foreach)"
+    assert result.summary.optimizer == "AdamW (foreach)"
     assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])
 
 

@@ -99,7 +99,7 @@ def test_roberta_length_excludes_the_padding_offset():
     # Longer than the model serves: train caps it at the usable length instead of an index error inside it.
     result = train(model, precision="fp32", max_steps=2, batch_size=2, seq_len=128, eval_every=0, eval_batches=1,
                    progress=False, device="cpu")
-    assert result.summary["steps"] == 2 and result.summary["train_loss"] > 0
+    assert result.summary.steps == 2 and result.summary.train_loss > 0
 
 
 def test_padding_check_catches_a_decoder_lm_that_drops_the_mask():
@@ -136,7 +136,7 @@ def test_family_trains_and_benchmarks(name):
     model = build(name)
     result = train(model, precision="fp32", max_steps=2, batch_size=2, seq_len=16, eval_every=0, eval_batches=1,
                    progress=False, device="cpu")
-    assert result.summary["steps"] == 2 and 0 < result.summary["train_loss"] < float("inf")
+    assert result.summary.steps == 2 and 0 < result.summary.train_loss < float("inf")
     bench = amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, warmup_steps=0, timed_steps=1,
                           repeats=1, accuracy_steps=2, val_batches=1, device="cpu", progress=False)
     record = bench.records[0] if isinstance(bench.records, list) else bench.records["fp32"]

@@ -71,11 +71,11 @@ def test_every_logger_records_rows_and_a_resumed_run_continues_without_duplicate
 
     torch.manual_seed(0)  # dropout: the RNG states the checkpoint restores matter
     first = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), on_eval=stop, **settings)
-    assert first.interrupted and first.summary["steps"] == 3
+    assert first.interrupted and first.summary.steps == 3
     state = json.loads((logs / lg.STATE_FILE).read_text())  # log_dir defaulted to "logs" beside the checkpoints
     torch.manual_seed(0)
     done = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), **settings)
-    assert done.summary["resumed_from_step"] == 2 and done.summary["steps"] == 6
+    assert done.summary.resumed_from_step == 2 and done.summary.steps == 6
     torch.manual_seed(0)  # opening the trackers drew nothing from the restored RNGs: resume is still exact
     whole = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(),
                   **dict(RUN, checkpoint_dir=str(tmp_path / "whole"), deterministic=True))
@@ -111,7 +111,7 @@ def test_every_logger_records_rows_and_a_resumed_run_continues_without_duplicate
     assert json.loads(run.data.params["lr"]) == 3e-4
     assert run.data.tags["precision"] == "fp32" and run.data.tags["precision_reason"]
     assert run.data.tags["torch"] == torch.__version__
-    assert run.data.metrics["final/val_loss"] == pytest.approx(done.summary["val_loss"])
+    assert run.data.metrics["final/val_loss"] == pytest.approx(done.summary.val_loss)
 
 
 def test_unknown_or_missing_logger_is_one_line_naming_the_fix(monkeypatch):

@@ -105,7 +105,7 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
 
     def diverging(model, data, **settings):
         partial = real_train(model, data, **{**settings, "max_steps": 1})
-        partial.summary["diverged_at_step"] = 2
+        partial.summary.diverged_at_step = 2
         raise TrainingDiverged(2, "fp16", float("nan"), result=partial)
 
     monkeypatch.setattr(report, "train", diverging)
@@ -113,7 +113,7 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
         monkeypatch.setattr(report, tier, lambda *a, **k: Fake(["PASS"]))
     result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY_KW)
     assert result.statuses["train"] == "FAIL" and result.status == "FAIL" and result.model_status == "FAIL"
-    assert result.results["train"].summary["steps"] == 1 and (tmp_path / "train.csv").exists()
+    assert result.results["train"].summary.steps == 1 and (tmp_path / "train.csv").exists()
 
 
 def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def test_best_config_trains():
     assert isinstance(cfg, TrainConfig) and cfg.lr == result.study.best_params["lr"]
     assert cfg.max_steps == FAST["max_steps"]
     trained = train(tiny_gpt(), config=cfg)
-    assert math.isfinite(trained.summary["val_loss"])
+    assert math.isfinite(trained.summary.val_loss)
 
 
 @pytest.mark.parametrize("space,message", [

@@ -74,8 +74,8 @@ def test_full_path(name, precision):
     assert list(h.columns) == EXPECTED_COLUMNS
     assert list(h["kind"]) == ["step", "eval", "step", "epoch"]
     assert list(h["step"]) == [2, 2, 4, 4]
-    assert result.summary["steps"] == 4 and result.summary["precision"] == precision
-    assert result.summary["data"] == "corpus" and not result.interrupted
+    assert result.summary.steps == 4 and result.summary.precision == precision
+    assert result.summary.data == "corpus" and not result.interrupted
     steps = h[h["kind"] == "step"]
     assert steps["train_loss"].map(math.isfinite).all() and (steps["step_time_ms"] > 0).all()
     evals = h[h["kind"] != "step"]
@@ -182,8 +182,8 @@ def test_fp16_inf_gradient_is_skipped_and_schedule_waits(device):
     model.head.weight.register_hook(poison)
     result = train(model, precision="fp16", device=device, max_steps=6, log_every=1, eval_every=0, warmup_steps=2,
                    **FAST)
-    assert result.summary["device"].startswith(device)
-    assert result.skipped_steps == 1 and result.summary["skipped_steps"] == 1
+    assert result.summary.device.startswith(device)
+    assert result.skipped_steps == 1 and result.summary.skipped_steps == 1
     (step, before, after), = [t for t in result.loss_scale_trace if t[2] < t[1]]
     assert step == 3 and after == before / 2
     rows = result.history.query("kind == 'step'").set_index("step")
@@ -204,7 +204,7 @@ def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
     assert exc.step == 17 and exc.quantity == "loss scale" and exc.value == 0.5
     assert "loss scale became 0.5 at step 17 in fp16" in str(exc)
     partial = exc.result
-    assert partial.summary["diverged_at_step"] == 17 and partial.skipped_steps == 16
+    assert partial.summary.diverged_at_step == 17 and partial.skipped_steps == 16
     assert partial.history.query("kind == 'step'")["skipped_steps"].sum() == 16
 
 
@@ -300,7 +300,7 @@ def test_bf16_nan_loss_raises_at_its_step_and_keeps_last_good_checkpoint(tmp_pat
     assert exc.step == 5 and exc.precision == "bf16" and math.isnan(exc.value)
     assert exc.quantity == "loss" and "loss became nan at step 5 in bf16" in str(exc)
     partial = exc.result
-    assert isinstance(partial, TrainResult) and partial.summary["diverged_at_step"] == 5
+    assert isinstance(partial, TrainResult) and partial.summary.diverged_at_step == 5
     assert partial.history["step"].max() == 4 and partial.history["train_loss"].dropna().map(math.isfinite).all()
     state = load_checkpoint(tmp_path / "last.pt")
     assert state["step"] == 4
@@ -340,8 +340,8 @@ def test_ctrl_c_returns_partial_result_marked_interrupted():
 
     model = tiny_gpt()
     result = train(model, precision="fp32", max_steps=8, eval_every=3, log_every=1, **FAST, on_eval=interrupt)
-    assert result.interrupted and result.summary["interrupted"]
-    assert result.summary["steps"] == 3 and result.history["step"].max() == 3
+    assert result.interrupted and result.summary.interrupted
+    assert result.summary.steps == 3 and result.history["step"].max() == 3
     assert model.training
 
 
@@ -455,7 +455,7 @@ def test_resume_refuses_a_checkpoint_from_different_data(tmp_path):
     for other in (token_rows(seed=2), token_rows(n=100, seed=1)):  # same size other content; more rows
         with pytest.raises(CheckpointError, match="was trained on tensors data .* resume with the same data"):
             train(tiny_gpt(), other, resume=True, **run)
-    assert train(tiny_gpt(), token_rows(seed=1), resume=True, **run).summary["resumed_from_step"] == 2
+    assert train(tiny_gpt(), token_rows(seed=1), resume=True, **run).summary.resumed_from_step == 2
 
 
 def _cli(tmp_path, *extra):
@@ -498,7 +498,16 @@ def test_summary_names_how_many_targets_validation_scored():
     torch.manual_seed(0)
     result = train(MODELS["tiny-gpt"](), precision="fp32", max_steps=2, eval_every=0, **FAST)
     cfg = result.config
-    assert result.summary["val_targets"] == cfg["eval_batches"] * cfg["batch_size"] * cfg["seq_len"]
+    assert result.summary.val_targets == cfg["eval_batches"] * cfg["batch_size"] * cfg["seq_len"]
+
+
+def test_spec_keywords_build_the_model_and_a_decided_precision_is_kept():
+    prec = resolve_precision("auto", "cpu")  # its reason says auto; deciding "fp32" again would not
+    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST,
+                   d_model=32, n_layer=1, n_head=2, max_len=32)
+    assert result.summary.parameters == sum(p.numel() for p in tiny_gpt().parameters())
+    assert result.summary.precision_reason == prec.reason and result.config["precision"] == prec.name
+    assert result.config["device"] == "cpu"
 
 
 @pytest.mark.parametrize("bad", [np.int64(4), 4.0, True])

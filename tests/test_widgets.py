@@ -80,9 +80,9 @@ def test_the_next_run_uses_the_changed_widget_values():
     # What the notebook's run cell does: it reads only the config.
     result = train(cfg.build_model(), precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    max_steps=cfg.max_steps, eval_every=None, eval_batches=1, progress=False)
-    assert result.summary["precision"] == choice
-    assert result.summary["global_batch"] == 3 and result.config["batch_size"] == 3
-    assert result.summary["steps"] == 2
+    assert result.summary.precision == choice
+    assert result.summary.global_batch == 3 and result.config["batch_size"] == 3
+    assert result.summary.steps == 2
 
 
 def test_build_model_gives_the_same_initial_weights_every_time():

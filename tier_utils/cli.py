@@ -149,8 +149,6 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
-    from .checkpoint import seed_everything
-    from .models import load_model
     from .results import jsonable
     from .train import TrainConfig, TrainingDiverged, train
 
@@ -159,41 +157,40 @@ def _run_train(args) -> tuple[dict, int]:
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0
     try:
-        seed_everything(config.seed)  # so --seed also fixes the initial weights
-        result = train(load_model(args.model, **model_kwargs(args)), args.data, config)
+        result = train(args.model, args.data, config, **model_kwargs(args))  # seeded before it builds the model
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
         result, code = exc.result, 1
-        if exc.result.summary["rank"] == 0:
+        if exc.result.summary.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
     s = result.summary
-    if s["rank"] != 0:  # under torchrun only rank 0 prints and writes
+    if s.rank != 0:  # under torchrun only rank 0 prints and writes
         args.json = None
         return jsonable(s), code
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
-    if s["checkpoint"]:
-        files.append(s["checkpoint"])
-    print(f"trained {s['model']} ({s['task']}, {s['parameters']:,} parameters) for {s['steps']} steps "
-          f"({s['epochs']} epochs, global batch {s['global_batch']}) in {s['precision']} on {s['device_name']}")
-    print(f"precision: {s['precision_reason']}")
-    final = [f"{k.replace('_', ' ')} {s[k]:.4g}" for k in ("train_loss", "val_loss", "perplexity", "accuracy")
-             if s[k] is not None and s[k] == s[k]]  # None/NaN: not measured (perplexity of a classifier)
+    if s.checkpoint:
+        files.append(s.checkpoint)
+    print(f"trained {s.model} ({s.task}, {s.parameters:,} parameters) for {s.steps} steps "
+          f"({s.epochs} epochs, global batch {s.global_batch}) in {s.precision} on {s.device_name}")
+    print(f"precision: {s.precision_reason}")
+    final = [f"{k.replace('_', ' ')} {v:.4g}" for k in ("train_loss", "val_loss", "perplexity", "accuracy")
+             if (v := getattr(s, k)) is not None and v == v]  # None/NaN: not measured (perplexity of a classifier)
     if final:
-        scored = f" (validation: n={s['val_targets']:,} targets)" if s["val_targets"] else ""
+        scored = f" (validation: n={s.val_targets:,} targets)" if s.val_targets else ""
         print("final: " + " · ".join(final) + scored)
-    if s["tokens_per_s"]:
-        t, ms = s["tokens_per_s"], s["step_time_ms"]
+    if s.tokens_per_s:
+        t, ms = s.tokens_per_s, s.step_time_ms
         print(f"throughput: {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']} log windows) · "
               f"step {ms['median']:.1f} ms median (IQR {ms['iqr']:.1f})")
-    if s["precision"] == "fp16":
-        print(f"skipped steps (fp16 overflow): {s['skipped_steps']}")
-    print(f"optimizer: {s['optimizer']} · compile: {s['compile_reason']}")
+    if s.precision == "fp16":
+        print(f"skipped steps (fp16 overflow): {s.skipped_steps}")
+    print(f"optimizer: {s.optimizer} · compile: {s.compile_reason}")
     print("wrote: " + ", ".join(str(f) for f in files))
     if result.interrupted:
         print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
         code = 130
-    return jsonable({**s, "files": [str(f) for f in files]}), code
+    return jsonable({**s.to_dict(), "files": [str(f) for f in files]}), code
 
 
 def _run_analyze(args) -> tuple[dict, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
@@ -214,12 +214,52 @@ def step_stats(history: pd.DataFrame, column: str) -> dict | None:
     return summarize(xs).to_dict() if len(xs) else None
 
 
+@dataclass
+class TrainSummary:
+    """A run's figures and metadata (None: not measured yet); `to_dict()` is the JSON's `summary`."""
+
+    model: str
+    task: str
+    parameters: int
+    data: str
+    steps: int
+    total_steps: int
+    epochs: float
+    train_loss: float | None
+    val_loss: float | None
+    perplexity: float | None
+    accuracy: float | None
+    val_targets: int | None  # the n behind val_loss and accuracy
+    skipped_steps: int
+    precision: str
+    precision_reason: str
+    device: str
+    device_name: str
+    tokens_per_s: dict | None  # step_stats over the step rows
+    step_time_ms: dict | None
+    optimizer: str
+    compiled: bool
+    compile_s: float | None
+    compile_reason: str
+    global_batch: int
+    world_size: int
+    rank: int
+    resumed_from_step: int | None
+    checkpoint: str | None
+    interrupted: bool
+    diverged_at_step: int | None
+    run_metadata: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(repr=False)
 class TrainResult(Result):
     """What `train()` returns (also attached, partial, to `TrainingDiverged.result`)."""
 
     history: pd.DataFrame
-    summary: dict
+    summary: TrainSummary
     model: torch.nn.Module = field(repr=False)
     skipped_steps: int = 0
     loss_scale_trace: list = field(default_factory=list)
@@ -235,39 +275,37 @@ class TrainResult(Result):
         def fig(v):  # 2,442 rather than 2.442e+03; 0.1235 for small figures
             return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
-        def spread(key, unit):
-            t = s.get(key)
+        def spread(t, unit):
             return f"{fig(t['median'])} {unit} median (IQR {fig(t['iqr'])}, n={t['n']} rows)" if t else None
 
-        def number(key, fmt):
-            return None if s.get(key) is None else format(s[key], fmt)
+        def number(v, fmt):
+            return None if v is None else format(v, fmt)
 
         rows = [
-            ("model", f"{s.get('model')} ({s.get('parameters', 0):,} parameters, {s.get('task')})"),
-            ("precision", s.get("precision")),
-            ("precision_reason", s.get("precision_reason")),
-            ("device", s.get("device_name")),
-            ("steps", f"{s.get('steps')} of {s.get('total_steps')}"),
-            ("global_batch", s.get("global_batch")),
-            ("train_loss", number("train_loss", ".4f")),
-            ("val_loss", number("val_loss", ".4f")),
-            ("perplexity", number("perplexity", ".4g")),
-            ("accuracy", None if s.get("accuracy") is None
-             else f"{s['accuracy']:.4f} (n={s.get('val_targets')} targets)"),
-            ("tokens_per_s", spread("tokens_per_s", "tokens/s")),
-            ("step_time_ms", spread("step_time_ms", "ms")),
-            ("optimizer", s.get("optimizer")),
-            ("compile_reason", s.get("compile_reason")),
-            ("compile_s", number("compile_s", ".1f")),
-            ("skipped_steps", s.get("skipped_steps") if s.get("precision") == "fp16" else None),
-            ("diverged_at_step", s.get("diverged_at_step")),
-            ("interrupted", True if s.get("interrupted") else None),
-            ("checkpoint", s.get("checkpoint")),
+            ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("precision", s.precision),
+            ("precision_reason", s.precision_reason),
+            ("device", s.device_name),
+            ("steps", f"{s.steps} of {s.total_steps}"),
+            ("global_batch", s.global_batch),
+            ("train_loss", number(s.train_loss, ".4f")),
+            ("val_loss", number(s.val_loss, ".4f")),
+            ("perplexity", number(s.perplexity, ".4g")),
+            ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
+            ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
+            ("step_time_ms", spread(s.step_time_ms, "ms")),
+            ("optimizer", s.optimizer),
+            ("compile_reason", s.compile_reason),
+            ("compile_s", number(s.compile_s, ".1f")),
+            ("skipped_steps", s.skipped_steps if s.precision == "fp16" else None),
+            ("diverged_at_step", s.diverged_at_step),
+            ("interrupted", True if s.interrupted else None),
+            ("checkpoint", s.checkpoint),
         ]
         return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
 
     def headline(self) -> str:
-        return f"TrainResult: {self.summary.get('model')} · {self.summary.get('precision')}"
+        return f"TrainResult: {self.summary.model} · {self.summary.precision}"
 
     def plot(self):
         from matplotlib.figure import Figure
@@ -293,19 +331,18 @@ class TrainResult(Result):
             ax_last.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", ylabel="loss scale")
         else:  # no loss scaler outside fp16: throughput is the next most useful trace
             ax_last.plot(steps["step"], steps["tokens_per_s"], line, ms=3)
-            ax_last.set(title=f"throughput (no loss scaler in {self.summary.get('precision', '?')})",
+            ax_last.set(title=f"throughput (no loss scaler in {self.summary.precision})",
                         ylabel="tokens / s (wall time)")
         for ax in (ax_loss, ax_lr, ax_gn, ax_last):
             ax.set_xlabel("optimizer step")
             integer_axis(ax.xaxis)
-        fig.suptitle(f"{self.summary.get('model', '')} · {self.summary.get('precision', '')} · "
-                     f"{self.summary.get('device_name', '')}")
+        fig.suptitle(f"{self.summary.model} · {self.summary.precision} · {self.summary.device_name}")
         c = self.config
         if c:
             evals = f"every {c['eval_every']} steps" if c.get("eval_every") else "at the end"
             caption(fig, f"linear warm-up for {c['warmup_steps']} steps, then cosine decay · validation {evals} "
                          f"on up to {c.get('eval_batches') or 'all'} batches · global batch "
-                         f"{self.summary.get('global_batch')}")
+                         f"{self.summary.global_batch}")
         return fig
 
     def to_csv(self, path):

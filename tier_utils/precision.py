@@ -36,7 +36,9 @@ class SlowPrecisionWarning(UserWarning):
 
 
 def canonical_precision(requested) -> str:
-    """Map any accepted spelling (or an int like 16/32) to auto/fp32/bf16/fp16."""
+    """Map any accepted spelling (or an int like 16/32) to auto/fp32/bf16/fp16; a Precision to its name."""
+    if isinstance(requested, Precision):
+        return requested.name
     key = str(requested).strip().lower()
     if key not in _ALIASES:
         valid = ", ".join(sorted(_ALIASES))
@@ -199,8 +201,13 @@ def _auto(device: torch.device) -> tuple[str, str]:
 
 
 def resolve_precision(requested="auto", device=None, *, warn: bool = True) -> Precision:
-    """Decide what `requested` means on `device`; warn once if it will run emulated (slow)."""
+    """Decide what `requested` means on `device`; warn once if it will run emulated (slow).
+    A Precision decided for this device comes back as is, so a job resolves once and passes it down."""
     dev = resolve_device(device)
+    if isinstance(requested, Precision):
+        if requested.device == dev:
+            return requested
+        requested = requested.name  # decided for another device: decide that name again here
     name = canonical_precision(requested)
     if name == "auto":
         name, reason = _auto(dev)

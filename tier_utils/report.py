@@ -22,6 +22,7 @@ from .analysis import analyze
 from .bench import amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
+from .history import TrainResult, TrainSummary
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
@@ -57,8 +58,8 @@ def result_status(result) -> str | None:
     """A result's worst PASS/WARN/FAIL/SKIP; None when it has no verdicts (a training run that finished)."""
     if hasattr(result, "status"):  # analysis, benchmark
         return result.status
-    if isinstance(getattr(result, "summary", None), dict):  # training: only divergence is a verdict
-        return "FAIL" if result.summary.get("diverged_at_step") is not None else None
+    if isinstance(result, TrainResult):  # training: only divergence is a verdict
+        return "FAIL" if result.summary.diverged_at_step is not None else None
     table = result.table  # smoke and other checks tables
     return worst_status(table["status"]) if "status" in table.columns else None
 
@@ -206,11 +207,11 @@ def _clip(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 3] + "..."
 
 
-def _train_line(s: dict, seconds: float) -> str:
-    losses = " · ".join(f"{k} {s[k]:.4f}" for k in ("train_loss", "val_loss") if s.get(k) is not None)
-    line = f"train: {s['steps']} steps, global batch {s['global_batch']}, {s['precision']}, {losses}"
-    if s.get("tokens_per_s"):
-        t = s["tokens_per_s"]
+def _train_line(s: TrainSummary, seconds: float) -> str:
+    losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
+    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision}, {losses}"
+    if s.tokens_per_s:
+        t = s.tokens_per_s
         line += f" · {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']})"
     return line + f" · {seconds:.1f} s"
 

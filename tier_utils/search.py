@@ -211,7 +211,7 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: Tr
             raise optuna.TrialPruned(f"diverged: {exc}") from exc
         if result.interrupted:
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
-        return result.summary["val_loss"]
+        return result.summary.val_loss
 
     if done < study_cfg.n_trials:
         study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,

@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from .checkpoint import (
 from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
-from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
+from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, evaluate, step_stats
 from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
@@ -158,7 +158,7 @@ class TrainStep:
 
 
 @contextlib.contextmanager
-def _determinism(on: bool, cuda: bool):
+def _deterministic_algorithms(on: bool, cuda: bool):
     """torch's deterministic mode for the run only; the caller's settings come back afterwards."""
     if not on:
         yield
@@ -185,7 +185,9 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
 
     model: a spec string (see `load_model`), an nn.Module (trained in place) or a ModelAdapter.
     data: None for the bundled corpus in the model's task, or anything `build_datasets` accepts.
-    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords.
+    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords; a
+        `precision=` Precision already decided for the device (as run_all does) is used as is.
+        Other keywords build a spec's model (as in smoke and analyze); a module takes none.
     on_eval(step, metrics): called on rank 0 after every evaluation with `val_loss`, `perplexity`,
         `accuracy`, `targets` (how many were scored) and `epoch`; an exception it raises stops
         training and propagates (e.g. Optuna's TrialPruned), so it can prune a run.
@@ -198,13 +200,15 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
+    names = {f.name for f in fields(TrainConfig)}
+    model_kwargs = {k: overrides.pop(k) for k in list(overrides) if k not in names} if isinstance(model, str) else {}
     cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     env = distributed.setup(cfg.device)
     try:
-        with _determinism(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
-            return _Run(model, data, cfg, on_eval, env).run()
+        with _deterministic_algorithms(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
+            return _Run(model, model_kwargs, data, cfg, on_eval, env, overrides.get("precision")).run()
     finally:
         env.close()
 
@@ -212,12 +216,14 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
 class _Run:
     """One call of train(): the state the loop, evaluation and checkpoints share."""
 
-    def __init__(self, model, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv):
+    def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
+                 precision=None):
         self.cfg, self.on_eval, self.env = cfg, on_eval, env
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-        self.adapter = resolve_model(model)
+        self.adapter = resolve_model(model, **model_kwargs)
         self.device = env.device or resolve_device(cfg.device)
-        self.precision: Precision = resolve_precision(cfg.precision, self.device)
+        # As given: a Precision already decided for this device is kept, reason included.
+        self.precision: Precision = resolve_precision(precision or cfg.precision, self.device)
         module = self.adapter.model.to(self.device).train()
         self.adapter.require_trainable()
         self.adapter.check_forward()
@@ -288,7 +294,7 @@ class _Run:
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
         self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)
-        self.log.finish(result.summary, self.step, status)
+        self.log.finish(result.summary.to_dict(), self.step, status)
         return result
 
     def _loop(self) -> None:
@@ -408,29 +414,26 @@ class _Run:
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
         history = self.hist.frame()
-        last_step = self.hist.last("step")
-        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), None)
+        last_step = self.hist.last("step") or {}
+        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), {})
         cfg, env, info = self.cfg, self.env, self.compile_info
-        summary = {
-            "model": type(self.adapter.model).__name__, "task": self.adapter.task,
-            "parameters": sum(p.numel() for p in self.adapter.model.parameters()), "data": self.data_source,
-            "steps": self.step, "total_steps": self.total_steps, "epochs": round(self.step / self.steps_per_epoch, 3),
-            "train_loss": last_step["train_loss"] if last_step else None,
-            "val_loss": last_eval["val_loss"] if last_eval else None,
-            "perplexity": last_eval["perplexity"] if last_eval else None,
-            "accuracy": last_eval["accuracy"] if last_eval else None, "val_targets": self.val_targets,
-            "skipped_steps": self.hist.skipped_total,
-            "precision": self.precision.name, "precision_reason": self.precision.reason,
-            "device": str(self.device), "device_name": device_name(self.device),
-            "tokens_per_s": step_stats(history, "tokens_per_s"), "step_time_ms": step_stats(history, "step_time_ms"),
-            "optimizer": f"AdamW ({optimizer_impl(self.optimizer)})",
-            "compiled": bool(info and info.compiled), "compile_s": info.compile_s if info else None,
-            "compile_reason": info.reason if info else "off (compile=False)",
-            "global_batch": cfg.batch_size * cfg.grad_accum_steps * env.world_size, "world_size": env.world_size,
-            "rank": env.rank, "resumed_from_step": self.resumed_from,
-            "checkpoint": str(self.ckpt_path) if self.last_saved is not None else None,
-            "interrupted": interrupted, "diverged_at_step": diverged_at,
-            "run_metadata": run_metadata(self.device, self.precision.dtype),
-        }
+        summary = TrainSummary(
+            model=type(self.adapter.model).__name__, task=self.adapter.task,
+            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data_source,
+            steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
+            train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
+            perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
+            skipped_steps=self.hist.skipped_total, precision=self.precision.name,
+            precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
+            tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
+            optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
+            compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
+            compile_reason=info.reason if info else "off (compile=False)",
+            global_batch=cfg.batch_size * cfg.grad_accum_steps * env.world_size, world_size=env.world_size,
+            rank=env.rank, resumed_from_step=self.resumed_from,
+            checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
+            interrupted=interrupted, diverged_at_step=diverged_at,
+            run_metadata=run_metadata(self.device, self.precision.dtype),
+        )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())

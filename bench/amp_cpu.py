@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     for d in (int(s) for s in args.sizes.split(",")):
         model = load_model("tiny-gpt", d_model=d, max_len=args.seq_len)
         result = amp_benchmark(model, batch_size=args.batch_size, seq_len=args.seq_len,
-                               warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, repeats=args.repeats,
+                               untimed_steps=args.warmup_steps, timed_steps=args.timed_steps, repeats=args.repeats,
                                accuracy_steps=args.accuracy_steps, force=args.force, device="cpu")
         runs[f"d_model={d}"] = result.to_json()
         m = result.metadata
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
             print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).T.to_string())
             print(result.verdicts.to_string(index=False))
         for rec in result.records:
-            sp = rec["speed"] and rec["speed"]["speedup"]
+            sp = rec.speed and rec.speed["speedup"]
             if sp:
-                speedups.append(f"d_model={d}: {rec['precision']} {sp['median']:.2f}x fp32 "
+                speedups.append(f"d_model={d}: {rec.precision} {sp['median']:.2f}x fp32 "
                                 f"(IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={args.repeats} repeats"
                                 f"{', no measurable difference' if sp['no_measurable_difference'] else ''})")
     print("\nspeedup vs fp32 (ratio of median step times):")

@@ -395,7 +395,7 @@ def test_seq_len_past_max_len_is_capped_with_a_warning_and_recorded_everywhere()
     assert result.config["seq_len"] == 32
     with pytest.warns(UserWarning, match="seq_len=64 exceeds"):
         bench = tier_utils.amp_benchmark(_tiny(), "synthetic", precisions=["fp32"], batch_size=2, seq_len=64,
-                                         warmup_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, device="cpu",
+                                         untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, device="cpu",
                                          progress=False)
     assert bench.config["seq_len"] == 32
     with pytest.warns(UserWarning, match="seq_lens entry=64 exceeds"):

@@ -10,13 +10,14 @@ from matplotlib.figure import Figure
 
 from tier_utils import bench
 from tier_utils.adapter import adapt
-from tier_utils.bench import amp_benchmark, precision_list, schedule
+from tier_utils.bench import amp_benchmark, schedule
 from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
 from tier_utils.models import TinyGPT, load_model
 from tier_utils.precision import native_support, resolve_precision
+from tier_utils.settings import BenchConfig, precision_list
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,
@@ -34,7 +35,7 @@ CPU = torch.device("cpu")
 BF16_NATIVE = native_support("bf16", CPU)[0]
 FP16_NATIVE = native_support("fp16", CPU)[0]
 TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
-RUN = dict(batch_size=4, seq_len=16, warmup_steps=1, timed_steps=2, repeats=3, accuracy_steps=4, val_batches=2,
+RUN = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=2, repeats=3, accuracy_steps=4, eval_batches=2,
            progress=False, device="cpu")
 
 
@@ -77,20 +78,20 @@ def forced_fp16():
 
 
 def _rec(result, name):
-    return next(r for r in result.records if r["precision"] == name)
+    return next(r for r in result.records if r.precision == name)
 
 
 # --- full path on CPU -------------------------------------------------------------------------
 
 def test_precisions_run_or_skip_by_native_support(default_run):
     result = default_run[0]
-    assert [r["precision"] for r in result.records] == ["fp32", "bf16", "fp16"]
-    assert _rec(result, "fp32")["ran"]
-    assert _rec(result, "bf16")["ran"] == BF16_NATIVE
+    assert [r.precision for r in result.records] == ["fp32", "bf16", "fp16"]
+    assert _rec(result, "fp32").ran
+    assert _rec(result, "bf16").ran == BF16_NATIVE
     fp16 = _rec(result, "fp16")
-    assert fp16["ran"] == FP16_NATIVE
+    assert fp16.ran == FP16_NATIVE
     if not FP16_NATIVE:
-        assert fp16["speed"] is None and fp16["memory"] is None and fp16["accuracy"] is None
+        assert fp16.speed is None and fp16.memory is None and fp16.accuracy is None
         rows = result.verdicts[result.verdicts.precision == "fp16"]
         assert list(rows.status) == ["SKIP"] * 4
         assert all("avx512_fp16" in d and "force=True" in d for d in rows.detail)
@@ -98,25 +99,25 @@ def test_precisions_run_or_skip_by_native_support(default_run):
 
 def test_repeats_are_interleaved_across_precisions(default_run):
     result, _, _, order = default_run
-    ran = [(r["precision"], RUN["batch_size"]) for r in result.records if r["ran"]]
+    ran = [(r.precision, RUN["batch_size"]) for r in result.records if r.ran]
     assert order == (ran + [("fp32", 1)]) * RUN["repeats"]  # the 1-sequence floor step rides along
     assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
 def test_speed_statistics_over_repeats(default_run):
     result = default_run[0]
-    for rec in (r for r in result.records if r["ran"]):
-        speed = rec["speed"]
+    for rec in (r for r in result.records if r.ran):
+        speed = rec.speed
         assert speed["step_ms"]["n"] == RUN["repeats"] == len(speed["samples_ms"])
         assert speed["step_ms"]["q1"] <= speed["step_ms"]["median"] <= speed["step_ms"]["q3"]
         assert speed["timed_steps"] == RUN["timed_steps"]
-        assert rec["mfu"]["mfu"] == pytest.approx(rec["mfu"]["achieved_tflops"] / rec["mfu"]["peak_tflops"])
-        assert rec["mfu"]["probe"]["tflops"]["n"] == bench._PROBE_REPS * RUN["repeats"]
-        assert rec["mfu"]["peak_tflops"] == rec["mfu"]["probe"]["tflops"]["max"]
+        assert rec.mfu["mfu"] == pytest.approx(rec.mfu["achieved_tflops"] / rec.mfu["peak_tflops"])
+        assert rec.mfu["probe"]["tflops"]["n"] == bench._PROBE_REPS * RUN["repeats"]
+        assert rec.mfu["peak_tflops"] == rec.mfu["probe"]["tflops"]["max"]
     bf16 = _rec(result, "bf16")
-    if bf16["ran"]:
-        fp32 = _rec(result, "fp32")["speed"]["step_ms"]["median"]
-        assert bf16["speed"]["speedup"]["median"] == pytest.approx(fp32 / bf16["speed"]["step_ms"]["median"])
+    if bf16.ran:
+        fp32 = _rec(result, "fp32").speed["step_ms"]["median"]
+        assert bf16.speed["speedup"]["median"] == pytest.approx(fp32 / bf16.speed["step_ms"]["median"])
 
 
 def test_flops_counted_once_including_cpu_attention(default_run):
@@ -128,7 +129,7 @@ def test_flops_counted_once_including_cpu_attention(default_run):
 @pytest.mark.skipif(not BF16_NATIVE, reason="needs a CPU with native bf16")
 def test_memory_split_amp_shrinks_activations_not_static(default_run):
     result = default_run[0]
-    fp32, bf16 = _rec(result, "fp32")["memory"], _rec(result, "bf16")["memory"]
+    fp32, bf16 = _rec(result, "fp32").memory, _rec(result, "bf16").memory
     for key in ("weights_bytes", "grads_bytes", "optimizer_state_bytes"):
         assert fp32[key] == bf16[key] > 0  # AMP keeps fp32 master weights, grads and Adam state
     assert fp32["optimizer_state_bytes"] >= 2 * fp32["weights_bytes"]  # exp_avg + exp_avg_sq
@@ -141,7 +142,7 @@ def test_memory_split_amp_shrinks_activations_not_static(default_run):
 @pytest.mark.skipif(not BF16_NATIVE, reason="needs a CPU with native bf16")
 def test_accuracy_runs_share_start_and_batches(default_run):
     result = default_run[0]
-    fp32, bf16 = _rec(result, "fp32")["accuracy"], _rec(result, "bf16")["accuracy"]
+    fp32, bf16 = _rec(result, "fp32").accuracy, _rec(result, "bf16").accuracy
     assert len(fp32["loss_curve"]) == len(bf16["loss_curve"]) == RUN["accuracy_steps"]
     # Same weights and batch at step 0: the losses differ only by bf16 rounding.
     assert bf16["loss_curve"][0] == pytest.approx(fp32["loss_curve"][0], rel=1e-2)
@@ -159,10 +160,10 @@ def test_model_weights_restored(default_run):
 
 def test_forced_fp16_runs_with_cpu_grad_scaler(forced_fp16):
     result = forced_fp16
-    assert [r["precision"] for r in result.records] == ["fp32", "fp16"]  # fp32 added as the baseline
+    assert [r.precision for r in result.records] == ["fp32", "fp16"]  # fp32 added as the baseline
     fp16 = _rec(result, "fp16")
-    assert fp16["ran"] and fp16["forced"] == (not FP16_NATIVE)
-    acc = fp16["accuracy"]
+    assert fp16.ran and fp16.forced == (not FP16_NATIVE)
+    acc = fp16.accuracy
     assert len(acc["loss_scale"]) == acc["attempts"] == RUN["accuracy_steps"] + acc["skipped_steps"]
     assert acc["steps"] == len(acc["loss_curve"]) == RUN["accuracy_steps"]
     assert acc["loss_scale"][0] == 65536.0  # GradScaler's initial scale
@@ -198,7 +199,7 @@ def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    ms, losses = bench._timed_run(adapter, prec, start, batches, 1, 1e-3, _NO_BAR)
+    ms, losses = bench._timed_run(adapter, prec, start, batches, BenchConfig(untimed_steps=1), _NO_BAR)
     assert len(ms) == 2 and reads == [] and losses.shape == (3,)
 
 
@@ -206,7 +207,8 @@ def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
     adapter, prec, start = _fp16_parts()
     adapter.model.head.weight.register_hook(lambda grad: grad * float("inf"))
     splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
-    acc = bench._accuracy_run(adapter, prec, start, splits, 20, 4, 1, 1e-3, _NO_BAR)
+    cfg = BenchConfig(accuracy_steps=20, batch_size=4, eval_batches=1)
+    acc = bench._accuracy_run(adapter, prec, start, splits, cfg, _NO_BAR)
     # Every attempt at the first batch overflows: no update is applied, 17 skips halve the scale below 1.
     assert acc["diverged_at"] == 16 and acc["attempts"] == 17 and acc["skipped_steps"] == 17 and acc["steps"] == 0
     assert acc["diverged_reason"] == "fp16 loss scale fell below 1"
@@ -219,7 +221,7 @@ def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
     expected = torch.rand(3)
     torch.manual_seed(123)
     amp_benchmark(model, precisions=("fp32",), **{**RUN, "repeats": 1, "timed_steps": 1, "accuracy_steps": 1,
-                                                   "val_batches": 1})
+                                                   "eval_batches": 1})
     assert torch.equal(torch.rand(3), expected) and not model.training
 
 
@@ -231,9 +233,9 @@ def test_json_schema_exact_keys(forced_fp16):
     assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
     assert doc["schema"] == "tier_utils.bench/1"
     assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
-                                  "tokens_per_step", "warmup_steps", "timed_steps", "repeats", "accuracy_steps",
-                                  "val_batches", "lr", "weight_decay", "force", "compile", "compile_mode",
-                                  "thresholds"}
+                                  "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
+                                  "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
+                                  "compile_mode", "thresholds"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
@@ -273,8 +275,8 @@ def test_table_one_row_per_precision(default_run):
 
 def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["bench", "--precisions", "bf16", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
-            "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--val-batches", "3", "--no-progress",
+    args = ["bench", "--precisions", "bf16", "--batch-size", "4", "--seq-len", "16", "--untimed-steps", "0",
+            "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--eval-batches", "3", "--no-progress",
             "--json", str(out)]
     for k, v in TINY.items():
         args += ["--model-arg", f"{k}={v}"]
@@ -282,7 +284,7 @@ def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert code == (1 if doc["status"] == "FAIL" else 0)
     assert doc["config"]["precisions"] == ["fp32", "bf16"] and doc["config"]["repeats"] == 1
-    assert doc["config"]["val_batches"] == 3
+    assert doc["config"]["eval_batches"] == 3
     text = capsys.readouterr().out
     assert "speedup vs fp32" in text and "worst status" in text
     if BF16_NATIVE:
@@ -307,8 +309,8 @@ def test_bad_input_errors_name_the_fix():
 
 
 def test_precision_list_adds_baseline_and_dedupes():
-    assert precision_list(["bf16-mixed", "16", "bfloat16"]) == ["fp32", "bf16", "fp16"]
-    assert precision_list("fp16,fp32") == ["fp32", "fp16"]
+    assert precision_list(["bf16-mixed", "16", "bfloat16"]) == ("fp32", "bf16", "fp16")
+    assert precision_list("fp16,fp32") == ("fp32", "fp16")
 
 
 # --- verdict logic on synthetic measurements ------------------------------------------------------
@@ -415,8 +417,8 @@ def test_cuda_step_timer_reads_gpu_time_from_events():
 def test_a_skipped_fp16_step_is_retried_and_parity_still_passes():
     adapter, prec, start = _fp16_parts()
     splits = build_datasets(None, adapter.task, 16, adapter.vocab_size)
-    fp32 = bench._accuracy_run(adapter, resolve_precision("fp32", CPU, warn=False), start, splits, 8, 4, 1, 1e-3,
-                               _NO_BAR)
+    cfg = BenchConfig(accuracy_steps=8, batch_size=4, eval_batches=1)
+    fp32 = bench._accuracy_run(adapter, resolve_precision("fp32", CPU, warn=False), start, splits, cfg, _NO_BAR)
     calls = []
 
     def overflow_third_attempt(grad):
@@ -424,7 +426,7 @@ def test_a_skipped_fp16_step_is_retried_and_parity_still_passes():
         return grad * float("inf") if len(calls) == 3 else grad
 
     handle = adapter.model.head.weight.register_hook(overflow_third_attempt)
-    acc = bench._accuracy_run(adapter, prec, start, splits, 8, 4, 1, 1e-3, _NO_BAR)
+    acc = bench._accuracy_run(adapter, prec, start, splits, cfg, _NO_BAR)
     handle.remove()
     assert acc["skipped_steps"] == 1 and acc["attempts"] == 9 and acc["steps"] == len(acc["loss_curve"]) == 8
     assert acc["loss_scale"][2:4] == [65536.0, 32768.0] and acc["diverged_at"] is None
@@ -455,7 +457,7 @@ def test_nan_model_gets_no_pass_and_no_speed_verdict():
     speed = v[v.check == "speedup vs fp32"]
     assert list(speed.status) == ["FAIL", "FAIL"] and speed.value.isna().all()
     assert all(d.startswith("fp32 loss is nan on the first batch") for d in speed.detail)
-    assert all(r["speed"] is None and r["accuracy"] is None for r in result.records) and result.overhead is None
+    assert all(r.speed is None and r.accuracy is None for r in result.records) and result.overhead is None
     assert isinstance(result.plot(), Figure)
     json.dumps(result.to_json(), allow_nan=False)
 
@@ -466,7 +468,7 @@ def test_a_precision_whose_loss_is_nan_stops_alone():
     fp16 = result.verdicts[result.verdicts.precision == "fp16"]
     assert "PASS" not in set(fp16.status) and fp16.value.isna().all()
     assert all(d.startswith("fp16 loss is nan") for d in fp16.detail)
-    assert _rec(result, "fp16")["speed"] is None and _rec(result, "fp32")["speed"] is not None
+    assert _rec(result, "fp16").speed is None and _rec(result, "fp32").speed is not None
     assert result.overhead is not None
 
 
@@ -494,9 +496,9 @@ def test_launch_bound_rule_from_injected_timings():
     (100.0, 1000.0, "of its measured matmul peak"),
 ], ids=["fixed-cost", "low-mfu"])
 def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch, floor_ms, fp32_ms, why):
-    def fake(adapter, prec, start, batches, warmup, lr, bar, step_adapter=None):  # bf16 12 % slower, as on an H100
+    def fake(adapter, prec, start, batches, cfg, bar, step_adapter=None):  # bf16 12 % slower, as on an H100
         ms = floor_ms if len(batches[0]["input_ids"]) == 1 else fp32_ms * (1.12 if prec.name == "bf16" else 1.0)
-        return [ms] * (len(batches) - warmup), torch.zeros(len(batches))
+        return [ms] * (len(batches) - cfg.untimed_steps), torch.zeros(len(batches))
 
     monkeypatch.setattr(bench, "_timed_run", fake)
     result = amp_benchmark(_tiny(), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})

@@ -125,7 +125,7 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
 
 
 # --- amp_benchmark(compile=...) ------------------------------------------------------------------
-BENCH = dict(batch_size=4, seq_len=16, warmup_steps=1, timed_steps=2, repeats=3, accuracy_steps=3, val_batches=1,
+BENCH = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=2, repeats=3, accuracy_steps=3, eval_batches=1,
              progress=False, device="cpu")
 
 
@@ -195,7 +195,7 @@ def test_cli_compile_options(cheap_compile, tmp_path, capsys):
     sizes = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
     tiny = [a for k, v in sizes.items() for a in ("--model-arg", f"{k}={v}")]
     out = tmp_path / "bench.json"
-    code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--warmup-steps", "0",
+    code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--untimed-steps", "0",
                      "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress",
                      "--compile", "both", "--json", str(out), *tiny])
     doc = json.loads(out.read_text())

@@ -137,7 +137,7 @@ def test_family_trains_and_benchmarks(name):
     result = train(model, precision="fp32", max_steps=2, batch_size=2, seq_len=16, eval_every=0, eval_batches=1,
                    progress=False, device="cpu")
     assert result.summary.steps == 2 and 0 < result.summary.train_loss < float("inf")
-    bench = amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, warmup_steps=0, timed_steps=1,
-                          repeats=1, accuracy_steps=2, val_batches=1, device="cpu", progress=False)
+    bench = amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, untimed_steps=0, timed_steps=1,
+                          repeats=1, accuracy_steps=2, eval_batches=1, device="cpu", progress=False)
     record = bench.records[0] if isinstance(bench.records, list) else bench.records["fp32"]
     assert "FAIL" not in set(bench.verdicts.status) and record

@@ -181,7 +181,7 @@ def test_amp_benchmark_logs_its_tables(tmp_path):
 
     torch.manual_seed(0)
     result = amp_benchmark(load_model("tiny-gpt", **TINY), precisions=("fp32",), batch_size=4, seq_len=16,
-                           warmup_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, progress=False, device="cpu",
+                           untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, progress=False, device="cpu",
                            loggers="tensorboard", log_dir=str(tmp_path))
     (run,) = (tmp_path / "tensorboard").iterdir()
     assert run.name.startswith("amp_benchmark-TinyGPT-")

@@ -122,8 +122,8 @@ def test_training_plot_is_readable_and_shows_every_step_of_a_short_run(model, pr
 
 def test_benchmark_plot_is_readable_with_and_without_fp16(model):
     for precisions in (("fp32",), ("fp32", "fp16")):
-        result = amp_benchmark(model, precisions=precisions, force=True, batch_size=2, seq_len=16, warmup_steps=1,
-                               timed_steps=1, repeats=1, accuracy_steps=4, val_batches=1, progress=False,
+        result = amp_benchmark(model, precisions=precisions, force=True, batch_size=2, seq_len=16, untimed_steps=1,
+                               timed_steps=1, repeats=1, accuracy_steps=4, eval_batches=1, progress=False,
                                device="cpu")
         assert problems(result.plot()) == [], precisions
 
@@ -143,8 +143,8 @@ def test_no_plot_changes_global_matplotlib_state(model):
     _figures(smoke(model, checks=["gradients", "memory"], batch_sizes=(1,), seq_lens=(16,), progress=False))
     train(model, max_steps=2, eval_every=0, eval_batches=1, batch_size=2, seq_len=16, progress=False,
           device="cpu").plot()
-    amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, warmup_steps=1, timed_steps=1, repeats=1,
-                  accuracy_steps=2, val_batches=1, progress=False, device="cpu").plot()
+    amp_benchmark(model, precisions=("fp32",), batch_size=2, seq_len=16, untimed_steps=1, timed_steps=1, repeats=1,
+                  accuracy_steps=2, eval_batches=1, progress=False, device="cpu").plot()
     study = search(model, n_trials=2, max_steps=2, eval_every=1, eval_batches=1, batch_size=2, seq_len=16,
                    progress=False, device="cpu")
     study.plot("history")

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .bench_record import MIB
 from .plotting import caption, integer_axis, power_of_two_axis
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
-
-_MIB = 2**20
 
 
 def plot_benchmark(result) -> Figure:
@@ -16,13 +15,13 @@ def plot_benchmark(result) -> Figure:
 
     from .analysis.common import message_figure
 
-    ran = [r for r in result.records if r["speed"] is not None]  # neither skipped nor stopped
+    ran = [r for r in result.records if r.speed is not None]  # neither skipped nor stopped
     if not ran:
-        stopped = next((r["stopped"] for r in result.records if r["stopped"]), "no precision was timed")
+        stopped = next((r.stopped for r in result.records if r.stopped), "no precision was timed")
         return message_figure("AMP benchmark: nothing measured", stopped)
-    names = [r["precision"] + (" compiled" if r["mode"] == "compiled" else "") for r in ran]
-    curves = [(name, r) for name, r in zip(names, ran) if r["accuracy"]]
-    scaled = [(name, r) for name, r in curves if r["accuracy"]["loss_scale"]]
+    names = [r.precision + (" compiled" if r.mode == "compiled" else "") for r in ran]
+    curves = [(name, r) for name, r in zip(names, ran) if r.accuracy]
+    scaled = [(name, r) for name, r in curves if r.accuracy["loss_scale"]]
     # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
     fig = Figure(figsize=(12, 8) if scaled else (15, 4.5), layout="constrained")
     axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
@@ -30,7 +29,7 @@ def plot_benchmark(result) -> Figure:
     device = result.metadata["device_name"]
     fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
 
-    tps = [r["speed"]["tokens_per_s"] for r in ran]
+    tps = [r.speed["tokens_per_s"] for r in ran]
     err = [[s["median"] - s["q1"] for s in tps], [s["q3"] - s["median"] for s in tps]]
     ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
     ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
@@ -40,7 +39,7 @@ def plot_benchmark(result) -> Figure:
     bottom = [0.0] * len(ran)
     for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
                        ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
-        heights = [r["memory"][key] / _MIB for r in ran]
+        heights = [r.memory[key] / MIB for r in ran]
         ax_mem.bar(names, heights, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_mem.set_title("memory of one training step (saved-tensor accounting)")
@@ -49,7 +48,7 @@ def plot_benchmark(result) -> Figure:
     ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
 
     for name, r in curves:
-        curve = r["accuracy"]["loss_curve"]
+        curve = r.accuracy["loss_curve"]
         ax_loss.plot(range(1, len(curve) + 1), curve, label=name)
     ax_loss.set_title("training loss, same start and batches")
     ax_loss.set_xlabel("applied optimizer update")
@@ -61,11 +60,11 @@ def plot_benchmark(result) -> Figure:
                      transform=ax_loss.transAxes)
 
     for name, r in scaled:
-        trace, skipped = r["accuracy"]["loss_scale"], r["accuracy"]["skipped_steps"]
+        trace, skipped = r.accuracy["loss_scale"], r.accuracy["skipped_steps"]
         axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
     if scaled:
         axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
-        power_of_two_axis(axes[3], [v for _, r in scaled for v in r["accuracy"]["loss_scale"]])
+        power_of_two_axis(axes[3], [v for _, r in scaled for v in r.accuracy["loss_scale"]])
         axes[3].legend()
     if scaled:
         axes[3].set_xlabel("attempted step (a skipped one is retried)")

@@ -15,12 +15,12 @@ import torch
 
 from .bench import _FLOOR_TOKENS, _timed_run
 from .precision import resolve_precision
-from .settings import Thresholds
+from .settings import BenchConfig, Thresholds
 from .verdicts import TARGET_FIXED_SHARE, launch_bound
 
 MAX_DOUBLINGS = 10  # 8 -> 8192 sequences: past that, a model is no longer "tiny at this size"
 MEMORY_FRACTION = 0.5  # of the GPU's memory: the benchmark also holds low-precision copies and AdamW state
-_WARMUP, _TIMED = 2, 3
+_UNTIMED, _TIMED = 2, 3
 _NO_BAR = types.SimpleNamespace(update=lambda n=1: None)
 
 
@@ -56,23 +56,24 @@ def grow_batch(batch_size: int, measure, budget_bytes: int | None, t: Thresholds
     return {"batch_size": chosen, "from_batch_size": batch_size, "trail": trail, "reason": why}
 
 
-def fp32_measure(adapter, seq_len: int, lr: float = 1e-3):
+def fp32_measure(adapter, seq_len: int, lr: float = BenchConfig.lr):
     """`measure(b)` for grow_batch: fp32 steps at batch b and at one short sequence on the model's device,
     median of the timed steps and the CUDA peak; the model's weights are restored after each call."""
     dev = adapter.device
     prec = resolve_precision("fp32", dev, warn=False)
+    cfg = BenchConfig(untimed_steps=_UNTIMED, lr=lr)  # the benchmark's optimizer, clipping and seed
     start = copy.deepcopy(adapter.model.state_dict())
-    floor = [adapter.example_batch(1, min(_FLOOR_TOKENS, seq_len))] * (_WARMUP + _TIMED)
+    floor = [adapter.example_batch(1, min(_FLOOR_TOKENS, seq_len))] * (_UNTIMED + _TIMED)
 
     def measure(b: int) -> dict | None:
         cuda, oom = dev.type == "cuda", False
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
-            batches = [adapter.example_batch(b, seq_len, seed=i) for i in range(_WARMUP + _TIMED)]
-            step_ms = statistics.median(_timed_run(adapter, prec, start, batches, _WARMUP, lr, _NO_BAR)[0])
+            batches = [adapter.example_batch(b, seq_len, seed=i) for i in range(_UNTIMED + _TIMED)]
+            step_ms = statistics.median(_timed_run(adapter, prec, start, batches, cfg, _NO_BAR)[0])
             peak = torch.cuda.max_memory_allocated(dev) if cuda else None
-            floor_ms = statistics.median(_timed_run(adapter, prec, start, floor, _WARMUP, lr, _NO_BAR)[0])
+            floor_ms = statistics.median(_timed_run(adapter, prec, start, floor, cfg, _NO_BAR)[0])
         except torch.cuda.OutOfMemoryError:
             oom = True
         finally:

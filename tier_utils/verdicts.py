@@ -209,6 +209,52 @@ def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -
     return [PrecisionCheck(names[c][0], "SKIP", None, names[c][1], reason, precision) for c in criteria]
 
 
+def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
+                  overhead: dict | None) -> list[PrecisionCheck]:
+    """The verdict rows of a benchmark's PrecisionRecord `rec` against the baseline's `base`; a compiled
+    one's also judge it against the same precision eager. `skip_reason`: why it did not run."""
+    rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead)
+    info, vs_eager = rec.compile, (rec.speed or {}).get("speedup_vs_eager")
+    if info is not None and not info["compiled"]:
+        rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], rec.precision))
+    elif vs_eager is not None:
+        ms = rec.speed["step_ms"]
+        saved_ms = vs_eager["median"] * ms["median"] - ms["median"]  # eager's median step minus this one's
+        rows.insert(0, compile_check(rec.precision, vs_eager, ms["n"], info["compile_s"], saved_ms, t))
+    for row in rows:
+        row.mode = rec.mode
+    return rows
+
+
+def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
+                      overhead: dict | None) -> list[PrecisionCheck]:
+    name = rec.precision
+    if rec.stopped:
+        return nonfinite_checks(name, rec.stopped, t)
+    if rec is base:
+        return skip_checks(name, "fp32 is the baseline the others are compared with", t)
+    if not rec.ran:
+        return skip_checks(name, skip_reason, t)
+    forced = " [forced: not native on this device]" if rec.forced else ""
+    rows = []
+    if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
+        rows += [speed_check(name, rec.speed["speedup"], rec.speed["step_ms"]["n"], t, overhead),
+                 memory_check(name, rec.memory["reduction"], t)]
+    if not accuracy_steps:
+        rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
+    elif base.accuracy["diverged_at"] is not None:
+        rows += skip_checks(name, f"fp32 baseline diverged at step {base.accuracy['diverged_at']}; lower lr", t,
+                            ("accuracy", "parity"))
+    else:
+        acc = rec.accuracy
+        diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
+        rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
+                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"])]
+    for row in rows:
+        row.detail += forced
+    return rows
+
+
 def _pct(fraction: float) -> str:
     return f"{-fraction:+.1%}"  # a 40 % reduction reads as -40.0 %
 

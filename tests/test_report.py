@@ -103,8 +103,8 @@ def test_all_refuses_a_file_as_out_dir_before_running(tmp_path, capsys):
 def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_sizes, monkeypatch):
     real_train = report.train
 
-    def diverging(model, data, **settings):
-        partial = real_train(model, data, **{**settings, "max_steps": 1})
+    def diverging(model, data, config):
+        partial = real_train(model, data, config, max_steps=1)
         partial.summary.diverged_at_step = 2
         raise TrainingDiverged(2, "fp16", float("nan"), result=partial)
 
@@ -129,11 +129,11 @@ def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeyp
     real_train = report.train
     ran = []
 
-    def interrupted(model, data, **settings):
+    def interrupted(model, data, config):
         def ctrl_c(step, metrics):
             raise KeyboardInterrupt
 
-        return real_train(model, data, on_eval=ctrl_c, **settings)  # train() returns a partial result
+        return real_train(model, data, config, on_eval=ctrl_c)  # train() returns a partial result
 
     monkeypatch.setattr(report, "train", interrupted)
     for tier in ("smoke", "analyze", "amp_benchmark"):
@@ -147,7 +147,7 @@ def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
     seeds = []
     monkeypatch.setattr(report, "smoke", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(report, "analyze", lambda *a, **k: Fake(["PASS"]))
-    monkeypatch.setattr(report, "_train", lambda *a, **k: seeds.append(k["seed"]) or Fake(["PASS"]))
+    monkeypatch.setattr(report, "_train", lambda model, data, config: seeds.append(config.seed) or Fake(["PASS"]))
     monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(report.AllResult, "summary_text", lambda self: "")  # it reads real tier tables
     assert main(["all", *TINY, "--out", str(tmp_path / "r"), "--fast", "--seed", "7", "--no-progress"]) == 0

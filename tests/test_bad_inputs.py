@@ -20,7 +20,7 @@ from tier_utils.adapter import adapt
 from tier_utils.checkpoint import load_checkpoint, save_checkpoint
 from tier_utils.cli import main
 from tier_utils.errors import ModelForwardError, TierError
-from tier_utils.results import atomic_write_bytes
+from tier_utils.files import atomic_write_bytes
 
 MODELS = textwrap.dedent('''
     import torch

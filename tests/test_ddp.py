@@ -32,13 +32,13 @@ DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity"
 # starts optimizer step k (after the checkpoint of step k-2 is on disk).
 _WORKER = textwrap.dedent("""
     import importlib, os, pathlib, signal, sys
-    import tier_utils.checkpoint, tier_utils.history, tier_utils.results
+    import tier_utils.checkpoint, tier_utils.files, tier_utils.history
     from tier_utils import cli
 
     if int(os.environ["RANK"]) != 0:
         def forbidden(*args, **kwargs):
             raise AssertionError(f"rank {os.environ['RANK']} tried to write a file")
-        for mod in (tier_utils.checkpoint, tier_utils.history, tier_utils.results):
+        for mod in (tier_utils.checkpoint, tier_utils.files, tier_utils.history):
             mod.atomic_write_bytes = forbidden  # checkpoints, metrics.csv, training.png, --json
         pathlib.Path.write_bytes = pathlib.Path.write_text = forbidden
     kill_at = int(os.environ.get("KILL_AT", 0))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import TierError
-from .results import atomic_write_bytes
+from .files import atomic_write_bytes
 
 CHECKPOINT_NAME = "last.pt"
 FORMAT = 1

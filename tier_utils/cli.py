@@ -11,10 +11,11 @@ import warnings
 
 from .compiling import COMPILE_MODES
 from .errors import ModelForwardError, TierError, one_line
+from .files import write_json
 from .models import DEFAULT_MODEL
 from .precision import PRECISION_NAMES, canonical_precision
-from .results import whole_number, writable_dir, writable_file, write_json
 from .train_config import TrainConfig
+from .validation import whole_number, writable_dir, writable_file
 
 
 def _precision(value: str) -> str:
@@ -114,8 +115,8 @@ def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
     from .checkpoint import seed_everything
+    from .files import jsonable
     from .models import load_model
-    from .results import jsonable
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)

@@ -23,9 +23,11 @@ import torch
 from .adapter import resolve_model
 from .data import build_datasets, make_loader
 from .errors import TierError, one_line
+from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .precision import resolve_precision
-from .results import Check, Result, atomic_write_bytes, checks_table, jsonable, run_metadata, whole_number, worst_status
+from .results import Check, Result, checks_table, run_metadata, worst_status
+from .validation import whole_number
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"

@@ -16,9 +16,10 @@ import pandas as pd
 import torch
 
 from .data import to_device
+from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .plotting import caption, integer_axis, power_of_two_axis
-from .results import Result, atomic_write_bytes, jsonable
+from .results import Result
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                    "loss_scale", "skipped_steps", "tokens_per_s", "step_time_ms", "max_memory_mb", "gpu_util_pct"]

@@ -25,7 +25,9 @@ from .errors import ModelForwardError
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
+from .files import atomic_write_bytes, jsonable, write_json
+from .results import STATUSES, Result, run_metadata, worst_status
+from .validation import writable_dir
 from .smoke import smoke
 from .train import TrainingDiverged, train
 

@@ -15,23 +15,15 @@ import torch
 
 from .adapter import resolve_model
 from .errors import ModelForwardError
+from .files import jsonable
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
 from .plotting import category_ticks
 from .precision import Precision, resolve_precision
 from .progress import progress_bar
-from .results import (
-    Check,
-    Result,
-    checks_table,
-    failed_check,
-    jsonable,
-    run_metadata,
-    select_names,
-    whole_number,
-    worst_status,
-)
+from .results import Check, Result, checks_table, failed_check, run_metadata, worst_status
 from .smoke_checks import CHECK_GROUPS
+from .validation import select_names, whole_number
 
 
 @dataclass(repr=False)

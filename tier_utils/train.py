@@ -39,8 +39,9 @@ from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
 from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
-from .results import run_metadata, writable_dir
+from .results import run_metadata
 from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, make_config
+from .validation import writable_dir
 
 
 class TrainingDiverged(TierError):

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from .compiling import check_compile_mode
 from .loggers import logger_names
 from .precision import canonical_precision
-from .results import whole_number
+from .validation import whole_number
 
 # Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",

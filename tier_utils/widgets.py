@@ -16,7 +16,7 @@ import torch
 
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
-from .results import whole_number
+from .validation import whole_number
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "precision", "batch_size", "compile")

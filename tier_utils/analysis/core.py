@@ -14,10 +14,12 @@ import pandas as pd
 from ..adapter import resolve_model
 from ..data import build_datasets, make_loader, to_device
 from ..errors import DataError, ModelForwardError
+from ..files import jsonable
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
 from ..progress import progress_bar
-from ..results import Check, Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
+from ..results import Check, Result, failed_check, run_metadata, worst_status
+from ..validation import select_names, whole_number
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 

@@ -17,10 +17,11 @@ import pandas as pd
 import pytest
 import torch
 
-from tier_utils.checkpoint import load_checkpoint, seed_everything
+from tier_utils.checkpoint import load_checkpoint
 from tier_utils.data import build_datasets
 from tier_utils.distributed import DistEnv, eval_shard
 from tier_utils.models import load_model
+from tier_utils.seeding import seed_everything
 from tier_utils.train import train
 
 MODEL_ARGS = ["d_model=32", "n_layer=1", "n_head=2", "max_len=32"]

@@ -5,8 +5,8 @@ import warnings
 
 import torch
 
-from tier_utils.checkpoint import seed_everything
 from tier_utils.models import load_model
+from tier_utils.seeding import seed_everything
 from tier_utils.train import train
 
 

@@ -13,7 +13,6 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
-from .checkpoint import rng_state, set_rng_state
 from .compiling import check_compile_mode, compile_for_training, compile_modes
 from .data import build_datasets, make_loader, to_device
 from .files import jsonable
@@ -33,6 +32,7 @@ from .measure import (
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, checks_table, run_metadata, worst_status
+from .seeding import rng_state, set_rng_state
 from .train import TrainStep, make_optimizer, make_scheduler
 from .validation import whole_number
 from .verdicts import (

@@ -114,9 +114,9 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
-    from .checkpoint import seed_everything
     from .files import jsonable
     from .models import load_model
+    from .seeding import seed_everything
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .adapter import ModelAdapter
-from .checkpoint import rng_state, set_rng_state
 from .errors import one_line
 from .precision import Precision
+from .seeding import rng_state, set_rng_state
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
 

@@ -27,10 +27,7 @@ from .checkpoint import (
     data_fingerprint,
     describe_data,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    seed_everything,
-    set_rng_state,
 )
 from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
@@ -40,6 +37,7 @@ from .loggers import open_train_run
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata
+from .seeding import rng_state, seed_everything, set_rng_state
 from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, make_config
 from .validation import writable_dir
 

@@ -24,7 +24,8 @@ from tier_utils import cli
 from tier_utils.adapter import adapt
 from tier_utils.checkpoint import CheckpointError, load_checkpoint
 from tier_utils.data import build_datasets, make_loader
-from tier_utils.history import History, TrainResult, evaluate
+from tier_utils.history import History, TrainResult
+from tier_utils.metrics import evaluate
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.train import StepOutput, TrainConfig, TrainingDiverged, TrainStep, make_optimizer, make_scheduler, train

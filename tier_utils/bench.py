@@ -16,7 +16,6 @@ from .adapter import resolve_model
 from .compiling import check_compile_mode, compile_for_training, compile_modes
 from .data import build_datasets, make_loader, to_device
 from .files import jsonable
-from .history import evaluate
 from .loggers import log_result_tables, logger_names, run_stamp
 from .measure import (
     SavedTensorMeter,
@@ -29,6 +28,7 @@ from .measure import (
     static_memory,
     summarize,
 )
+from .metrics import evaluate
 from .precision import canonical_precision, native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, checks_table, run_metadata, worst_status

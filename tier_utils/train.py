@@ -32,8 +32,9 @@ from .checkpoint import (
 from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
-from .history import MAX_STEP_ROWS, History, TrainResult, evaluate, step_stats
+from .history import MAX_STEP_ROWS, History, TrainResult, step_stats
 from .loggers import open_train_run
+from .metrics import evaluate
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata

@@ -22,7 +22,7 @@ import torch
 
 from .adapter import resolve_model
 from .data import build_datasets, make_loader
-from .errors import TierError, one_line
+from .errors import TierError, describe, one_line
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .precision import resolve_precision
@@ -195,9 +195,8 @@ def _reason(exc: BaseException) -> str:
         root = root.__cause__
     text = str(root)
     where = re.search(r'File "([^"]+)", line (\d+), in (\w+)', text.split("The following call raised this error:")[-1])
-    first = one_line(text.strip().splitlines()[0] if text.strip() else root)[:300]
     at = f" at {where.group(1)}:{where.group(2)} in {where.group(3)}()" if where else ""
-    return f"{type(root).__name__}: {first}{at}"
+    return describe(root, text=text.strip().splitlines()[0] if text.strip() else None) + at
 
 
 @contextlib.contextmanager

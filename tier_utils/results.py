@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .errors import one_line
+from .errors import describe
 from .files import write_json
 
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
@@ -34,7 +34,7 @@ class Check:
 
 def failed_check(name: str, exc: BaseException) -> Check:
     """An exception as its FAIL row. One line, capped: a multi-line message would break the table."""
-    return Check(name, "FAIL", None, None, f"raised {type(exc).__name__}: {one_line(exc)[:300]}")
+    return Check(name, "FAIL", None, None, f"raised {describe(exc)}")
 
 
 def checks_table(checks: list[Check], extra_columns: tuple[str, ...] = ()) -> pd.DataFrame:

@@ -243,7 +243,7 @@ def test_cli_subprocess_no_traceback(files, tmp_path):
         assert "Traceback" not in r.stderr
         if code == 2:
             assert len(r.stderr.strip().splitlines()) == 1
-    assert json.loads((tmp_path / "s.json").read_text())["worst"] == "FAIL"
+    assert json.loads((tmp_path / "s.json").read_text())["status"] == "FAIL"
 
 
 # -- the Python API -------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_healthy_models_pass_every_check(spec, kwargs):
     bad = table[table.status.isin(["FAIL", "WARN"])]
     assert bad.empty, bad.to_string()
     assert set(table.check[table.status == "SKIP"]) <= JUSTIFIED_SKIPS
-    assert report.passed and report.worst == "PASS"
+    assert report.passed and report.status == "PASS"
     assert len(report.latency) == 2 and all(len(r["samples_ms"]) == 3 for r in report.latency)
     assert [m["batch_size"] for m in report.memory] == [1, 2]
     assert report.grad_norms and all(v > 0 for v in report.grad_norms.values())
@@ -82,7 +82,7 @@ def test_nan_output_fails_stability():
     finite_rows = report.table[report.table.check.str.contains("token|max length")]
     assert len(finite_rows) == 4 and (finite_rows.status == "FAIL").all()
     assert finite_rows.detail.str.contains("NaN").all()
-    assert report.worst == "FAIL"
+    assert report.status == "FAIL"
 
 
 def test_forward_that_raises_gives_fail_rows_not_a_crash():
@@ -232,7 +232,7 @@ def test_json_plot_and_table_formats(tmp_path):
     assert len(latency_ax.get_xticklabels()) == 4
     assert len(memory_ax.patches) == 2
     report.save_json(tmp_path / "smoke.json")
-    assert json.loads((tmp_path / "smoke.json").read_text())["worst"] == report.worst
+    assert json.loads((tmp_path / "smoke.json").read_text())["status"] == report.status
 
 
 MODEL_FILE = textwrap.dedent('''
@@ -258,7 +258,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     code = main(["smoke", "--model", f"{tmp_path / 'nan_model.py'}:NaNGPT", "--checks", "stability",
                  "--json", str(bad)] + SMALL)
     assert code == 1
-    assert json.loads(bad.read_text())["worst"] == "FAIL"
+    assert json.loads(bad.read_text())["status"] == "FAIL"
     capsys.readouterr()
 
     assert main(["smoke", "--checks", "shapes,speed"] + SMALL) == 2

@@ -191,6 +191,11 @@ class TrainResult(Result):
     config: dict = field(default_factory=dict)
 
     @property
+    def status(self) -> str | None:
+        """Training's only verdict is divergence: FAIL then, else None (a finished run has none)."""
+        return "FAIL" if self.summary.get("diverged_at_step") is not None else None
+
+    @property
     def table(self) -> pd.DataFrame:
         """The summary to read at a glance, as (metric, value) rows of text; `.summary` and the JSON
         keep every figure as numbers (quartiles, run metadata, ...)."""

@@ -87,6 +87,12 @@ class Result(ABC):
     def save_json(self, path) -> Path:
         return write_json(path, self.to_json())
 
+    @property
+    def status(self) -> str | None:
+        """The worst PASS/WARN/FAIL/SKIP of the table's verdicts; None for a table without any."""
+        table = self.table
+        return worst_status(table["status"]) if "status" in table.columns else None
+
     def overview(self) -> pd.DataFrame:
         """The short table that printing the result shows; `.table` is the full one."""
         return self.table

@@ -51,12 +51,12 @@ class SmokeReport(Result):
         return table
 
     @property
-    def worst(self) -> str:
+    def status(self) -> str:
         return worst_status(c.status for c in self.checks)
 
     @property
     def passed(self) -> bool:
-        return self.worst != "FAIL"
+        return self.status != "FAIL"
 
     @property
     def latency_table(self) -> pd.DataFrame:
@@ -71,16 +71,16 @@ class SmokeReport(Result):
 
     def headline(self) -> str:
         counts = ", ".join(f"{sum(c.status == s for c in self.checks)} {s}" for s in ("PASS", "WARN", "FAIL", "SKIP"))
-        return (f"smoke {self.model.get('model')}: {self.worst} ({counts}) in {self.seconds:.1f} s on "
+        return (f"smoke {self.model.get('model')}: {self.status} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}")
 
     def to_json(self) -> dict:
         return jsonable({
-            "passed": self.passed, "worst": self.worst, "checks": [asdict(c) for c in self.checks], "model": self.model,
-            "precision": self.precision.to_dict(), "run_metadata": self.metadata, "batch_sizes": self.batch_sizes,
-            "seq_lens": self.seq_lens, "seconds": self.seconds, "grad_norms": self.grad_norms,
-            "latency": self.latency_table, "latency_samples_ms": self.latency, "memory": self.memory,
-            "parameters": self.parameters if self.parameters is not None else [],
+            "passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
+            "model": self.model, "precision": self.precision.to_dict(), "run_metadata": self.metadata,
+            "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
+            "grad_norms": self.grad_norms, "latency": self.latency_table, "latency_samples_ms": self.latency,
+            "memory": self.memory, "parameters": self.parameters if self.parameters is not None else [],
         })
 
     def plot(self):

@@ -92,9 +92,8 @@ def test_attention_on_builtin_gpt_scores_every_head_and_restores_the_flag(gpt_re
     assert model.training  # left in the mode it came in (a fresh module trains)
 
 
-def test_attention_capture_on_transformer_encoder_in_eval_mode():
-    torch.manual_seed(0)
-    model = load_model("tiny-encoder", **TINY).eval()
+def test_attention_capture_on_transformer_encoder_in_eval_mode(tiny_model):
+    model = tiny_model("tiny-encoder", seed=0).eval()
     ids = torch.randint(0, 256, (3, 10))
     with torch.no_grad():
         plain = model(ids)
@@ -154,9 +153,8 @@ def test_headroom_calls_a_healthy_model_fp16_safe(gpt_report):
     assert (drift.bf16_rel_dev.dropna() < 0.05).all() and (drift.bf16_rel_dev.dropna() > 0).any()
 
 
-def test_dtype_report_follows_cpu_bf16_autocast_rules():
-    torch.manual_seed(0)
-    model = TinyGPT(**TINY).eval()
+def test_dtype_report_follows_cpu_bf16_autocast_rules(tiny_model):
+    model = tiny_model(TinyGPT, seed=0).eval()
     model.blocks[0].attn.keep_attention = True  # the explicit q @ k^T path, so bmm shows up
     df = op_dtypes(_ctx(model), _ctx(model).batches[0], "bf16")
     dtypes = df.groupby("op").dtype.agg(set)
@@ -192,9 +190,8 @@ def test_robustness_agreement_is_exactly_one_at_zero_perturbation(gpt_report):
     assert not rows.status.eq("FAIL").any()
 
 
-def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode():
-    torch.manual_seed(0)
-    model = DropoutInEval(**TINY)
+def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode(tiny_model):
+    model = tiny_model(DropoutInEval, seed=0)
     report = analyze(adapt(model), analyses="robustness", precision="fp32", **SMALL)  # an adapter is accepted
     zero = report.frames["robustness"].query("level == 0")
     assert (zero.agreement < 0.9).all() and (zero.kl > 0).all()  # level 0 reruns the clean input
@@ -279,15 +276,14 @@ class NaNOutputGPT(TinyGPT):
         return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
 
 
-def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs():
-    torch.manual_seed(0)
-    out = analyze(NaNOutputGPT(**TINY), analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
+def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs(tiny_model):
+    model = tiny_model(NaNOutputGPT, seed=0)
+    out = analyze(model, analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
     assert "PASS" not in set(out.status) and (out.status == "FAIL").all()
     rec = out[out.check == "recommendation"].iloc[0]
     assert rec.value == "fp32 is not finite" and "model output" in rec.detail
     assert out[out.analysis == "robustness"].detail.str.contains("NaN/inf log-probabilities").all()
-    torch.manual_seed(0)
-    inner = TinyGPT(**TINY)
+    inner = tiny_model(TinyGPT, seed=0)
     with torch.no_grad():
         inner.blocks[0].attn.qkv.bias.fill_(float("nan"))  # NaN attention weights, NaN in fp32 layers
     table = analyze(inner, analyses=["attention", "headroom"], precision="fp32", **SMALL).table

@@ -26,7 +26,7 @@ from .errors import TierError, describe, one_line
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .precision import resolve_precision
-from .results import Check, Result, checks_table, run_metadata, worst_status
+from .results import Check, Result, checks_table, run_metadata
 from .validation import whole_number
 
 FORMATS = ("onnx", "pt2")
@@ -63,10 +63,6 @@ class ExportResult(Result):
     metadata: dict
     checks: list
     latency: list  # per shape and runner: n, median/IQR ms
-
-    @property
-    def status(self) -> str:
-        return worst_status(c.status for c in self.checks)
 
     @property
     def table(self) -> pd.DataFrame:

@@ -132,10 +132,6 @@ class AllResult(Result):
     bench_size: dict | None = None  # grow_batch()'s choice on a GPU; None where the default size was used
 
     @property
-    def status(self) -> str:
-        return worst_status(s for s in self.statuses.values() if s)
-
-    @property
     def model_status(self) -> str:
         """The worst status of the model's own checks (smoke, analysis, training), not the benchmark's.
 
@@ -198,12 +194,8 @@ def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: 
     shown["value"] = shown["value"].map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
     lines = shown.to_string(index=False).splitlines()
     room = max(20, width - 2 - max(len(line) for line in lines) - 2)
-    details = ["detail"] + [_clip(str(d), room) for d in rows["detail"]]
+    details = ["detail"] + [d if len(d) <= room else d[:room - 3] + "..." for d in map(str, rows["detail"])]
     return [head] + [f"  {line}  {d}" for line, d in zip(lines, details)]
-
-
-def _clip(text: str, room: int) -> str:
-    return text if len(text) <= room else text[:room - 3] + "..."
 
 
 def _train_line(s: dict, seconds: float) -> str:

@@ -21,7 +21,7 @@ from .models import DEFAULT_MODEL
 from .plotting import category_ticks
 from .precision import Precision, resolve_precision
 from .progress import progress_bar
-from .results import Check, Result, checks_table, failed_check, run_metadata, worst_status
+from .results import Check, Result, checks_table, failed_check, run_metadata
 from .smoke_checks import CHECK_GROUPS
 from .validation import select_names, whole_number
 
@@ -49,10 +49,6 @@ class SmokeReport(Result):
         table = checks_table(self.checks)
         table["value"] = [f"{v:.4g}" if isinstance(v, float) else v for v in table["value"]]
         return table
-
-    @property
-    def status(self) -> str:
-        return worst_status(c.status for c in self.checks)
 
     @property
     def passed(self) -> bool:

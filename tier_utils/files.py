@@ -39,12 +39,6 @@ def jsonable(obj):
     return str(obj)
 
 
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it: set and put back
-    os.umask(mask)
-    return mask
-
-
 def atomic_write_bytes(path, data: bytes) -> Path:
     """Write via a temp file in the same folder, fsync, then rename: never a half-written file.
 
@@ -58,7 +52,9 @@ def atomic_write_bytes(path, data: bytes) -> Path:
             stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        mask = os.umask(0)  # the only way to read the umask: set it and put it back
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np  # always installed: pandas and matplotlib need it
 import torch
 
 
@@ -10,11 +11,7 @@ def seed_everything(seed: int) -> None:
     """Seed torch (CPU and CUDA), Python's random and numpy."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
+    np.random.seed(seed % 2**32)
 
 
 def rng_state() -> dict:
@@ -24,13 +21,9 @@ def rng_state() -> dict:
              "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached": float(cached)}
-    except ImportError:
-        pass
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)}
     return state
 
 
@@ -40,7 +33,5 @@ def set_rng_state(state: dict) -> None:
     random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        s = state["numpy"]
-        np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+    s = state["numpy"]  # every state has it: numpy is always installed
+    np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))

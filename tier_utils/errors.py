@@ -32,7 +32,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def describe(exc: BaseException, limit: int | None = 300, text: str | None = None) -> str:
-    """"TypeError: message" on one line, the message capped at `limit` characters (None: whole) so it
-    fits a table cell or an error line. `text` stands in for the message where only part of it helps."""
+    """The exception as one line, "TypeError: message", the message capped at `limit` characters (None:
+    whole) so it fits a table cell or an error line. `text` stands in for the message where part of it helps."""
     message = one_line(exc) if text is None else " ".join(text.split())
     return f"{type(exc).__name__}: {message[:limit]}"

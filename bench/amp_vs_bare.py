@@ -37,7 +37,8 @@ from tier_utils import measure
 from tier_utils.measure import StepTimer, summarize
 from tier_utils.models import load_model
 from tier_utils.precision import resolve_device, resolve_precision
-from tier_utils.results import run_metadata, write_json
+from tier_utils.files import write_json
+from tier_utils.results import run_metadata
 
 
 def batches(seq_len: int, batch_size: int, n: int, dev) -> list[dict]:

@@ -31,10 +31,11 @@ import torch
 
 from tier_utils.compiling import COMPILE_MODES
 from tier_utils.data import build_datasets, make_loader, to_device
+from tier_utils.files import write_json
 from tier_utils.measure import StepTimer, count_flops, probe_ms, probe_size, summarize
 from tier_utils.models import load_model
-from tier_utils.results import run_metadata, write_json
-from tier_utils.train import make_optimizer, make_scheduler, optimizer_impl, train
+from tier_utils.results import run_metadata
+from tier_utils.train import make_optimizer, make_scheduler, train
 
 SHAPE = dict(d_model=768, n_layer=12, n_head=12, max_len=1024)
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s, no sparsity), for context only.

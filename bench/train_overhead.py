@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from tier_utils.data import build_datasets
+from tier_utils.files import write_json
 from tier_utils.measure import summarize
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, device_name, resolve_precision
-from tier_utils.results import run_metadata, write_json
+from tier_utils.results import run_metadata
 from tier_utils.train import make_optimizer, make_scheduler, train
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from tiny import TINY
 
 from tier_utils import TinyGPT, adapt, analyze, load_model
 from tier_utils.analysis import ANALYSES, capture_attention, core
@@ -15,8 +16,6 @@ from tier_utils.cli import main
 from tier_utils.errors import ModelSpecError
 from tier_utils.precision import resolve_precision
 
-GPT = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
-ENCODER = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 HF_BERT = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=256,
                max_position_embeddings=64, num_labels=4)
 SMALL = dict(batch_size=4, n_batches=1, seq_len=32, progress=False)
@@ -51,7 +50,7 @@ class DropoutInEval(TinyGPT):
 @pytest.fixture(scope="module")
 def gpt_report():
     torch.manual_seed(0)
-    model = TinyGPT(**GPT)
+    model = TinyGPT(**TINY)
     return model, analyze(model, precision="fp32", **SMALL)
 
 
@@ -83,7 +82,7 @@ def test_table_and_frame_columns_are_exact(gpt_report):
 def test_attention_on_builtin_gpt_scores_every_head_and_restores_the_flag(gpt_report):
     model, report = gpt_report
     heads = report.frames["attention"]
-    assert len(heads) == GPT["n_layer"] * GPT["n_head"]
+    assert len(heads) == TINY["n_layer"] * TINY["n_head"]
     assert heads.entropy.between(0, 1.0001).all() and heads.max_weight.between(0, 1).all()
     # each query row's mass over distances sums to 1
     per_head = report.frames["attention_distance"].groupby(["layer", "head"]).weight.sum()
@@ -93,9 +92,8 @@ def test_attention_on_builtin_gpt_scores_every_head_and_restores_the_flag(gpt_re
     assert model.training  # left in the mode it came in (a fresh module trains)
 
 
-def test_attention_capture_on_transformer_encoder_in_eval_mode():
-    torch.manual_seed(0)
-    model = load_model("tiny-encoder", **ENCODER).eval()
+def test_attention_capture_on_transformer_encoder_in_eval_mode(tiny_model):
+    model = tiny_model("tiny-encoder", seed=0).eval()
     ids = torch.randint(0, 256, (3, 10))
     with torch.no_grad():
         plain = model(ids)
@@ -105,13 +103,13 @@ def test_attention_capture_on_transformer_encoder_in_eval_mode():
     assert cap.source == "nn.MultiheadAttention hooks"
     assert [name for name, _ in cap.maps] == ["encoder.layers.0.self_attn"]
     weights = cap.maps[0][1]
-    assert weights.shape == (3, ENCODER["n_head"], 10, 10)
+    assert weights.shape == (3, TINY["n_head"], 10, 10)
     assert weights.sum(-1) == pytest.approx(torch.ones(3, 2, 10), abs=1e-5)
     assert torch.allclose(plain, captured, atol=1e-5)  # capturing does not change the model's output
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     report = analyze(model, analyses=["attention"], **SMALL)
     assert report.table.status.iloc[0] in ("PASS", "WARN")
-    assert len(report.frames["attention"]) == ENCODER["n_head"]
+    assert len(report.frames["attention"]) == TINY["n_head"]
 
 
 def test_attention_capture_on_hf_bert_restores_its_attention_implementation():
@@ -155,9 +153,8 @@ def test_headroom_calls_a_healthy_model_fp16_safe(gpt_report):
     assert (drift.bf16_rel_dev.dropna() < 0.05).all() and (drift.bf16_rel_dev.dropna() > 0).any()
 
 
-def test_dtype_report_follows_cpu_bf16_autocast_rules():
-    torch.manual_seed(0)
-    model = TinyGPT(**GPT).eval()
+def test_dtype_report_follows_cpu_bf16_autocast_rules(tiny_model):
+    model = tiny_model(TinyGPT, seed=0).eval()
     model.blocks[0].attn.keep_attention = True  # the explicit q @ k^T path, so bmm shows up
     df = op_dtypes(_ctx(model), _ctx(model).batches[0], "bf16")
     dtypes = df.groupby("op").dtype.agg(set)
@@ -172,7 +169,7 @@ def test_dtype_report_follows_cpu_bf16_autocast_rules():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dtype_report_on_cuda_keeps_softmax_in_fp32():
-    model = TinyGPT(**GPT).cuda().eval()
+    model = TinyGPT(**TINY).cuda().eval()
     model.blocks[0].attn.keep_attention = True
     adapter = adapt(model)
     batches, _ = core.real_batches(adapter, None, 2, 1, 16, "cuda")
@@ -193,9 +190,8 @@ def test_robustness_agreement_is_exactly_one_at_zero_perturbation(gpt_report):
     assert not rows.status.eq("FAIL").any()
 
 
-def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode():
-    torch.manual_seed(0)
-    model = DropoutInEval(**GPT)
+def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode(tiny_model):
+    model = tiny_model(DropoutInEval, seed=0)
     report = analyze(adapt(model), analyses="robustness", precision="fp32", **SMALL)  # an adapter is accepted
     zero = report.frames["robustness"].query("level == 0")
     assert (zero.agreement < 0.9).all() and (zero.kl > 0).all()  # level 0 reruns the clean input
@@ -207,8 +203,8 @@ def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode():
 
 def test_attribution_for_lm_and_classifier():
     torch.manual_seed(0)
-    for spec, kw in (("tiny-gpt", GPT), ("tiny-encoder", ENCODER)):
-        report = analyze(spec, analyses="attribution", **SMALL, **kw)
+    for spec in ("tiny-gpt", "tiny-encoder"):
+        report = analyze(spec, analyses="attribution", **SMALL, **TINY)
         table = report.frames["attribution"]
         assert len(table) == 32 and table.saliency.abs().sum() > 0
         assert table.share.sum() == pytest.approx(1.0)
@@ -221,7 +217,7 @@ def test_a_raising_analysis_becomes_a_fail_row_and_the_rest_still_run(monkeypatc
         raise RuntimeError("planted failure\n  on a second line")
 
     monkeypatch.setitem(ANALYSES, "attribution", core.Analysis(broken, None, None))
-    report = analyze("tiny-gpt", analyses=["attribution", "robustness"], **SMALL, **GPT)
+    report = analyze("tiny-gpt", analyses=["attribution", "robustness"], **SMALL, **TINY)
     failed = report.table[report.table.analysis == "attribution"].iloc[0]
     assert failed.status == "FAIL" and failed.detail == "raised RuntimeError: planted failure on a second line"
     assert (report.table[report.table.analysis == "robustness"].status != "FAIL").all()
@@ -232,7 +228,7 @@ def test_a_raising_analysis_becomes_a_fail_row_and_the_rest_still_run(monkeypatc
 
 def test_unknown_analysis_names_the_valid_ones():
     with pytest.raises(ValueError, match="choose from: attention, robustness, attribution, headroom, dtypes"):
-        analyze("tiny-gpt", analyses="attention,vibes", **SMALL, **GPT)
+        analyze("tiny-gpt", analyses="attention,vibes", **SMALL, **TINY)
 
 
 def test_plots_and_json(gpt_report):
@@ -280,15 +276,14 @@ class NaNOutputGPT(TinyGPT):
         return super().forward(input_ids, attention_mask, inputs_embeds) * float("nan")
 
 
-def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs():
-    torch.manual_seed(0)
-    out = analyze(NaNOutputGPT(**GPT), analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
+def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs(tiny_model):
+    model = tiny_model(NaNOutputGPT, seed=0)
+    out = analyze(model, analyses=["robustness", "headroom"], precision="fp32", **SMALL).table
     assert "PASS" not in set(out.status) and (out.status == "FAIL").all()
     rec = out[out.check == "recommendation"].iloc[0]
     assert rec.value == "fp32 is not finite" and "model output" in rec.detail
     assert out[out.analysis == "robustness"].detail.str.contains("NaN/inf log-probabilities").all()
-    torch.manual_seed(0)
-    inner = TinyGPT(**GPT)
+    inner = tiny_model(TinyGPT, seed=0)
     with torch.no_grad():
         inner.blocks[0].attn.qkv.bias.fill_(float("nan"))  # NaN attention weights, NaN in fp32 layers
     table = analyze(inner, analyses=["attention", "headroom"], precision="fp32", **SMALL).table

@@ -14,13 +14,14 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from tiny import TINY_ARGS, tiny
 
 import tier_utils
 from tier_utils.adapter import adapt
 from tier_utils.checkpoint import load_checkpoint, save_checkpoint
 from tier_utils.cli import main
 from tier_utils.errors import ModelForwardError, TierError
-from tier_utils.results import atomic_write_bytes
+from tier_utils.files import atomic_write_bytes
 
 MODELS = textwrap.dedent('''
     import torch
@@ -65,9 +66,6 @@ MODELS = textwrap.dedent('''
 
     NOT_A_MODEL = 42
 ''')
-
-TINY = ["--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2", "--model-arg", "max_len=32"]
-
 
 class Evil:
     def __reduce__(self):
@@ -158,7 +156,7 @@ CLI_BAD = [
     (["train", "--out", "{d}/run", "--max-steps", "1", "--epochs", "2"], "not allowed with argument"),
     (["train", "--out", "{d}/run", "--model", "tiny-encoder", "--data", "{d}/text.txt"], "has no labels"),
     (["train", "--out", "{d}/run", "--model-arg", "vocab_size=100"], "vocab_size>=256"),
-    (["train", "--out", "{d}/run", "--batch-size", "100000", "--max-steps", "1", *TINY], "lower batch_size"),
+    (["train", "--out", "{d}/run", "--batch-size", "100000", "--max-steps", "1", *TINY_ARGS], "lower batch_size"),
     (["train", "--out", "{d}/run", "--model", "{d}/models.py:Frozen"], "no trainable parameters"),
     (["bench", "--precisions", "fp8"], "unknown precision"),
     (["bench", "--precisions", "auto"], "auto"),
@@ -166,11 +164,11 @@ CLI_BAD = [
     (["bench", "--repeats", "0"], "whole number >= 1"),
     (["bench", "--memory", "bogus"], "invalid choice"),
     (["bench", "--model", "{d}/models.py:Frozen"], "no trainable parameters"),
-    (["bench", "--data", "{d}/empty.txt", *TINY], "is empty"),
+    (["bench", "--data", "{d}/empty.txt", *TINY_ARGS], "is empty"),
     (["search", "--trials", "0"], "whole number >= 1"),
     (["search", "--max-steps", "0"], "whole number >= 1"),
     (["search", "--model", "{d}/models.py:Frozen"], "no trainable parameters"),
-    (["search", "--storage", "bogus://nowhere", *TINY], "cannot open study storage"),
+    (["search", "--storage", "bogus://nowhere", *TINY_ARGS], "cannot open study storage"),
     (["all", "--out", "{d}/a_file"], "is a file"),
     (["all", "--out", "/proc/forbidden"], "not writable"),
     (["all", "--batch-size", "0"], "whole number >= 1"),
@@ -197,7 +195,7 @@ def test_cli_resume_from_bad_checkpoint(files, tmp_path, capsys, name):
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "last.pt").write_bytes((files / f"{name}.pt").read_bytes())
-    code, lines = run_main(["train", "--out", str(out), "--resume", "--max-steps", "2", *TINY, "--no-progress",
+    code, lines = run_main(["train", "--out", str(out), "--resume", "--max-steps", "2", *TINY_ARGS, "--no-progress",
                             "--device", "cpu", "--json", str(tmp_path / "x.json")], capsys)
     assert code == 2
     assert len(lines) == 1 and ("delete it to start over" in lines[0] or "only resume from" in lines[0]
@@ -243,17 +241,13 @@ def test_cli_subprocess_no_traceback(files, tmp_path):
         assert "Traceback" not in r.stderr
         if code == 2:
             assert len(r.stderr.strip().splitlines()) == 1
-    assert json.loads((tmp_path / "s.json").read_text())["worst"] == "FAIL"
+    assert json.loads((tmp_path / "s.json").read_text())["status"] == "FAIL"
 
 
 # -- the Python API -------------------------------------------------------------------------------------------
 
-def _tiny():
-    return tier_utils.load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32)
-
-
 def _enc():
-    return tier_utils.load_model("tiny-encoder", d_model=32, n_layer=1, n_head=2, max_len=32, num_classes=4)
+    return tiny("tiny-encoder", num_classes=4)
 
 
 def _models(files):
@@ -272,38 +266,38 @@ def _ids(*shape, high=256):
 # (call(files_dir, checkpoint_dir) -> anything, needle). Each must raise a TierError/ValueError with one line.
 API_BAD = [
     (lambda d, ck: tier_utils.smoke(42), "must be a string or an nn.Module"),
-    (lambda d, ck: tier_utils.smoke(_tiny(), batch_sizes=[]), "is empty"),
-    (lambda d, ck: tier_utils.smoke(_tiny(), batch_sizes=[0]), "whole number >= 1"),
-    (lambda d, ck: tier_utils.smoke(_tiny(), batch_sizes=[True]), "whole number >= 1"),
+    (lambda d, ck: tier_utils.smoke(tiny(), batch_sizes=[]), "is empty"),
+    (lambda d, ck: tier_utils.smoke(tiny(), batch_sizes=[0]), "whole number >= 1"),
+    (lambda d, ck: tier_utils.smoke(tiny(), batch_sizes=[True]), "whole number >= 1"),
     (lambda d, ck: tier_utils.smoke(_models(d)["NoMaxLen"]), "adapt(model, max_len=N)"),
     (lambda d, ck: tier_utils.smoke(_models(d)["NoMaxLen"], d_model=3), "only task, vocab_size, max_len"),
-    (lambda d, ck: tier_utils.smoke(adapt(_tiny()), max_len=8), "pass them to adapt(model, ...)"),
-    (lambda d, ck: tier_utils.smoke(_tiny(), task="regression"), "unknown task"),
-    (lambda d, ck: tier_utils.smoke(_tiny(), precision="fp8"), "unknown precision"),
-    (lambda d, ck: tier_utils.analyze(_tiny(), analyses=[]), "no analysis given"),
-    (lambda d, ck: tier_utils.analyze(_tiny(), batch_size=0), "batch_size must be"),
-    (lambda d, ck: tier_utils.analyze(_tiny(), data=torch.rand(40, 33)), "integer ids"),
-    (lambda d, ck: tier_utils.load_model(_tiny(), d_model=8), "adapt(model, max_len=N)"),
+    (lambda d, ck: tier_utils.smoke(adapt(tiny()), max_len=8), "pass them to adapt(model, ...)"),
+    (lambda d, ck: tier_utils.smoke(tiny(), task="regression"), "unknown task"),
+    (lambda d, ck: tier_utils.smoke(tiny(), precision="fp8"), "unknown precision"),
+    (lambda d, ck: tier_utils.analyze(tiny(), analyses=[]), "no analysis given"),
+    (lambda d, ck: tier_utils.analyze(tiny(), batch_size=0), "batch_size must be"),
+    (lambda d, ck: tier_utils.analyze(tiny(), data=torch.rand(40, 33)), "integer ids"),
+    (lambda d, ck: tier_utils.load_model(tiny(), d_model=8), "adapt(model, max_len=N)"),
     (lambda d, ck: tier_utils.load_model(""), "must be a string or an nn.Module"),
     (lambda d, ck: adapt("tiny-gpt"), "load it with load_model first"),
     (lambda d, ck: adapt(nn.ReLU()), "has no parameters"),
-    (_train(_tiny, unknown_setting=1), "unknown training setting"),
-    (lambda d, ck: tier_utils.train(_tiny(), config=5), "must be a TrainConfig or a dict"),
-    (lambda d, ck: tier_utils.train(_tiny(), resume=True), "needs checkpoint_dir"),
-    (lambda d, ck: tier_utils.train(_tiny(), checkpoint_every=5), "needs checkpoint_dir"),
-    (lambda d, ck: tier_utils.train(_tiny(), checkpoint_dir=str(d / "a_file")), "is a file"),
-    (lambda d, ck: tier_utils.train(_tiny(), checkpoint_dir="/proc/forbidden/ck"), "not writable"),
-    (_train(_tiny, batch_size=True), "batch_size must be a whole number"),
-    (_train(_tiny, precision="fp8"), "unknown precision"),
-    (_train(_tiny, torch.rand(200, 33)), "integer ids, got a float32 tensor"),
-    (_train(_tiny, torch.rand(200, 33).double()), "integer ids, got a float64 tensor"),
-    (_train(_tiny, torch.ones(200, 33, dtype=torch.bool)), "integer ids, got a bool tensor"),
-    (_train(_tiny, _ids(200, 33, high=300)), "outside [0, 256)"),
-    (_train(_tiny, -_ids(200, 33) - 1), "outside [0, 256)"),
-    (_train(_tiny, _ids(200, 40)), "past the model's max_len=32"),
-    (_train(_tiny, _ids(200)), "must be one (N, seq_len + 1)"),
-    (_train(_tiny, _ids(0, 33)), "is empty"),
-    (_train(_tiny, (_ids(200, 33), _ids(200))), "must be one (N, seq_len + 1)"),
+    (_train(tiny, unknown_setting=1), "unknown training setting"),
+    (lambda d, ck: tier_utils.train(tiny(), config=5), "must be a TrainConfig or a dict"),
+    (lambda d, ck: tier_utils.train(tiny(), resume=True), "needs checkpoint_dir"),
+    (lambda d, ck: tier_utils.train(tiny(), checkpoint_every=5), "needs checkpoint_dir"),
+    (lambda d, ck: tier_utils.train(tiny(), checkpoint_dir=str(d / "a_file")), "is a file"),
+    (lambda d, ck: tier_utils.train(tiny(), checkpoint_dir="/proc/forbidden/ck"), "not writable"),
+    (_train(tiny, batch_size=True), "batch_size must be a whole number"),
+    (_train(tiny, precision="fp8"), "unknown precision"),
+    (_train(tiny, torch.rand(200, 33)), "integer ids, got a float32 tensor"),
+    (_train(tiny, torch.rand(200, 33).double()), "integer ids, got a float64 tensor"),
+    (_train(tiny, torch.ones(200, 33, dtype=torch.bool)), "integer ids, got a bool tensor"),
+    (_train(tiny, _ids(200, 33, high=300)), "outside [0, 256)"),
+    (_train(tiny, -_ids(200, 33) - 1), "outside [0, 256)"),
+    (_train(tiny, _ids(200, 40)), "past the model's max_len=32"),
+    (_train(tiny, _ids(200)), "must be one (N, seq_len + 1)"),
+    (_train(tiny, _ids(0, 33)), "is empty"),
+    (_train(tiny, (_ids(200, 33), _ids(200))), "must be one (N, seq_len + 1)"),
     (_train(_enc, (_ids(200, 16), _ids(200, high=9))), "outside [0, 4)"),
     (_train(_enc, (_ids(200, 16), -_ids(200, high=4) - 1)), "outside [0, 4)"),
     (_train(_enc, (_ids(200, 16), torch.rand(200))), "labels must be integer ids"),
@@ -311,32 +305,32 @@ API_BAD = [
     (_train(_enc, (_ids(200, 16), _ids(150, high=4))), "one label per row"),
     (_train(_enc, (_ids(200, 40), _ids(200, high=4))), "past the model's max_len=32"),
     (_train(_enc, (_ids(200, 16, 2), _ids(200, high=4))), "must be an (input_ids (N, T), labels (N,)) pair"),
-    (_train(_tiny, []), "empty list of strings"),
-    (_train(_tiny, ["", ""]), "empty list of strings"),
-    (_train(_tiny, 123), "unsupported data int"),
-    (lambda d, ck: _train(_tiny, str(d / "empty.txt"))(d, ck), "is empty"),
-    (lambda d, ck: _train(_tiny, str(d / "missing.txt"))(d, ck), "not found"),
-    (lambda d, ck: _train(_tiny, ["short"])(d, ck), "too short"),
+    (_train(tiny, []), "empty list of strings"),
+    (_train(tiny, ["", ""]), "empty list of strings"),
+    (_train(tiny, 123), "unsupported data int"),
+    (lambda d, ck: _train(tiny, str(d / "empty.txt"))(d, ck), "is empty"),
+    (lambda d, ck: _train(tiny, str(d / "missing.txt"))(d, ck), "not found"),
+    (lambda d, ck: _train(tiny, ["short"])(d, ck), "too short"),
     (lambda d, ck: _train(_models(d)["Frozen"])(d, ck), "no trainable parameters"),
     (lambda d, ck: _train(_models(d)["Broken"])(d, ck), "fix its forward"),
     (lambda d, ck: tier_utils.amp_benchmark(_models(d)["Broken"], device="cpu"), "fix its forward"),
     (lambda d, ck: tier_utils.amp_benchmark(_models(d)["Frozen"], device="cpu"), "no trainable parameters"),
-    (lambda d, ck: tier_utils.amp_benchmark(_tiny(), batch_size=0), "batch_size must be"),
-    (lambda d, ck: tier_utils.amp_benchmark(_tiny(), precisions=[]), "no precision"),
-    (lambda d, ck: tier_utils.amp_benchmark(_tiny(), precisions=["fp8"]), "unknown precision"),
-    (lambda d, ck: tier_utils.amp_benchmark(_tiny(), data=torch.rand(200, 33), device="cpu"), "integer ids"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"lr": ("log", 0, 1e-3)}), "log range must start above 0"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"lr": ("log", 1e-3, 1e-5)}), "lo <= hi"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"lr": ("uniform", 0, 1)}), "must be a tuple starting with"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"nope": ("int", 0, 1)}), "not a TrainConfig field"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"batch_size": ("choice", [])}), "non-empty list"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"precision": ("choice", ["fp8"])}), "unknown precision"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"warmup_steps": ("int", 0.5, 3)}), "needs whole numbers"),
-    (lambda d, ck: tier_utils.search(_tiny(), space={"lr": ("float", "a", 1)}), "needs two numbers"),
-    (lambda d, ck: tier_utils.search(_tiny(), n_trials=0), "n_trials must be a whole number >= 1"),
+    (lambda d, ck: tier_utils.amp_benchmark(tiny(), batch_size=0), "batch_size must be"),
+    (lambda d, ck: tier_utils.amp_benchmark(tiny(), precisions=[]), "no precision"),
+    (lambda d, ck: tier_utils.amp_benchmark(tiny(), precisions=["fp8"]), "unknown precision"),
+    (lambda d, ck: tier_utils.amp_benchmark(tiny(), data=torch.rand(200, 33), device="cpu"), "integer ids"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"lr": ("log", 0, 1e-3)}), "log range must start above 0"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"lr": ("log", 1e-3, 1e-5)}), "lo <= hi"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"lr": ("uniform", 0, 1)}), "must be a tuple starting with"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"nope": ("int", 0, 1)}), "not a TrainConfig field"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"batch_size": ("choice", [])}), "non-empty list"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"precision": ("choice", ["fp8"])}), "unknown precision"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"warmup_steps": ("int", 0.5, 3)}), "needs whole numbers"),
+    (lambda d, ck: tier_utils.search(tiny(), space={"lr": ("float", "a", 1)}), "needs two numbers"),
+    (lambda d, ck: tier_utils.search(tiny(), n_trials=0), "n_trials must be a whole number >= 1"),
     (lambda d, ck: tier_utils.search(_models(d)["Frozen"]), "no trainable parameters"),
-    (lambda d, ck: tier_utils.run_all(_tiny(), str(d / "a_file")), "is a file"),
-    (lambda d, ck: tier_utils.run_all(_tiny(), "/proc/forbidden"), "not writable"),
+    (lambda d, ck: tier_utils.run_all(tiny(), str(d / "a_file")), "is a file"),
+    (lambda d, ck: tier_utils.run_all(tiny(), "/proc/forbidden"), "not writable"),
     (lambda d, ck: load_checkpoint(d / "evil.pt"), "posix.system"),
     (lambda d, ck: load_checkpoint(d / "zero.pt"), "is empty; delete it to start over"),
     (lambda d, ck: load_checkpoint(d / "random.pt"), "delete it to start over"),
@@ -390,22 +384,22 @@ def test_instance_accepts_adapter_keywords(files):
 
 def test_seq_len_past_max_len_is_capped_with_a_warning_and_recorded_everywhere():
     with pytest.warns(UserWarning, match="seq_len=64 exceeds TinyGPT's max_len=32; using 32"):
-        result = tier_utils.train(_tiny(), "synthetic", seq_len=64, max_steps=1, batch_size=4, progress=False,
+        result = tier_utils.train(tiny(), "synthetic", seq_len=64, max_steps=1, batch_size=4, progress=False,
                                   device="cpu", eval_batches=1)
     assert result.config["seq_len"] == 32
     with pytest.warns(UserWarning, match="seq_len=64 exceeds"):
-        bench = tier_utils.amp_benchmark(_tiny(), "synthetic", precisions=["fp32"], batch_size=2, seq_len=64,
+        bench = tier_utils.amp_benchmark(tiny(), "synthetic", precisions=["fp32"], batch_size=2, seq_len=64,
                                          untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, device="cpu",
                                          progress=False)
     assert bench.config["seq_len"] == 32
     with pytest.warns(UserWarning, match="seq_lens entry=64 exceeds"):
-        report = tier_utils.smoke(_tiny(), seq_lens=(64,), checks="latency", device="cpu", progress=False)
+        report = tier_utils.smoke(tiny(), seq_lens=(64,), checks="latency", device="cpu", progress=False)
     assert report.seq_lens == [32]
 
 
 def test_resume_with_nothing_to_resume_says_so(tmp_path):
     with pytest.warns(UserWarning, match="does not exist; starting from step 0"):
-        result = tier_utils.train(_tiny(), "synthetic", max_steps=1, batch_size=4, seq_len=16, progress=False,
+        result = tier_utils.train(tiny(), "synthetic", max_steps=1, batch_size=4, seq_len=16, progress=False,
                                   device="cpu", eval_batches=1, checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert result.summary.resumed_from_step is None and result.summary.steps == 1
 
@@ -414,7 +408,7 @@ def test_binary_data_file_warns(tmp_path):
     data = tmp_path / "blob.bin"
     data.write_bytes(bytes(range(256)) * 64)
     with pytest.warns(UserWarning, match="is not UTF-8 text"):
-        tier_utils.train(_tiny(), str(data), max_steps=1, batch_size=4, seq_len=16, progress=False, device="cpu",
+        tier_utils.train(tiny(), str(data), max_steps=1, batch_size=4, seq_len=16, progress=False, device="cpu",
                          eval_batches=1)
 
 

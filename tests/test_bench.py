@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
+from tiny import TINY_ARGS, tiny
 
 from tier_utils import bench
 from tier_utils.adapter import adapt
@@ -15,7 +16,7 @@ from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
 from tier_utils.measure import SavedTensorMeter, Stats
-from tier_utils.models import TinyGPT, load_model
+from tier_utils.models import TinyGPT
 from tier_utils.precision import native_support, resolve_precision
 from tier_utils.settings import BenchConfig, precision_list
 from tier_utils.verdicts import (
@@ -34,7 +35,6 @@ from tier_utils.verdicts import (
 CPU = torch.device("cpu")
 BF16_NATIVE = native_support("bf16", CPU)[0]
 FP16_NATIVE = native_support("fp16", CPU)[0]
-TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 RUN = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=2, repeats=3, accuracy_steps=4, eval_batches=2,
            progress=False, device="cpu")
 
@@ -49,15 +49,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _tiny():
-    torch.manual_seed(0)
-    return load_model("tiny-gpt", **TINY)
-
-
 @pytest.fixture(scope="module")
 def default_run():
     """fp32, bf16, fp16 without force; records the order the timed repeats ran in."""
-    model = _tiny()
+    model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order = []
     original = bench._timed_run
@@ -74,7 +69,7 @@ def default_run():
 
 @pytest.fixture(scope="module")
 def forced_fp16():
-    return amp_benchmark(_tiny(), precisions=("fp16",), force=True, **RUN)
+    return amp_benchmark(tiny(seed=0), precisions=("fp16",), force=True, **RUN)
 
 
 def _rec(result, name):
@@ -188,7 +183,7 @@ _NO_BAR = types.SimpleNamespace(update=lambda n=1: None)
 
 
 def _fp16_parts():
-    adapter = adapt(_tiny())
+    adapter = adapt(tiny(seed=0))
     return adapter, resolve_precision("fp16", CPU, warn=False), copy.deepcopy(adapter.model.state_dict())
 
 
@@ -216,7 +211,7 @@ def test_fp16_accuracy_run_stops_when_the_loss_scale_collapses():
 
 
 def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
-    model = _tiny().eval()
+    model = tiny(seed=0).eval()
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
@@ -277,9 +272,7 @@ def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--precisions", "bf16", "--batch-size", "4", "--seq-len", "16", "--untimed-steps", "0",
             "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--eval-batches", "3", "--no-progress",
-            "--json", str(out)]
-    for k, v in TINY.items():
-        args += ["--model-arg", f"{k}={v}"]
+            "--json", str(out), *TINY_ARGS]
     code = main(args)
     doc = json.loads(out.read_text())
     assert code == (1 if doc["status"] == "FAIL" else 0)
@@ -299,7 +292,7 @@ def test_cli_bad_precision_exits_2(capsys):
 
 
 def test_bad_input_errors_name_the_fix():
-    model = _tiny()
+    model = tiny(seed=0)
     with pytest.raises(ValueError, match="batch_size"):
         amp_benchmark(model, batch_size=0, progress=False)
     with pytest.raises(ValueError, match="'auto' is not a precision"):
@@ -448,8 +441,7 @@ class NaNUnderFp16(TinyGPT):
 
 
 def test_nan_model_gets_no_pass_and_no_speed_verdict():
-    torch.manual_seed(0)
-    result = amp_benchmark(NaNGPT(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    result = amp_benchmark(tiny(NaNGPT, seed=0), precisions=("fp32", "fp16"), force=True, **RUN)
     v = result.verdicts
     assert result.status == "FAIL" and "PASS" not in set(v.status)
     speed = v[v.check == "speedup vs fp32"]
@@ -461,8 +453,7 @@ def test_nan_model_gets_no_pass_and_no_speed_verdict():
 
 
 def test_a_precision_whose_loss_is_nan_stops_alone():
-    torch.manual_seed(0)
-    result = amp_benchmark(NaNUnderFp16(**TINY), precisions=("fp32", "fp16"), force=True, **RUN)
+    result = amp_benchmark(tiny(NaNUnderFp16, seed=0), precisions=("fp32", "fp16"), force=True, **RUN)
     fp16 = result.verdicts[result.verdicts.precision == "fp16"]
     assert "PASS" not in set(fp16.status) and fp16.value.isna().all()
     assert all(d.startswith("fp16 loss is nan") for d in fp16.detail)
@@ -499,7 +490,7 @@ def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch, floor
         return [ms] * (len(batches) - cfg.untimed_steps), torch.zeros(len(batches))
 
     monkeypatch.setattr(bench, "_timed_run", fake)
-    result = amp_benchmark(_tiny(), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
+    result = amp_benchmark(tiny(seed=0), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
     assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(floor_ms / fp32_ms)
     row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]
     assert row.status == "WARN" and row.detail.startswith("launch-bound at this size") and why in row.detail
@@ -535,7 +526,7 @@ def test_grow_batch_stops_at_the_memory_budget_and_at_out_of_memory():
 
 
 def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():
-    model = _tiny()
+    model = tiny(seed=0)
     before = copy.deepcopy(model.state_dict())
     m = fp32_measure(adapt(model), 16)(2)
     assert m["step_ms"] > 0 and m["floor_ms"] > 0 and m["peak_bytes"] is None  # CUDA only

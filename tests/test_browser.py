@@ -181,7 +181,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
 
 
 @pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
-def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch):
+def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch, tiny_kwargs):
     """The main job's index.html, real tables included, in Chromium at a laptop's width: wide tables
     scroll inside their own box, the page itself has no horizontal overflow."""
     from tier_utils import report
@@ -189,8 +189,7 @@ def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch):
     monkeypatch.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
                                              eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1,
                                              accuracy_steps=2))
-    result = report.run_all("tiny-gpt", tmp_path / "report", fast=True, progress=False, device="cpu",
-                            d_model=32, n_layer=1, n_head=2, max_len=32)
+    result = report.run_all("tiny-gpt", tmp_path / "report", fast=True, progress=False, device="cpu", **tiny_kwargs)
     ARTIFACTS.mkdir(exist_ok=True)
     for width in (1280, 800):
         browser.set_window_size(width, 900)

@@ -102,7 +102,7 @@ def test_a_fail_exits_1_and_still_writes_json(tmp_path, capsys, verb, args):
         assert main([verb, *args, "--device", "cpu", "--no-progress", "--json", str(out)]) == 1
     data = json.loads(out.read_text())
     if verb == "smoke":
-        assert data["worst"] == "FAIL" and data["passed"] is False
+        assert data["status"] == "FAIL" and data["passed"] is False
     else:  # fp16 asked for on a model that overflows it
         assert data["status"] == "FAIL"
         rec = next(r for r in data["findings"] if r["check"] == "recommendation")

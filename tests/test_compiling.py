@@ -12,22 +12,17 @@ import warnings
 import pandas as pd
 import pytest
 import torch
+from tiny import TINY_ARGS, tiny
 
 from tier_utils import bench, cli, compiling
 from tier_utils.bench import amp_benchmark
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
-from tier_utils.models import load_model
 from tier_utils.train import TrainConfig, make_optimizer, optimizer_impl, train
 
 STEPS, CUT = 10, 5
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,
            deterministic=True, progress=False, seed=3, device="cpu")
-
-
-def tiny_gpt():
-    torch.manual_seed(0)
-    return load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32)
 
 
 def losses(result, first=1):
@@ -46,10 +41,10 @@ def _stop_after_checkpoint(step, metrics):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("compiled")
-    eager = train(tiny_gpt(), **RUN)
-    compiled = train(tiny_gpt(), **RUN, compile=True)
+    eager = train(tiny(seed=0), **RUN)
+    compiled = train(tiny(seed=0), **RUN, compile=True)
     with pytest.raises(_Stop):
-        train(tiny_gpt(), **{**RUN, "eval_every": CUT + 1}, compile=True, checkpoint_dir=ckpt, checkpoint_every=CUT,
+        train(tiny(seed=0), **{**RUN, "eval_every": CUT + 1}, compile=True, checkpoint_dir=ckpt, checkpoint_every=CUT,
               on_eval=_stop_after_checkpoint)
     return eager, compiled, ckpt
 
@@ -70,7 +65,7 @@ def test_compiled_checkpoint_loads_into_eager_model_and_resumes_either_way(runs)
     eager, compiled, ckpt = runs
     state = load_checkpoint(ckpt / "last.pt")
     assert state["step"] == CUT and not any(k.startswith("_orig_mod.") for k in state["model"])
-    fresh = tiny_gpt()
+    fresh = tiny(seed=0)
     fresh.load_state_dict(state["model"])  # strict: every key matches an eager model's
 
     (ckpt / "again").mkdir()  # a copy for the compiled resume: the eager one overwrites last.pt
@@ -82,7 +77,7 @@ def test_compiled_checkpoint_loads_into_eager_model_and_resumes_either_way(runs)
 
     # Resuming compiled repeats the uninterrupted compiled run exactly: the warm-up that compiles
     # leaves weights, gradients and RNG states as they were.
-    resumed_compiled = train(tiny_gpt(), **RUN, compile=True, checkpoint_dir=ckpt / "again", resume=True)
+    resumed_compiled = train(tiny(seed=0), **RUN, compile=True, checkpoint_dir=ckpt / "again", resume=True)
     assert resumed_compiled.summary.compiled
     assert losses(resumed_compiled, CUT + 1) == losses(compiled, CUT + 1)
     for name, tensor in compiled.model.state_dict().items():
@@ -97,14 +92,14 @@ def test_uncompilable_model_falls_back_to_eager_with_one_warning(monkeypatch):
     torch._dynamo.reset()  # code compiled earlier in this process would otherwise be reused, not compiled
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train(tiny_gpt(), **{**RUN, "max_steps": 3}, compile=True)
+        result = train(tiny(seed=0), **{**RUN, "max_steps": 3}, compile=True)
     fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
     assert len(fallbacks) == 1 and "could not compile" in str(fallbacks[0].message)
     s = result.summary
     assert not s.compiled and s.compile_s is None and s.steps == 3
     assert "ran eager" in s.compile_reason and "\n" not in s.compile_reason
     # It ran the eager steps exactly: the failed warm-up left weights and RNG untouched.
-    assert losses(result) == losses(train(tiny_gpt(), **{**RUN, "max_steps": 3}))
+    assert losses(result) == losses(train(tiny(seed=0), **{**RUN, "max_steps": 3}))
 
 
 def test_compile_settings_are_validated_and_the_optimizer_is_named():
@@ -115,11 +110,11 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
     with pytest.raises(ValueError, match="compile must be False, True or 'both'"):
         compile_modes("sometimes")
     assert compile_modes("both") == ["eager", "compiled"]
-    cpu = make_optimizer(tiny_gpt(), 1e-3, 0.1)
+    cpu = make_optimizer(tiny(seed=0), 1e-3, 0.1)
     assert optimizer_impl(cpu) == "foreach"  # fused is for CUDA parameters
     if torch.cuda.is_available():
-        assert optimizer_impl(make_optimizer(tiny_gpt().cuda(), 1e-3, 0.1)) == "fused"
-    result = train(tiny_gpt(), **{**RUN, "max_steps": 1})
+        assert optimizer_impl(make_optimizer(tiny(seed=0).cuda(), 1e-3, 0.1)) == "fused"
+    result = train(tiny(seed=0), **{**RUN, "max_steps": 1})
     assert result.summary.optimizer == "AdamW (foreach)"
     assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])
 
@@ -149,7 +144,7 @@ def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(chea
         return original(adapter, prec, *args)
 
     monkeypatch.setattr(bench, "_timed_run", recording)
-    model = tiny_gpt()
+    model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = amp_benchmark(model, precisions=("fp32", "bf16"), compile="both", **BENCH)
     # Each repeat: every precision eager then compiled, then the eager fp32 floor step (launch-bound check).
@@ -182,29 +177,27 @@ def test_benchmark_compile_failure_is_a_warn_row_and_runs_eager(cheap_compile, m
 
     monkeypatch.setattr(compiling, "_compile", broken)
     with pytest.warns(CompileFallbackWarning):
-        both = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile="both", **{**BENCH, "accuracy_steps": 0})
+        both = amp_benchmark(tiny(seed=0), precisions=("fp32",), compile="both", **{**BENCH, "accuracy_steps": 0})
     warn = both.verdicts.query("check == 'compile'")
     assert warn["status"].tolist() == ["WARN"] and "unsupported op second line" in warn["detail"].item()
     assert both.table["ran"].tolist() == [True, False]  # measured once, eager
     with pytest.warns(CompileFallbackWarning):
-        only = amp_benchmark(tiny_gpt(), precisions=("fp32",), compile=True, **{**BENCH, "accuracy_steps": 0})
+        only = amp_benchmark(tiny(seed=0), precisions=("fp32",), compile=True, **{**BENCH, "accuracy_steps": 0})
     assert only.table["mode"].tolist() == ["eager"] and only.table["ran"].tolist() == [True]
 
 
 def test_cli_compile_options(cheap_compile, tmp_path, capsys):
-    sizes = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
-    tiny = [a for k, v in sizes.items() for a in ("--model-arg", f"{k}={v}")]
     out = tmp_path / "bench.json"
     code = cli.main(["bench", "--precisions", "fp32", "--batch-size", "4", "--seq-len", "16", "--untimed-steps", "0",
                      "--timed-steps", "1", "--repeats", "1", "--accuracy-steps", "0", "--no-progress",
-                     "--compile", "both", "--json", str(out), *tiny])
+                     "--compile", "both", "--json", str(out), *TINY_ARGS])
     doc = json.loads(out.read_text())
     assert code in (0, 1) and doc["config"]["compile"] == "both"
     assert [(r["precision"], r["mode"]) for r in doc["precisions"]] == [("fp32", "eager"), ("fp32", "compiled")]
     assert "compiled" in capsys.readouterr().out
     run = tmp_path / "run"
     assert cli.main(["train", "--precision", "fp32", "--batch-size", "4", "--seq-len", "16", "--max-steps", "2",
-                     "--eval-batches", "1", "--no-progress", "--compile", "--out", str(run), *tiny]) == 0
+                     "--eval-batches", "1", "--no-progress", "--compile", "--out", str(run), *TINY_ARGS]) == 0
     assert "optimizer: AdamW (foreach) · compile: compiled (mode default)" in capsys.readouterr().out
     for bad in (["bench", "--compile", "maybe"], ["train", "--out", str(tmp_path / "t"), "--compile-mode", "fast"]):
         with pytest.raises(SystemExit) as exc:

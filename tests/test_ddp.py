@@ -16,14 +16,14 @@ import warnings
 import pandas as pd
 import pytest
 import torch
+from tiny import TINY_ARGS, tiny
 
-from tier_utils.checkpoint import load_checkpoint, seed_everything
+from tier_utils.checkpoint import load_checkpoint
 from tier_utils.data import build_datasets
 from tier_utils.distributed import DistEnv, eval_shard
-from tier_utils.models import load_model
+from tier_utils.seeding import seed_everything
 from tier_utils.train import train
 
-MODEL_ARGS = ["d_model=32", "n_layer=1", "n_head=2", "max_len=32"]
 PER_RANK_BATCH, ACCUM, STEPS = 4, 2, 6  # global batch 4 x 2 ranks x 2 micro-batches = 16
 DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                  "loss_scale", "skipped_steps"]
@@ -32,13 +32,13 @@ DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity"
 # starts optimizer step k (after the checkpoint of step k-2 is on disk).
 _WORKER = textwrap.dedent("""
     import importlib, os, pathlib, signal, sys
-    import tier_utils.checkpoint, tier_utils.history, tier_utils.results
+    import tier_utils.checkpoint, tier_utils.files, tier_utils.history
     from tier_utils import cli
 
     if int(os.environ["RANK"]) != 0:
         def forbidden(*args, **kwargs):
             raise AssertionError(f"rank {os.environ['RANK']} tried to write a file")
-        for mod in (tier_utils.checkpoint, tier_utils.history, tier_utils.results):
+        for mod in (tier_utils.checkpoint, tier_utils.files, tier_utils.history):
             mod.atomic_write_bytes = forbidden  # checkpoints, metrics.csv, training.png, --json
         pathlib.Path.write_bytes = pathlib.Path.write_text = forbidden
     kill_at = int(os.environ.get("KILL_AT", 0))
@@ -62,9 +62,7 @@ def _train_args(out, data, *extra):
             str(PER_RANK_BATCH), "--grad-accum", str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS),
             "--log-every", "1", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "2",
             "--deterministic", "--no-progress", "--data", str(data), "--out", str(out), *extra]
-    for a in MODEL_ARGS:
-        args += ["--model-arg", a]
-    return args
+    return args + TINY_ARGS
 
 
 def _torchrun(target: list[str], env_extra=None, timeout=100):
@@ -100,7 +98,7 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     # 2. One process, same global batch in one micro-batch: the same losses step by step (no_sync on
     #    the first micro-batch must still leave every rank with the all-reduced gradient).
     seed_everything(0)
-    model = load_model("tiny-gpt", **{k: int(v) for k, v in (a.split("=") for a in MODEL_ARGS)})
+    model = tiny()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         single = train(model, str(text), precision="fp32", device="cpu", batch_size=2 * PER_RANK_BATCH * ACCUM,

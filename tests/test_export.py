@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import ExportError, export
 from tier_utils.cli import main
 
-TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 MODELS = {
     "tiny-gpt": TINY,
     "tiny-encoder": TINY,
@@ -39,10 +39,9 @@ def test_export_parity_passes(spec, fmt, tmp_path):
 
 
 def test_reloaded_pt2_matches_the_model_and_the_model_is_untouched(tmp_path):
-    from tier_utils import load_model
 
     torch.manual_seed(0)
-    model = load_model("tiny-gpt", **TINY).train()
+    model = tiny().train()
     result = export(model, tmp_path / "m.pt2", format="pt2", precision="bf16", repeats=1)
     assert result.config["precision"] == "bf16" and result.metadata["dtype"] == "bfloat16"
     assert model.training and model.head.weight.dtype == torch.float32  # a copy was cast and exported
@@ -108,7 +107,7 @@ def test_bad_format_and_missing_runtime_name_the_fix(monkeypatch, tmp_path):
 def test_cli_export_writes_artifact_and_json(tmp_path, capsys):
     out, summary = tmp_path / "m.pt2", tmp_path / "export.json"
     args = ["export", "--model", "tiny-gpt", "--format", "pt2", "--out", str(out), "--repeats", "2", "--json",
-            str(summary)] + [a for k, v in TINY.items() for a in ("--model-arg", f"{k}={v}")]
+            str(summary), *TINY_ARGS]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "parity: PASS" in printed and "n=2" in printed

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import TINY_ARGS, tiny
 
-from tier_utils import TrainConfig, load_model, train
+from tier_utils import TrainConfig, train
 from tier_utils import loggers as lg
 from tier_utils.cli import main
 
-TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=6, log_every=1, eval_every=3, eval_batches=1,
            checkpoint_every=2, progress=False, device="cpu")
 
@@ -70,14 +70,14 @@ def test_every_logger_records_rows_and_a_resumed_run_continues_without_duplicate
         raise KeyboardInterrupt  # at step 3, after its rows are logged; the checkpoint is from step 2
 
     torch.manual_seed(0)  # dropout: the RNG states the checkpoint restores matter
-    first = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), on_eval=stop, **settings)
+    first = train(tiny(dropout=0.1), tokens(), on_eval=stop, **settings)
     assert first.interrupted and first.summary.steps == 3
     state = json.loads((logs / lg.STATE_FILE).read_text())  # log_dir defaulted to "logs" beside the checkpoints
     torch.manual_seed(0)
-    done = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(), **settings)
+    done = train(tiny(dropout=0.1), tokens(), **settings)
     assert done.summary.resumed_from_step == 2 and done.summary.steps == 6
     torch.manual_seed(0)  # opening the trackers drew nothing from the restored RNGs: resume is still exact
-    whole = train(load_model("tiny-gpt", **TINY, dropout=0.1), tokens(),
+    whole = train(tiny(dropout=0.1), tokens(),
                   **dict(RUN, checkpoint_dir=str(tmp_path / "whole"), deterministic=True))
     for name, tensor in whole.model.state_dict().items():
         assert torch.equal(done.model.state_dict()[name], tensor), name
@@ -144,8 +144,7 @@ def test_only_rank_0_logs(tmp_path):
 
 def test_cli_train_log_writes_tensorboard_under_out(tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["train", "--model", "tiny-gpt", "--model-arg", "d_model=32", "--model-arg", "n_layer=1",
-                 "--model-arg", "n_head=2", "--model-arg", "max_len=32", "--data", "synthetic", "--seq-len", "16",
+    code = main(["train", "--model", "tiny-gpt", *TINY_ARGS, "--data", "synthetic", "--seq-len", "16",
                  "--batch-size", "4", "--max-steps", "2", "--log-every", "1", "--eval-batches", "1", "--out", str(out),
                  "--log", "tensorboard", "--no-progress"])
     assert code == 0
@@ -166,7 +165,7 @@ def test_search_logs_one_run_per_trial(tmp_path):
     from tier_utils import search
 
     torch.manual_seed(0)
-    result = search(load_model("tiny-gpt", **TINY), tokens(), n_trials=2, max_steps=2, eval_every=1, eval_batches=1,
+    result = search(tiny(), tokens(), n_trials=2, max_steps=2, eval_every=1, eval_batches=1,
                     seq_len=16, batch_size=4, log_every=1, space={"lr": ("log", 1e-4, 1e-3)},
                     loggers=("tensorboard",), log_dir=str(tmp_path))
     runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
@@ -180,7 +179,7 @@ def test_amp_benchmark_logs_its_tables(tmp_path):
     from tier_utils import amp_benchmark
 
     torch.manual_seed(0)
-    result = amp_benchmark(load_model("tiny-gpt", **TINY), precisions=("fp32",), batch_size=4, seq_len=16,
+    result = amp_benchmark(tiny(), precisions=("fp32",), batch_size=4, seq_len=16,
                            untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, progress=False, device="cpu",
                            loggers="tensorboard", log_dir=str(tmp_path))
     (run,) = (tmp_path / "tensorboard").iterdir()

@@ -13,11 +13,11 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.category import StrCategoryLocator
 from matplotlib.ticker import FixedLocator
+from tiny import tiny
 
-from tier_utils import amp_benchmark, analyze, load_model, search, smoke, train
+from tier_utils import amp_benchmark, analyze, search, smoke, train
 from tier_utils.plotting import MAX_TICKS, MIN_FONT_PT, short_name
 
-TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 WHOLE_NUMBER_AXES = ("step", "trial")
 
 
@@ -71,7 +71,7 @@ def problems(fig) -> list[str]:
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-gpt", **TINY)
+    return tiny()
 
 
 def _figures(result, *names):

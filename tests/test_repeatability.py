@@ -4,9 +4,9 @@ bench/repeat_bf16.py (measured figures in bench/RESULTS.md)."""
 import warnings
 
 import torch
+from tiny import TINY, tiny
 
-from tier_utils.checkpoint import seed_everything
-from tier_utils.models import load_model
+from tier_utils.seeding import seed_everything
 from tier_utils.train import train
 
 
@@ -16,7 +16,7 @@ def _run():
         # Built from the spec as the CLI does: train seeds first, so the initial weights follow the seed.
         result = train("tiny-gpt", "synthetic", precision="bf16", batch_size=4, seq_len=16, max_steps=4, eval_every=2,
                        eval_batches=1, log_every=1, deterministic=True, progress=False, device="cpu",
-                       d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)  # dropout: RNG matters
+                       **TINY, dropout=0.1)  # dropout: RNG matters
     return result
 
 
@@ -33,5 +33,5 @@ def test_ten_identical_deterministic_bf16_runs_are_bitwise_equal():
     # The comparison can fail: another seed gives other initial weights, hence another run.
     def initial(seed):
         seed_everything(seed)
-        return load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32).state_dict()["tok_emb.weight"]
+        return tiny().state_dict()["tok_emb.weight"]
     assert torch.equal(initial(0), initial(0)) and not torch.equal(initial(0), initial(1))

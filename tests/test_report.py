@@ -4,6 +4,7 @@ import json
 import pandas as pd
 import pytest
 from matplotlib.figure import Figure
+from tiny import TINY, TINY_ARGS
 
 from tier_utils import report
 from tier_utils.cli import main
@@ -11,9 +12,6 @@ from tier_utils.report import run_all, write_report
 from tier_utils.results import Result
 from tier_utils.train import TrainingDiverged
 
-TINY = ["--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
-        "--model-arg", "max_len=32"]
-TINY_KW = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 TINY_SIZES = dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2, eval_batches=1,
                   untimed_steps=1, timed_steps=2, repeats=2, accuracy_steps=2)
 
@@ -70,7 +68,7 @@ def test_write_report_refuses_names_that_are_not_file_names(tmp_path, name):
 def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, capsys, monkeypatch):
     monkeypatch.setattr(report, "load_average", lambda: 99.0)  # other jobs on the machine
     out, summary = tmp_path / "report", tmp_path / "all.json"
-    code = main(["all", *TINY, "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
+    code = main(["all", *TINY_ARGS, "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
     data = json.loads(summary.read_text())
     assert [t["tier"] for t in data["tiers"]] == ["smoke", "analysis", "train", "amp_benchmark"]
     # Exit 1 only when the model's own checks FAIL; the benchmark's verdicts judge the device's precisions.
@@ -111,7 +109,7 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
     monkeypatch.setattr(report, "train", diverging)
     for tier in ("smoke", "analyze", "amp_benchmark"):  # only training matters here
         monkeypatch.setattr(report, tier, lambda *a, **k: Fake(["PASS"]))
-    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY_KW)
+    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY)
     assert result.statuses["train"] == "FAIL" and result.status == "FAIL" and result.model_status == "FAIL"
     assert result.results["train"].summary.steps == 1 and (tmp_path / "train.csv").exists()
 
@@ -121,7 +119,7 @@ def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, mo
     monkeypatch.setattr(report, "analyze", lambda *a, **k: Fake(["WARN"]))
     monkeypatch.setattr(report, "_train", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["FAIL"]))
-    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY_KW)
+    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY)
     assert (result.status, result.model_status) == ("FAIL", "WARN")
 
 
@@ -139,7 +137,7 @@ def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeyp
     for tier in ("smoke", "analyze", "amp_benchmark"):
         monkeypatch.setattr(report, tier, lambda *a, tier=tier, **k: ran.append(tier) or Fake(["PASS"]))
     out = tmp_path / "report"
-    assert main(["all", *TINY, "--out", str(out), "--fast", "--no-progress"]) == 130
+    assert main(["all", *TINY_ARGS, "--out", str(out), "--fast", "--no-progress"]) == 130
     assert ran == ["smoke", "analyze"] and not (out / "index.html").exists()  # no benchmark, no report
 
 
@@ -150,9 +148,9 @@ def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "_train", lambda model, data, config: seeds.append(config.seed) or Fake(["PASS"]))
     monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(report.AllResult, "summary_text", lambda self: "")  # it reads real tier tables
-    assert main(["all", *TINY, "--out", str(tmp_path / "r"), "--fast", "--seed", "7", "--no-progress"]) == 0
+    assert main(["all", *TINY_ARGS, "--out", str(tmp_path / "r"), "--fast", "--seed", "7", "--no-progress"]) == 0
     assert seeds == [7]
-    result = run_all("tiny-gpt", tmp_path / "api", fast=True, progress=False, **TINY_KW)
+    result = run_all("tiny-gpt", tmp_path / "api", fast=True, progress=False, **TINY)
     assert isinstance(result, Result)
     saved = json.loads(result.save_json(tmp_path / "all.json").read_text())
     assert saved["status"] == "PASS" and [t["tier"] for t in saved["tiers"]][2] == "train"
@@ -190,7 +188,7 @@ def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
     root = Path(__file__).resolve().parents[1]
     log = tmp_path / "log"
     with open(log, "w") as fh:  # stdout and stderr both to the file, as `... > log 2>&1`; progress left on
-        code = subprocess.call([sys.executable, "-m", "tier_utils", "all", *TINY, "--fast", "--out",
+        code = subprocess.call([sys.executable, "-m", "tier_utils", "all", *TINY_ARGS, "--fast", "--out",
                                 str(tmp_path / "report")], stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path,
                                env={**os.environ, "PYTHONPATH": str(root)})
     text = log.read_text()

@@ -5,24 +5,16 @@ import math
 import optuna
 import pandas as pd
 import pytest
-import torch
+from tiny import TINY_ARGS, tiny
 
 from tier_utils import search, train
 from tier_utils.train import TrainConfig
 
-TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 FAST = dict(max_steps=12, eval_every=4, eval_batches=2, seq_len=32, batch_size=8, warmup_steps=0)
 
 
-def tiny_gpt():
-    torch.manual_seed(0)
-    from tier_utils import load_model
-
-    return load_model("tiny-gpt", **TINY)
-
-
 def test_four_trial_search_on_cpu_ranks_trials_by_val_loss():
-    result = search(tiny_gpt(), n_trials=4, **FAST)
+    result = search(tiny(seed=0), n_trials=4, **FAST)
     table = result.table
     assert list(table.columns[:1]) == ["trial"] and len(table) == 4
     assert {"lr", "weight_decay", "warmup_steps", "batch_size", "val_loss", "state", "duration_s"} <= set(table.columns)
@@ -36,7 +28,7 @@ def test_clearly_worse_trial_is_pruned():
     # Two good learning rates first, then one that cannot learn: the median pruner stops it early.
     space = {"lr": ("log", 1e-9, 3e-3)}
     first = [{"lr": 3e-3}, {"lr": 2e-3}, {"lr": 1e-9}]
-    result = search(tiny_gpt(), space=space, n_trials=3, start_with=first, **FAST)
+    result = search(tiny(seed=0), space=space, n_trials=3, start_with=first, **FAST)
     table = result.table.sort_values("trial")
     assert list(table.state) == ["COMPLETE", "COMPLETE", "PRUNED"]
     assert table.iloc[2].lr == 1e-9 and table.iloc[2].last_reported_step < FAST["max_steps"]
@@ -45,7 +37,7 @@ def test_clearly_worse_trial_is_pruned():
 def test_diverged_trial_is_pruned_with_its_reason_and_the_study_goes_on():
     # lr=1e30 overflows the weights at once: that trial diverges; the study must still run the next one.
     space = {"lr": ("log", 1e-4, 1e30)}
-    result = search(tiny_gpt(), space=space, n_trials=2, start_with=[{"lr": 1e30}, {"lr": 3e-3}], **FAST)
+    result = search(tiny(seed=0), space=space, n_trials=2, start_with=[{"lr": 1e30}, {"lr": 3e-3}], **FAST)
     table = result.table.sort_values("trial")
     assert list(table.state) == ["PRUNED", "COMPLETE"]
     assert "became nan" in table.iloc[0].diverged and "in fp32" in table.iloc[0].diverged
@@ -66,23 +58,23 @@ def test_sqlite_study_continues_after_interruption(tmp_path, monkeypatch):
     search_module = importlib.import_module("tier_utils.search")  # the module, not the function of that name
     monkeypatch.setattr(search_module, "train", interrupt_second_trial)
     with pytest.raises(KeyboardInterrupt):
-        search(tiny_gpt(), n_trials=3, storage=url, study_name="resume-me", **FAST)
+        search(tiny(seed=0), n_trials=3, storage=url, study_name="resume-me", **FAST)
     monkeypatch.undo()
     first = optuna.load_study(study_name="resume-me", storage=url)
     assert [t.state.name for t in first.trials] == ["COMPLETE", "FAIL"]
 
-    result = search(tiny_gpt(), n_trials=3, storage=url, study_name="resume-me", **FAST)
+    result = search(tiny(seed=0), n_trials=3, storage=url, study_name="resume-me", **FAST)
     states = [t.state.name for t in result.study.trials]
     assert len(states) == 4 and states[:2] == ["COMPLETE", "FAIL"]  # both runs' trials, in one study
     assert sum(s in ("COMPLETE", "PRUNED") for s in states) == 3
 
 
 def test_best_config_trains():
-    result = search(tiny_gpt(), space={"lr": ("log", 1e-3, 3e-3)}, n_trials=2, **FAST)
+    result = search(tiny(seed=0), space={"lr": ("log", 1e-3, 3e-3)}, n_trials=2, **FAST)
     cfg = result.best_config
     assert isinstance(cfg, TrainConfig) and cfg.lr == result.study.best_params["lr"]
     assert cfg.max_steps == FAST["max_steps"]
-    trained = train(tiny_gpt(), config=cfg)
+    trained = train(tiny(seed=0), config=cfg)
     assert math.isfinite(trained.summary.val_loss)
 
 
@@ -93,15 +85,14 @@ def test_best_config_trains():
 ])
 def test_bad_space_names_the_fix(space, message):
     with pytest.raises(ValueError, match=message):
-        search(tiny_gpt(), space=space, n_trials=1, **FAST)
+        search(tiny(seed=0), space=space, n_trials=1, **FAST)
 
 
 def test_cli_search_with_sqlite_continues_and_writes_json(tmp_path):
     from tier_utils.cli import main
 
     db, out = tmp_path / "s.db", tmp_path / "s.json"
-    args = ["search", "--model-arg", "d_model=32", "--model-arg", "n_layer=1", "--model-arg", "n_head=2",
-            "--model-arg", "max_len=32", "--seq-len", "32", "--max-steps", "6", "--eval-every", "3",
+    args = ["search", *TINY_ARGS, "--seq-len", "32", "--max-steps", "6", "--eval-every", "3",
             "--storage", f"sqlite:///{db}", "--study-name", "cli", "--no-progress"]
     assert main([*args, "--trials", "1"]) == 0
     assert main([*args, "--trials", "2", "--json", str(out)]) == 0
@@ -116,7 +107,7 @@ def test_bad_storage_is_one_line_naming_the_fix(url):
     from tier_utils.search import SearchStorageError
 
     with pytest.raises(SearchStorageError, match="use e.g. sqlite:///") as info:
-        search(tiny_gpt(), n_trials=1, storage=url, **FAST)
+        search(tiny(seed=0), n_trials=1, storage=url, **FAST)
     assert "\n" not in str(info.value)
 
 
@@ -126,7 +117,7 @@ def test_an_existing_maximizing_study_is_refused_not_silently_reused(tmp_path):
     url = f"sqlite:///{tmp_path / 'other.db'}"
     optuna.create_study(study_name="accuracy", storage=url, direction="maximize")
     with pytest.raises(SearchStorageError, match="maximizes; .* give a new study_name"):
-        search(tiny_gpt(), n_trials=1, storage=url, study_name="accuracy", **FAST)
+        search(tiny(seed=0), n_trials=1, storage=url, study_name="accuracy", **FAST)
 
 
 def test_import_tier_utils_leaves_optuna_unloaded():

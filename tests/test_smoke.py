@@ -5,12 +5,12 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from tiny import TINY
 
 from tier_utils import TinyEncoder, TinyGPT, load_model, smoke, smoke_checks
 from tier_utils.cli import main
 from tier_utils.results import CHECK_COLUMNS
 
-GPT = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
 HF_GPT2 = dict(n_layer=1, n_head=2, n_embd=32, vocab_size=256, n_positions=64)
 HF_BERT = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=256,
                max_position_embeddings=64, num_labels=4)
@@ -49,8 +49,8 @@ class MaskIgnoringEncoder(TinyEncoder):
 
 
 @pytest.mark.parametrize("spec,kwargs", [
-    ("tiny-gpt", GPT),
-    ("tiny-encoder", dict(GPT, num_classes=3)),
+    ("tiny-gpt", TINY),
+    ("tiny-encoder", dict(TINY, num_classes=3)),
     ("hf:GPT2LMHeadModel", HF_GPT2),
     ("hf:BertForSequenceClassification", HF_BERT),
 ], ids=["tiny-gpt", "tiny-encoder", "hf-gpt2", "hf-bert"])
@@ -62,14 +62,14 @@ def test_healthy_models_pass_every_check(spec, kwargs):
     bad = table[table.status.isin(["FAIL", "WARN"])]
     assert bad.empty, bad.to_string()
     assert set(table.check[table.status == "SKIP"]) <= JUSTIFIED_SKIPS
-    assert report.passed and report.worst == "PASS"
+    assert report.passed and report.status == "PASS"
     assert len(report.latency) == 2 and all(len(r["samples_ms"]) == 3 for r in report.latency)
     assert [m["batch_size"] for m in report.memory] == [1, 2]
     assert report.grad_norms and all(v > 0 for v in report.grad_norms.values())
 
 
 def test_unused_parameter_fails_gradient_flow_by_name():
-    report = smoke(UnusedParamGPT(**GPT), checks=["gradients"], device="cpu", progress=False)
+    report = smoke(UnusedParamGPT(**TINY), checks=["gradients"], device="cpu", progress=False)
     row = report.table.set_index("check").loc["gradients: every parameter gets one"]
     assert row.status == "FAIL"
     assert "spare.weight" in row.detail and "spare.bias" in row.detail
@@ -78,15 +78,15 @@ def test_unused_parameter_fails_gradient_flow_by_name():
 
 
 def test_nan_output_fails_stability():
-    report = smoke(NaNGPT(**GPT), checks="stability", device="cpu", progress=False)
+    report = smoke(NaNGPT(**TINY), checks="stability", device="cpu", progress=False)
     finite_rows = report.table[report.table.check.str.contains("token|max length")]
     assert len(finite_rows) == 4 and (finite_rows.status == "FAIL").all()
     assert finite_rows.detail.str.contains("NaN").all()
-    assert report.worst == "FAIL"
+    assert report.status == "FAIL"
 
 
 def test_forward_that_raises_gives_fail_rows_not_a_crash():
-    report = smoke(BrokenGPT(**GPT), batch_sizes=(1,), device="cpu", progress=False)
+    report = smoke(BrokenGPT(**TINY), batch_sizes=(1,), device="cpu", progress=False)
     table = report.table
     failed = table[table.status == "FAIL"]
     groups_failed = {c.split(":")[0] for c in failed.check}
@@ -97,13 +97,13 @@ def test_forward_that_raises_gives_fail_rows_not_a_crash():
 
 
 def test_padding_leak_is_caught():
-    report = smoke(MaskIgnoringEncoder(**GPT), checks=["shapes"], device="cpu", progress=False)
+    report = smoke(MaskIgnoringEncoder(**TINY), checks=["shapes"], device="cpu", progress=False)
     row = report.table.set_index("check").loc["shapes: padded batch + attention_mask"]
     assert row.status == "FAIL" and "attention_mask" in row.detail
 
 
 def test_init_flags_constant_matrix_and_dead_rows_but_not_layernorm():
-    model = TinyGPT(**GPT)
+    model = TinyGPT(**TINY)
     with torch.no_grad():
         model.blocks[0].attn.proj.weight.fill_(0.5)
         model.blocks[0].mlp[0].weight[3].zero_()
@@ -127,7 +127,7 @@ class BoostedGPT(TinyGPT):
 
 
 def test_exploding_layer_is_flagged_by_name():
-    report = smoke(BoostedGPT(**GPT), checks=["gradients"], device="cpu", progress=False)
+    report = smoke(BoostedGPT(**TINY), checks=["gradients"], device="cpu", progress=False)
     rows = report.table.set_index("check")
     assert rows.loc["gradients: exploding layers"].status == "FAIL"
     assert "boost is exploding" in rows.loc["gradients: exploding layers"].detail
@@ -135,7 +135,7 @@ def test_exploding_layer_is_flagged_by_name():
 
 
 def test_vanishing_layers_are_flagged():
-    model = TinyGPT(**GPT)
+    model = TinyGPT(**TINY)
     with torch.no_grad():  # residual branches scaled to nothing: what feeds them gets ~no gradient
         model.blocks[0].attn.proj.weight.mul_(1e-9)
         model.blocks[0].mlp[2].weight.mul_(1e-9)
@@ -152,7 +152,7 @@ class OOMAboveOneGPT(TinyGPT):
 
 
 def test_memory_sweep_stops_cleanly_at_out_of_memory():
-    report = smoke(OOMAboveOneGPT(**GPT), checks=["memory"], batch_sizes=(1, 2, 4), device="cpu", progress=False)
+    report = smoke(OOMAboveOneGPT(**TINY), checks=["memory"], batch_sizes=(1, 2, 4), device="cpu", progress=False)
     rows = report.table.set_index("check")
     assert rows.loc["memory: peak CUDA B=2 (bytes)"].status == "WARN"
     assert "largest batch that fit was 1" in rows.loc["memory: peak CUDA B=2 (bytes)"].detail
@@ -163,7 +163,7 @@ def test_memory_sweep_stops_cleanly_at_out_of_memory():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_peak_memory_per_batch_size():
-    report = smoke(TinyGPT(**GPT), checks=["memory", "latency"], batch_sizes=(1, 8), device="cuda", progress=False)
+    report = smoke(TinyGPT(**TINY), checks=["memory", "latency"], batch_sizes=(1, 8), device="cuda", progress=False)
     rows = report.table.set_index("check")
     assert rows.loc["memory: peak CUDA B=8 (bytes)"].status == "PASS"
     assert report.memory[1]["peak_bytes"] > report.memory[0]["peak_bytes"] > 0
@@ -171,7 +171,7 @@ def test_cuda_peak_memory_per_batch_size():
 
 
 def test_leaves_model_mode_grads_and_rng_as_found():
-    model = TinyGPT(dropout=0.1, **GPT).eval()
+    model = TinyGPT(dropout=0.1, **TINY).eval()
     marker = torch.ones_like(model.head.weight)
     model.head.weight.grad = marker
     rng = torch.get_rng_state()
@@ -187,7 +187,7 @@ def test_forced_precision_runs_instead_of_skipping():
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = smoke(TinyGPT(**GPT), checks=["stability"], precision="fp16", device="cpu", progress=False)
+        report = smoke(TinyGPT(**TINY), checks=["stability"], precision="fp16", device="cpu", progress=False)
     row = report.table.set_index("check").loc["stability: fp16 vs fp32 logits"]
     if smoke_checks.native_support("fp16", torch.device("cpu"))[0]:
         assert "forced" not in row.detail
@@ -199,11 +199,11 @@ def test_forced_precision_runs_instead_of_skipping():
 
 def test_bad_arguments_raise_value_errors_naming_the_fix():
     with pytest.raises(ValueError, match="shapes, gradients, stability, init, memory, latency, determinism"):
-        smoke(TinyGPT(**GPT), checks=["shapes", "speed"], progress=False)
+        smoke(TinyGPT(**TINY), checks=["shapes", "speed"], progress=False)
     with pytest.raises(ValueError, match="batch_sizes must be a whole number >= 1, got 0"):
-        smoke(TinyGPT(**GPT), batch_sizes=[1, 0], progress=False)
+        smoke(TinyGPT(**TINY), batch_sizes=[1, 0], progress=False)
     with pytest.raises(ValueError, match="no check group given"):
-        smoke(TinyGPT(**GPT), checks=[], progress=False)
+        smoke(TinyGPT(**TINY), checks=[], progress=False)
 
 
 def test_multi_line_exception_becomes_a_one_line_fail_detail():
@@ -211,14 +211,14 @@ def test_multi_line_exception_becomes_a_one_line_fail_detail():
         def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
             raise RuntimeError("shape mismatch:\n  expected (2, 8)\n\tgot (2, 9)")
 
-    report = smoke(MultiLineError(**GPT), checks="shapes,stability", device="cpu", progress=False)
+    report = smoke(MultiLineError(**TINY), checks="shapes,stability", device="cpu", progress=False)
     fails = report.table[report.table.status == "FAIL"]
     assert len(fails) == len(report.table) > 1  # every row calls forward, so every row fails
     assert (fails.detail == "raised RuntimeError: shape mismatch: expected (2, 8) got (2, 9)").all()
 
 
 def test_json_plot_and_table_formats(tmp_path):
-    report = smoke(TinyGPT(**GPT), checks=["gradients", "memory", "latency"], batch_sizes=(1, 2), seq_lens=(8, 16),
+    report = smoke(TinyGPT(**TINY), checks=["gradients", "memory", "latency"], batch_sizes=(1, 2), seq_lens=(8, 16),
                    device="cpu", progress=False)
     data = json.loads(json.dumps(report.to_json()))
     assert data["run_metadata"]["torch"] == torch.__version__ and data["run_metadata"]["dtype"]
@@ -232,7 +232,7 @@ def test_json_plot_and_table_formats(tmp_path):
     assert len(latency_ax.get_xticklabels()) == 4
     assert len(memory_ax.patches) == 2
     report.save_json(tmp_path / "smoke.json")
-    assert json.loads((tmp_path / "smoke.json").read_text())["worst"] == report.worst
+    assert json.loads((tmp_path / "smoke.json").read_text())["status"] == report.status
 
 
 MODEL_FILE = textwrap.dedent('''
@@ -258,7 +258,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     code = main(["smoke", "--model", f"{tmp_path / 'nan_model.py'}:NaNGPT", "--checks", "stability",
                  "--json", str(bad)] + SMALL)
     assert code == 1
-    assert json.loads(bad.read_text())["worst"] == "FAIL"
+    assert json.loads(bad.read_text())["status"] == "FAIL"
     capsys.readouterr()
 
     assert main(["smoke", "--checks", "shapes,speed"] + SMALL) == 2
@@ -270,7 +270,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_tied_embedding_is_judged_as_an_embedding_with_its_padding_row():
-    model = TinyGPT(**GPT)
+    model = TinyGPT(**TINY)
     model.tok_emb.padding_idx = 0
     with torch.no_grad():
         model.tok_emb.weight[0] = 0
@@ -288,7 +288,7 @@ READS_OUTPUTS = ("shapes: padded", "gradients: loss", "gradients: finite", "grad
 
 
 def test_nan_model_gets_no_pass_on_any_check_that_reads_a_number():
-    report = smoke(NaNGPT(**GPT), device="cpu", precision="fp16", progress=False)  # fp16 asked for: runs, forced
+    report = smoke(NaNGPT(**TINY), device="cpu", precision="fp16", progress=False)  # fp16 asked for: runs, forced
     rows = report.table[report.table.check.str.startswith(READS_OUTPUTS)]
     assert len(rows) >= 12 and "PASS" not in set(rows.status)
     det = rows[rows.check.str.startswith("determinism")]

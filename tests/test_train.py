@@ -19,12 +19,14 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
+from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import cli
 from tier_utils.adapter import adapt
 from tier_utils.checkpoint import CheckpointError, load_checkpoint
 from tier_utils.data import build_datasets, make_loader
-from tier_utils.history import History, TrainResult, evaluate
+from tier_utils.history import History, TrainResult
+from tier_utils.metrics import evaluate
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.train import StepOutput, TrainConfig, TrainingDiverged, TrainStep, make_optimizer, make_scheduler, train
@@ -45,13 +47,9 @@ def _quiet_slow_precision():
         yield
 
 
-def tiny_gpt(**kw):
-    return load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, **kw)
-
-
 MODELS = {
-    "tiny-gpt": tiny_gpt,
-    "tiny-encoder": lambda: load_model("tiny-encoder", d_model=32, n_layer=1, n_head=2, max_len=32),
+    "tiny-gpt": tiny,
+    "tiny-encoder": lambda: tiny("tiny-encoder"),
     "hf-gpt2": lambda: load_model("hf:GPT2LMHeadModel", n_layer=1, n_head=2, n_embd=32, vocab_size=256,
                                   n_positions=64),
 }
@@ -98,7 +96,7 @@ class Probe(nn.Module):
 
     def __init__(self, nan_at: int | None = None):
         super().__init__()
-        self.inner = tiny_gpt()
+        self.inner = tiny()
         self.vocab_size, self.max_len = 256, 32
         self.nan_at, self.train_calls, self.calls = nan_at, 0, []
 
@@ -125,7 +123,7 @@ def test_eval_in_inference_mode_and_model_back_in_train_mode():
 
 def test_fp32_equals_hand_written_loop():
     torch.manual_seed(0)
-    model = tiny_gpt()
+    model = tiny()
     twin = copy.deepcopy(model)
     data, seed, steps, accum, b = token_rows(n=40), 3, 7, 2, 4
     # The hand loop runs on the CPU and is compared at 1e-6, so train() is pinned there too: a GPU's
@@ -172,7 +170,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])  # GradScaler("cpu") and GradScaler("cuda")
 def test_fp16_inf_gradient_is_skipped_and_schedule_waits(device):
-    model = tiny_gpt()
+    model = tiny()
     backward_calls = []
 
     def poison(grad):
@@ -196,7 +194,7 @@ def test_fp16_inf_gradient_is_skipped_and_schedule_waits(device):
 
 def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
     # Every gradient overflows: each step is skipped and the scale halves, 65536 -> 0.5 at step 17.
-    model = tiny_gpt()
+    model = tiny()
     model.head.weight.register_hook(lambda grad: grad * float("inf"))
     with pytest.raises(TrainingDiverged) as info:
         train(model, precision="fp16", max_steps=30, log_every=5, eval_every=0, **FAST)
@@ -210,7 +208,7 @@ def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
 
 def test_track_scale_false_reads_no_loss_scale(monkeypatch):
     torch.manual_seed(0)
-    adapter = adapt(tiny_gpt())
+    adapter = adapt(tiny())
     prec = resolve_precision("fp16", "cpu", warn=False)
     batch = adapter.example_batch(2, 16)
     reads = []
@@ -231,7 +229,7 @@ def test_track_scale_false_reads_no_loss_scale(monkeypatch):
 
 def test_evaluate_scores_every_target_and_restores_train_mode():
     torch.manual_seed(0)
-    adapter = adapt(tiny_gpt())
+    adapter = adapt(tiny())
     ds = build_datasets(token_rows(n=20), task="causal-lm", seq_len=16).train
     loader = make_loader(ds, 4, shuffle=False)
     got = evaluate(adapter, loader, resolve_precision("fp32", "cpu"), max_batches=2)
@@ -286,7 +284,7 @@ def test_cuda_max_memory_excludes_allocations_before_the_run():
     dev = torch.device("cuda")
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # 256 MiB peak before train()
     del big
-    result = train(tiny_gpt(), precision="fp32", device="cuda", max_steps=2, log_every=1, eval_every=0, **FAST)
+    result = train(tiny(), precision="fp32", device="cuda", max_steps=2, log_every=1, eval_every=0, **FAST)
     peaks = result.history["max_memory_mb"]
     assert peaks.notna().all() and (peaks < 128).all()
 
@@ -310,7 +308,7 @@ def test_bf16_nan_loss_raises_at_its_step_and_keeps_last_good_checkpoint(tmp_pat
 def test_history_is_bounded(monkeypatch):
     train_module = importlib.import_module("tier_utils.train")
     monkeypatch.setattr(train_module, "MAX_STEP_ROWS", 4)
-    result = train(tiny_gpt(), precision="fp32", max_steps=20, log_every=1, eval_every=0, **FAST)
+    result = train(tiny(), precision="fp32", max_steps=20, log_every=1, eval_every=0, **FAST)
     steps = result.history.query("kind == 'step'")
     assert len(steps) == 4 and steps["step"].tolist() == [5, 10, 15, 20]
     assert len(result.history.query("kind == 'epoch'")) == 1
@@ -328,7 +326,7 @@ def test_on_eval_sees_metrics_and_its_exceptions_propagate():
             raise Prune
 
     with pytest.raises(Prune):
-        train(tiny_gpt(), precision="fp32", max_steps=8, eval_every=2, **FAST, on_eval=on_eval)
+        train(tiny(), precision="fp32", max_steps=8, eval_every=2, **FAST, on_eval=on_eval)
     assert [s for s, _ in seen] == [2, 4]
     assert all(math.isfinite(m["val_loss"]) and 0 <= m["accuracy"] <= 1 for _, m in seen)
 
@@ -338,7 +336,7 @@ def test_ctrl_c_returns_partial_result_marked_interrupted():
         if step == 3:
             raise KeyboardInterrupt
 
-    model = tiny_gpt()
+    model = tiny()
     result = train(model, precision="fp32", max_steps=8, eval_every=3, log_every=1, **FAST, on_eval=interrupt)
     assert result.interrupted and result.summary.interrupted
     assert result.summary.steps == 3 and result.history["step"].max() == 3
@@ -347,7 +345,7 @@ def test_ctrl_c_returns_partial_result_marked_interrupted():
 
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="unknown training setting.*batch_sise.*valid: precision, batch_size"):
-        train(tiny_gpt(), batch_sise=4)
+        train(tiny(), batch_sise=4)
     with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
         TrainConfig(batch_size=0)
     with pytest.raises(ValueError, match="lr must be a number > 0"):
@@ -395,8 +393,7 @@ def killed_and_resumed_vs_whole(tmp_path, config):
     resumed = subprocess.run([sys.executable, str(script), str(ckpt), "0"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
-    torch.manual_seed(0)  # same construction as the script
-    model = load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)
+    model = tiny(seed=0, dropout=0.1)  # same construction as the script
     whole = train(model, token_rows(), **config, checkpoint_dir=tmp_path / "whole")
     final = load_checkpoint(ckpt / "last.pt")
     assert final["step"] == 14, kill_at
@@ -436,7 +433,7 @@ def test_malicious_checkpoint_is_refused(tmp_path):
         ckpt_dir.mkdir()
         write(ckpt_dir / "last.pt", {"format": 1, "step": 1, "payload": _Payload(marker)})
         with pytest.raises(CheckpointError, match="refused to load"):
-            train(tiny_gpt(), checkpoint_dir=ckpt_dir, resume=True, max_steps=1, **FAST)
+            train(tiny(), checkpoint_dir=ckpt_dir, resume=True, max_steps=1, **FAST)
         assert not marker.exists()
     # The payload is real: an unrestricted unpickle would have run it.
     torch.load(tmp_path / "run0" / "last.pt", weights_only=False)
@@ -444,23 +441,22 @@ def test_malicious_checkpoint_is_refused(tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
-    train(tiny_gpt(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
+    train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
     with pytest.raises(CheckpointError, match="lr=0.0003"):
-        train(tiny_gpt(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3, **FAST)
+        train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3, **FAST)
 
 
 def test_resume_refuses_a_checkpoint_from_different_data(tmp_path):
     run = dict(precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
-    train(tiny_gpt(), token_rows(seed=1), **run)
+    train(tiny(), token_rows(seed=1), **run)
     for other in (token_rows(seed=2), token_rows(n=100, seed=1)):  # same size other content; more rows
         with pytest.raises(CheckpointError, match="was trained on tensors data .* resume with the same data"):
-            train(tiny_gpt(), other, resume=True, **run)
-    assert train(tiny_gpt(), token_rows(seed=1), resume=True, **run).summary.resumed_from_step == 2
+            train(tiny(), other, resume=True, **run)
+    assert train(tiny(), token_rows(seed=1), resume=True, **run).summary.resumed_from_step == 2
 
 
 def _cli(tmp_path, *extra):
-    return cli.main(["train", "--model", "tiny-gpt", "--model-arg", "d_model=32", "--model-arg", "n_layer=1",
-                     "--model-arg", "n_head=2", "--model-arg", "max_len=32", "--precision", "fp32", "--batch-size", "4",
+    return cli.main(["train", "--model", "tiny-gpt", *TINY_ARGS, "--precision", "fp32", "--batch-size", "4",
                      "--seq-len", "16", "--eval-batches", "1", "--no-progress", *extra])
 
 
@@ -503,9 +499,8 @@ def test_summary_names_how_many_targets_validation_scored():
 
 def test_spec_keywords_build_the_model_and_a_decided_precision_is_kept():
     prec = resolve_precision("auto", "cpu")  # its reason says auto; deciding "fp32" again would not
-    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST,
-                   d_model=32, n_layer=1, n_head=2, max_len=32)
-    assert result.summary.parameters == sum(p.numel() for p in tiny_gpt().parameters())
+    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST, **TINY)
+    assert result.summary.parameters == sum(p.numel() for p in tiny().parameters())
     assert result.summary.precision_reason == prec.reason and result.config["precision"] == prec.name
     assert result.config["device"] == "cpu"
 

@@ -9,8 +9,6 @@ from tier_utils.precision import supported_precisions
 from tier_utils.train import train
 from tier_utils.widgets import DEVICE_SIZES, ConfigPanel, RunConfig, config_panel, forget_panel_choices
 
-SMALL = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
-
 
 @pytest.fixture(autouse=True)
 def _fresh_kernel():
@@ -69,8 +67,8 @@ def test_bad_config_values_fail_with_the_fix(bad, match):
         RunConfig(**bad)
 
 
-def test_the_next_run_uses_the_changed_widget_values():
-    cfg = RunConfig(model_kwargs=SMALL, seq_len=16, max_steps=2)
+def test_the_next_run_uses_the_changed_widget_values(tiny_kwargs):
+    cfg = RunConfig(model_kwargs=tiny_kwargs, seq_len=16, max_steps=2)
     panel = config_panel(cfg)
     # auto resolves to something; pick an explicit choice that differs from it, then a new batch size.
     auto = tier_utils.resolve_precision("auto").name
@@ -85,8 +83,8 @@ def test_the_next_run_uses_the_changed_widget_values():
     assert result.summary.steps == 2
 
 
-def test_build_model_gives_the_same_initial_weights_every_time():
-    cfg = RunConfig(model_kwargs=SMALL, seed=3)
+def test_build_model_gives_the_same_initial_weights_every_time(tiny_kwargs):
+    cfg = RunConfig(model_kwargs=tiny_kwargs, seed=3)
     first, again = cfg.build_model(), cfg.build_model()
     assert first is not again
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import AdapterError, ModelForwardError, ModelSpecError, one_line
+from .errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from .models import load_model
 
 TASKS = ("causal-lm", "classification")
@@ -259,7 +259,7 @@ def _check_default_length(adapter: ModelAdapter) -> None:
     except AdapterError as exc:
         cause = exc.__cause__ or exc
         raise AdapterError(f"cannot find {adapter.name}'s maximum sequence length and {adapter.max_len} tokens fail "
-                           f"({type(cause).__name__}: {one_line(cause)}); pass max_len=N (smoke/analyze take it as "
+                           f"({describe(cause, limit=None)}); pass max_len=N (smoke/analyze take it as "
                            "a keyword; for every tier: adapt(model, max_len=N))") from exc
     adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
                             f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
@@ -289,7 +289,7 @@ def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tens
         raise
     except Exception as exc:
         err = ModelForwardError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
-                                f"{type(exc).__name__}: {one_line(exc)[:300]}; fix its forward (or its signature: "
+                                f"{describe(exc)}; fix its forward (or its signature: "
                                 "it gets input_ids, and attention_mask if it takes one)")
         err.model = adapter.summary()  # what smoke/analyze report it under
         raise err from exc

@@ -14,10 +14,9 @@ import torch
 
 from .adapter import resolve_model
 from .bench_record import Plan, PrecisionRecord, make_record
-from .checkpoint import rng_state, set_rng_state
 from .compiling import compile_for_training, compile_modes
 from .data import build_datasets, make_loader, to_device
-from .history import evaluate
+from .files import jsonable
 from .loggers import log_result_tables, logger_names, run_stamp
 from .measure import (
     SavedTensorMeter,
@@ -29,9 +28,11 @@ from .measure import (
     static_memory,
     summarize,
 )
+from .metrics import evaluate
 from .precision import native_support, resolve_device, resolve_precision
 from .progress import progress_bar
-from .results import Result, checks_table, jsonable, run_metadata, worst_status
+from .results import Result, checks_table, run_metadata, worst_status
+from .seeding import rng_state, set_rng_state
 from .settings import BenchConfig, merge
 from .train import TrainStep, make_optimizer, make_scheduler
 from .verdicts import launch_bound, record_checks

@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
-import random
 import re
 from pathlib import Path
 
 import torch
 
 from .errors import TierError
-from .results import atomic_write_bytes
+from .files import atomic_write_bytes
 
 CHECKPOINT_NAME = "last.pt"
 FORMAT = 1
@@ -24,46 +23,6 @@ FORMAT = 1
 
 class CheckpointError(TierError, ValueError):
     """A checkpoint is missing, unreadable, unsafe, or from a different run."""
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), Python's random and numpy."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-def rng_state() -> dict:
-    """Every RNG state as tensors (ByteTensors for torch, int64 tensors for the Mersenne Twisters)."""
-    version, mt, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached": float(cached)}
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        s = state["numpy"]
-        np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
 
 
 def data_fingerprint(splits) -> dict:

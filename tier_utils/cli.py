@@ -14,9 +14,10 @@ import warnings
 from dataclasses import fields
 
 from .errors import ModelForwardError, TierError, one_line
+from .files import write_json
 from .models import DEFAULT_MODEL
-from .results import whole_number, writable_dir, writable_file, write_json
 from .settings import FAST, JOB, TRIAL_DEFAULTS, BenchConfig, SearchConfig, Thresholds, TrainConfig
+from .validation import whole_number, writable_dir, writable_file
 
 
 def _optional(convert):
@@ -149,7 +150,7 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
-    from .results import jsonable
+    from .files import jsonable
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)

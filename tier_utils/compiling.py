@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .adapter import ModelAdapter
-from .checkpoint import rng_state, set_rng_state
-from .errors import one_line
+from .errors import describe, one_line
 from .precision import Precision
+from .seeding import rng_state, set_rng_state
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
 
@@ -96,8 +96,8 @@ def compile_for_training(adapter: ModelAdapter, precision: Precision, batch: dic
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     except Exception as exc:  # whatever the compiler raises, the run goes on eager
-        text = one_line(exc).split(" Set TORCHDYNAMO_VERBOSE")[0][:300]
-        reason = f"could not compile ({type(exc).__name__}: {text}); ran eager"
+        hint = one_line(exc).split(" Set TORCHDYNAMO_VERBOSE")[0]  # torch's how-to-debug advice is no reason
+        reason = f"could not compile ({describe(exc, text=hint)}); ran eager"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=3)
         return adapter, CompileInfo(mode, False, None, None, reason)
     finally:

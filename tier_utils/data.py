@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np  # always installed: pandas and matplotlib need it
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -282,11 +283,7 @@ def _seed_worker(worker_id: int) -> None:
     # Each worker's torch seed derives from the loader's generator; numpy/random follow it.
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed)
-    except ImportError:
-        pass
+    np.random.seed(seed)
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, device=None, num_workers: int = 0,

@@ -29,3 +29,10 @@ class OutputError(TierError, ValueError):
 def one_line(exc: BaseException) -> str:
     """An exception's message folded onto one line, for messages that embed it."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def describe(exc: BaseException, limit: int | None = 300, text: str | None = None) -> str:
+    """The exception as one line, "TypeError: message", the message capped at `limit` characters (None:
+    whole) so it fits a table cell or an error line. `text` stands in for the message where part of it helps."""
+    message = one_line(exc) if text is None else " ".join(text.split())
+    return f"{type(exc).__name__}: {message[:limit]}"

@@ -22,10 +22,12 @@ import torch
 
 from .adapter import resolve_model
 from .data import build_datasets, make_loader
-from .errors import TierError, one_line
+from .errors import TierError, describe, one_line
+from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .precision import resolve_precision
-from .results import Check, Result, atomic_write_bytes, checks_table, jsonable, run_metadata, whole_number, worst_status
+from .results import Check, Result, checks_table, run_metadata
+from .validation import whole_number
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
@@ -61,10 +63,6 @@ class ExportResult(Result):
     metadata: dict
     checks: list
     latency: list  # per shape and runner: n, median/IQR ms
-
-    @property
-    def status(self) -> str:
-        return worst_status(c.status for c in self.checks)
 
     @property
     def table(self) -> pd.DataFrame:
@@ -193,9 +191,8 @@ def _reason(exc: BaseException) -> str:
         root = root.__cause__
     text = str(root)
     where = re.search(r'File "([^"]+)", line (\d+), in (\w+)', text.split("The following call raised this error:")[-1])
-    first = one_line(text.strip().splitlines()[0] if text.strip() else root)[:300]
     at = f" at {where.group(1)}:{where.group(2)} in {where.group(3)}()" if where else ""
-    return f"{type(root).__name__}: {first}{at}"
+    return describe(root, text=text.strip().splitlines()[0] if text.strip() else None) + at
 
 
 @contextlib.contextmanager

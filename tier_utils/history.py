@@ -1,4 +1,4 @@
-"""Training history, validation metrics (`evaluate`, shared with the AMP benchmark) and `TrainResult`.
+"""Training history and `TrainResult`.
 
 Per-step loss and grad-norm tensors stay on the device until a log point, where one host transfer
 brings the whole window back, the first non-finite step (if any) is found, and the window becomes
@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 import torch
 
-from .data import to_device
+from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .plotting import caption, integer_axis, power_of_two_axis
-from .results import Result, atomic_write_bytes, jsonable
+from .results import Result
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                    "loss_scale", "skipped_steps", "tokens_per_s", "step_time_ms", "max_memory_mb", "gpu_util_pct"]
@@ -33,42 +33,6 @@ def _acc() -> dict:
 
 def _mean(total: float, n: int) -> float:
     return total / n if n else NAN
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
-
-
-def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None) -> dict:
-    """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
-    (next tokens, or class labels) of a ModelAdapter in a Precision.
-
-    Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
-    most `max_batches` batches (None: all); the model is back in train mode afterwards.
-    `reduce_sum` (e.g. DistEnv.all_sum) adds up the sums across ranks. `targets` is their count.
-    """
-    model, device = adapter.model, adapter.device
-    model.eval()
-    sums = torch.zeros(3, device=device)  # loss x count, correct, count
-    try:
-        with torch.inference_mode():
-            for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches:
-                    break
-                batch = to_device(batch, device)
-                with precision.autocast():
-                    logits = adapter.logits(batch["input_ids"], batch.get("attention_mask"))
-                logits, labels = logits.float(), batch["labels"]
-                n = labels.numel()
-                sums[0] += adapter.loss(logits, labels) * n
-                sums[1] += (logits.argmax(-1) == labels).sum()
-                sums[2] += n
-    finally:
-        model.train()
-    loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
-    val_loss = loss_sum / count
-    return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task == "causal-lm" else math.nan,
-            "accuracy": correct / count, "targets": int(count)}
 
 
 class History:
@@ -265,6 +229,11 @@ class TrainResult(Result):
     loss_scale_trace: list = field(default_factory=list)
     interrupted: bool = False
     config: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> str | None:
+        """Training's only verdict is divergence: FAIL then, else None (a finished run has none)."""
+        return "FAIL" if self.summary.get("diverged_at_step") is not None else None
 
     @property
     def table(self) -> pd.DataFrame:

@@ -8,9 +8,10 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
+from .files import jsonable, write_json
 from .models import DEFAULT_MODEL
 from .precision import CPU_FLAGS_ENV, cpu_flags, native_support, resolve_device, resolve_precision
-from .results import jsonable, run_metadata, write_json
+from .results import run_metadata
 
 
 @dataclass

@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import TierError
-from .results import atomic_write_bytes, jsonable, select_names
+from .files import atomic_write_bytes, jsonable
+from .validation import select_names
 
 LOGGER_NAMES = ("tensorboard", "wandb", "mlflow")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

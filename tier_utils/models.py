@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ModelSpecError, one_line
+from .errors import ModelSpecError, describe, one_line
 
 
 class CausalSelfAttention(nn.Module):
@@ -196,7 +196,7 @@ def _import_file(path: str):
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[mod_name]
-        raise ModelSpecError(f"importing {path} raised {type(exc).__name__}: {one_line(exc)}; fix the file") from exc
+        raise ModelSpecError(f"importing {path} raised {describe(exc, limit=None)}; fix the file") from exc
     return module
 
 
@@ -219,7 +219,7 @@ def _construct(factory, kwargs: dict, spec: str) -> nn.Module:
     except ModelSpecError:
         raise
     except Exception as exc:
-        raise ModelSpecError(f"building {spec} raised {type(exc).__name__}: {one_line(exc)}; check its arguments") from exc
+        raise ModelSpecError(f"building {spec} raised {describe(exc, limit=None)}; check its arguments") from exc
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -236,4 +236,4 @@ def _load_hf(class_name: str, config: dict) -> nn.Module:
     try:
         return cls(cls.config_class(**config))
     except Exception as exc:
-        raise ModelSpecError(f"building hf:{class_name} raised {type(exc).__name__}: {one_line(exc)}; check the config") from exc
+        raise ModelSpecError(f"building hf:{class_name} raised {describe(exc, limit=None)}; check the config") from exc

@@ -66,16 +66,18 @@ CPU_FLAGS_ENV = "TIER_UTILS_CPU_FLAGS"
 _PRECISION_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2"})
 
 
-@functools.lru_cache(maxsize=None)
-def _detected_cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in Linux's /proc/cpuinfo; "" where there is none."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return frozenset(_PRECISION_FLAGS & set(line.split(":", 1)[1].split()))
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(field)), "")
     except OSError:
-        pass
-    return frozenset()
+        return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _detected_cpu_flags() -> frozenset[str]:
+    return frozenset(_PRECISION_FLAGS & set(_cpuinfo("flags").split()))
 
 
 def cpu_flags() -> frozenset[str]:
@@ -88,14 +90,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 def device_name(device: torch.device) -> str:

@@ -1,6 +1,6 @@
 """The main job: every tier on one model, and a folder report (CSV tables, PNG plots, index.html).
 
-`write_report` is generic over result objects (anything with `.table` and `.plot()`);
+`write_report` is generic over result objects (anything with `.table`, `.plot()` and `.status`, as every Result has);
 `run_all` runs tier 1, tier 2, a short training run and the AMP benchmark, then writes one.
 """
 from __future__ import annotations
@@ -22,14 +22,16 @@ from .analysis import analyze
 from .bench import amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
-from .history import TrainResult, TrainSummary
+from .files import atomic_write_bytes, jsonable, write_json
+from .history import TrainSummary
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, atomic_write_bytes, jsonable, run_metadata, worst_status, writable_dir, write_json
+from .results import STATUSES, Result, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
+from .validation import writable_dir
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -54,16 +56,6 @@ def _save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def result_status(result) -> str | None:
-    """A result's worst PASS/WARN/FAIL/SKIP; None when it has no verdicts (a training run that finished)."""
-    if hasattr(result, "status"):  # analysis, benchmark
-        return result.status
-    if isinstance(result, TrainResult):  # training: only divergence is a verdict
-        return "FAIL" if result.summary.diverged_at_step is not None else None
-    table = result.table  # smoke and other checks tables
-    return worst_status(table["status"]) if "status" in table.columns else None
-
-
 def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
     """Write each result's table as `<name>.csv`, its plot as `<name>.png`, its JSON as `<name>.json`
     and an `index.html` showing them together (plain HTML, relative image links). Returns index.html.
@@ -84,7 +76,7 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         fig = result.plot()
         if fig is not None:
             _save_figure(fig, out / f"{name}.png")
-        status = result_status(result)
+        status = result.status
         badge = f" <span class='{status}'>{status}</span>" if status else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
         sections.append(_section(name, badge, tables, fig is not None))
@@ -131,10 +123,6 @@ class AllResult(Result):
     index: Path
     metadata: dict
     bench_size: dict | None = None  # grow_batch()'s choice on a GPU; None where the default size was used
-
-    @property
-    def status(self) -> str:
-        return worst_status(s for s in self.statuses.values() if s)
 
     @property
     def model_status(self) -> str:
@@ -199,12 +187,8 @@ def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: 
     shown["value"] = shown["value"].map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
     lines = shown.to_string(index=False).splitlines()
     room = max(20, width - 2 - max(len(line) for line in lines) - 2)
-    details = ["detail"] + [_clip(str(d), room) for d in rows["detail"]]
+    details = ["detail"] + [d if len(d) <= room else d[:room - 3] + "..." for d in map(str, rows["detail"])]
     return [head] + [f"  {line}  {d}" for line, d in zip(lines, details)]
-
-
-def _clip(text: str, room: int) -> str:
-    return text if len(text) <= room else text[:room - 3] + "..."
 
 
 def _train_line(s: TrainSummary, seconds: float) -> str:
@@ -258,7 +242,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         start = time.perf_counter()
         results[name] = run()
         seconds[name] = time.perf_counter() - start
-        statuses[name] = result_status(results[name])
+        statuses[name] = results[name].status
     # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.
     meta = {**run_metadata(dev, prec.dtype), "load_average_1m": load_average(), "cpu_count": os.cpu_count()}
     index = write_report(results, out_dir, title=f"tier_utils report: {type(base).__name__}", metadata=meta)

@@ -16,11 +16,12 @@ import pandas as pd
 
 from .adapter import resolve_model
 from .errors import TierError, one_line
+from .files import jsonable
 from .models import DEFAULT_MODEL
 from .plotting import integer_axis
 from .precision import canonical_precision
 from .progress import interactive
-from .results import Result, jsonable, run_metadata
+from .results import Result, run_metadata
 from .settings import TRIAL_DEFAULTS, SearchConfig, TrainConfig, merge
 from .train import TrainingDiverged, train
 

@@ -15,23 +15,15 @@ import torch
 
 from .adapter import resolve_model
 from .errors import ModelForwardError
+from .files import jsonable
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
 from .plotting import category_ticks
 from .precision import Precision, resolve_precision
 from .progress import progress_bar
-from .results import (
-    Check,
-    Result,
-    checks_table,
-    failed_check,
-    jsonable,
-    run_metadata,
-    select_names,
-    whole_number,
-    worst_status,
-)
+from .results import Check, Result, checks_table, failed_check, run_metadata
 from .smoke_checks import CHECK_GROUPS
+from .validation import select_names, whole_number
 
 
 @dataclass(repr=False)
@@ -59,12 +51,8 @@ class SmokeReport(Result):
         return table
 
     @property
-    def worst(self) -> str:
-        return worst_status(c.status for c in self.checks)
-
-    @property
     def passed(self) -> bool:
-        return self.worst != "FAIL"
+        return self.status != "FAIL"
 
     @property
     def latency_table(self) -> pd.DataFrame:
@@ -79,16 +67,16 @@ class SmokeReport(Result):
 
     def headline(self) -> str:
         counts = ", ".join(f"{sum(c.status == s for c in self.checks)} {s}" for s in ("PASS", "WARN", "FAIL", "SKIP"))
-        return (f"smoke {self.model.get('model')}: {self.worst} ({counts}) in {self.seconds:.1f} s on "
+        return (f"smoke {self.model.get('model')}: {self.status} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}")
 
     def to_json(self) -> dict:
         return jsonable({
-            "passed": self.passed, "worst": self.worst, "checks": [asdict(c) for c in self.checks], "model": self.model,
-            "precision": self.precision.to_dict(), "run_metadata": self.metadata, "batch_sizes": self.batch_sizes,
-            "seq_lens": self.seq_lens, "seconds": self.seconds, "grad_norms": self.grad_norms,
-            "latency": self.latency_table, "latency_samples_ms": self.latency, "memory": self.memory,
-            "parameters": self.parameters if self.parameters is not None else [],
+            "passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
+            "model": self.model, "precision": self.precision.to_dict(), "run_metadata": self.metadata,
+            "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
+            "grad_norms": self.grad_norms, "latency": self.latency_table, "latency_samples_ms": self.latency,
+            "memory": self.memory, "parameters": self.parameters if self.parameters is not None else [],
         })
 
     def plot(self):

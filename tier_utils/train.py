@@ -27,20 +27,20 @@ from .checkpoint import (
     data_fingerprint,
     describe_data,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    seed_everything,
-    set_rng_state,
 )
 from .compiling import compile_for_training
 from .data import build_datasets, make_loader, to_device
 from .errors import DataError, TierError
-from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, evaluate, step_stats
+from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .loggers import open_train_run
+from .metrics import evaluate
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
-from .results import run_metadata, writable_dir
+from .results import run_metadata
+from .seeding import rng_state, seed_everything, set_rng_state
 from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .validation import writable_dir
 
 
 class TrainingDiverged(TierError):

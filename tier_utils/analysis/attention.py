@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from ..errors import one_line
+from ..errors import describe
 from ..plotting import category_ticks
 from ..results import Check
 from .common import Context, Outcome
@@ -215,8 +215,8 @@ def run(ctx: Context) -> Outcome:
                     raise
                 # The tool's request, not the model, failed: say so rather than FAIL a healthy model.
                 return Outcome([Check("attention maps", "SKIP", None, None,
-                                      f"{ctx.adapter.name} refused output_attentions=True ({type(exc).__name__}: "
-                                      f"{one_line(exc)[:200]}); build it with attn_implementation='eager'")])
+                                      f"{ctx.adapter.name} refused output_attentions=True "
+                                      f"({describe(exc, limit=200)}); build it with attn_implementation='eager'")])
             cap.collect(out)
             del out
             if not cap.maps:

@@ -14,10 +14,12 @@ import pandas as pd
 from ..adapter import resolve_model
 from ..data import build_datasets, make_loader, to_device
 from ..errors import DataError, ModelForwardError
+from ..files import jsonable
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
 from ..progress import progress_bar
-from ..results import Check, Result, failed_check, jsonable, run_metadata, select_names, whole_number, worst_status
+from ..results import Check, Result, failed_check, run_metadata
+from ..validation import select_names, whole_number
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 
@@ -87,10 +89,6 @@ class AnalysisReport(Result):
     @property
     def frames(self) -> dict[str, pd.DataFrame]:
         return {key: df for o in self.outcomes.values() for key, df in o.frames.items()}
-
-    @property
-    def status(self) -> str:
-        return worst_status(self.table.status)
 
     def plot(self, name: str | None = None, **options) -> Figure:
         """`name` one of the analyses run; options go to that figure (attention: layers=, heads=)."""

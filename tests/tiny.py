@@ -1,0 +1,18 @@
+"""The tiny model most tests build (1 layer, 2 heads, 32 wide, 32 tokens: quick on 2 CPU cores), defined once.
+
+A module, not only fixtures, because parametrize lists and CLI argument lists are built at import time."""
+import torch
+
+from tier_utils import load_model
+
+TINY = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+TINY_ARGS = [a for k, v in TINY.items() for a in ("--model-arg", f"{k}={v}")]  # the same, for the CLI
+
+
+def tiny(spec="tiny-gpt", seed=None, **kwargs):
+    """`spec` (a load_model spec, or a model class such as a TinyGPT subclass) at the tiny size, after
+    torch.manual_seed(seed) when a seed is given; kwargs add to or override the sizes."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs = {**TINY, **kwargs}
+    return load_model(spec, **kwargs) if isinstance(spec, str) else spec(**kwargs)

@@ -1,0 +1,44 @@
+"""Validation metrics (`evaluate`), shared by training and the AMP benchmark."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .data import to_device
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None) -> dict:
+    """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
+    (next tokens, or class labels) of a ModelAdapter in a Precision.
+
+    Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
+    most `max_batches` batches (None: all); the model is back in train mode afterwards.
+    `reduce_sum` (e.g. DistEnv.all_sum) adds up the sums across ranks. `targets` is their count.
+    """
+    model, device = adapter.model, adapter.device
+    model.eval()
+    sums = torch.zeros(3, device=device)  # loss x count, correct, count
+    try:
+        with torch.inference_mode():
+            for i, batch in enumerate(loader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                batch = to_device(batch, device)
+                with precision.autocast():
+                    logits = adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+                logits, labels = logits.float(), batch["labels"]
+                n = labels.numel()
+                sums[0] += adapter.loss(logits, labels) * n
+                sums[1] += (logits.argmax(-1) == labels).sum()
+                sums[2] += n
+    finally:
+        model.train()
+    loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
+    val_loss = loss_sum / count
+    return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task == "causal-lm" else math.nan,
+            "accuracy": correct / count, "targets": int(count)}

@@ -233,7 +233,7 @@ class TrainResult(Result):
     @property
     def status(self) -> str | None:
         """Training's only verdict is divergence: FAIL then, else None (a finished run has none)."""
-        return "FAIL" if self.summary.get("diverged_at_step") is not None else None
+        return "FAIL" if self.summary.diverged_at_step is not None else None
 
     @property
     def table(self) -> pd.DataFrame:

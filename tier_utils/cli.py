@@ -131,8 +131,7 @@ def _run_info(args) -> tuple[dict, int]:
     from .info import info
 
     result = info(args.model, args.precision, args.device, **model_kwargs(args))
-    with _wide_pandas():
-        print(result.table.to_string(index=False))
+    _show(result.table)
     return result.to_json(), 0
 
 
@@ -141,8 +140,7 @@ def _run_smoke(args) -> tuple[dict, int]:
 
     report = smoke(args.model, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, precision=args.precision,
                    checks=args.checks, device=args.device, progress=args.progress, **model_kwargs(args))
-    with _wide_pandas():
-        print(report.table.to_string(index=False))
+    _show(report.table)
     print(report.headline())
     return report.to_json(), 0 if report.passed else 1
 
@@ -172,21 +170,8 @@ def _run_train(args) -> tuple[dict, int]:
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
     if s.checkpoint:
         files.append(s.checkpoint)
-    print(f"trained {s.model} ({s.task}, {s.parameters:,} parameters) for {s.steps} steps "
-          f"({s.epochs} epochs, global batch {s.global_batch}) in {s.precision} on {s.device_name}")
-    print(f"precision: {s.precision_reason}")
-    final = [f"{k.replace('_', ' ')} {v:.4g}" for k in ("train_loss", "val_loss", "perplexity", "accuracy")
-             if (v := getattr(s, k)) is not None and v == v]  # None/NaN: not measured (perplexity of a classifier)
-    if final:
-        scored = f" (validation: n={s.val_targets:,} targets)" if s.val_targets else ""
-        print("final: " + " · ".join(final) + scored)
-    if s.tokens_per_s:
-        t, ms = s.tokens_per_s, s.step_time_ms
-        print(f"throughput: {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']} log windows) · "
-              f"step {ms['median']:.1f} ms median (IQR {ms['iqr']:.1f})")
-    if s.precision == "fp16":
-        print(f"skipped steps (fp16 overflow): {s.skipped_steps}")
-    print(f"optimizer: {s.optimizer} · compile: {s.compile_reason}")
+    print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
+    _show(result.table)  # the summary as the notebook shows it
     print("wrote: " + ", ".join(str(f) for f in files))
     if result.interrupted:
         print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
@@ -200,8 +185,7 @@ def _run_analyze(args) -> tuple[dict, int]:
     report = analyze(args.model, data=args.data, analyses=args.analyses, precision=args.precision, device=args.device,
                      batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
                      progress=args.progress, **model_kwargs(args))
-    with _wide_pandas():
-        print(report.table.drop(columns="threshold").to_string(index=False))
+    _show(report.table.drop(columns="threshold"))
     d = report.data
     print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
           f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['source']} data · "
@@ -219,11 +203,9 @@ def _run_bench(args) -> tuple[dict, int]:
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
-    with _wide_pandas():
-        table = result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
-        print(table.set_index(["precision", "mode"]).T.to_string())
-        print()
-        print(result.verdicts.to_string(index=False))
+    _show(result.table.set_index(["precision", "mode"]).T, index=True)
+    print()
+    _show(result.verdicts)
     print(f"worst status: {result.status}")
     return result.to_json(), 1 if result.status == "FAIL" else 0
 
@@ -234,8 +216,7 @@ def _run_search(args) -> tuple[dict, int]:
 
     result = search(load_model(args.model, **model_kwargs(args)), args.data, config=settings_from(args, TrainConfig),
                     settings=settings_from(args, SearchConfig), progress=args.progress)
-    with _wide_pandas():
-        print(result.table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=False))
+    _show(result.table)
     summary = result.to_json()
     if summary["best"]:
         print(f"best: trial {summary['best']['trial']} · val loss {summary['best']['val_loss']:.4f} · "
@@ -251,8 +232,7 @@ def _run_export(args) -> tuple[dict, int]:
     c, m = result.config, result.metadata
     print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
           f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to {c['max_len']})")
-    with _wide_pandas():
-        print(result.table.to_string(index=False))
+    _show(result.table)
     for row in result.latency:
         print(f"latency {row['shape']} {row['runner']}: {row['median_ms']:.3f} ms median (IQR {row['iqr_ms']:.3f}, "
               f"n={row['n']}) on {m['device_name']}, {m['dtype']}")
@@ -281,10 +261,12 @@ def _run_colab(args):
     return None, 0
 
 
-def _wide_pandas():
+def _show(table, index: bool = False) -> None:
+    """A table on the terminal: wide, floats to 4 significant digits."""
     import pandas as pd
 
-    return pd.option_context("display.width", 200, "display.max_colwidth", 120, "display.max_rows", 500)
+    with pd.option_context("display.width", 200, "display.max_colwidth", 120, "display.max_rows", 500):
+        print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=index))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -31,13 +31,13 @@ import types
 import torch
 import torch.nn.functional as F
 
+from tier_utils import measure
 from tier_utils.bench import amp_benchmark
 from tier_utils.data import build_datasets, make_loader, to_device
-from tier_utils import measure
+from tier_utils.files import write_json
 from tier_utils.measure import StepTimer, summarize
 from tier_utils.models import load_model
 from tier_utils.precision import resolve_device, resolve_precision
-from tier_utils.files import write_json
 from tier_utils.results import run_metadata
 
 

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     run = dict(precision="bf16", batch_size=args.batch_size, seq_len=args.seq_len, max_steps=args.steps,
                log_every=args.window, eval_every=0, eval_batches=1, lr=LR, weight_decay=WEIGHT_DECAY,
                warmup_steps=WARMUP, grad_clip=CLIP, progress=False, device="cuda", compile_mode=args.compile_mode)
-    for r in range(args.repeats):
+    for _ in range(args.repeats):
         for v in variants:
             model = copy.deepcopy(initial)
             if v == "bare compiled":

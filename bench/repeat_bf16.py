@@ -51,7 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("amx", "avx512_bf16", "avx512_fp16"))})
+    wanted = ("amx", "avx512_bf16", "avx512_fp16")
+    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(wanted)})
     print(f"torch {torch.__version__} · CPU bf16/AMX flags: {', '.join(flags) or 'none'} · "
           f"oneDNN ISA: {torch.backends.cpu.get_cpu_capability()}", flush=True)
     results = collections.defaultdict(list)

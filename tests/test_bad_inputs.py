@@ -255,8 +255,8 @@ def _models(files):
 
 
 def _train(model, data=None, **kw):
-    return lambda d, ck: tier_utils.train(model if isinstance(model, nn.Module) else model(), data, max_steps=1, progress=False,
-                                          device="cpu", checkpoint_dir=str(ck), **kw)
+    return lambda d, ck: tier_utils.train(model if isinstance(model, nn.Module) else model(), data, max_steps=1,
+                                          progress=False, device="cpu", checkpoint_dir=str(ck), **kw)
 
 
 def _ids(*shape, high=256):

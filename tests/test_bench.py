@@ -251,8 +251,9 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
                                   "reduction"}
     assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
-    assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets", "diverged_at",
-                                    "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff", "val_accuracy_diff", "parity"}
+    assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets",
+                                    "diverged_at", "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff",
+                                    "val_accuracy_diff", "parity"}
     assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "trailing_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "mode", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
@@ -282,7 +283,8 @@ def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     assert "speedup vs fp32" in text and "worst status" in text
     if BF16_NATIVE:
         rows = {(r["check"]): r for r in doc["verdicts"] if r["precision"] == "bf16"}
-        assert rows["val accuracy diff"]["status"] == "SKIP" and "accuracy_steps=0" in rows["val accuracy diff"]["detail"]
+        accuracy = rows["val accuracy diff"]
+        assert accuracy["status"] == "SKIP" and "accuracy_steps=0" in accuracy["detail"]
         assert rows["speedup vs fp32"]["status"] == "WARN"  # 1 repeat < min_repeats
 
 
@@ -502,7 +504,8 @@ def _fake_gpu(fixed_ms=4.0, per_seq_ms=0.05, bytes_per_seq=2**20, oom_at=None):
     def measure(b):
         if oom_at is not None and b >= oom_at:
             return None
-        return {"step_ms": fixed_ms + per_seq_ms * b, "floor_ms": fixed_ms + per_seq_ms, "peak_bytes": b * bytes_per_seq}
+        return {"step_ms": fixed_ms + per_seq_ms * b, "floor_ms": fixed_ms + per_seq_ms,
+                "peak_bytes": b * bytes_per_seq}
     return measure
 
 

@@ -164,8 +164,8 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
         browser.execute_script(_NOTEBOOK + "window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs');")
         browser.execute_script(_NOTEBOOK + "window.jupyterapp.commands.execute('notebook:run-all-cells');")
         cell = browser.execute_script(_CELL_NODE, "tier_utils.train(")
-        table = _wait(browser, lambda: (lambda t: t if "global_batch" in t else None)(_results_table(cell)), 120,
-                      f"the training results table after Run All #{run}")
+        table = _wait(browser, lambda cell=cell: (lambda t: t if "global_batch" in t else None)(_results_table(cell)),
+                      120, f"the training results table after Run All #{run}")
         assert table["precision"] == choice and table["global_batch"] == str(NEW_BATCH_SIZE), (run, table)
         assert table["precision_reason"].startswith(f"{choice} requested"), (run, table)
         _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle"

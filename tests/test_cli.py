@@ -37,7 +37,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     out = tmp_path / "x.json"
     result = run_cli(*args, "--json", str(out)) if args[0] == "info" else run_cli(*args)
     assert result.returncode == 2
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error:")
     assert not out.exists()  # nothing half-written
 

@@ -12,12 +12,12 @@ from .info import InfoResult, info
 from .loggers import LoggerError
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model
 from .precision import (
-                        Precision,
-                        SlowPrecisionWarning,
-                        canonical_precision,
-                        resolve_device,
-                        resolve_precision,
-                        supported_precisions,
+    Precision,
+    SlowPrecisionWarning,
+    canonical_precision,
+    resolve_device,
+    resolve_precision,
+    supported_precisions,
 )
 from .report import AllResult, run_all, write_report
 from .results import Check

@@ -61,7 +61,9 @@ class PrecisionRecord:
         speed, mfu, mem, acc = self.speed or {}, self.mfu or {}, self.memory or {}, self.accuracy or {}
         step, tps, sp = speed.get("step_ms", {}), speed.get("tokens_per_s", {}), speed.get("speedup") or {}
         red, par = mem.get("reduction", {}), acc.get("parity") or {}
-        mib = (lambda key: mem[key] / MIB if mem.get(key) is not None else None)
+        def mib(key):
+            return mem[key] / MIB if mem.get(key) is not None else None
+
         return {
             "precision": self.precision, "mode": self.mode, "dtype": self.dtype, "ran": self.ran,
             "n_repeats": step.get("n"), "step_ms_median": step.get("median"), "step_ms_iqr": step.get("iqr"),

@@ -24,7 +24,7 @@ _UNTIMED, _TIMED = 2, 3
 _NO_BAR = types.SimpleNamespace(update=lambda n=1: None)
 
 
-def grow_batch(batch_size: int, measure, budget_bytes: int | None, t: Thresholds = Thresholds(),
+def grow_batch(batch_size: int, measure, budget_bytes: int | None, t: Thresholds = Thresholds(),  # noqa: B008 frozen
                max_doublings: int = MAX_DOUBLINGS) -> dict:
     """Double the batch while fp32's step is mostly fixed cost and the next size is predicted to fit.
 

@@ -67,7 +67,8 @@ def load_checkpoint(path) -> dict:
                                   "uses (damaged, or not a tier_utils checkpoint); delete it to start over") from exc
         # torch's own message suggests weights_only=False: never repeat that for a file that may run code.
         raise CheckpointError(f"refused to load {path}: it references {blocked}, which no tier_utils checkpoint "
-                              "holds (loading it could run code); only resume from checkpoints tier_utils wrote") from exc
+                              "holds (loading it could run code); only resume from checkpoints tier_utils "
+                              "wrote") from exc
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's many ways to say "not mine"
         raise CheckpointError(f"cannot read checkpoint {path}: not a torch checkpoint or damaged "
                               f"({type(exc).__name__}); delete it to start over") from exc

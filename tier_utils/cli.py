@@ -231,7 +231,8 @@ def _run_export(args) -> tuple[dict, int]:
                     repeats=args.repeats, **model_kwargs(args))
     c, m = result.config, result.metadata
     print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
-          f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to {c['max_len']})")
+          f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to "
+          f"{c['max_len']})")
     _show(result.table)
     for row in result.latency:
         print(f"latency {row['shape']} {row['runner']}: {row['median_ms']:.3f} ms median (IQR {row['iqr_ms']:.3f}, "

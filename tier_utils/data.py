@@ -228,7 +228,8 @@ def _read_text(data) -> str:
     except UnicodeDecodeError as exc:
         # Still usable (every byte is a token), but most likely the wrong file: say so.
         warnings.warn(f"data file {str(data)!r} is not UTF-8 text (first bad byte at offset {exc.start}); "
-                      "training on it with undecodable bytes replaced - give a text file if that is not meant")
+                      "training on it with undecodable bytes replaced - give a text file if that is not meant",
+                      stacklevel=2)
         return raw.decode("utf-8", errors="replace")
 
 

@@ -121,7 +121,7 @@ class SavedTensorMeter:
     def tensors(self) -> int:
         return len(self._seen)
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._seen.clear()
         self._hooks.__enter__()
         return self

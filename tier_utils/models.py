@@ -83,7 +83,8 @@ class _TokenModel(nn.Module):
         x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
         T = x.size(1)
         if T > self.max_len:
-            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger max_len")
+            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger "
+                             "max_len")
         return x + self.pos_emb(torch.arange(T, device=x.device))
 
 
@@ -204,7 +205,8 @@ def _import_module(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise ModelSpecError(f"cannot import module {name!r} ({one_line(exc)}); check it is installed or on PYTHONPATH") from exc
+        raise ModelSpecError(f"cannot import module {name!r} ({one_line(exc)}); check it is installed or on "
+                             "PYTHONPATH") from exc
 
 
 def _construct(factory, kwargs: dict, spec: str) -> nn.Module:

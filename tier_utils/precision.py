@@ -75,7 +75,7 @@ def _cpuinfo(field: str) -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detected_cpu_flags() -> frozenset[str]:
     return frozenset(_PRECISION_FLAGS & set(_cpuinfo("flags").split()))
 

@@ -186,8 +186,8 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: Tr
         raise SearchStorageError(f"cannot open study storage {study_cfg.storage!r} ({one_line(exc)}); "
                                  "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
     if study.direction != optuna.study.StudyDirection.MINIMIZE:
-        raise SearchStorageError(f"study {study_cfg.study_name!r} in {study_cfg.storage} maximizes; a search minimizes validation loss, "
-                                 "so give a new study_name")
+        raise SearchStorageError(f"study {study_cfg.study_name!r} in {study_cfg.storage} maximizes; a search "
+                                 "minimizes validation loss, so give a new study_name")
     done = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
     for params in start_with or ():
         study.enqueue_trial(params, skip_if_exists=True)
@@ -195,7 +195,8 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: Tr
     def objective(trial: optuna.Trial) -> float:
         params = _suggest(trial, space)
         # with loggers in the config, each trial is one logged run, named after it
-        cfg = dataclasses.replace(base, **params, log_run_name=f"{base.log_run_name or study_cfg.study_name}-trial-{trial.number}")
+        run_name = f"{base.log_run_name or study_cfg.study_name}-trial-{trial.number}"
+        cfg = dataclasses.replace(base, **params, log_run_name=run_name)
 
         def report(step: int, metrics: dict) -> None:
             trial.report(metrics["val_loss"], step)

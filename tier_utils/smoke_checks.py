@@ -343,7 +343,8 @@ def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> C
     s, p95 = summarize(ms), percentile(ms, 95)
     return Check(name, "PASS", _sig(s.median), None,
                  f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}); "
-                 f"{b * t / (s.median / 1e3):,.0f} tokens/s; {report.precision.name} on {report.metadata['device_name']}")
+                 f"{b * t / (s.median / 1e3):,.0f} tokens/s; {report.precision.name} on "
+                 f"{report.metadata['device_name']}")
 
 
 # --- determinism --------------------------------------------------------------------------------

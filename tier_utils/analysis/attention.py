@@ -272,7 +272,8 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
     bad_layers = layers_df[layers_df.collapsed]
     all_uniform = heads_df.groupby("layer").pattern.agg(lambda p: bool((p == "uniform").all()))
     untrained = bool(all_uniform[bad_layers.layer].all())  # every collapsed layer is uniform in every head
-    checks.append(Check("collapsed layers", "WARN" if len(bad_layers) else "PASS", f"{len(bad_layers)}/{len(layers_df)}",
+    checks.append(Check("collapsed layers", "WARN" if len(bad_layers) else "PASS",
+                        f"{len(bad_layers)}/{len(layers_df)}",
                         f"all heads collapsed or head TV distance < {SAME_HEADS_TV}",
                         ", ".join(bad_layers.layer) + ("; all heads uniform, which is what an untrained model shows"
                                                        if untrained else "")

@@ -5,9 +5,10 @@ import itertools
 import math
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pandas as pd
 

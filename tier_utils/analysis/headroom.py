@@ -121,8 +121,8 @@ def run(ctx: Context) -> Outcome:
                  else f"at the model output ({out_nonfinite} values), computed outside every leaf layer")
         reason = f"fp32 outputs are already NaN/inf {where}; no precision is safe until fp32 is finite"
         checks = [Check("recommendation", "FAIL", "fp32 is not finite", "finite fp32 outputs", reason)]
-        checks += [Check(f"{prec} drift", "FAIL", None, f"<= {DRIFT} at the output", f"no finite fp32 reference: {reason}")
-                   for prec in ("bf16", "fp16")]
+        checks += [Check(f"{prec} drift", "FAIL", None, f"<= {DRIFT} at the output",
+                         f"no finite fp32 reference: {reason}") for prec in ("bf16", "fp16")]
         return Outcome(checks, {"headroom": df}, {"drivers": broken})
     recommendation, drivers, status = recommend(df)
     if status == "WARN" and recommendation == "prefer bf16" and ctx.precision.name == "fp16":

@@ -138,7 +138,8 @@ def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0) -> list[Chec
         unit = "x embedding RMS noise" if kind == "embedding_noise" else f"of tokens ({kind})"
         flips = (f"flip rate {ref.flip_rate:.2f} of {ref.n_correct} correct" if ref.n_correct
                  else "no correct predictions to flip")
-        detail = f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, over {ref.n} predictions"
+        detail = (f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, "
+                  f"over {ref.n} predictions")
         if nonfinite or not math.isfinite(ref.kl):
             status, detail = "FAIL", (f"{nonfinite} clean predictions have NaN/inf log-probabilities: agreement "
                                       "between NaN outputs means nothing; " + detail)

@@ -32,9 +32,8 @@ def plot_benchmark(result) -> Figure:
     tps = [r.speed["tokens_per_s"] for r in ran]
     err = [[s["median"] - s["q1"] for s in tps], [s["q3"] - s["median"] for s in tps]]
     ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
-    ax_speed.set_title(f"throughput, median and IQR of n={result.config['repeats']} repeats")
-    ax_speed.set_ylabel("tokens / s")
-    ax_speed.set_xlabel("precision")
+    ax_speed.set(title=f"throughput, median and IQR of n={result.config['repeats']} repeats", ylabel="tokens / s",
+                 xlabel="precision")
 
     bottom = [0.0] * len(ran)
     for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
@@ -42,17 +41,14 @@ def plot_benchmark(result) -> Figure:
         heights = [r.memory[key] / MIB for r in ran]
         ax_mem.bar(names, heights, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    ax_mem.set_title("memory of one training step (saved-tensor accounting)")
-    ax_mem.set_ylabel("MiB")
-    ax_mem.set_xlabel("precision")
+    ax_mem.set(title="memory of one training step (saved-tensor accounting)", ylabel="MiB", xlabel="precision")
     ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
 
     for name, r in curves:
         curve = r.accuracy["loss_curve"]
         ax_loss.plot(range(1, len(curve) + 1), curve, label=name)
-    ax_loss.set_title("training loss, same start and batches")
-    ax_loss.set_xlabel("applied optimizer update")
-    ax_loss.set_ylabel("cross-entropy (nats)")
+    ax_loss.set(title="training loss, same start and batches", xlabel="applied optimizer update",
+                ylabel="cross-entropy (nats)")
     if curves:
         ax_loss.legend()
     else:
@@ -63,11 +59,10 @@ def plot_benchmark(result) -> Figure:
         trace, skipped = r.accuracy["loss_scale"], r.accuracy["skipped_steps"]
         axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
     if scaled:
-        axes[3].set(title="GradScaler loss scale", ylabel="loss scale")
+        axes[3].set(title="GradScaler loss scale", ylabel="loss scale",
+                    xlabel="attempted step (a skipped one is retried)")
         power_of_two_axis(axes[3], [v for _, r in scaled for v in r.accuracy["loss_scale"]])
         axes[3].legend()
-    if scaled:
-        axes[3].set_xlabel("attempted step (a skipped one is retried)")
     for ax in axes[2:]:
         integer_axis(ax.xaxis)
     cfg = result.config

@@ -90,8 +90,8 @@ class SmokeReport(Result):
             ax_l.boxplot([r["samples_ms"] for r in self.latency])
             ax_l.set_xticks(range(1, len(self.latency) + 1),
                             [f"B={r['batch_size']}\nT={r['seq_len']}" for r in self.latency])
-            ax_l.set_ylabel("forward latency (ms)")
-            ax_l.set_xlabel(f"batch size B, sequence length T (n={len(self.latency[0]['samples_ms'])} each)")
+            ax_l.set(ylabel="forward latency (ms)",
+                     xlabel=f"batch size B, sequence length T (n={len(self.latency[0]['samples_ms'])} each)")
         _not_run(ax_l, not self.latency, "inference latency (eval, no grad)")
         _plot_memory(ax_m, self.memory, self.model)
         return fig
@@ -127,8 +127,7 @@ def _plot_memory(ax, memory: list, model: dict) -> None:
     peaks = [(x, r["peak_bytes"] / 2**20) for x, r in zip(xs, memory) if r.get("peak_bytes")]
     if peaks:
         ax.plot(*zip(*peaks), "rs-", label="CUDA peak, forward + backward")
-    ax.set_xlabel(f"batch size (T={memory[0]['seq_len']})")
-    ax.set_ylabel("MiB")
+    ax.set(xlabel=f"batch size (T={memory[0]['seq_len']})", ylabel="MiB")
     ax.legend(fontsize=8)
 
 

@@ -337,9 +337,7 @@ def panel(ax, outcome: Outcome) -> None:
     image = ax.imshow(grid.to_numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(grid.shape[1]), grid.columns)
     category_ticks(ax, list(df.drop_duplicates("layer_index").layer), axis="y")
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_title("attention entropy / log(keys) (1 = uniform)")
+    ax.set(xlabel="head", ylabel="layer", title="attention entropy / log(keys) (1 = uniform)")
     ax.figure.colorbar(image, ax=ax, shrink=0.8, label="normalised entropy")
     if grid.to_numpy().min() >= UNIFORM_ENTROPY:  # one flat block reads as a broken plot without this
         ax.text(0.5, 0.5, "near 1 everywhere: uniform attention,\nexpected before training", ha="center",

@@ -123,8 +123,7 @@ def plot(outcome: Outcome) -> Figure:
         x, y = r.position % _CHARS_PER_ROW, -(r.position // _CHARS_PER_ROW)
         ax.text(x, y, r.text if r.text != " " else "␣", family="monospace", ha="center", va="center", fontsize=10,
                 bbox={"facecolor": cmap(norm(r.saliency)), "edgecolor": "none", "pad": 2})
-    ax.set_xlim(-1, _CHARS_PER_ROW)
-    ax.set_ylim(-rows, 1)
+    ax.set(xlim=(-1, _CHARS_PER_ROW), ylim=(-rows, 1))
     ax.axis("off")
     fig.colorbar(mpl.cm.ScalarMappable(norm, cmap), ax=ax, orientation="horizontal", shrink=0.5,
                  label="gradient x input (red supports the prediction)")
@@ -137,8 +136,7 @@ def panel(ax, outcome: Outcome) -> None:
     from matplotlib.patches import Patch
 
     ax.bar(table.position, table.share, color=["C3" if s > 0 else "C0" for s in table.saliency])
-    ax.set_xlabel("token position (example 0)")
-    ax.set_ylabel("share of |gradient x input|")
+    ax.set(xlabel="token position (example 0)", ylabel="share of |gradient x input|")
     ax.legend(handles=[Patch(color="C3", label="supports the prediction"), Patch(color="C0", label="opposes it")],
               fontsize=7)
     ax.set_title(f"saliency share for {outcome.artifacts['target']}")

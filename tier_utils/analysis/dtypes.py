@@ -90,9 +90,7 @@ def plot(outcome: Outcome) -> Figure:
         grid = sub.pivot_table(index="op", columns="dtype", values="count", aggfunc="sum", fill_value=0)
         grid = grid.loc[grid.sum(axis=1).sort_values().index]
         grid.plot.barh(ax=ax, stacked=True, fontsize=7)
-        ax.set_title(f"{precision} autocast")
-        ax.set_xlabel("calls (forward + loss, one batch)")
-        ax.set_ylabel("op")
+        ax.set(title=f"{precision} autocast", xlabel="calls (forward + loss, one batch)", ylabel="op")
     fig.suptitle("Ops by output dtype (casts left out)")
     return fig
 
@@ -102,7 +100,5 @@ def panel(ax, outcome: Outcome) -> None:
     sub = df[df.op != "_to_copy"].pivot_table(index="autocast", columns="dtype", values="count", aggfunc="sum",
                                                fill_value=0)
     sub.plot.bar(ax=ax, stacked=True, rot=0)
-    ax.set_ylabel("op calls")
-    ax.set_xlabel("autocast precision")
+    ax.set(ylabel="op calls", xlabel="autocast precision", title="ops by dtype under autocast")
     ax.legend(title="output dtype", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
-    ax.set_title("ops by dtype under autocast")

@@ -208,8 +208,7 @@ def plot(outcome: Outcome) -> Figure:
 
     ax_range.bar(x, df.abs_max.clip(lower=1e-12), color=["C3" if n in drivers else "C0" for n in df.layer])
     limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
-    ax_range.set_yscale("log")
-    ax_range.set_ylabel("output abs-max (fp32)")
+    ax_range.set(yscale="log", ylabel="output abs-max (fp32)")
     keys = [Patch(color="C3", label="drives the recommendation")] if drivers else []
     ax_range.legend(handles=[*keys, Patch(color="C0", label="other layers" if drivers else "layer"), limit], fontsize=8)
     for prec, color in (("bf16", "C2"), ("fp16", "C1")):
@@ -230,8 +229,6 @@ def panel(ax, outcome: Outcome) -> None:
     df = outcome.frames["headroom"]
     ax.bar(range(len(df)), df.abs_max.clip(lower=1e-12), color="C0")
     ax.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
-    ax.set_yscale("log")
-    ax.set_xlabel("leaf layer (execution order)")
-    ax.set_ylabel("output abs-max (fp32)")
+    ax.set(yscale="log", xlabel="leaf layer (execution order)", ylabel="output abs-max (fp32)",
+           title="output abs-max vs fp16 max")
     ax.legend(fontsize=7)
-    ax.set_title("output abs-max vs fp16 max")

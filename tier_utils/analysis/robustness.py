@@ -166,9 +166,7 @@ def plot(outcome: Outcome) -> Figure:
     for ax, metric in zip(fig.subplots(1, 3), ("agreement", "kl", "flip_rate")):
         for kind, grp in df.groupby("perturbation", sort=False):
             ax.plot(grp.level, grp[metric], marker="o", label=kind)
-        ax.set_xlabel("perturbation level")
-        ax.set_ylabel(_Y_LABELS[metric])
-        ax.set_title(metric)
+        ax.set(xlabel="perturbation level", ylabel=_Y_LABELS[metric], title=metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Robustness (up to {int(df.n.max())} predictions per point; flip rate over the correct ones)")
@@ -179,8 +177,5 @@ def panel(ax, outcome: Outcome) -> None:
     df = outcome.frames["robustness"]
     for kind, grp in df.groupby("perturbation", sort=False):
         ax.plot(grp.level, grp.agreement, marker="o", label=kind)
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("perturbation level")
-    ax.set_ylabel(_Y_LABELS["agreement"])
-    ax.set_title("prediction agreement")
+    ax.set(ylim=(0, 1.05), xlabel="perturbation level", ylabel=_Y_LABELS["agreement"], title="prediction agreement")
     ax.legend(fontsize=7)

@@ -61,10 +61,7 @@ def corpus_split() -> tuple[list[str], list[str]]:
 
 def encode(text: str) -> torch.Tensor:
     """Byte-level tokens (UTF-8 bytes) as a long tensor."""
-    data = bytearray(text.encode("utf-8"))
-    if not data:  # frombuffer refuses an empty buffer
-        return torch.empty(0, dtype=torch.long)
-    return torch.frombuffer(data, dtype=torch.uint8).long()
+    return torch.from_numpy(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64))
 
 
 def decode(tokens) -> str:

@@ -22,9 +22,7 @@ class InfoResult:
 
     @property
     def table(self) -> pd.DataFrame:
-        rows = [("environment", k, v) for k, v in self.environment.items()]
-        rows += [("precision", k, v) for k, v in self.precision.items()]
-        rows += [("model", k, v) for k, v in self.model.items()]
+        rows = [(s, k, v) for s in ("environment", "precision", "model") for k, v in getattr(self, s).items()]
         return pd.DataFrame(rows, columns=["section", "key", "value"])
 
     def to_json(self) -> dict:

@@ -21,8 +21,7 @@ from .errors import TierError
 from .files import atomic_write_bytes, jsonable
 from .validation import select_names
 
-LOGGER_NAMES = ("tensorboard", "wandb", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+LOGGER_NAMES = ("tensorboard", "wandb", "mlflow")  # each the name of the package it needs
 STATE_FILE = "tier_utils_run.json"
 
 
@@ -38,7 +37,7 @@ def logger_names(value) -> tuple[str, ...]:
         names = select_names(value, LOGGER_NAMES, "logger")
     except ValueError as exc:
         raise LoggerError(str(exc)) from None
-    missing = [n for n in names if importlib.util.find_spec(_PACKAGES[n]) is None]
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
         raise LoggerError(f"logger {', '.join(missing)} needs its package: pip install \"tier_utils[loggers]\"")
     return tuple(names)
@@ -91,7 +90,7 @@ class _TensorBoard:
 
     def summary(self, summary: dict, step: int) -> None:
         self.writer.add_text("summary", _text(summary), step)
-        self.metrics(step, {f"final/{k}": v for k, v in _numbers(summary).items()})
+        self.metrics(step, _numbers(summary, "final/"))
 
     def close(self, status: str) -> None:
         self.writer.close()
@@ -187,7 +186,7 @@ class _MLflow:
 
     def summary(self, summary: dict, step: int) -> None:
         self.client.log_dict(self.id, jsonable(summary), "summary.json")
-        self.metrics(step, {f"final/{k}": v for k, v in _numbers(summary).items()})
+        self.metrics(step, _numbers(summary, "final/"))
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.id, status)

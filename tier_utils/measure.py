@@ -99,9 +99,7 @@ class SavedTensorMeter:
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
-        self._param_storages = set()
-        if model is not None:
-            self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_storages = {p.untyped_storage().data_ptr() for p in (() if model is None else model.parameters())}
         self._seen: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

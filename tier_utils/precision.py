@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISION_NAMES = ("auto", "fp32", "bf16", "fp16")
-
 # Spellings users bring from Lightning and torch, mapped to ours.
 _ALIASES = {
     "auto": "auto",

@@ -56,8 +56,7 @@ def load_checkpoint(path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found; check checkpoint_dir or drop resume")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty; "
-                              "delete it to start over")
+        raise CheckpointError(f"checkpoint {path} is empty; delete it to start over")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

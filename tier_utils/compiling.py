@@ -5,9 +5,8 @@ call itself: one warm-up forward + backward, timed apart from training (`compile
 and tokens/s never include it), after which the model's weights, gradients, buffers and every RNG
 state are as they were. If compiling fails (an op the compiler can't handle, no C++ compiler, ...)
 the eager module comes back with the reason and a `CompileFallbackWarning`: compiling never
-crashes a run. The compiled wrapper shares the eager
-module's parameters; state dicts are always taken from the eager module, so no `_orig_mod.` key
-reaches a checkpoint.
+crashes a run. The compiled wrapper shares the eager module's parameters; state dicts are always
+taken from the eager module, so no `_orig_mod.` key reaches a checkpoint.
 """
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Subset
 
+from .precision import resolve_device
+
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -69,10 +71,8 @@ def setup(device=None) -> DistEnv:
     if world == 1:
         return DistEnv()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    wants_cuda = torch.cuda.is_available() if device in (None, "auto") else torch.device(device).type == "cuda"
+    wants_cuda = resolve_device(device).type == "cuda"
     if wants_cuda:
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for but torch sees no GPU; use --device cpu")
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     else:

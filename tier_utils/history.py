@@ -8,7 +8,6 @@ epoch row its epoch, an eval row the time since the row before it (the evaluatio
 """
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -17,7 +16,7 @@ import torch
 
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
-from .plotting import caption, integer_axis, power_of_two_axis
+from .plotting import caption, integer_axis, power_of_two_axis, save_png
 from .results import Result
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -318,9 +317,7 @@ class TrainResult(Result):
         return atomic_write_bytes(path, self.history.to_csv(index=False).encode())
 
     def save_plot(self, path):
-        buf = io.BytesIO()
-        self.plot().savefig(buf, format="png", dpi=100)
-        return atomic_write_bytes(path, buf.getvalue())
+        return save_png(self.plot(), path)
 
     def to_json(self) -> dict:
         return jsonable({"summary": self.summary, "interrupted": self.interrupted, "skipped_steps": self.skipped_steps,

@@ -2,6 +2,11 @@
 layer names short enough to read, and a one-line caption where the picture needs one."""
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
+from .files import atomic_write_bytes
+
 MIN_FONT_PT = 7  # tick labels below this are unreadable in a 100-dpi PNG
 MAX_TICKS = 30  # labelled categories per axis; more are thinned
 
@@ -62,3 +67,13 @@ def decade_limits(ax) -> None:
 
     lo_exp, hi_exp = (math.log10(v) for v in ax.get_ylim())
     ax.set_ylim(10.0 ** math.floor(lo_exp), 10.0 ** max(math.ceil(hi_exp), math.floor(lo_exp) + 1))
+
+
+def save_png(fig, path) -> Path:
+    """`fig` as a 100-dpi PNG, written atomically; then freed if pyplot tracks it (nobody displays it)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    written = atomic_write_bytes(path, buf.getvalue())
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return written

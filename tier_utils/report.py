@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import html
-import io
 import os
 import re
 import time
@@ -26,6 +25,7 @@ from .files import atomic_write_bytes, jsonable, write_json
 from .history import TrainSummary
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
+from .plotting import save_png
 from .precision import resolve_device, resolve_precision
 from .results import STATUSES, Result, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
@@ -47,15 +47,6 @@ img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:
 MEASURED = "measured"  # shown for a PASS row without a threshold: a measurement, not a verdict
 
 
-def _save_figure(fig, path: Path) -> None:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    atomic_write_bytes(path, buf.getvalue())
-    # The report made this figure and nobody displays it: free it if pyplot tracks it.
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-
-
 def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
     """Write each result's table as `<name>.csv`, its plot as `<name>.png`, its JSON as `<name>.json`
     and an `index.html` showing them together (plain HTML, relative image links). Returns index.html.
@@ -75,7 +66,7 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         write_json(out / f"{name}.json", result.to_json())
         fig = result.plot()
         if fig is not None:
-            _save_figure(fig, out / f"{name}.png")
+            save_png(fig, out / f"{name}.png")
         status = result.status
         badge = f" <span class='{status}'>{status}</span>" if status else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")

@@ -178,8 +178,7 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
     return PrecisionCheck(name, "WARN", round(dev, 4), t.parity_tolerance, f"{detail}{scaler}", precision)
 
 
-def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float,
-                  t: Thresholds) -> PrecisionCheck:
+def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float, t: Thresholds) -> PrecisionCheck:
     """Compiled against the same precision eager: PASS when the whole IQR range is faster, FAIL when
     it is all slower; the detail says after how many steps the compile time is paid back."""
     detail = f"{sp['median']:.2f}x eager (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats); " \

@@ -7,7 +7,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -35,18 +34,9 @@ class Analysis:
     panel: Callable  # (Axes, Outcome) -> None: its cell in the overview figure
 
 
-def _entry(module: ModuleType) -> Analysis:
-    return Analysis(module.run, module.plot, module.panel)
-
-
-# Run order = this order. Names are what `analyses=` and `--analyses` take.
-ANALYSES: dict[str, Analysis] = {
-    "attention": _entry(attention),
-    "robustness": _entry(robustness),
-    "attribution": _entry(attribution),
-    "headroom": _entry(headroom),
-    "dtypes": _entry(dtypes),
-}
+# Run order = this order. Names (each module's own) are what `analyses=` and `--analyses` take.
+ANALYSES: dict[str, Analysis] = {m.__name__.rpartition(".")[2]: Analysis(m.run, m.plot, m.panel)
+                                 for m in (attention, robustness, attribution, headroom, dtypes)}
 TABLE_COLUMNS = ["analysis", "check", "status", "value", "threshold", "detail"]
 
 

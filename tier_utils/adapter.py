@@ -121,17 +121,11 @@ class ModelAdapter:
 
     def summary(self) -> dict:
         params = list(self.model.parameters())
-        return {
-            "model": self.name,
-            "task": self.task,
-            "parameters": sum(p.numel() for p in params),
-            "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
-            "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
-            "vocab_size": self.vocab_size,
-            "max_len": self.max_len,
-            "num_classes": self.num_classes,
-        }
+        return {"model": self.name, "task": self.task, "parameters": sum(p.numel() for p in params),
+                "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+                "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+                "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
+                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes}
 
 
 def extract_logits(output, model_name: str = "model") -> torch.Tensor:
@@ -182,7 +176,8 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
                            "use a decoder-only LM or an encoder classifier")
     params = _forward_params(model)
     takes_kw = "input_ids" in params
-    vocab = vocab_size or _first_attr((config, model), _VOCAB_KEYS) or _embedding_rows(model)
+    vocab = (vocab_size or _first_attr((config, model), _VOCAB_KEYS)
+             or getattr(input_embedding(model), "num_embeddings", None))
     if not vocab:
         raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
                            "(smoke/analyze take it as a keyword; for every tier: adapt(model, vocab_size=N))")
@@ -232,11 +227,6 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
         if isinstance(emb, nn.Embedding):
             return emb
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-
-
-def _embedding_rows(model: nn.Module) -> int | None:
-    emb = input_embedding(model)
-    return emb.num_embeddings if emb is not None else None
 
 
 def _position_rows(model: nn.Module) -> int | None:

@@ -300,11 +300,9 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, devi
                         "use a smaller batch size")
     cuda = device is not None and torch.device(device).type == "cuda"
     extra = {"persistent_workers": True, "prefetch_factor": 2} if num_workers > 0 else {}
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
-        num_workers=num_workers, pin_memory=cuda, drop_last=drop_last,
-        generator=torch.Generator().manual_seed(seed), worker_init_fn=_seed_worker, **extra,
-    )
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+                      num_workers=num_workers, pin_memory=cuda, drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(seed), worker_init_fn=_seed_worker, **extra)
 
 
 def to_device(batch: dict, device) -> dict:

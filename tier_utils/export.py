@@ -138,9 +138,7 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
                                                                                        "argmax agreement")]
                 continue
-            eager = wrapper(*batch).float()
-            out = runner(batch).float()
-            checks += _parity(eager, out, prec.name, label)
+            checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.name, label)
             latency += _latency(wrapper, runner, batch, label, repeats, fmt)
     config = {"model": adapter.name, "task": adapter.task, "format": fmt, "precision": prec.name,
               "precision_reason": prec.reason, "inputs": list(keys), "trace_shape": list(trace[0].shape),
@@ -290,9 +288,6 @@ def _latency(wrapper, runner, batch, label: str, repeats: int, fmt: str) -> list
         for k, call in calls.items():
             with timers[k].region():
                 call()
-    rows = []
-    for k, timer in timers.items():
-        s = summarize(timer.milliseconds())
-        rows.append({"shape": label, "runner": k, "n": s.n, "median_ms": s.median, "iqr_ms": s.iqr,
-                     "min_ms": s.min, "max_ms": s.max})
-    return rows
+    stats = {k: summarize(timer.milliseconds()) for k, timer in timers.items()}
+    return [{"shape": label, "runner": k, "n": s.n, "median_ms": s.median, "iqr_ms": s.iqr, "min_ms": s.min,
+             "max_ms": s.max} for k, s in stats.items()]

@@ -133,10 +133,8 @@ def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    state = 0
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
+    per_param = optimizer.state.values() if optimizer is not None else ()
+    state = sum(v.numel() * v.element_size() for s in per_param for v in s.values() if torch.is_tensor(v))
     return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": state}
 
 

@@ -163,16 +163,9 @@ class Precision:
         return torch.amp.GradScaler(self.device.type, enabled=self.needs_scaler)
 
     def to_dict(self) -> dict:
-        return {
-            "requested": self.requested,
-            "precision": self.name,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "device": str(self.device),
-            "device_name": device_name(self.device),
-            "native": self.native,
-            "needs_scaler": self.needs_scaler,
-            "reason": self.reason,
-        }
+        return {"requested": self.requested, "precision": self.name, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "device_name": device_name(self.device), "native": self.native,
+                "needs_scaler": self.needs_scaler, "reason": self.reason}
 
 
 def _auto(device: torch.device) -> tuple[str, str]:

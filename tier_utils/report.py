@@ -137,8 +137,7 @@ class AllResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index, "bench_size": self.bench_size,
-                         "run_metadata": self.metadata})
+                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata})
 
     def summary_text(self, width: int = 110) -> str:
         """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""

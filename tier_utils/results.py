@@ -47,10 +47,7 @@ def checks_table(checks: list[Check], extra_columns: tuple[str, ...] = ()) -> pd
 def worst_status(statuses) -> str:
     """FAIL beats WARN beats PASS; SKIP counts as nothing."""
     statuses = set(statuses)
-    for s in ("FAIL", "WARN", "PASS"):
-        if s in statuses:
-            return s
-    return "SKIP"
+    return next((s for s in ("FAIL", "WARN", "PASS") if s in statuses), "SKIP")
 
 
 def run_metadata(device=None, dtype=None) -> dict:
@@ -58,14 +55,9 @@ def run_metadata(device=None, dtype=None) -> dict:
     from .precision import device_name, resolve_device
 
     dev = resolve_device(device)
-    meta = {
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    meta = {"device": str(dev), "device_name": device_name(dev), "torch": torch.__version__,
+            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if dtype is not None:
         meta["dtype"] = str(dtype).replace("torch.", "")
     return meta

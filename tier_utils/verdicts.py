@@ -31,12 +31,8 @@ def speedup(base: Stats, other: Stats) -> dict:
 
     When the two step-time IQRs overlap the precisions are indistinguishable at this noise level.
     """
-    return {
-        "median": base.median / other.median,
-        "low": base.q1 / other.q3,
-        "high": base.q3 / other.q1,
-        "no_measurable_difference": base.q1 <= other.q3 and other.q1 <= base.q3,
-    }
+    return {"median": base.median / other.median, "low": base.q1 / other.q3, "high": base.q3 / other.q1,
+            "no_measurable_difference": base.q1 <= other.q3 and other.q1 <= base.q3}
 
 
 def reduction(base_bytes, other_bytes) -> float | None:

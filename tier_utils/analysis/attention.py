@@ -263,12 +263,10 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
     more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
     if len(bad) and (bad.pattern == "uniform").all():
         more += "; near-uniform heads everywhere is what an untrained model shows"
-    checks = [
-        Check("collapsed heads", "WARN" if len(bad) else "PASS", f"{len(bad)}/{n_heads}",
-              f"max_weight >= {ONE_HOT_MAX} or entropy >= {UNIFORM_ENTROPY}",
-              (f"{named}{more}" if len(bad) else "every head attends selectively")
-              + f" (captured via {source}, {n_batches} batches)"),
-    ]
+    checks = [Check("collapsed heads", "WARN" if len(bad) else "PASS", f"{len(bad)}/{n_heads}",
+                    f"max_weight >= {ONE_HOT_MAX} or entropy >= {UNIFORM_ENTROPY}",
+                    (f"{named}{more}" if len(bad) else "every head attends selectively")
+                    + f" (captured via {source}, {n_batches} batches)")]
     bad_layers = layers_df[layers_df.collapsed]
     all_uniform = heads_df.groupby("layer").pattern.agg(lambda p: bool((p == "uniform").all()))
     untrained = bool(all_uniform[bad_layers.layer].all())  # every collapsed layer is uniform in every head

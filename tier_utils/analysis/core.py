@@ -119,17 +119,10 @@ class AnalysisReport(Result):
         return fig
 
     def to_json(self) -> dict:
-        return jsonable({
-            "status": self.status,
-            "findings": self.table,
-            "frames": self.frames,
-            "seconds": self.seconds,
-            "model": self.model,
-            "precision": self.precision,
-            "data": self.data,
-            "errors": {n: o.artifacts["traceback"] for n, o in self.outcomes.items() if "traceback" in o.artifacts},
-            "run_metadata": self.metadata,
-        })
+        errors = {n: o.artifacts["traceback"] for n, o in self.outcomes.items() if "traceback" in o.artifacts}
+        return jsonable({"status": self.status, "findings": self.table, "frames": self.frames, "seconds": self.seconds,
+                         "model": self.model, "precision": self.precision, "data": self.data, "errors": errors,
+                         "run_metadata": self.metadata})
 
 
 def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", device=None, batch_size: int = 8,

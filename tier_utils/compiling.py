@@ -80,8 +80,7 @@ def compile_for_training(adapter: ModelAdapter, precision: Precision, batch: dic
     training step runs it (shapes, dtypes, train mode), so the steps themselves don't recompile.
     """
     check_compile_mode(mode)
-    module = adapter.model
-    device = adapter.device
+    module, device = adapter.model, adapter.device
     rng = rng_state()
     buffers = [b.detach().clone() for b in module.buffers()]  # e.g. BatchNorm statistics the warm-up moves
     breaks_before = _graph_breaks()

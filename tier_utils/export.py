@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import logging
 import re
@@ -150,8 +151,6 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
 
 
 def _require(*modules: str) -> None:
-    import importlib.util
-
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ExportError(f"ONNX export needs {', '.join(missing)}: pip install \"tier_utils[export]\"")

@@ -305,8 +305,7 @@ class TrainResult(Result):
             ax.set_xlabel("optimizer step")
             integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.model} · {self.summary.precision} · {self.summary.device_name}")
-        c = self.config
-        if c:
+        if c := self.config:
             evals = f"every {c['eval_every']} steps" if c.get("eval_every") else "at the end"
             caption(fig, f"linear warm-up for {c['warmup_steps']} steps, then cosine decay · validation {evals} "
                          f"on up to {c.get('eval_batches') or 'all'} batches · global batch "

@@ -3,6 +3,7 @@ layer names short enough to read, and a one-line caption where the picture needs
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from .files import atomic_write_bytes
@@ -51,8 +52,6 @@ def caption(fig, text: str) -> None:
 def power_of_two_axis(ax, values) -> None:
     """A log2 y axis whose limits are the powers of two around `values` (a loss scale): the lowest
     and highest values sit on labelled ticks, never outside them."""
-    import math
-
     lo, hi = float(min(values)), float(max(values))
     lo_exp, hi_exp = math.floor(math.log2(lo)), math.ceil(math.log2(hi))
     hi_exp = max(hi_exp, lo_exp + 1)
@@ -63,8 +62,6 @@ def power_of_two_axis(ax, values) -> None:
 
 def decade_limits(ax) -> None:
     """A log y axis widened to whole decades around its data, so at least two ticks carry labels."""
-    import math
-
     lo_exp, hi_exp = (math.log10(v) for v in ax.get_ylim())
     ax.set_ylim(10.0 ** math.floor(lo_exp), 10.0 ** max(math.ceil(hi_exp), math.floor(lo_exp) + 1))
 

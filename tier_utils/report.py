@@ -141,12 +141,11 @@ class AllResult(Result):
 
     def summary_text(self, width: int = 110) -> str:
         """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
-        r, lines = self.results, []
-        m = self.metadata
+        r, m = self.results, self.metadata
         busy = m.get("load_average_1m") is not None and m["load_average_1m"] > m["cpu_count"]
-        lines.append(f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads"
-                     + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
-                        "so the timings below are slower than on an idle machine" if busy else ""))
+        lines = [f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads"
+                 + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
+                    "so the timings below are slower than on an idle machine" if busy else "")]
         if "smoke" in r:
             lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
         if "analysis" in r:
@@ -184,8 +183,7 @@ def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: 
 def _train_line(s: TrainSummary, seconds: float) -> str:
     losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
     line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision}, {losses}"
-    if s.tokens_per_s:
-        t = s.tokens_per_s
+    if t := s.tokens_per_s:
         line += f" · {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']})"
     return line + f" · {seconds:.1f} s"
 

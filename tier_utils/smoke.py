@@ -71,13 +71,12 @@ class SmokeReport(Result):
                 f"{self.metadata['device_name']}, {self.precision.name}")
 
     def to_json(self) -> dict:
-        return jsonable({
-            "passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
-            "model": self.model, "precision": self.precision.to_dict(), "run_metadata": self.metadata,
-            "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
-            "grad_norms": self.grad_norms, "latency": self.latency_table, "latency_samples_ms": self.latency,
-            "memory": self.memory, "parameters": self.parameters if self.parameters is not None else [],
-        })
+        return jsonable({"passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
+                         "model": self.model, "precision": self.precision.to_dict(), "run_metadata": self.metadata,
+                         "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
+                         "grad_norms": self.grad_norms, "latency": self.latency_table,
+                         "latency_samples_ms": self.latency, "memory": self.memory,
+                         "parameters": self.parameters if self.parameters is not None else []})
 
     def plot(self):
         from matplotlib.figure import Figure

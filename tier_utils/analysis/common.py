@@ -26,8 +26,7 @@ class Context:
     def mask(self, batch: dict) -> torch.Tensor:
         """(B, T) bool: which positions hold real tokens."""
         mask = batch.get("attention_mask")
-        ids = batch["input_ids"]
-        return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
 
 
 @dataclass

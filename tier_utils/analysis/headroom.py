@@ -130,8 +130,7 @@ def run(ctx: Context) -> Outcome:
     checks = [Check("recommendation", status, recommendation,
                     f"abs_max < 65504/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below 6.1e-5",
                     _explain(df, recommendation, drivers, len(ctx.batches)))]
-    for prec in ("bf16", "fp16"):
-        checks.append(_drift_check(df, prec))
+    checks += [_drift_check(df, prec) for prec in ("bf16", "fp16")]
     return Outcome(checks, {"headroom": df}, {"drivers": drivers})
 
 

@@ -83,7 +83,6 @@ class ModelAdapter:
         return self.loss(logits, batch["labels"]), logits
 
     def embeddings(self) -> nn.Embedding | None:
-        """The token embedding table, if the model exposes one."""
         return input_embedding(self.model)
 
     def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:

@@ -99,16 +99,12 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(device))
-
-
 def native_support(name: str, device: torch.device) -> tuple[bool, str]:
     """Whether `name` (fp32/bf16/fp16) runs natively on `device`, and why (one line)."""
     if name == "fp32":
         return True, "fp32 runs everywhere"
     if device.type == "cuda":
-        cc = _cuda_capability(device)
+        cc = torch.cuda.get_device_capability(device)
         cc_s = f"{cc[0]}.{cc[1]}"
         gpu = torch.cuda.get_device_name(device)
         if name == "bf16":
@@ -170,7 +166,7 @@ class Precision:
 
 def _auto(device: torch.device) -> tuple[str, str]:
     if device.type == "cuda":
-        cc = _cuda_capability(device)
+        cc = torch.cuda.get_device_capability(device)
         gpu = torch.cuda.get_device_name(device)
         if cc >= _CUDA_BF16_MIN:
             return "bf16", f"auto: {gpu} (compute capability {cc[0]}.{cc[1]}) has bf16 tensor cores -> bf16, no scaler"

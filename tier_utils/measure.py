@@ -133,8 +133,8 @@ def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    per_param = optimizer.state.values() if optimizer is not None else ()
-    state = sum(v.numel() * v.element_size() for s in per_param for v in s.values() if torch.is_tensor(v))
+    param_states = optimizer.state.values() if optimizer is not None else ()
+    state = sum(v.numel() * v.element_size() for s in param_states for v in s.values() if torch.is_tensor(v))
     return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": state}
 
 

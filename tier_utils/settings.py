@@ -199,7 +199,7 @@ class BenchConfig:
     seed: int = setting(0, "data order and dropout masks, the same for every precision", low=0)
     force: bool = setting(False, "run precisions this device has no native support for")
     # False/"off" eager, True/"on" compiled, "both": each precision eager and compiled, interleaved.
-    compile: bool | str = setting(False, "torch.compile the steps: off, on, or both (eager and compiled, "
+    compile: bool | str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, "
                                          "interleaved)", choices=("off", "on", "both"))
     compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
                                 choices=COMPILE_MODES)

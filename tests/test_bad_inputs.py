@@ -154,6 +154,7 @@ CLI_BAD = [
     (["train", "--out", "{d}/run", "--log-every", "0"], "log_every must be a whole number >= 1"),
     (["train", "--out", "{d}/run", "--checkpoint-every", "0"], "checkpoint_every must be a whole number >= 1"),
     (["train", "--out", "{d}/run", "--max-steps", "1", "--epochs", "2"], "not allowed with argument"),
+    (["train", "--out", "{d}/run", "--model-arg", "seed=3"], "--model-arg seed names a training setting"),
     (["train", "--out", "{d}/run", "--model", "tiny-encoder", "--data", "{d}/text.txt"], "has no labels"),
     (["train", "--out", "{d}/run", "--model-arg", "vocab_size=100"], "vocab_size>=256"),
     (["train", "--out", "{d}/run", "--batch-size", "100000", "--max-steps", "1", *TINY_ARGS], "lower batch_size"),

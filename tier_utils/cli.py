@@ -152,6 +152,10 @@ def _run_train(args) -> tuple[dict, int]:
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)
+    clash = sorted(set(model_kwargs(args)) & {f.name for f in fields(TrainConfig)})
+    if clash:  # train() would take it as the training setting of that name, not as the model's
+        raise ValueError(f"--model-arg {', '.join(clash)} names a training setting; give it as --"
+                         f"{clash[0].replace('_', '-')}, or build the model in Python and pass the module")
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0

@@ -196,3 +196,25 @@ def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
     assert "\r" not in text
     assert max(len(line) for line in text.splitlines()) <= 500
     assert "train: " in text and "amp benchmark: " in text  # plain progress lines, not silence
+
+
+def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far_apart(tmp_path):
+    from tier_utils.bench import amp_benchmark
+    from tier_utils.models import load_model
+    from tier_utils.train import train
+
+    model = load_model("tiny-gpt", **TINY)
+    trained = train(model, max_steps=3, batch_size=4, seq_len=16, eval_every=0, eval_batches=1, precision="fp32",
+                    progress=False, device="cpu")
+    bench = amp_benchmark(model, precisions=("fp32",), batch_size=4, seq_len=16, untimed_steps=0, timed_steps=1,
+                          repeats=2, accuracy_steps=0, progress=False, device="cpu")
+    step = trained.summary.step_time_ms
+    fp32 = bench.records[0].speed["step_ms"]
+    fp32.update(median=step["median"] / 20, q1=step["q1"] / 25, q3=step["q1"] / 21)  # a load came and went
+    page = write_report({"train": trained, "amp_benchmark": bench}, tmp_path,
+                        metadata={"load_average_1m": 3.1, "cpu_count": 2}).read_text()
+    assert "<section id='consistency'>" in page and "step time: train vs amp_benchmark" in page
+    assert "20.0x apart" in page and "load 3.1 on 2 cores" in page
+    assert pd.read_csv(tmp_path / "consistency.csv")["status"].tolist() == ["WARN"]
+    fp32.update(median=step["median"], q1=step["q1"], q3=step["q3"])  # the same step timed alike: nothing to say
+    assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()

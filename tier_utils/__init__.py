@@ -10,6 +10,7 @@ from .export import ExportError, ExportResult, export
 from .history import TrainResult
 from .info import InfoResult, info
 from .loggers import LoggerError
+from .measure import decide_threads
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model
 from .precision import (
     Precision,
@@ -27,6 +28,10 @@ from .smoke import SmokeReport, smoke
 from .train import TrainingDiverged, train
 
 __version__ = "0.1.0"
+
+# Torch threads are chosen as the package starts, before any work: one per core other jobs leave free,
+# unless the user chose (OMP_NUM_THREADS, torch.set_num_threads); results say which (`threads_reason`).
+decide_threads()
 
 __all__ = [
     # setup: models, data, precision

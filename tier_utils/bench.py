@@ -22,6 +22,7 @@ from .measure import (
     SavedTensorMeter,
     StepTimer,
     count_flops,
+    cpu_load,
     load_average,
     probe_ms,
     probe_size,
@@ -170,7 +171,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     **launch_bound(records[0].speed["step_ms"]["median"], floor_ms.median, records[0].mfu["mfu"],
                                    cfg.batch_size, cfg.thresholds)}
     verdicts = [c for p, r in zip(plans, records)
-                for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead)]
+                for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
+                                     cpu_load())]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
               "data": splits.source, **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -249,7 +249,7 @@ def _run_all(args) -> tuple[dict, int]:
     from .measure import machine_load
     from .report import run_all
 
-    print(f"all: smoke, analysis, training, AMP benchmark ({machine_load() or 'load unknown'})", file=sys.stderr)
+    print(f"all: smoke, analysis, training, AMP benchmark ({machine_load()})", file=sys.stderr)
     result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
                      **model_kwargs(args))

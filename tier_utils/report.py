@@ -18,20 +18,21 @@ import torch
 
 from .adapter import adapt
 from .analysis import analyze
-from .bench import amp_benchmark
+from .bench import BenchmarkResult, amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
 from .files import atomic_write_bytes, jsonable, write_json
-from .history import TrainSummary
-from .measure import load_average
+from .history import TrainResult, TrainSummary
+from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, run_metadata, worst_status
+from .results import STATUSES, Check, Result, checks_table, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
 from .validation import writable_dir
+from .verdicts import step_agreement
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -72,6 +73,11 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
         sections.append(_section(name, badge, tables, fig is not None))
     meta = metadata if metadata is not None else run_metadata()
+    agreement = consistency(results, _load(meta))
+    if agreement:  # before the tiers: it says how far to trust their timings
+        sections.insert(0, _section("consistency", "", {"consistency": checks_table(agreement)}, False))
+        atomic_write_bytes(out / "consistency.csv", checks_table(agreement).to_csv(index=False).encode())
+        write_json(out / "consistency.json", {"rows": checks_table(agreement)})
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
@@ -92,6 +98,31 @@ def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
         parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def consistency(results: dict, load: Load | None = None) -> list[Check]:
+    """Rows about two tiers that timed the same thing far apart: training's step against the benchmark's
+    at the same model, precision, mode and batch (one rank, no accumulation)."""
+    rows = []
+    for train_result in (r for r in results.values() if isinstance(r, TrainResult)):
+        s, c = train_result.summary, train_result.config
+        mode = "compiled" if s.compiled else "eager"
+        for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
+            b = bench.config
+            rec = next((r for r in bench.records if (r.precision, r.mode) == (s.precision, mode) and r.speed), None)
+            if (rec is None or s.step_time_ms is None or s.world_size != 1 or c.get("grad_accum_steps") != 1
+                    or (s.model, c.get("batch_size"), c.get("seq_len")) != (b["model"], b["batch_size"], b["seq_len"])):
+                continue
+            row = step_agreement(s.step_time_ms, rec.speed["step_ms"],
+                                 f"{s.model}, {s.precision} {mode}, batch {b['batch_size']} x {b['seq_len']} tokens",
+                                 load)
+            rows += [row] if row else []
+    return rows
+
+
+def _load(meta: dict) -> Load:
+    """The load a run's metadata recorded (run_all's), else the load now."""
+    return Load(meta["load_average_1m"], meta["cpu_count"]) if "load_average_1m" in meta else cpu_load()
 
 
 def _for_page(table: pd.DataFrame) -> pd.DataFrame:
@@ -137,13 +168,15 @@ class AllResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata})
+                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata,
+                         "consistency": checks_table(consistency(self.results, _load(self.metadata)))})
 
     def summary_text(self, width: int = 110) -> str:
         """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
         r, m = self.results, self.metadata
         busy = m.get("load_average_1m") is not None and m["load_average_1m"] > m["cpu_count"]
-        lines = [f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads"
+        threads = m.get("threads_reason") or f"{m['threads']} torch threads"
+        lines = [f"{m['device_name']} · torch {m['torch']} · {threads}"
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
         if "smoke" in r:
@@ -160,6 +193,7 @@ class AllResult(Result):
             if self.bench_size:
                 size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
             lines.append(size)
+        lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, _load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")
         return "\n".join(lines)

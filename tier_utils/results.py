@@ -52,11 +52,12 @@ def worst_status(statuses) -> str:
 
 def run_metadata(device=None, dtype=None) -> dict:
     """What every measured figure is stamped with: device name, dtype, torch version, time."""
+    from .measure import threads_note
     from .precision import device_name, resolve_device
 
     dev = resolve_device(device)
     meta = {"device": str(dev), "device_name": device_name(dev), "torch": torch.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "threads": torch.get_num_threads(), "threads_reason": threads_note(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if dtype is not None:
         meta["dtype"] = str(dtype).replace("torch.", "")

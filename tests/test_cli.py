@@ -25,6 +25,9 @@ def test_info_prints_decision_and_writes_json(tmp_path):
     assert set(data) == {"environment", "precision", "model"}
     assert data["model"]["task"] == "classification" and data["model"]["num_classes"] == 3
     assert data["precision"]["reason"] and data["environment"]["torch"]
+    # The device once (environment), and the torch threads with the reason for their count.
+    assert "device" not in data["precision"] and data["environment"]["device"]
+    assert data["environment"]["threads_reason"].startswith(f"{data['environment']['threads']} torch thread")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -158,3 +161,23 @@ def test_cli_defaults_are_the_api_defaults(verb, func):
     assert len(shared) >= 3
     for name in shared:
         assert cli[name] == params[name].default, f"{verb} --{name}: {cli[name]!r} != {params[name].default!r}"
+
+
+def test_all_says_its_thread_count_and_why_when_it_starts(tmp_path, monkeypatch, capsys):
+    from tier_utils import report
+
+    class Done:  # the job itself is tested in test_report; here only what `all` says before it
+        model_status = "PASS"
+
+        def summary_text(self):
+            return "summary"
+
+        def to_json(self):
+            return {}
+
+    import functools
+
+    monkeypatch.setattr(report, "run_all", functools.wraps(report.run_all)(lambda *a, **k: Done()))  # its options
+    assert main(["all", "--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("all: smoke, analysis, training, AMP benchmark (") and " torch thread" in first

@@ -221,7 +221,8 @@ class Load:
         return self.average is not None and self.average > self.cores
 
     def __str__(self) -> str:
-        return f"load {'unknown' if self.average is None else f'{self.average:.1f}'} on {self.cores} cores"
+        average = "unknown" if self.average is None else f"{self.average:.1f}"
+        return f"load {average} on {self.cores} core{'s' if self.cores != 1 else ''}"
 
 
 def cpu_load() -> Load:
@@ -260,11 +261,12 @@ def choose_threads(current: int, load: Load, env) -> ThreadChoice:
     if current != load.cores:
         return ThreadChoice(current, f"{_threads(current)}: set before tier_utils started, kept ({load})")
     free = load.cores if load.average is None else max(0, int(load.cores - load.average + 0.5))
-    if free >= current:
+    threads = max(1, min(current, free))
+    if threads == current:
         return ThreadChoice(current, f"{_threads(current)}, one per core ({load})")
     cores = "no core" if free == 0 else f"{free} core{'s' if free != 1 else ''}"
-    return ThreadChoice(max(1, free), f"{_threads(max(1, free))}, not {current}: other jobs leave {cores} free "
-                                      f"({load}); OMP_NUM_THREADS=N overrides")
+    return ThreadChoice(threads, f"{_threads(threads)}, not {current}: other jobs leave {cores} free ({load}); "
+                                 "OMP_NUM_THREADS=N overrides")
 
 
 def _threads(n: int) -> str:

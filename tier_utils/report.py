@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import html
+import math
 import os
 import re
 import time
@@ -27,7 +28,7 @@ from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Check, Result, checks_table, run_metadata, worst_status
+from .results import CHECK_COLUMNS, STATUSES, Check, Result, checks_table, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
@@ -36,21 +37,28 @@ from .verdicts import step_agreement
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
-# A dashboard: the page never scrolls sideways; a wide or long table scrolls inside its own box.
+# A dashboard: the page never scrolls sideways; a long table scrolls inside its own box. Words wrap only
+# between words (no `anywhere`/`break-all`, which split "float32" into "float3 2" in a squeezed column;
+# `.w` keeps "7.334e-08" whole); a long token (a path, an op name) gets break points after its separators
+# instead (`_breakable`).
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
 .scroll{overflow:auto;max-width:100%;max-height:30em;margin:.5em 0}
 table{border-collapse:collapse;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:break-word}
 th{background:#f3f3f3;position:sticky;top:0}
-td{max-width:40em;overflow-wrap:anywhere}
-img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:anywhere}
-.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP,.measured{color:#666}"""
-MEASURED = "measured"  # shown for a PASS row without a threshold: a measurement, not a verdict
+img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:break-word}
+.w{white-space:nowrap}.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP{color:#666}"""
+_LONG = 20  # characters: a token this long may break after its separators
+_AFTER_SEPARATORS = re.compile(r"(?<=[_./,:=-])")
+_PLAIN = re.compile(r"[(\[]*[\w']*[)\]:;,.!?%]*")  # no line-break opportunity inside
 
 
 def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
-    """Write each result's table as `<name>.csv`, its plot as `<name>.png`, its JSON as `<name>.json`
-    and an `index.html` showing them together (plain HTML, relative image links). Returns index.html.
+    """Write each result's table as `<name>.csv` (a benchmark's verdicts also as `<name>_verdicts.csv`), its
+    plot as `<name>.png`, its JSON as `<name>.json`, and an `index.html` showing them together (plain HTML,
+    relative links). The page shows each tier's verdict columns (check, status, value, threshold, detail,
+    after the columns naming the row), a benchmark's verdicts rather than its measurements; the CSV links
+    hold every column. Returns index.html.
 
     metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`)."""
     out = Path(out_dir)
@@ -59,11 +67,11 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     for name, result in results.items():
         if not _NAME.match(name):
             raise ValueError(f"result name {name!r} is not a plain file name; use letters, digits, _ or -")
-        # A benchmark's verdicts are a table of their own, shown first: they are what to read.
-        tables = {f"{name}_verdicts": result.verdicts} if hasattr(result, "verdicts") else {}
-        tables[name] = result.table
-        for stem, table in tables.items():
-            atomic_write_bytes(out / f"{stem}.csv", table.to_csv(index=False).encode())
+        frames = {name: result.table}
+        if hasattr(result, "verdicts"):  # what to read; the measurements stay one click away
+            frames[f"{name}_verdicts"] = result.verdicts
+        for stem, frame in frames.items():
+            atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
         write_json(out / f"{name}.json", result.to_json())
         fig = result.plot()
         if fig is not None:
@@ -71,13 +79,14 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         status = result.status
         badge = f" <span class='{status}'>{status}</span>" if status else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
-        sections.append(_section(name, badge, tables, fig is not None))
+        shown = result.verdicts if hasattr(result, "verdicts") else result.table
+        files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
+        sections.append(_section(name, badge, shown, files, fig is not None))
     meta = metadata if metadata is not None else run_metadata()
-    agreement = consistency(results, _load(meta))
-    if agreement:  # before the tiers: it says how far to trust their timings
-        sections.insert(0, _section("consistency", "", {"consistency": checks_table(agreement)}, False))
-        atomic_write_bytes(out / "consistency.csv", checks_table(agreement).to_csv(index=False).encode())
-        write_json(out / "consistency.json", {"rows": checks_table(agreement)})
+    agreement = checks_table(consistency(results, _load(meta)))
+    if len(agreement):  # before the tiers: it says how far to trust their timings
+        atomic_write_bytes(out / "consistency.csv", agreement.to_csv(index=False).encode())
+        sections.insert(0, _section("consistency", "", agreement, ["consistency.csv"], False))
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
@@ -86,18 +95,47 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     return atomic_write_bytes(out / "index.html", page.encode())
 
 
-def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
-    links = [f"<a href='{stem}.csv'>{stem}.csv</a>" for stem in tables] + [f"<a href='{name}.json'>{name}.json</a>"]
-    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{' · '.join(links)}</p>"]
-    for table in tables.values():
-        rows = _for_page(table).to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
-        for s in (*STATUSES, MEASURED):  # colour the verdict cells (to_html has escaped every cell already)
-            rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
-        parts.append(f"<div class='scroll'>{rows}</div>")
+def _section(name: str, badge: str, table: pd.DataFrame, files: list[str], has_plot: bool) -> str:
+    shown = _for_page(table)
+    hidden = len(table.columns) - len(shown.columns)
+    note = f" (the page leaves out {hidden} column{'s' if hidden != 1 else ''}; the CSV has all)" if hidden else ""
+    links = " · ".join(f"<a href='{f}'>{f}</a>" for f in files)
+    rows = shown.to_html(index=False, border=0, escape=False)
+    for s in STATUSES:  # colour the verdict cells
+        rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
+    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{links}{note}</p>",
+             f"<div class='scroll'>{rows}</div>"]
     if has_plot:
         parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def _for_page(table: pd.DataFrame) -> pd.DataFrame:
+    """The table as the page shows it: a verdict table's columns naming the row (left of `check`) and its
+    verdict columns, no column that is empty throughout, every cell as escaped HTML. The statuses are the
+    table's own: the page, `.table` and the CLI read alike."""
+    columns = list(table.columns)
+    if {"check", "status"} <= set(columns):
+        columns = columns[:columns.index("check")] + [c for c in CHECK_COLUMNS if c in columns]
+    shown = table[columns].astype(object).where(table[columns].notna(), None).map(_cell)
+    return shown.loc[:, [c for c in shown.columns if (shown[c] != "").any()]]
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return " ".join(_breakable(word) for word in text.split(" "))
+
+
+def _breakable(word: str) -> str:
+    """`word` as HTML: a long token (a path, an op name) may wrap after its separators; a word never
+    breaks inside."""
+    parts = _AFTER_SEPARATORS.split(word) if len(word) >= _LONG else [word]
+    # A browser may also wrap inside at a hyphen or slash ("7.334e-" / "08"): such a part can't wrap.
+    return "<wbr>".join(html.escape(p) if _PLAIN.fullmatch(p) else f"<span class='w'>{html.escape(p)}</span>"
+                        for p in parts)
 
 
 def consistency(results: dict, load: Load | None = None) -> list[Check]:
@@ -123,16 +161,6 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
 def _load(meta: dict) -> Load:
     """The load a run's metadata recorded (run_all's), else the load now."""
     return Load(meta["load_average_1m"], meta["cpu_count"]) if "load_average_1m" in meta else cpu_load()
-
-
-def _for_page(table: pd.DataFrame) -> pd.DataFrame:
-    """The table as the page shows it (the CSV keeps it whole): empty cells blank, all-empty columns
-    dropped, and a PASS with no threshold marked as a measurement (latency, memory), not a verdict."""
-    shown = table.astype(object).where(table.notna(), "")
-    if {"status", "threshold"} <= set(shown.columns):
-        measured = (shown["status"] == "PASS") & (shown["threshold"].astype(str) == "")
-        shown.loc[measured, "status"] = MEASURED
-    return shown.loc[:, [c for c in shown.columns if (shown[c].astype(str) != "").any()]]
 
 
 @dataclass(repr=False)

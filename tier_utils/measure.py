@@ -232,7 +232,7 @@ def cpu_load() -> Load:
 def machine_load() -> str:
     """The torch threads and why, and whether the CPU is busy right now: a slow run on a shared machine
     explains itself."""
-    busy = "; machine busy: timings will be slower and noisier than on an idle machine" if cpu_load().busy else ""
+    busy = " · machine busy: timings will be slower and noisier than on an idle machine" if cpu_load().busy else ""
     return threads_note() + busy
 
 

@@ -192,7 +192,8 @@ def _run_analyze(args) -> tuple[dict, int]:
     _show(report.table.drop(columns="threshold"))
     d = report.data
     print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
-          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['source']} data · "
+          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['data']} "
+          f"(tokenizer {d.get('tokenizer', 'none')}) · "
           f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
     return report.to_json(), 1 if report.status == "FAIL" else 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .data import DataSplits, build_datasets
 from .errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from .models import load_model, source_of
-from .tokenizer import BYTES, Tokenizer, is_tokenizer_folder, load_tokenizer
+from .tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 
 TASKS = ("causal-lm", "classification")
 
@@ -48,7 +48,7 @@ class ModelAdapter:
     takes_position_ids: bool = False
     padding_side: str = "right"  # where a padded batch puts its padding: left for decoder LMs
     max_len_note: str | None = None  # set when max_len is tier_utils' default, not the model's own limit
-    tokenizer: Tokenizer | None = None  # the ids every tier feeds: the model's own, or bytes for built-ins
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the ids every tier feeds: the model's own, or bytes
     # Set when the forward returns every position's logits only when given targets (the keyword to pass).
     targets_keyword: str | None = None
 
@@ -145,7 +145,7 @@ class ModelAdapter:
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
                 "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
-                "tokenizer": self.tokenizer.name if self.tokenizer else BYTES}
+                "tokenizer": self.tokenizer.name}
 
 
 def extract_logits(output, model_name: str = "model") -> torch.Tensor:
@@ -173,14 +173,13 @@ def resolve_model(model, **model_kwargs) -> ModelAdapter:
                                  "pass them to adapt(model, ...) when you make it")
         return model
     if isinstance(model, nn.Module):
-        weights = model_kwargs.pop("weights", None)
+        loading = {k: model_kwargs.pop(k) for k in ("weights", "tokenizer") if k in model_kwargs}
         other = sorted(set(model_kwargs) - set(ADAPTER_KEYWORDS))
         if other:
             raise ModelSpecError(f"{', '.join(other)}: an nn.Module instance is already built, so only "
                                  f"{', '.join(ADAPTER_KEYWORDS)} apply to it; build it with those arguments yourself")
-        return adapt(load_model(model, weights=weights), **model_kwargs)
-    tokenizer = model_kwargs.pop("tokenizer", None)
-    return adapt(load_model(model, **model_kwargs), tokenizer=tokenizer)
+        return adapt(load_model(model, **loading), **model_kwargs)
+    return adapt(load_model(model, **model_kwargs))
 
 
 def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len: int | None = None,

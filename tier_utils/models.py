@@ -169,9 +169,9 @@ class ModelSource:
     """Where a model came from, kept on the module as `tier_utils_source`: its tokenizer follows it into every
     tier, and a training checkpoint records it so `load_model(checkpoint)` can rebuild the model."""
 
-    spec: str
+    spec: str | None  # None: a module built in Python, which no spec rebuilds
     kwargs: dict = field(default_factory=dict)
-    tokenizer: str | None = None  # the tokenizer that goes with the weights; None: byte-level
+    tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
     weights: str | None = None
 
     def to_dict(self) -> dict:
@@ -182,7 +182,7 @@ def source_of(model: nn.Module) -> ModelSource | None:
     return getattr(model, "tier_utils_source", None)
 
 
-def load_model(spec=DEFAULT_MODEL, weights=None, **kwargs) -> nn.Module:
+def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn.Module:
     """Turn a spec into an nn.Module.
 
     Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
@@ -195,13 +195,16 @@ def load_model(spec=DEFAULT_MODEL, weights=None, **kwargs) -> nn.Module:
     rebuilt from the spec it records, then its weights loaded).
     weights: a safetensors file or a torch state dict loaded into the model (missing or unexpected
     keys are refused in one line).
+    tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
+    the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
     """
     model = _build(spec, kwargs)
     if weights is not None:
         load_weights(model, weights)
-        source = source_of(model)
-        if source is not None:
-            model.tier_utils_source = replace(source, weights=str(weights))
+    if weights is not None or tokenizer is not None:
+        source = source_of(model) or ModelSource(None)
+        model.tier_utils_source = replace(source, weights=str(weights) if weights is not None else source.weights,
+                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer)
     return model
 
 
@@ -234,7 +237,9 @@ def _build(spec, kwargs: dict) -> nn.Module:
     module = _import_file(where) if where.endswith(".py") else _import_module(where)
     if not hasattr(module, name):
         raise ModelSpecError(f"{where} has no attribute {name!r}; check the name after ':'")
-    return _sourced(_construct(getattr(module, name), kwargs, spec), spec, kwargs)
+    # Recorded with an absolute path: a checkpoint rebuilds it from any working directory.
+    recorded = f"{Path(where).expanduser().resolve()}:{name}" if where.endswith(".py") else spec
+    return _sourced(_construct(getattr(module, name), kwargs, spec), recorded, kwargs)
 
 
 def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None) -> nn.Module:
@@ -335,6 +340,7 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ModelSpecError(f"loading the model folder {spec} raised {describe(exc, limit=200)}; check the folder "
                              "(config.json and model.safetensors or pytorch_model.bin)") from exc
+    path = path.resolve()  # recorded absolute: a checkpoint finds it from any working directory
     tokenizer = str(path) if is_tokenizer_folder(path) else None
     if tokenizer is None:
         warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
@@ -401,7 +407,12 @@ def load_weights(model: nn.Module, path) -> None:
     if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelSpecError(f"{path} holds no state dict (a mapping of names to tensors)")
     state = {_unwrapped(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first says enough
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), one_line(exc))
+        raise ModelSpecError(f"{path} does not fit {type(model).__name__} ({detail[:200]}); give the weights of "
+                             "this architecture (and its arguments)") from exc
     missing = _untied(model, missing, state)
     if missing or unexpected:
         parts = [f"{label} {len(keys)} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"

@@ -110,7 +110,7 @@ def load_tokenizer(spec) -> Tokenizer:
         if not is_tokenizer_folder(path):
             raise ModelSpecError(f"{text} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
                                  "vocab.json); give the folder save_pretrained wrote, a hub id or 'bytes'")
-        return _auto_tokenizer(str(path))
+        return _auto_tokenizer(str(path.resolve()))
     return _auto_tokenizer(text.removeprefix(HUB_PREFIX), hub=True)
 
 

@@ -35,11 +35,13 @@ from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .loggers import open_train_run
 from .metrics import evaluate
+from .models import source_of
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata
 from .seeding import rng_state, seed_everything, set_rng_state
 from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .tokenizer import BYTES
 from .validation import writable_dir
 
 
@@ -372,9 +374,18 @@ class _Run:
                 "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info,
+                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
             })
         self.last_saved = self.step
+
+    def _source(self) -> dict | None:
+        """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
+        fed it. None for a module built in Python, which no spec can rebuild."""
+        source = source_of(self.adapter.model)
+        if source is None or source.spec is None:
+            return None
+        name = self.adapter.tokenizer.name
+        return {**source.to_dict(), "tokenizer": None if name == BYTES else name}
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""

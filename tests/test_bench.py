@@ -227,7 +227,8 @@ def test_json_schema_exact_keys(forced_fp16):
     json.dumps(doc, allow_nan=False)
     assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
     assert doc["schema"] == "tier_utils.bench/1"
-    assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
+    assert set(doc["config"]) == {"model", "task", "parameters", "data", "source", "tokenizer", "validation",
+                                  "train_examples", "val_examples", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
                                   "compile_mode", "thresholds"}

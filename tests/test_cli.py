@@ -193,8 +193,10 @@ def _verb_parsers():
 
 
 # An identifier a user never types: a settings object, a module constant, a snake_case field name.
-# Allowed: the package's own name, and KEY=VALUE examples of a model's own arguments (d_model=256).
-_INTERNAL = re.compile(r"settings\.|\bFAST\b|\bJOB\b|\b(?!tier_utils\b)[a-z0-9]+_[a-z0-9_]+\b(?!=)")
+# Allowed: the package's own name, the Hugging Face methods that name a folder's format, and KEY=VALUE
+# examples of a model's own arguments (d_model=256).
+_INTERNAL = re.compile(r"settings\.|\bFAST\b|\bJOB\b|"
+                       r"\b(?!(?:tier_utils|save_pretrained|save_to_disk)\b)[a-z0-9]+_[a-z0-9_]+\b(?!=)")
 _METAVAR_STYLE = re.compile(r"[A-Z]+(,[A-Z]+|=[A-Z]+|/[A-Z]+)?")  # N, N,N, NAME,NAME, KEY=VALUE, USER/NAME
 
 
@@ -214,6 +216,7 @@ def test_every_verbs_help_says_each_default_once_in_the_users_words(verb):
         if action.metavar is not None:  # one style: what the value looks like, never the option's own name
             assert _METAVAR_STYLE.fullmatch(action.metavar) and action.metavar != action.dest.upper(), action.metavar
     assert "settings." not in text and "(default: none) (default:" not in text
+    assert not re.search(r"\w-\n\s+\w", text), "a word wrapped at its hyphen"  # "hf-" / "dataset:NAME"
     if verb in ("info", "export", "colab"):  # they show no progress bar
         assert "--no-progress" not in text
     else:

@@ -74,7 +74,8 @@ def test_full_path(name, precision):
     assert list(h["kind"]) == ["step", "eval", "step", "epoch"]
     assert list(h["step"]) == [2, 2, 4, 4]
     assert result.summary.steps == 4 and result.summary.precision == precision
-    assert result.summary.data == "corpus" and not result.interrupted
+    assert result.summary.data.startswith("bundled corpus") and result.summary.tokenizer == "bytes"
+    assert not result.interrupted
     steps = h[h["kind"] == "step"]
     assert steps["train_loss"].map(math.isfinite).all() and (steps["step_time_ms"] > 0).all()
     evals = h[h["kind"] != "step"]

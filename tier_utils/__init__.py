@@ -11,7 +11,7 @@ from .history import TrainResult
 from .info import InfoResult, info
 from .loggers import LoggerError
 from .measure import decide_threads
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
 from .precision import (
     Precision,
     SlowPrecisionWarning,
@@ -25,7 +25,9 @@ from .results import Check
 from .search import SearchResult, search
 from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
 from .smoke import SmokeReport, smoke
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .train import TrainingDiverged, train
+from .userdata import DataSource
 
 __version__ = "0.1.0"
 
@@ -35,8 +37,9 @@ decide_threads()
 
 __all__ = [
     # setup: models, data, precision
-    "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "ModelAdapter", "adapt",
-    "DataSplits", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
+    "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "load_weights", "ModelAdapter", "adapt",
+    "Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
+    "DataSplits", "DataSource", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
     "Precision", "SlowPrecisionWarning", "canonical_precision", "resolve_device", "resolve_precision",
     "supported_precisions", "InfoResult", "info",
     # tier 1, tier 2

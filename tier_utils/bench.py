@@ -15,7 +15,7 @@ import torch
 from .adapter import resolve_model
 from .bench_record import Plan, PrecisionRecord, make_record
 from .compiling import compile_for_training, compile_modes
-from .data import build_datasets, make_loader, to_device
+from .data import make_loader, to_device
 from .files import jsonable
 from .loggers import log_result_tables, logger_names, run_stamp
 from .measure import (
@@ -104,8 +104,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
     modes = compile_modes(cfg.compile)
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
-    splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes,
-                            max_len=adapter.max_len)
+    splits = adapter.datasets(data, seq_len)
     steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
     speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
@@ -174,7 +173,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
-              "data": splits.source, **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step}
+              **splits.describe(), **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)

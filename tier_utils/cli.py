@@ -9,6 +9,7 @@ import ast
 import difflib
 import inspect
 import sys
+import textwrap
 import types
 import typing
 import warnings
@@ -85,7 +86,7 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
 # What a value looks like, by its type (a tuple setting is a list of names)...
 _METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
 # ...or, where the type says too little, by the option's name.
-_METAVAR_NAMES = {"data": "PATH", "precision": "NAME", "device": "NAME", "format": "NAME", "log_dir": "DIR",
+_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "device": "NAME", "format": "NAME", "log_dir": "DIR",
                   "checkpoint_dir": "DIR", "mlflow_uri": "URI", "storage": "URI"}
 
 
@@ -140,17 +141,40 @@ def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: 
     progress=False leaves out --no-progress, for a verb that shows no progress bar.
     """
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC",
-                        help="built-in name, path/file.py:Name, package.module:Name or hf:ModelClass "
-                             f"(default: {DEFAULT_MODEL})")
+                        help="built-in name, a save_pretrained folder, hf:ORG/NAME (hub), hf:ModelClass (random "
+                             "weights), path/file.py:Name, package.module:Name or a tier_utils checkpoint "
+                             f"(runs/x/checkpoints/last.pt) (default: {DEFAULT_MODEL})")
     parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
                         help="keyword argument for building the model (repeatable), e.g. d_model=256")
+    parser.add_argument("--weights", metavar="FILE", help="a .safetensors file or torch state dict to load into "
+                                                          "the model")
+    parser.add_argument("--tokenizer", metavar="SPEC", help="a tokenizer folder, hf:ORG/NAME or 'bytes' (default: "
+                                                            "the model's own; bytes for built-ins)")
     add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device),
                                                         ("progress", progress)) if on])
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
 
 
 def model_kwargs(args) -> dict:
-    return dict(args.model_arg)
+    given = {k: getattr(args, k) for k in ("weights", "tokenizer") if getattr(args, k, None) is not None}
+    return {**dict(args.model_arg), **given}
+
+
+def add_data(parser, data: bool = True) -> None:
+    """--data (unless the verb's signature made it) and the columns a table or dataset is read from."""
+    if data:
+        parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
+    parser.add_argument("--text-column", metavar="NAME", help="a table's or dataset's text column "
+                                                              "(default: text, sentence, content or document)")
+    parser.add_argument("--label-column", metavar="NAME", help="its label column, for a classifier (default: "
+                                                               "label, labels or class)")
+
+
+def data_of(args):
+    """The data as the API takes it: a path with columns becomes a DataSource."""
+    from .userdata import data_source
+
+    return data_source(args.data, args.text_column, args.label_column)
 
 
 def _run_info(args) -> tuple[dict, int]:
@@ -186,7 +210,7 @@ def _run_train(args) -> tuple[dict, int]:
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0
     try:
-        result = train(args.model, args.data, config, **model_kwargs(args))  # seeded before it builds the model
+        result = train(args.model, data_of(args), config, **model_kwargs(args))  # seeded before it builds the model
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
@@ -212,13 +236,14 @@ def _run_train(args) -> tuple[dict, int]:
 def _run_analyze(args) -> tuple[dict, int]:
     from .analysis import analyze
 
-    report = analyze(args.model, data=args.data, analyses=args.analyses, precision=args.precision, device=args.device,
-                     batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
+    report = analyze(args.model, data=data_of(args), analyses=args.analyses, precision=args.precision,
+                     device=args.device, batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
                      progress=args.progress, **model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
     print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
-          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['source']} data · "
+          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['data']} "
+          f"(tokenizer {d.get('tokenizer', 'none')}) · "
           f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
     return report.to_json(), 1 if report.status == "FAIL" else 0
 
@@ -228,7 +253,7 @@ def _run_bench(args) -> tuple[dict, int]:
     from .models import load_model
 
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))
-    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), args.data, config, device=args.device,
+    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), data_of(args), config, device=args.device,
                            progress=args.progress)
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
@@ -244,7 +269,8 @@ def _run_search(args) -> tuple[dict, int]:
     from .models import load_model
     from .search import search
 
-    result = search(load_model(args.model, **model_kwargs(args)), args.data, config=settings_from(args, TrainConfig),
+    result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
+                    config=settings_from(args, TrainConfig),
                     settings=settings_from(args, SearchConfig), progress=args.progress)
     _show(result.table)
     summary = result.to_json()
@@ -257,7 +283,7 @@ def _run_search(args) -> tuple[dict, int]:
 def _run_export(args) -> tuple[dict, int]:
     from .export import export
 
-    result = export(args.model, args.out, format=args.format, precision=args.precision, data=args.data,
+    result = export(args.model, args.out, format=args.format, precision=args.precision, data=data_of(args),
                     repeats=args.repeats, **model_kwargs(args))
     c, m = result.config, result.metadata
     print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
@@ -276,7 +302,7 @@ def _run_all(args) -> tuple[dict, int]:
     from .report import run_all
 
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
-    result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
+    result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
                      **model_kwargs(args))
     print(result.summary_text())
@@ -300,7 +326,16 @@ def _show(table, index: bool = False) -> None:
         print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=index))
 
 
+class _Help(argparse.HelpFormatter):
+    def _split_lines(self, text, width):
+        # Wrapped between words only: argparse's default splits "hf-dataset:NAME" after its hyphen.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class=_Help, **kwargs):  # the verbs' parsers are _Parsers too
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     def error(self, message):
         # One line, not argparse's usage dump: say what is wrong and where help is.
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -319,7 +354,8 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-DATA_HELP = "text file or 'synthetic' (default: the bundled corpus)"
+DATA_HELP = ("a text file, a folder of .txt, a .csv/.jsonl/.parquet table, hf-dataset:NAME[/CONFIG][:SPLIT] or "
+             "'synthetic' (default: the bundled corpus)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,13 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
         "analyses": ("analyses to run (none: all): attention, robustness, attribution, headroom, dtypes", _names),
         "data": DATA_HELP, "batch_size": "sequences per batch", "n_batches": "validation batches to analyse",
         "seq_len": "tokens per example (capped at the model's max)"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_analyze)
 
     p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
     add_common(p)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for metrics.csv, training.png, checkpoints/, "
                                                                "logs/")
-    _add_option(p, "data", None, str | None, {"help": DATA_HELP})
+    add_data(p)
     add_settings(p.add_mutually_exclusive_group(), TrainConfig, ("epochs", "max_steps"))  # max_steps would win
     add_settings(p, TrainConfig, {f.name for f in fields(TrainConfig)} - {"precision", "device", "progress",
                                                                            "checkpoint_dir", "log_dir", "epochs",
@@ -371,14 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
     add_common(p, precision=False)
-    _add_option(p, "data", None, str | None, {"help": DATA_HELP})
+    add_data(p)
     add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds"})
     add_settings(p, Thresholds)
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
     add_common(p)
-    _add_option(p, "data", None, str | None, {"help": DATA_HELP})
+    add_data(p)
     add_settings(p, SearchConfig)
     add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
                  defaults=TRIAL_DEFAULTS)
@@ -390,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PATH", help="the artifact to write, e.g. model.onnx")
     add_parameters(p, export, {
         "format": "onnx or pt2", "precision": "the dtype the weights are exported in",
-        "data": "text file or 'synthetic' for the parity batches (default: the bundled corpus)",
+        "data": "the parity batches' text: " + DATA_HELP,
         "repeats": "timed forwards per shape and runner"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_export)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
@@ -408,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch_size": (f"sequences per batch (none: {JOB['batch_size']}, {FAST['batch_size']} with --fast)",
                        _whole),
         "seed": "initial weights and training data order"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_all)
 
     p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")

@@ -184,7 +184,9 @@ class TrainSummary:
     model: str
     task: str
     parameters: int
-    data: str
+    data: str  # what it trained on, e.g. "text file notes.txt"
+    tokenizer: str  # what turned it into ids
+    validation: str  # how the validation part was made
     steps: int
     total_steps: int
     epochs: float
@@ -251,6 +253,8 @@ class TrainResult(Result):
 
         rows = [
             ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("data", f"{s.data} (tokenizer: {s.tokenizer})"),
+            ("validation", s.validation),
             ("precision", s.precision),
             ("precision_reason", s.precision_reason),
             ("device", s.device_name),

@@ -21,14 +21,14 @@ from .adapter import adapt
 from .analysis import analyze
 from .bench import BenchmarkResult, amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
-from .errors import ModelForwardError
+from .errors import ModelForwardError, TierError
 from .files import atomic_write_bytes, jsonable, write_json
 from .history import TrainResult, TrainSummary
 from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
-from .results import CHECK_COLUMNS, STATUSES, Check, Result, checks_table, run_metadata, worst_status
+from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
@@ -207,6 +207,8 @@ class AllResult(Result):
         lines = [f"{m['device_name']} · torch {m['torch']} · {threads}"
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
+        r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
+        lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
         if "smoke" in r:
             lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
         if "analysis" in r:
@@ -271,7 +273,9 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     bench_cfg = pick(BenchConfig, sizes)
     b, t = train_cfg.batch_size, train_cfg.seq_len
     try:
-        t, runnable = min(t, adapt(base).max_len), True  # the job fits its window to the model, no warning
+        adapter = adapt(base)
+        t, runnable = min(t, adapter.max_len), True  # the job fits its window to the model, no warning
+        adapter.datasets(data, t, seed)  # bad data fails here, in one line, before any tier runs
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}
@@ -290,7 +294,14 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()
-        results[name] = run()
+        try:
+            results[name] = run()
+        except TierError as exc:
+            if not isinstance(exc, ModelForwardError):
+                raise  # the user's input, not the model: one line, exit 2, no report
+            results[name] = TierFailure.of(name, exc)
+        except Exception as exc:  # the model broke this tier: a FAIL in the report, and the other tiers run
+            results[name] = TierFailure.of(name, exc)
         seconds[name] = time.perf_counter() - start
         statuses[name] = results[name].status
     # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.

@@ -99,5 +99,28 @@ class Result(ABC):
         return self.overview().to_html(index=False, float_format=_short)  # the row numbers carry nothing
 
 
+@dataclass(repr=False)
+class TierFailure(Result):
+    """A tier that raised on this model, as a result: one FAIL row naming the exception, so a job running
+    several tiers reports it and goes on."""
+
+    tier: str
+    error: str
+
+    @classmethod
+    def of(cls, tier: str, exc: BaseException) -> TierFailure:
+        return cls(tier, describe(exc))
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return checks_table([Check("run", "FAIL", None, None, f"{self.tier} raised {self.error}")])
+
+    def plot(self):
+        return None
+
+    def to_json(self) -> dict:
+        return {"status": "FAIL", "tier": self.tier, "error": self.error}
+
+
 def _short(value: float) -> str:
     return f"{value:.4g}"

@@ -30,16 +30,18 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .compiling import compile_for_training
-from .data import build_datasets, make_loader, to_device
+from .data import make_loader, to_device
 from .errors import DataError, TierError
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .loggers import open_train_run
 from .metrics import evaluate
+from .models import source_of
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata
 from .seeding import rng_state, seed_everything, set_rng_state
 from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .tokenizer import BYTES
 from .validation import writable_dir
 
 
@@ -229,9 +231,8 @@ class _Run:
         self.adapter.check_forward()
         if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
             self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
-        splits = build_datasets(data, task=self.adapter.task, seq_len=cfg.seq_len, vocab_size=self.adapter.vocab_size,
-                                num_classes=self.adapter.num_classes, seed=cfg.seed, max_len=self.adapter.max_len)
-        self.data_source = splits.source
+        splits = self.adapter.datasets(data, cfg.seq_len, cfg.seed)
+        self.data = splits.describe()
         self.sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
         self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
         if self.steps_per_epoch < 1:
@@ -373,9 +374,18 @@ class _Run:
                 "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info,
+                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
             })
         self.last_saved = self.step
+
+    def _source(self) -> dict | None:
+        """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
+        fed it. None for a module built in Python, which no spec can rebuild."""
+        source = source_of(self.adapter.model)
+        if source is None or source.spec is None:
+            return None
+        name = self.adapter.tokenizer.name
+        return {**source.to_dict(), "tokenizer": None if name == BYTES else name}
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
@@ -419,7 +429,8 @@ class _Run:
         cfg, env, info = self.cfg, self.env, self.compile_info
         summary = TrainSummary(
             model=type(self.adapter.model).__name__, task=self.adapter.task,
-            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data_source,
+            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data["data"],
+            tokenizer=self.data["tokenizer"], validation=self.data["validation"],
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
             train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
             perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..results import Check
-from .common import Context, Outcome, token_text
+from .common import Context, Outcome
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -96,12 +96,13 @@ def run(ctx: Context) -> Outcome:
     n = int(lengths[0])
     tokens = batch["input_ids"][0, :n].tolist()
     s0 = sal[0, :n].cpu()
-    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [token_text(t) for t in tokens],
+    label = adapter.tokenizer.label  # decoded tokens of the model's own vocabulary
+    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [label(t) for t in tokens],
                           "saliency": s0.tolist(), "share": (s0.abs() / s0.abs().sum().clamp_min(1e-30)).tolist()},
                          columns=COLUMNS)
     top = table.nlargest(3, "share")
     target0 = int(target[0])
-    goal = (f"next token {token_text(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
+    goal = (f"next token {label(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
     detail = f"{what}; example 0 ({goal}) leans most on " + ", ".join(
         f"{r.text!r}@{r.position}" for r in top.itertuples())
     return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],

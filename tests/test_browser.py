@@ -143,7 +143,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     browser.execute_script(_RUN_CELL, "tier_utils.train(", "notebook:run-all-above")
     panel = _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 60,
                   "the config panel")
-    model_select, precision_select = (Select(s) for s in panel)
+    precision_select = Select(panel[0])  # the model and data boxes are comboboxes (text inputs)
     batch_input = browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']")
     assert precision_select.first_selected_option.text == "auto" and batch_input.get_attribute("value") == "4"
 
@@ -170,8 +170,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
         assert table["precision_reason"].startswith(f"{choice} requested"), (run, table)
         _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle"
               and browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 300, "Run All to finish")
-        model_select, precision_select = (Select(s) for s in
-                                          browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"))
+        precision_select = Select(browser.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
         assert precision_select.first_selected_option.text == choice, run
         assert browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']"
                                     ).get_attribute("value") == str(NEW_BATCH_SIZE), run

@@ -138,7 +138,7 @@ def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: 
 
     precision=False leaves out --precision, for a verb that takes several (bench's --precisions) or has
     its own default (export); device=False leaves out --device, for a verb that runs on the CPU only;
-    progress=False leaves out --no-progress, for a verb that shows no progress bar.
+    progress=False leaves --no-progress out of the help, for a verb that shows no progress bar.
     """
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC",
                         help="built-in name, a save_pretrained folder, hf:ORG/NAME (hub), hf:ModelClass (random "
@@ -152,6 +152,8 @@ def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: 
                                                             "the model's own; bytes for built-ins)")
     add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device),
                                                         ("progress", progress)) if on])
+    if not progress:  # still accepted, unlisted: scripts (colab_setup.sh) pass it to every verb alike
+        parser.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
 
 

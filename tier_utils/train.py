@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import distributed
 from .adapter import ModelAdapter, resolve_model
 from .checkpoint import (
+    BEST_NAME,
     CHECKPOINT_NAME,
     CheckpointError,
     data_fingerprint,
@@ -32,6 +33,7 @@ from .checkpoint import (
 from .compiling import compile_for_training
 from .data import make_loader, to_device
 from .errors import DataError, TierError
+from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .loggers import open_train_run
 from .metrics import evaluate
@@ -207,6 +209,8 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
+    if cfg.save_hf is not None:
+        writable_dir(cfg.save_hf, "save_hf")
     env = distributed.setup(cfg.device)
     try:
         with _deterministic_algorithms(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
@@ -223,6 +227,7 @@ class _Run:
         self.cfg, self.on_eval, self.env = cfg, on_eval, env
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
         self.adapter = resolve_model(model, **model_kwargs)
+        check_save_hf(self.adapter.model, cfg.save_hf)  # a model with no save_pretrained form: refused before any step
         self.device = env.device or resolve_device(cfg.device)
         # As given: a Precision already decided for this device is kept, reason included.
         self.precision: Precision = resolve_precision(precision or cfg.precision, self.device)
@@ -240,6 +245,7 @@ class _Run:
             raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
                             f"of {need}; lower batch_size or grad_accum_steps, or give more data")
         self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
         self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
         self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
@@ -253,6 +259,8 @@ class _Run:
         self.hist = History(self.device, env.all_mean if env.active else None)
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
+        self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
+        self.weights = self.saved_hf = None  # what the returned model holds, and what save_hf wrote (end of run)
         ddp = distributed.wrap(module, env)
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
@@ -276,6 +284,7 @@ class _Run:
         interrupted = False
         try:
             self._loop()
+            self._finish()
         except KeyboardInterrupt:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
@@ -300,7 +309,7 @@ class _Run:
 
     def _loop(self) -> None:
         cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.selection.stop:  # a resumed early stop stays stopped
             epoch, pos = divmod(self.step, spe)
             self.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch) alone
             self.sampler.start = pos * accum * cfg.batch_size
@@ -320,7 +329,7 @@ class _Run:
                     self.bar.update()
                 self._after_step()
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
-                if self.step >= self.total_steps:
+                if self.step >= self.total_steps or self.selection.stop:
                     break
 
     def _after_step(self) -> None:
@@ -339,9 +348,12 @@ class _Run:
             metrics = self._evaluate()
             self.hist.epoch_row(s, s / self.steps_per_epoch, metrics)
             self._report(metrics)
-        if self.ckpt_path is not None and ((cfg.checkpoint_every and s % cfg.checkpoint_every == 0)
-                                           or s == self.total_steps):
-            self._save()
+        stopping = self.selection.stop
+        if stopping:  # the steps since the last row become one, as on Ctrl-C
+            self.hist.emit(s, s / self.steps_per_epoch)
+        if self.ckpt_path is not None:
+            last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.total_steps or stopping
+            self._save(last=bool(last), best=self.selection.best_step == s)
 
     def _check(self, bad) -> None:
         """Stop at the first diverged step, keeping the good steps before it as a row."""
@@ -360,14 +372,18 @@ class _Run:
         self.hist.close_training_peak()
         metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
         self.val_targets = metrics["targets"]
+        self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def _save(self) -> None:
+    def _save(self, last: bool = True, best: bool = False) -> None:
+        """Write last.pt and/or best.pt (one state, the same bytes; best.pt: this step has the lowest val loss)."""
+        if not (last or best):
+            return
         self._check(self.hist.sync())  # never write a diverged state
         rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
         if self.env.is_main:
-            save_checkpoint(self.ckpt_path, {
+            save_checkpoint([self.ckpt_path] * last + [self.best_path] * best, {
                 "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "precision": self.precision.name,
@@ -375,8 +391,10 @@ class _Run:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
+                "selection": self.selection.state_dict(),
             })
-        self.last_saved = self.step
+        if last:
+            self.last_saved = self.step
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -392,14 +410,19 @@ class _Run:
         at_boundary = self.step % self.steps_per_epoch == 0
         return self.loader.generator.get_state() if at_boundary else self.epoch_gen
 
-    def _load(self) -> None:
-        state = load_checkpoint(self.ckpt_path)
+    def _differences(self, state: dict) -> list[str]:
+        """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
         saved = state["config"]
         differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
         if state["world_size"] != self.env.world_size:
             differ.append(f"world size {state['world_size']}")
+        return differ
+
+    def _load(self) -> None:
+        state = load_checkpoint(self.ckpt_path)
+        differ = self._differences(state)
         if differ:
             raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
                                   "settings or use a new checkpoint_dir")
@@ -417,9 +440,22 @@ class _Run:
         if self.step_fn.scaler.is_enabled():
             self.step_fn.scaler.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
+        self.selection.load_state_dict(state.get("selection"))
+        later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
+        if later and not self._differences(later) and later["data"] == self.data_info:
+            self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
         self._resume_gen = state["loader_generator"]
         self.step = self.last_saved = self.resumed_from = state["step"]
         set_rng_state(state["rng"][self.env.rank])
+
+    def _finish(self) -> None:
+        """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
+        weights = f"final weights (step {self.step})"
+        if self.cfg.restore_best:
+            self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
+            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
+        if self.cfg.save_hf is not None and self.env.is_main:
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -427,6 +463,7 @@ class _Run:
         last_step = self.hist.last("step") or {}
         last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), {})
         cfg, env, info = self.cfg, self.env, self.compile_info
+        unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
             model=type(self.adapter.model).__name__, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data["data"],
@@ -445,6 +482,9 @@ class _Run:
             checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
             interrupted=interrupted, diverged_at_step=diverged_at,
             run_metadata=run_metadata(self.device, self.precision.dtype),
+            **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
+            hf_folder=cfg.save_hf if self.saved_hf else None,
+            hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())

@@ -176,3 +176,22 @@ def test_all_keeps_going_when_a_tier_raises(tmp_path):
     assert result.statuses["train"] == "FAIL" and result.index.is_file()
     assert "train: FAIL, it raised RuntimeError: Expected input batch_size" in result.summary_text()
     assert "train" in result.index.read_text()
+
+
+def test_a_tokenizer_made_in_memory_is_kept_beside_the_checkpoints(tmp_path):
+    from real import GPT2_SIZES, bpe_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = bpe_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **GPT2_SIZES))
+    tu.train(tu.load_model(model, tokenizer=tokenizer), None, max_steps=1, batch_size=2, seq_len=16, progress=False,
+             device="cpu", checkpoint_dir=tmp_path / "ck")
+    # A module built in Python has no spec to rebuild it from; give its spec and the weights instead.
+    with pytest.raises(ModelSpecError, match="records no model spec"):
+        tu.load_model(str(tmp_path / "ck" / "last.pt"))
+    spec_built = tu.load_model("hf:GPT2LMHeadModel", tokenizer=tokenizer, vocab_size=len(tokenizer), **GPT2_SIZES)
+    tu.train(spec_built, None, max_steps=1, batch_size=2, seq_len=16, progress=False, device="cpu",
+             checkpoint_dir=tmp_path / "ck2")
+    again = tu.adapt(tu.load_model(str(tmp_path / "ck2" / "last.pt")))
+    assert again.tokenizer.name == str((tmp_path / "ck2" / "tokenizer").resolve())
+    assert again.tokenizer.encode("def f(x):").tolist() == tokenizer("def f(x):")["input_ids"]

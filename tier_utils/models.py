@@ -7,7 +7,7 @@ import inspect
 import math
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -174,8 +174,9 @@ class ModelSource:
     tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
     weights: str | None = None
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def record(self, tokenizer: str | None) -> dict:
+        """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:

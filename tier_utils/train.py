@@ -35,6 +35,7 @@ from .data import make_loader, to_device
 from .errors import DataError, TierError
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .hub import HUB_PREFIX
 from .loggers import open_train_run
 from .metrics import evaluate
 from .models import source_of
@@ -402,8 +403,16 @@ class _Run:
         source = source_of(self.adapter.model)
         if source is None or source.spec is None:
             return None
-        name = self.adapter.tokenizer.name
-        return {**source.to_dict(), "tokenizer": None if name == BYTES else name}
+        tokenizer = self.adapter.tokenizer
+        name = tokenizer.name
+        if name != BYTES and not (name.startswith(HUB_PREFIX) or Path(name).is_dir()):
+            # A tokenizer made in memory has no folder or hub id to load it from: keep its files beside the
+            # checkpoints, so load_model(checkpoint) finds the same ids.
+            folder = self.ckpt_path.parent / "tokenizer"
+            if not folder.is_dir():
+                tokenizer.save(folder)
+            name = str(folder.resolve())
+        return source.record(None if name == BYTES else name)
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""

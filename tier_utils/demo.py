@@ -49,7 +49,7 @@ def corpus_val_loss(model: torch.nn.Module) -> tuple[float, int]:
     """Mean cross-entropy (nats per byte) of a byte-level causal LM over the bundled corpus' whole
     validation split, in fp32 on the model's device, and the number of targets scored."""
     adapter = adapt(model)
-    splits = build_datasets(None, seq_len=adapter.fit_length(MODEL_KWARGS["max_len"]), max_len=adapter.max_len)
+    splits = adapter.datasets(None, adapter.fit_length(MODEL_KWARGS["max_len"]))
     loader = make_loader(splits.val, EVAL_BATCH, shuffle=False, device=adapter.device)
     was_training = model.training
     metrics = evaluate(adapter, loader, resolve_precision("fp32", adapter.device))

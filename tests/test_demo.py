@@ -81,6 +81,15 @@ def test_tier2_sees_trained_attention_in_the_demo_model():
     assert DEMO_MODEL in result.to_json()["model"]["provenance"]["summary"]
 
 
+def test_the_demo_trained_further_is_no_longer_named_as_shipped():
+    model = load_model(DEMO_MODEL)
+    with torch.no_grad():
+        model.head.weight[0, 0] += 1e-3  # what one more optimizer step (or other loaded weights) does
+    result = analyze(model, analyses=["attention"], batch_size=2, n_batches=1, seq_len=16, progress=False,
+                     device="cpu", precision="fp32")
+    assert "provenance" not in result.model  # the card's steps and val loss describe other weights
+
+
 def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_path, monkeypatch):
     loaded = []
     real = report.load_model

@@ -28,7 +28,6 @@ from .models import DEMO_MODEL, TinyGPT
 from .precision import resolve_precision
 from .results import run_metadata
 from .settings import TrainConfig
-from .train import train
 from .validation import writable_dir
 
 ASSETS = Path(__file__).parent / "assets"
@@ -61,6 +60,8 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
     """Train the demo model with RECIPE, write `tiny_gpt_trained.safetensors` and its JSON card into
     `out_dir`, and return the card (sizes, seed, steps, data, final train and val loss, torch version).
     `out_dir=tier_utils.demo.ASSETS` replaces the shipped model."""
+    from .train import train  # here: tier 2 imports this module (provenance_of), and tiers don't import upwards
+
     out = writable_dir(out_dir, "out_dir")  # before the minute of training, not after it
     config = TrainConfig(max_steps=steps, seed=seed, progress=progress, **RECIPE)  # checks steps and seed
     start = time.perf_counter()
@@ -68,7 +69,7 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
     seconds = time.perf_counter() - start
     model = result.model.eval()
     val_loss, targets = corpus_val_loss(model)
-    blob = save({k: v.contiguous() for k, v in model.state_dict().items()})
+    blob = _serialized(model)
     splits = build_datasets(None, seq_len=RECIPE["seq_len"])
     s = result.summary
     card = {
@@ -89,6 +90,20 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
     return card
 
 
+def _serialized(model: torch.nn.Module) -> bytes:
+    return save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+
+
+def provenance_of(model: torch.nn.Module) -> dict | None:
+    """The demo model's provenance (name, steps, seed, val loss) while `model` still holds the shipped weights;
+    None for any other model, and for the demo once trained further or given other weights, which the
+    card no longer describes. Checked by hashing the weights (2 MB: milliseconds)."""
+    provenance = getattr(model, "provenance", None)
+    if provenance is None or hashlib.sha256(_serialized(model)).hexdigest() != provenance["weights_sha256"]:
+        return None
+    return provenance
+
+
 def demo_card() -> dict:
     """The shipped model's card (the JSON train_demo wrote)."""
     path = ASSETS / CARD_NAME
@@ -105,7 +120,8 @@ def describe_demo(card: dict) -> str:
 
 def load_demo(**kwargs) -> TinyGPT:
     """The shipped trained model (what `load_model("tiny-gpt-trained")` returns), in train mode like every
-    freshly built model. Its `.provenance` names it (name, steps, seed, val loss); tier 2's report shows it."""
+    freshly built model. Its `.provenance` names it (name, steps, seed, val loss); tier 2's report shows it
+    while the weights are still these (`provenance_of`)."""
     if kwargs:
         raise ModelSpecError(f"{DEMO_MODEL} is trained at fixed sizes, so it takes no keyword arguments "
                              f"({', '.join(kwargs)} given); use tiny-gpt for fresh weights at other sizes")
@@ -117,7 +133,8 @@ def load_demo(**kwargs) -> TinyGPT:
         raise ModelSpecError(f"cannot load {DEMO_MODEL}'s weights ({one_line(exc)}); reinstall tier_utils or "
                              "regenerate them: python -m tier_utils.demo --out tier_utils/assets") from exc
     model.provenance = {"name": card["name"], "training_steps": card["steps"], "seed": card["seed"],
-                        "val_loss": card["val_loss"], "data": card["data"]["source"], "summary": describe_demo(card)}
+                        "val_loss": card["val_loss"], "data": card["data"]["source"], "summary": describe_demo(card),
+                        "weights_sha256": card["weights_sha256"]}
     return model
 
 

@@ -13,6 +13,7 @@ import pandas as pd
 
 from ..adapter import resolve_model
 from ..data import make_loader, to_device
+from ..demo import provenance_of
 from ..errors import DataError, ModelForwardError
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
@@ -158,7 +159,6 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
         module.train(was_training)
     data_info = {**described, "batches": len(batches), "batch_size": batch_size,
                  "seq_len": int(batches[0]["input_ids"].size(1))}
-    # A model that records where its weights came from (the shipped demo model) is named by it.
-    provenance = getattr(module, "provenance", None)
+    provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
     model_info = {**adapter.summary(), **({"provenance": provenance} if provenance else {})}
     return AnalysisReport(outcomes, seconds, model_info, prec.to_dict(), data_info, run_metadata(dev, prec.dtype))

@@ -21,7 +21,7 @@ from .analysis import analyze
 from .bench import amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
-from .files import atomic_write_bytes, jsonable, write_json
+from .files import atomic_write_bytes, holds_lock, jsonable, write_json
 from .history import TrainSummary
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
@@ -188,6 +188,7 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
     return line + f" · {seconds:.1f} s"
 
 
+@holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
             fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
             **model_kwargs) -> AllResult:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from ..adapter import resolve_model
+from ..budget import read_budget
 from ..data import build_datasets, make_loader, to_device
 from ..errors import DataError, ModelForwardError
 from ..files import jsonable
@@ -147,7 +148,7 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
     batches, source = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
-    ctx = Context(adapter, batches, prec)
+    ctx = Context(adapter, batches, prec, read_budget(dev))
     outcomes, seconds = {}, {}
     was_training = module.training
     module.eval()

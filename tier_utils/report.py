@@ -1,7 +1,7 @@
 """The main job: every tier on one model, and a folder report (CSV tables, PNG plots, index.html).
 
 `write_report` is generic over result objects (anything with `.table`, `.plot()` and `.status`, as every Result has);
-`run_all` runs tier 1, tier 2, a short training run and the AMP benchmark, then writes one.
+`run_all` runs tier 1, tier 2, a short training run, the fit planner and the AMP benchmark, then writes one.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .bench import amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError
 from .files import atomic_write_bytes, holds_lock, jsonable, write_json
+from .fit import fit
 from .history import TrainSummary
 from .measure import load_average
 from .models import DEFAULT_MODEL, load_model
@@ -153,6 +154,8 @@ class AllResult(Result):
                                                                            "detail"]], width)
         if "train" in r:
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
+        if "fit" in r:
+            lines.append(r["fit"].summary_line())
         if "amp_benchmark" in r:
             v, c = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
@@ -221,11 +224,12 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
+        "fit": lambda: fit(base, seq_len=t, device=dev, progress=progress),
         "amp_benchmark": lambda: amp_benchmark(base, data, replace(bench_cfg, seq_len=t, batch_size=_bench_batch(
             base, dev, b, t, sizing)), device=dev, progress=progress),
     }
     if not runnable:
-        del steps["train"], steps["amp_benchmark"]
+        del steps["train"], steps["fit"], steps["amp_benchmark"]
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()

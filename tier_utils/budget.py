@@ -96,8 +96,11 @@ class ActivationFit:
     output_per_token: float  # fp32 bytes of the output per token: its gradient is alive during backward
     measured: tuple  # ((B, T, bytes), ...) as measured
 
+    def per_sequence(self, length: int) -> float:
+        return self.a * length + self.c * length**2
+
     def bytes(self, batch: int, length: int) -> int:
-        return int(self.k + batch * (self.a * length + self.c * length**2))
+        return int(self.k + batch * self.per_sequence(length))
 
     def transient(self, batch: int, length: int) -> int:
         """The output's gradient (for a causal LM the logits'), alive during backward next to the saved tensors."""
@@ -108,7 +111,7 @@ class ActivationFit:
 
     def largest_batch(self, length: int, room: float) -> int:
         """The largest batch whose activations and backward transient fit in `room` bytes (0: none)."""
-        per = self.a * length + self.c * length**2 + self.output_per_token * length
+        per = self.per_sequence(length) + self.output_per_token * length
         return max(0, int((room - self.k) // per)) if per > 0 else 0
 
     def largest_length(self, batch: int, room: float, up_to: int) -> int:

@@ -207,6 +207,8 @@ def _run_bench(args) -> tuple[dict, int]:
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
+    if c["fit"]["reason"]:
+        print(c["fit"]["reason"])
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)

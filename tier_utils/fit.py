@@ -96,13 +96,16 @@ class Config:
     recompute_per_token: float  # checkpointing: one block's activations, back during its recompute
     note: str = ""
 
+    def per_sequence(self, length: int) -> float:
+        """Bytes each sequence of the batch adds: saved activations, output gradient, recompute."""
+        return self.fit.per_sequence(length) + (self.fit.output_per_token + self.recompute_per_token) * length
+
     def step_bytes(self, batch: int, length: int) -> int:
-        return (self.static + self.fit.bytes(batch, length) + self.fit.transient(batch, length)
-                + int(self.recompute_per_token * batch * length))
+        return int(self.static + self.fit.k + batch * self.per_sequence(length))
 
     def largest_batch(self, length: int, room: float) -> int:
-        per = self.step_bytes(1, length) - self.step_bytes(0, length)
-        return max(0, int((room - self.step_bytes(0, length)) // per)) if per > 0 else 0
+        per = self.per_sequence(length)
+        return max(0, int((room - self.static - self.fit.k) // per)) if per > 0 else 0
 
 
 def gpu_room(total_mib: int) -> float:
@@ -136,8 +139,7 @@ class FitResult(Result):
             b = self.largest(c, here)
             row = {"precision": c.precision, "checkpointing": "on" if c.checkpointing else "off",
                    "static_gib": c.static / 2**30,
-                   "per_sample_gib": (c.step_bytes(1, self.seq_len) - c.step_bytes(0, self.seq_len))
-                   / 2**30, "this_device": b}
+                   "per_sample_gib": c.per_sequence(self.seq_len) / 2**30, "this_device": b}
             row.update({f"{name} (predicted)": self.largest(c, gpu_room(mib)) for name, mib in GPUS.items()})
             row["validated"] = self.validated.get((c.precision, c.checkpointing))
             row["status"] = "PASS" if b >= 1 else "WARN"
@@ -209,15 +211,28 @@ def fit(model, seq_len: int | None = None, *, precisions=PRECISIONS, checkpointi
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length = adapter.fit_length(seq_len or adapter.max_len)
+    configs, blocks = plan(adapter, precision_list(precisions), length, checkpointing, progress)
+    result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks)
+    if validate or (validate is None and dev.type == "cuda"):
+        for c in configs:
+            result.validated[(c.precision, c.checkpointing)] = bisect_batch(
+                lambda b, c=c: step_runs(adapter, c, b, length), max(1, result.largest(c, device_room(budget))))
+    return result
+
+
+def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False
+         ) -> tuple[list[Config], int]:
+    """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
+    precision with checkpointing; and how many blocks checkpointing wraps. Measures on the adapter's device."""
+    dev = adapter.device
     static = sum(static_bytes(adapter.model).values())
     blocks = len(repeated_blocks(adapter.model))
-    names = precision_list(precisions)
-    combos = [(p, ck) for p in names for ck in ((False, True) if checkpointing and blocks else (False,))]
+    combos = [(p, ck) for p in precisions for ck in ((False, True) if checkpointing and blocks else (False,))]
     fits, configs = {}, []
     for p, ck in progress_bar(combos, desc="fit", unit="config", enabled=progress):
-        measured_as = p if p != "fp16" or native_support("fp16", dev)[0] or "bf16" not in names else "bf16"
-        note = "" if measured_as == p else "; fp16 uses bf16's measurement (autocast lowers the same ops to " \
-                                           "either 2-byte type; fp16 is emulated here)"
+        measured_as = "bf16" if p == "fp16" and not native_support("fp16", dev)[0] else p
+        note = "" if measured_as == p else ("; fp16 uses bf16's measurement (autocast lowers the same ops to "
+                                            "either 2-byte type; fp16 is emulated here)")
         key = (measured_as, ck)
         if key not in fits:
             prec = resolve_precision(measured_as, dev, warn=False)
@@ -228,12 +243,7 @@ def fit(model, seq_len: int | None = None, *, precisions=PRECISIONS, checkpointi
             full, kept = fits[(measured_as, False)], fits[key]
             recompute = max(0.0, (full.bytes(1, length) - kept.bytes(1, length)) / length / blocks)
         configs.append(Config(p, ck, static, fits[key], recompute, note))
-    result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks)
-    if validate or (validate is None and dev.type == "cuda"):
-        for c in configs:
-            result.validated[(c.precision, c.checkpointing)] = bisect_batch(
-                lambda b, c=c: step_runs(adapter, c, b, length), max(1, result.largest(c, device_room(budget))))
-    return result
+    return configs, blocks
 
 
 def step_runs(adapter, config: Config, batch: int, length: int) -> bool:

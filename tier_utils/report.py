@@ -162,6 +162,8 @@ class AllResult(Result):
             size = f"  at batch {c['batch_size']} x {c['seq_len']} tokens"
             if self.bench_size:
                 size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
+            if c["fit"]["reason"]:
+                size += f"; {c['fit']['reason']}"
             lines.append(size)
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")

@@ -320,3 +320,12 @@ def test_headroom_compares_emulated_precisions_on_one_sequence_and_dtypes_on_a_s
     report = analyze(TinyGPT(**TINY), analyses=["headroom"], precision="fp32", **SMALL)
     assert "sequences: every layer's output in 3 precisions, at most" in \
         report.table.set_index("check").loc["fp16 drift"].detail
+
+
+def test_attribution_attributes_as_many_sequences_as_its_time_budget_allows(monkeypatch):
+    from tier_utils.analysis import attribution
+
+    monkeypatch.setattr(attribution, "BUDGET_S", 0.0)
+    row = analyze("tiny-gpt", analyses="attribution", **SMALL, **TINY).table.iloc[0]
+    assert row.status == "PASS" and "(mean over 1 sequences); 1 of 4 sequences, as many as fit the 0 s budget" \
+        in row.detail

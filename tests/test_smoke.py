@@ -328,3 +328,25 @@ def test_nan_model_gets_no_pass_on_any_check_that_reads_a_number():
     fp16 = rows[rows.check == "stability: fp16 vs fp32 logits"].iloc[0]
     assert fp16.status == "FAIL" and "fp32 logits are already NaN/inf" in fp16.detail
     assert rows[rows.check == "gradients: non-zero"].status.iloc[0] == "FAIL"
+
+
+class OOMAtMaxLengthGPT(TinyGPT):
+    """A pretend GPU that runs out of memory on any batch at the model's max length."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        if input_ids.size(1) == self.max_len:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                              "capacity of 14.74 GiB of which 1.10 GiB is free.")
+        return super().forward(input_ids, attention_mask, inputs_embeds)
+
+
+def test_out_of_memory_in_any_check_is_a_warn_row_naming_the_size_and_the_rest_runs():
+    report = smoke(OOMAtMaxLengthGPT(**TINY), checks="shapes,stability,determinism", seq_lens=(16,),
+                   device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    for name in ("shapes: max length 32", "stability: random, max length 32"):
+        assert rows.loc[name].status == "WARN" and "ran out of memory: OutOfMemoryError" in rows.loc[name].detail
+        assert "of which 1.10 GiB is free" in rows.loc[name].detail
+    assert rows.loc["shapes: batch 1"].status == "PASS"  # the rest ran
+    group = rows.loc["determinism"]  # a whole group that runs at the max length: one WARN row, the free memory said
+    assert group.status == "WARN" and group.detail.startswith("ran out of memory (") and "GiB free" in group.detail

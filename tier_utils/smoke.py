@@ -15,7 +15,7 @@ import torch
 
 from .adapter import resolve_model
 from .budget import ActivationFit, Budget, read_budget
-from .errors import ModelForwardError
+from .errors import ModelForwardError, describe
 from .files import jsonable
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
@@ -178,6 +178,9 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
             try:
                 for row in CHECK_GROUPS[name](adapter, report):
                     report.checks.append(row)
+            except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
+                report.checks.append(Check(name, "WARN", None, None, f"ran out of memory ({budget.describe()} at "
+                                                                     f"the start): {describe(exc, 240)}"))
             except Exception as exc:
                 report.checks.append(failed_check(name, exc))
             finally:

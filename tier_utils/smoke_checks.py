@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .adapter import ModelAdapter
 from .budget import affordable_repeats, gib, measure_activations
+from .errors import describe
 from .measure import StepTimer, percentile, summarize
 from .precision import Precision, native_support, resolve_precision
 from .results import Check, failed_check
@@ -30,9 +31,12 @@ LATENCY_WARMUP, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 20, 3.0
 
 
 def _guarded(name: str, fn, *args) -> Check:
-    """One row's isolation: its exception becomes its FAIL row."""
+    """One row's isolation: its exception becomes its FAIL row; running out of GPU memory, a WARN (the
+    device's limit, not a bug), its memory released when the row returns."""
     try:
         return fn(name, *args)
+    except torch.cuda.OutOfMemoryError as exc:
+        return Check(name, "WARN", None, None, f"ran out of memory: {describe(exc, 240)}")
     except Exception as exc:
         return failed_check(name, exc)
 

@@ -10,11 +10,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
 
 from ..adapter import resolve_model
 from ..budget import read_budget
 from ..data import build_datasets, make_loader, to_device
-from ..errors import DataError, ModelForwardError
+from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
@@ -59,8 +60,13 @@ def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     t0 = time.perf_counter()
     try:
         outcome = ANALYSES[name].run(ctx)
+    except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
+        outcome = Outcome([Check("out of memory", "WARN", None, None, f"{ctx.budget.describe()} at the start: "
+                                                                      f"{describe(exc, 240)}")])
     except Exception as exc:  # noqa: BLE001 - isolation is the point; KeyboardInterrupt still stops the run
         outcome = Outcome([failed_check("error", exc)], artifacts={"traceback": traceback.format_exc()})
+    if torch.cuda.is_initialized():  # what a failed analysis held goes back to the device
+        torch.cuda.empty_cache()
     return outcome, time.perf_counter() - t0
 
 

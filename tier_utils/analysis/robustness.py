@@ -35,7 +35,7 @@ REFERENCE_LEVEL = 0.1  # the level a finding quotes
 FRAGILE_AGREEMENT = 0.5  # below this at the reference level: WARN
 COLUMNS = ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
 # Seconds the perturbed passes may take: a big model compares fewer sequences (the rows say how many).
-BUDGET_S = 20.0
+BUDGET_S = 10.0
 
 
 def _substitute(ids, mask, level, vocab, g):

@@ -36,6 +36,7 @@ GPUS = {"T4 16 GB": 15360, "L4 24 GB": 23034, "A100 40 GB": 40960, "A100 80 GB":
 CUDA_CONTEXT = 512 << 20
 ALLOCATOR_MARGIN = 0.10
 PRECISIONS = ("fp32", "bf16", "fp16")
+VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
                f"{ALLOCATOR_MARGIN:.0%} for the allocator's fragmentation and kernel workspaces")
 
@@ -215,8 +216,9 @@ def fit(model, seq_len: int | None = None, *, precisions=PRECISIONS, checkpointi
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks)
     if validate or (validate is None and dev.type == "cuda"):
         for c in configs:
+            start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
             result.validated[(c.precision, c.checkpointing)] = bisect_batch(
-                lambda b, c=c: step_runs(adapter, c, b, length), max(1, result.largest(c, device_room(budget))))
+                lambda b, c=c: step_runs(adapter, c, b, length), start, VALIDATE_LIMIT)
     return result
 
 
@@ -264,7 +266,7 @@ def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
     return bool(ran)
 
 
-def bisect_batch(runs, start: int, limit: int = 1 << 16) -> int:
+def bisect_batch(runs, start: int, limit: int = VALIDATE_LIMIT) -> int:
     """The largest batch b with runs(b) True (0: not even 1), assuming runs is monotone: up from `start` by
     doubling until one fails, then bisection."""
     lo, hi = 0, None
@@ -274,7 +276,7 @@ def bisect_batch(runs, start: int, limit: int = 1 << 16) -> int:
             lo = b
             if b >= limit:
                 return b
-            b *= 2
+            b = min(2 * b, limit)
         else:
             hi = b
     while hi - lo > 1:

@@ -226,7 +226,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
-        "fit": lambda: fit(base, seq_len=t, device=dev, progress=progress),
+        "fit": lambda: fit(base, seq_len=t, device=dev, validate=False, progress=progress),  # predictions only
         "amp_benchmark": lambda: amp_benchmark(base, data, replace(bench_cfg, seq_len=t, batch_size=_bench_batch(
             base, dev, b, t, sizing)), device=dev, progress=progress),
     }

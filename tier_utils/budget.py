@@ -109,11 +109,6 @@ class ActivationFit:
     def where(self) -> str:
         return "measured at " + ", ".join(f"B={b}, T={t}" for b, t, _ in self.measured)
 
-    def largest_batch(self, length: int, room: float) -> int:
-        """The largest batch whose activations and backward transient fit in `room` bytes (0: none)."""
-        per = self.per_sequence(length) + self.output_per_token * length
-        return max(0, int((room - self.k) // per)) if per > 0 else 0
-
     def largest_length(self, batch: int, room: float, up_to: int) -> int:
         """The longest length up to `up_to` whose activations at `batch` fit in `room` bytes (0: none)."""
         lo, hi = 0, up_to

@@ -227,7 +227,8 @@ def test_json_schema_exact_keys(forced_fp16):
     json.dumps(doc, allow_nan=False)
     assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
     assert doc["schema"] == "tier_utils.bench/1"
-    assert set(doc["config"]) == {"model", "task", "parameters", "data", "precisions", "batch_size", "seq_len",
+    assert set(doc["config"]) == {"model", "task", "parameters", "data", "source", "tokenizer", "validation",
+                                  "train_examples", "val_examples", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
                                   "compile_mode", "thresholds", "fit"}
@@ -244,7 +245,8 @@ def test_json_schema_exact_keys(forced_fp16):
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
-    assert set(rec["speed"]["speedup"]) == {"median", "low", "high", "no_measurable_difference"}
+    assert set(rec["speed"]["speedup"]) == {"median", "low", "high", "no_measurable_difference",
+                                              "spread_over_median"}
     assert set(rec["mfu"]) == {"achieved_tflops", "peak_tflops", "mfu", "probe"}
     assert set(rec["mfu"]["probe"]) == {"dtype", "size", "tflops"}
     assert set(rec["memory"]) == {"weights_bytes", "grads_bytes", "optimizer_state_bytes", "activation_bytes",

@@ -143,7 +143,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     browser.execute_script(_RUN_CELL, "tier_utils.train(", "notebook:run-all-above")
     panel = _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 60,
                   "the config panel")
-    model_select, precision_select = (Select(s) for s in panel)
+    precision_select = Select(panel[0])  # the model and data boxes are comboboxes (text inputs)
     batch_input = browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']")
     assert precision_select.first_selected_option.text == "auto" and batch_input.get_attribute("value") == "4"
 
@@ -170,8 +170,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
         assert table["precision_reason"].startswith(f"{choice} requested"), (run, table)
         _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle"
               and browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 300, "Run All to finish")
-        model_select, precision_select = (Select(s) for s in
-                                          browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"))
+        precision_select = Select(browser.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
         assert precision_select.first_selected_option.text == choice, run
         assert browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']"
                                     ).get_attribute("value") == str(NEW_BATCH_SIZE), run
@@ -180,24 +179,76 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     browser.save_screenshot(str(ARTIFACTS / "tier3_training_browser.png"))
 
 
-@pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
-def test_report_page_never_scrolls_sideways(tmp_path, browser, monkeypatch, tiny_kwargs):
-    """The main job's index.html, real tables included, in Chromium at a laptop's width: wide tables
-    scroll inside their own box, the page itself has no horizontal overflow."""
+@pytest.fixture(scope="module")
+def main_job_report(tmp_path_factory):
+    """The main job's index.html at tiny sizes: real tables from every tier, run once for this file."""
+    from tiny import TINY
+
     from tier_utils import report
 
-    monkeypatch.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
-                                             eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1,
-                                             accuracy_steps=2))
-    result = report.run_all("tiny-gpt", tmp_path / "report", fast=True, progress=False, device="cpu", **tiny_kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
+                                        eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=2))
+        result = report.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
+                                device="cpu", **TINY)
+    return result.index.resolve().as_uri()
+
+
+def _open(browser, url, width):
+    browser.set_window_size(width, 900)
+    browser.get(url)
+    _wait(browser, lambda: browser.execute_script("return document.readyState") == "complete", 10, "the page")
+
+
+@pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
+def test_report_page_never_scrolls_sideways(browser, main_job_report):
+    """The main job's index.html, real tables included, in Chromium at a laptop's width: wide tables
+    scroll inside their own box, the page itself has no horizontal overflow."""
     ARTIFACTS.mkdir(exist_ok=True)
     for width in (1280, 800):
-        browser.set_window_size(width, 900)
-        browser.get(result.index.resolve().as_uri())
-        _wait(browser, lambda: browser.execute_script("return document.readyState") == "complete", 10, "the page")
+        _open(browser, main_job_report, width)
         scroll, view = browser.execute_script(
             "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
         browser.save_screenshot(str(ARTIFACTS / f"report_page_{width}.png"))
         assert scroll <= view, f"the page is {scroll} px wide in a {view} px window"
         boxes = browser.find_elements(By.CSS_SELECTOR, "section .scroll")
         assert boxes and all(b.size["width"] <= view for b in boxes)
+
+
+# Each word of each table cell, as the browser laid it out: a word whose characters sit on more than one
+# line was broken inside. A long token's <wbr> parts are text nodes of their own, so they may wrap.
+_BROKEN_WORDS = """
+const broken = [];
+for (const cell of document.querySelectorAll('td, th')) {
+  const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (const m of node.textContent.matchAll(/\\S+/g)) {
+      const range = document.createRange();
+      range.setStart(node, m.index);
+      range.setEnd(node, m.index + m[0].length);
+      const lines = new Set(Array.from(range.getClientRects(), r => Math.round(r.top)));
+      if (lines.size > 1) broken.push(m[0]);
+    }
+  }
+}
+return broken;
+"""
+_TABLE_WIDTHS = """
+return Array.from(document.querySelectorAll('section'), s => [s.id, Array.from(s.querySelectorAll('table'),
+  t => [Math.ceil(t.getBoundingClientRect().width), t.parentElement.clientWidth])]);
+"""
+
+
+@pytest.mark.slow  # runs the main job (tiny sizes) before the browser loads its page
+def test_report_tables_at_1280px_break_no_word_and_the_benchmark_fits(browser, main_job_report):
+    """At 1280 px: no table cell has a word broken across lines ("float3 2", "robustnes s"), and no
+    benchmark table is wider than the window (it shows its verdict columns; the measurements are a CSV)."""
+    _open(browser, main_job_report, 1280)
+    view = browser.execute_script("return document.documentElement.clientWidth")
+    cells = browser.execute_script("return document.querySelectorAll('td').length")
+    assert cells > 50  # every tier's table is there
+    assert browser.execute_script(_BROKEN_WORDS) == []
+    widths = dict(browser.execute_script(_TABLE_WIDTHS))
+    assert widths["amp_benchmark"], "the benchmark section shows a table"
+    for table, box in widths["amp_benchmark"]:
+        assert table <= box <= view, f"a benchmark table is {table} px wide in a {box} px box, {view} px window"

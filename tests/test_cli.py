@@ -1,7 +1,9 @@
 """CLI conventions shared by every verb: exit codes, one-line errors, no --json file on bad input."""
+import argparse
 import dataclasses
 import inspect
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +27,9 @@ def test_info_prints_decision_and_writes_json(tmp_path):
     assert set(data) == {"environment", "precision", "model"}
     assert data["model"]["task"] == "classification" and data["model"]["num_classes"] == 3
     assert data["precision"]["reason"] and data["environment"]["torch"]
+    # The device once (environment), and the torch threads with the reason for their count.
+    assert "device" not in data["precision"] and data["environment"]["device"]
+    assert data["environment"]["threads_reason"].startswith(f"{data['environment']['threads']} torch thread")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -145,7 +150,7 @@ def test_cli_defaults_are_the_settings_defaults(verb, sources):
                 expected = own.get(f.name, f.default)
                 assert cli[f.name] == expected, f"{verb} --{f.name}: {cli[f.name]!r} != {cls.__name__} {expected!r}"
                 compared += 1
-    assert compared >= {"train": 25, "bench": 20, "search": 11, "info": 3}[verb]
+    assert compared >= {"train": 25, "bench": 20, "search": 11, "info": 2}[verb]
 
 
 @pytest.mark.parametrize("verb,func", [("smoke", "smoke"), ("analyze", "analyze"), ("export", "export"),
@@ -158,3 +163,75 @@ def test_cli_defaults_are_the_api_defaults(verb, func):
     assert len(shared) >= 3
     for name in shared:
         assert cli[name] == params[name].default, f"{verb} --{name}: {cli[name]!r} != {params[name].default!r}"
+
+
+def test_all_says_its_thread_count_and_why_when_it_starts(tmp_path, monkeypatch, capsys):
+    from tier_utils import report
+
+    class Done:  # the job itself is tested in test_report; here only what `all` says before it
+        model_status = "PASS"
+
+        def summary_text(self):
+            return "summary"
+
+        def to_json(self):
+            return {}
+
+    import functools
+
+    monkeypatch.setattr(report, "run_all", functools.wraps(report.run_all)(lambda *a, **k: Done()))  # its options
+    assert main(["all", "--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("all: smoke, analysis, training, AMP benchmark · ") and " torch thread" in first
+
+
+def _verb_parsers():
+    import argparse
+
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+# An identifier a user never types: a settings object, a module constant, a snake_case field name.
+# Allowed: the package's own name, the Hugging Face methods that name a folder's format, and KEY=VALUE
+# examples of a model's own arguments (d_model=256).
+_INTERNAL = re.compile(r"settings\.|\bFAST\b|\bJOB\b|"
+                       r"\b(?!(?:tier_utils|save_pretrained|save_to_disk)\b)[a-z0-9]+_[a-z0-9_]+\b(?!=)")
+_METAVAR_STYLE = re.compile(r"[A-Z]+(,[A-Z]+|=[A-Z]+|/[A-Z]+)?")  # N, N,N, NAME,NAME, KEY=VALUE, USER/NAME
+
+
+@pytest.mark.parametrize("verb", sorted(_verb_parsers()))
+def test_every_verbs_help_says_each_default_once_in_the_users_words(verb):
+    sub = _verb_parsers()[verb]
+    text = sub.format_help()
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        said = formatter._expand_help(action)
+        assert said.count("(default:") <= 1 and "(default: none) (default:" not in said, (action.dest, said)
+        assert not re.search(r"\(none: [^)]*\).*\(default: none\)", said), (action.dest, said)
+        assert not _INTERNAL.search(said), (action.dest, said)
+        assert not said.startswith("turn off:"), (action.dest, said)
+        if action.metavar is not None:  # one style: what the value looks like, never the option's own name
+            assert _METAVAR_STYLE.fullmatch(action.metavar) and action.metavar != action.dest.upper(), action.metavar
+    assert "settings." not in text and "(default: none) (default:" not in text
+    assert not re.search(r"\w-\n\s+\w", text), "a word wrapped at its hyphen"  # "hf-" / "dataset:NAME"
+    if verb in ("info", "export", "colab"):  # they show no progress bar
+        assert "--no-progress" not in text
+    else:
+        assert "--no-progress         turn off progress bars" in text
+
+
+@pytest.mark.parametrize("args,verb,near", [
+    (["train", "--max_steps", "3", "--out", "x"], "train", "; did you mean --max-steps?"),
+    (["analyze", "--n_batches", "2"], "analyze", "; did you mean --n-batches?"),
+    (["info", "--frobnicate"], "info", ""),
+])
+def test_a_wrong_option_points_to_the_verbs_own_help(args, verb, near, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: unrecognized arguments: {' '.join(a for a in args[1:] if a not in ('--out', 'x'))}")
+    assert err.endswith(f"{near} (see python -m tier_utils {verb} --help)\n")

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tier_utils import DataError, build_datasets, corpus_split, corpus_topics, make_loader
-from tier_utils.data import TOPIC_GROUPS, decode, encode, topic_group
+from tier_utils.data import TOPIC_GROUPS, topic_group
+from tier_utils.tokenizer import ByteTokenizer
 
 
 def test_corpus_is_real_cpython_docs():
@@ -22,7 +23,7 @@ def test_lm_windows_do_not_leak_val_text_into_train():
     splits = build_datasets(task="causal-lm", seq_len=32)
     x = splits.val[0]
     assert torch.equal(x["input_ids"][1:], x["labels"][:-1])  # labels are next tokens
-    train_text = decode(torch.cat([splits.train.tokens]))
+    train_text = ByteTokenizer().decode(splits.train.tokens)
     val_topic_text = corpus_topics()[corpus_split()[1][0]]
     # A long val-only passage never appears in the training stream.
     assert val_topic_text[:200] not in train_text
@@ -37,7 +38,7 @@ def test_classification_set_labels_follow_topic_groups():
 
 
 def test_byte_encoding_round_trips():
-    assert decode(encode("héllo")) == "héllo"
+    assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
 
 
 def test_user_text_list_and_file(tmp_path):

@@ -1,5 +1,6 @@
 """The folder report and the `all` main job (API and CLI), end to end with tiny sizes."""
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -156,25 +157,46 @@ def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
     assert saved["status"] == "PASS" and [t["tier"] for t in saved["tiers"]][2] == "train"
 
 
-def test_the_page_marks_measurements_and_hides_empty_columns(tmp_path):
+def test_the_page_shows_verdict_columns_with_the_tables_own_statuses(tmp_path):
     class Measured(Fake):
         @property
         def table(self):
-            return pd.DataFrame({"check": ["latency B=1", "shapes"], "status": ["PASS", "PASS"], "value": [1.5, 3],
-                                 "threshold": [None, "== 3"], "unused": [None, None]})
-
-    class AllMeasured(Fake):  # no threshold anywhere: the column goes, the rows are still measurements
-        @property
-        def table(self):
-            return pd.DataFrame({"check": ["memory"], "status": ["PASS"], "value": [2.0], "threshold": [None]})
+            return pd.DataFrame({"group": ["latency", "shapes"], "check": ["latency B=1", "shapes"],
+                                 "status": ["PASS", "PASS"], "value": [1.5, 7.334e-08], "threshold": [None, "== 3"],
+                                 "unused": [None, None], "raw_ms": [1.51, None],
+                                 "detail": ["aten._scaled_dot_product_flash_attention_for_cpu float32", "ok"]})
 
     page = write_report({"smoke": Measured(["PASS"])}, tmp_path).read_text()
-    assert "<td class='measured'>measured</td>" in page and "<td class='PASS'>PASS</td>" in page
-    assert "<th>unused</th>" not in page and "None" not in page
-    assert "<div class='scroll'><table" in page  # a wide table scrolls in its own box, not the page
-    assert pd.read_csv(tmp_path / "smoke.csv")["status"].tolist() == ["PASS", "PASS"]  # the CSV keeps the verdicts
-    page = write_report({"memory": AllMeasured(["PASS"])}, tmp_path / "all").read_text()
-    assert "<td class='measured'>measured</td>" in page and "<th>threshold</th>" not in page
+    # A row without a threshold (a measurement) reads PASS as in .table and the CLI, not a page-only word.
+    assert page.count("<td class='PASS'>PASS</td>") == 2 and "measured" not in page
+    head = page[page.index("<thead>"):page.index("</thead>")]
+    assert [h for h in ("group", "check", "status", "value", "threshold", "detail") if f"<th>{h}</th>" in head] == \
+        ["group", "check", "status", "value", "threshold", "detail"]
+    assert "raw_ms" not in head and "unused" not in head and "None" not in page
+    assert "leaves out 2 columns; the CSV has all" in page and "<a href='smoke.csv'>smoke.csv</a>" in page
+    assert list(pd.read_csv(tmp_path / "smoke.csv").columns)[-2:] == ["raw_ms", "detail"]  # the CSV keeps all
+    # A long token may wrap after its separators; an ordinary word (float32) never breaks.
+    assert "aten.<wbr>_<wbr>scaled_<wbr>dot_<wbr>product_<wbr>flash_<wbr>attention_<wbr>for_<wbr>cpu float32" in page
+    assert "<td><span class='w'>7.334e-08</span></td>" in page  # a browser would wrap it after the hyphen
+    assert "word-break" not in page and "anywhere" not in page
+
+
+def test_a_benchmark_shows_its_verdicts_and_links_its_measurements(tmp_path):
+    class Bench(Fake):
+        @property
+        def table(self):
+            return pd.DataFrame({f"measure_{i}": [i] for i in range(34)})
+
+        @property
+        def verdicts(self):
+            return pd.DataFrame({"precision": ["bf16"], "mode": ["eager"], "check": ["speedup vs fp32"],
+                                 "status": ["WARN"], "value": [0.75], "threshold": [1.5], "detail": ["inconclusive"]})
+
+    page = write_report({"amp_benchmark": Bench(["WARN"])}, tmp_path).read_text()
+    assert "measure_0" not in page and "<td class='WARN'>WARN</td>" in page and "<td>bf16</td>" in page
+    assert "<a href='amp_benchmark.csv'>amp_benchmark.csv</a>" in page
+    assert len(pd.read_csv(tmp_path / "amp_benchmark.csv").columns) == 34
+    assert pd.read_csv(tmp_path / "amp_benchmark_verdicts.csv")["status"].tolist() == ["WARN"]
 
 
 @pytest.mark.slow  # the real CLI in a subprocess, --fast: ~20 s on 2 cores
@@ -196,3 +218,26 @@ def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
     assert "\r" not in text
     assert max(len(line) for line in text.splitlines()) <= 500
     assert "train: " in text and "amp benchmark: " in text  # plain progress lines, not silence
+
+
+def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far_apart(tmp_path):
+    from tier_utils.bench import amp_benchmark
+    from tier_utils.models import load_model
+    from tier_utils.train import train
+
+    model = load_model("tiny-gpt", **TINY)
+    trained = train(model, max_steps=3, batch_size=4, seq_len=16, eval_every=0, eval_batches=1, precision="fp32",
+                    progress=False, device="cpu")
+    bench = amp_benchmark(model, precisions=("fp32",), batch_size=4, seq_len=16, untimed_steps=0, timed_steps=1,
+                          repeats=2, accuracy_steps=0, progress=False, device="cpu")
+    step = trained.summary.step_time_ms
+    fp32 = bench.records[0].speed["step_ms"]
+    fp32.update(median=step["median"] / 20, q1=step["q1"] / 25, q3=step["q1"] / 21)  # a load came and went
+    page = write_report({"train": trained, "amp_benchmark": bench}, tmp_path,
+                        metadata={"load_average_1m": 3.1, "cpu_count": 2}).read_text()
+    text = re.sub("<[^>]+>", "", page)  # the words, as a reader sees them
+    assert "<section id='consistency'>" in page and "step time: train vs amp_benchmark" in text
+    assert "20.0x apart" in text and "load 3.1 on 2 cores" in text
+    assert pd.read_csv(tmp_path / "consistency.csv")["status"].tolist() == ["WARN"]
+    fp32.update(median=step["median"], q1=step["q1"], q3=step["q3"])  # the same step timed alike: nothing to say
+    assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()

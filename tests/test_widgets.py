@@ -19,13 +19,26 @@ def _fresh_kernel():
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 6
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 7
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
     sizes = DEVICE_SIZES[tier_utils.resolve_device().type]  # None = sized for the device
     assert panel.precision_select.value == "auto" and panel.batch_size_input.value == sizes["batch_size"]
     assert panel.compile_box.value is False
     assert panel.decision.value.startswith("<small>auto: ")
+
+
+def test_the_panel_takes_any_model_spec_and_a_data_choice(tmp_path):
+    cfg = RunConfig()
+    panel = config_panel(cfg)
+    try:
+        panel.model_select.value = "runs/x/checkpoints/last.pt"  # typed, not one of the offered built-ins
+        panel.data_input.value = "hf-dataset:wikitext/wikitext-2-raw-v1"
+        assert cfg.model == "runs/x/checkpoints/last.pt" and cfg.data == "hf-dataset:wikitext/wikitext-2-raw-v1"
+        panel.data_input.value = ""
+        assert cfg.data is None  # an emptied box: the bundled corpus
+    finally:
+        tier_utils.widgets.forget_panel_choices()
 
 
 def test_on_a_t4_the_choices_are_fp32_and_fp16_and_auto_says_fp16():

@@ -11,7 +11,8 @@ from .fit import FitResult, fit
 from .history import TrainResult
 from .info import InfoResult, info
 from .loggers import LoggerError
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model
+from .measure import decide_threads
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
 from .precision import (
     Precision,
     SlowPrecisionWarning,
@@ -25,14 +26,21 @@ from .results import Check
 from .search import SearchResult, search
 from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
 from .smoke import SmokeReport, smoke
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .train import TrainingDiverged, train
+from .userdata import DataSource
 
 __version__ = "0.1.0"
 
+# Torch threads are chosen as the package starts, before any work: one per core other jobs leave free,
+# unless the user chose (OMP_NUM_THREADS, torch.set_num_threads); results say which (`threads_reason`).
+decide_threads()
+
 __all__ = [
     # setup: models, data, precision
-    "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "ModelAdapter", "adapt",
-    "DataSplits", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
+    "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "load_weights", "ModelAdapter", "adapt",
+    "Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
+    "DataSplits", "DataSource", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
     "Precision", "SlowPrecisionWarning", "canonical_precision", "resolve_device", "resolve_precision",
     "supported_precisions", "InfoResult", "info",
     # tier 1, tier 2

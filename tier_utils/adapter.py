@@ -9,14 +9,17 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .data import DataSplits, build_datasets
 from .errors import AdapterError, ModelForwardError, ModelSpecError, describe
-from .models import load_model
+from .models import load_model, source_of
+from .tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 
 TASKS = ("causal-lm", "classification")
 
@@ -26,7 +29,10 @@ _PROBE_LEN = 8
 # The length tested when a model has no position table and declares no limit (ALiBi, state-space
 # models): twice the default training window, cheap enough for a smoke test.
 DEFAULT_MAX_LEN = 128
-ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes")
+ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes", "tokenizer")
+# How a forward in the convention of popular GPT training code names its targets: it returns (logits, loss)
+# when given them, and often only the last position's logits without them.
+TARGET_KEYWORDS = ("targets", "labels")
 
 
 @dataclass
@@ -42,6 +48,9 @@ class ModelAdapter:
     takes_position_ids: bool = False
     padding_side: str = "right"  # where a padded batch puts its padding: left for decoder LMs
     max_len_note: str | None = None  # set when max_len is tier_utils' default, not the model's own limit
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the ids every tier feeds: the model's own, or bytes
+    # Set when the forward returns every position's logits only when given targets (the keyword to pass).
+    targets_keyword: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -51,9 +60,14 @@ class ModelAdapter:
     def name(self) -> str:
         return type(self.model).__name__
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
-        """Call the model the way it expects; returns its raw output."""
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):
+        """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
+        to a model that needs targets to return every position; any id works there, zeros are used if none."""
         kwargs = {}
+        if self.targets_keyword is not None:
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            kwargs[self.targets_keyword] = (labels if labels is not None
+                                            else torch.zeros(shape, dtype=torch.long, device=self.device))
         if attention_mask is not None and self.takes_attention_mask:
             kwargs["attention_mask"] = attention_mask
             if self.takes_position_ids and self.task == "causal-lm":
@@ -68,8 +82,8 @@ class ModelAdapter:
             return self.model(input_ids=input_ids, **kwargs)
         return self.model(input_ids, **kwargs)
 
-    def logits(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
-        return extract_logits(self.forward(input_ids, attention_mask, inputs_embeds), self.name)
+    def logits(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None) -> torch.Tensor:
+        return extract_logits(self.forward(input_ids, attention_mask, inputs_embeds, labels), self.name)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy; for a causal LM, over every position (labels are next tokens)."""
@@ -79,8 +93,14 @@ class ModelAdapter:
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, logits) for a batch dict; call it inside the precision's autocast."""
-        logits = self.logits(batch["input_ids"], batch.get("attention_mask"))
+        labels = batch["labels"] if self.task == "causal-lm" else None
+        logits = self.logits(batch["input_ids"], batch.get("attention_mask"), labels=labels)
         return self.loss(logits, batch["labels"]), logits
+
+    def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
+        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
+        return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, seed=seed,
+                              max_len=self.max_len, tokenizer=self.tokenizer)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)
@@ -124,7 +144,8 @@ class ModelAdapter:
                 "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
-                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes}
+                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
+                "tokenizer": self.tokenizer.name}
 
 
 def extract_logits(output, model_name: str = "model") -> torch.Tensor:
@@ -143,25 +164,30 @@ def extract_logits(output, model_name: str = "model") -> torch.Tensor:
 
 
 def resolve_model(model, **model_kwargs) -> ModelAdapter:
-    """An adapter for anything a tier accepts: a load_model spec (built with the kwargs), an nn.Module
-    (HF included; the kwargs may be adapt's: task, vocab_size, max_len, num_classes) or an adapter."""
+    """An adapter for anything a tier accepts: a load_model spec (built with the kwargs; `weights` and
+    `tokenizer` apply to it), an nn.Module (HF included; the kwargs may be adapt's: task, vocab_size, max_len,
+    num_classes, tokenizer, and `weights` to load) or an adapter."""
     if isinstance(model, ModelAdapter):
         if model_kwargs:
             raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter; "
                                  "pass them to adapt(model, ...) when you make it")
         return model
     if isinstance(model, nn.Module):
+        loading = {k: model_kwargs.pop(k) for k in ("weights", "tokenizer") if k in model_kwargs}
         other = sorted(set(model_kwargs) - set(ADAPTER_KEYWORDS))
         if other:
             raise ModelSpecError(f"{', '.join(other)}: an nn.Module instance is already built, so only "
                                  f"{', '.join(ADAPTER_KEYWORDS)} apply to it; build it with those arguments yourself")
-        return adapt(model, **model_kwargs)
+        return adapt(load_model(model, **loading), **model_kwargs)
     return adapt(load_model(model, **model_kwargs))
 
 
 def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len: int | None = None,
-          num_classes: int | None = None) -> ModelAdapter:
-    """Work out how to drive `model` (an nn.Module or an adapter, returned as is)."""
+          num_classes: int | None = None, tokenizer=None) -> ModelAdapter:
+    """Work out how to drive `model` (an nn.Module or an adapter, returned as is).
+
+    tokenizer: anything `load_tokenizer` takes; None: the model's own (the one its spec or save_pretrained
+    folder came with), else byte-level. One whose ids exceed the model's vocabulary is refused here."""
     if isinstance(model, ModelAdapter):
         return model
     if not isinstance(model, nn.Module):
@@ -188,6 +214,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)
+    adapter.targets_keyword = _targets_keyword(adapter, params)
     adapter.task = task or _declared_task(model) or _probe_task(adapter)
     if length == math.inf:
         _check_default_length(adapter)
@@ -196,7 +223,38 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
                                or _probe_output(adapter).shape[-1])
     side = getattr(model, "padding_side", None)
     adapter.padding_side = side if side in ("left", "right") else "left" if adapter.task == "causal-lm" else "right"
+    adapter.tokenizer = _tokenizer_for(model, tokenizer, adapter.vocab_size)
     return adapter
+
+
+def _tokenizer_for(model: nn.Module, spec, vocab: int) -> Tokenizer:
+    """The tokenizer given, else the model's own, else bytes; a given or own one must fit the vocabulary
+    (bytes are checked when text is encoded, since synthetic data needs no tokenizer)."""
+    if spec is None:
+        source = source_of(model)
+        if source is not None:
+            spec = source.tokenizer
+        else:  # a transformers model loaded by the user: its folder may hold its tokenizer
+            folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+            spec = folder if folder and is_tokenizer_folder(Path(folder)) else None
+    tok = load_tokenizer(spec)
+    if tok.name != BYTES and tok.vocab_size > vocab:
+        raise AdapterError(f"the tokenizer {tok.name} emits ids up to {tok.vocab_size - 1} but "
+                           f"{type(model).__name__}'s vocabulary has {vocab}; pass the tokenizer the model was "
+                           "trained with (tokenizer=, --tokenizer)")
+    return tok
+
+
+def _targets_keyword(adapter: ModelAdapter, params: set[str]) -> str | None:
+    """A forward that takes targets and, without them, returns fewer positions than it was given (the
+    last-position inference shortcut) gets them on every call."""
+    keyword = next((k for k in TARGET_KEYWORDS if k in params), None)
+    if keyword is None:
+        return None
+    out = _probe_output(adapter)
+    if out.dim() == 3 and out.size(1) < min(_PROBE_LEN, adapter.max_len):
+        return keyword
+    return None
 
 
 def _forward_params(model: nn.Module) -> set[str]:

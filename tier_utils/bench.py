@@ -16,7 +16,7 @@ from .adapter import resolve_model
 from .bench_record import Plan, PrecisionRecord, make_record
 from .budget import gib, out_of_memory_note, read_budget, without_oom
 from .compiling import compile_for_training, compile_modes
-from .data import build_datasets, make_loader, to_device
+from .data import make_loader, to_device
 from .files import jsonable
 from .fit import device_room, plan
 from .loggers import log_result_tables, logger_names, run_stamp
@@ -24,6 +24,7 @@ from .measure import (
     SavedTensorMeter,
     StepTimer,
     count_flops,
+    cpu_load,
     load_average,
     probe_ms,
     probe_size,
@@ -107,8 +108,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
     budget = read_budget(dev)  # before anything of ours is allocated
     cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)
-    splits = build_datasets(data, adapter.task, seq_len, adapter.vocab_size, adapter.num_classes,
-                            max_len=adapter.max_len)
+    splits = adapter.datasets(data, seq_len)
     steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
     speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
@@ -185,9 +185,10 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     **launch_bound(records[0].speed["step_ms"]["median"], floor_ms.median, records[0].mfu["mfu"],
                                    cfg.batch_size, cfg.thresholds)}
     verdicts = [c for p, r in zip(plans, records)
-                for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead)]
+                for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
+                                     cpu_load())]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
-              "data": splits.source, **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step,
+              **splits.describe(), **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step,
               "fit": sizing}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}

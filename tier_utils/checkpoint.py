@@ -18,6 +18,7 @@ from .errors import TierError
 from .files import atomic_write_bytes
 
 CHECKPOINT_NAME = "last.pt"
+BEST_NAME = "best.pt"  # beside last.pt: the lowest val loss so far, in the same format
 FORMAT = 1
 
 
@@ -44,21 +45,24 @@ def describe_data(info: dict | None) -> str:
 
 
 def save_checkpoint(path, state: dict) -> Path:
-    """torch.save into memory, then temp file + fsync + rename: a crash never leaves half a checkpoint."""
+    """torch.save into memory, then temp file + fsync + rename: a crash never leaves half a checkpoint.
+    `path` may be a list: each gets the same bytes (last.pt and best.pt at once, serialised once)."""
     buf = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buf)
-    return atomic_write_bytes(path, buf.getbuffer())
+    paths = path if isinstance(path, (list, tuple)) else [path]
+    return [atomic_write_bytes(p, buf.getbuffer()) for p in paths][0]
 
 
-def load_checkpoint(path) -> dict:
-    """Load a checkpoint on the CPU, refusing anything that is not plain tensors and containers."""
+def load_checkpoint(path, mmap: bool = False) -> dict:
+    """Load a checkpoint on the CPU, refusing anything that is not plain tensors and containers. `mmap`: its
+    tensors stay in the file until read, for a look at its other entries that costs no copy of the weights."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found; check checkpoint_dir or drop resume")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty; delete it to start over")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         blocked = _blocked_global(exc)
         if blocked is None:  # e.g. a raw pickle, or random bytes that happen to parse as one

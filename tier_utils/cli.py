@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import inspect
 import sys
+import textwrap
 import types
 import typing
 import warnings
@@ -36,6 +38,14 @@ def _int_list(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 1,4; got {value!r}") from None
 
 
+def _names(value: str) -> str:
+    """'shapes,latency': names the API checks against its own list."""
+    return value
+
+
+_int_list.metavar, _names.metavar = "N,N", "NAME,NAME"
+
+
 def _whole(value: str) -> int:
     """A whole number >= 1, checked while parsing: for an option whose API checks it only after work began."""
     try:
@@ -60,19 +70,34 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
     text = meta.get("help", "")
     if kind is bool:
         if default:
-            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"turn off: {text}")
+            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"turn off {text}")
         else:
             parser.add_argument(flag, dest=name, action="store_true", help=text)
         return
     optional = isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if optional else kind
     convert = meta.get("type") or (base if base in (int, float) else str)
+    metavar = None if meta.get("choices") else (
+        getattr(convert, "metavar", None) or _METAVAR_NAMES.get(name) or _METAVARS.get(base, "TEXT"))
     parser.add_argument(flag, dest=name, default=default, type=_optional(convert) if optional else convert,
-                        choices=meta.get("choices"), metavar=None if meta.get("choices") else _METAVARS.get(base),
-                        help=f"{text} (default: {_shown(default)})")
+                        choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
 
 
-_METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "A,B"}
+# What a value looks like, by its type (a tuple setting is a list of names)...
+_METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
+# ...or, where the type says too little, by the option's name.
+_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "device": "NAME", "format": "NAME", "mlflow_uri": "URI",
+                  "storage": "URI"}
+
+
+def _with_default(text: str, default) -> str:
+    """The help with its default said once: as given when the text already says it; "(none: X)" read as
+    "(default: X)" when none is the default; else "(default: value)" appended."""
+    if "(default:" in text:
+        return text
+    if default is None and "(none: " in text:
+        return text.replace("(none: ", "(default: ", 1)
+    return f"{text} (default: {_shown(default)})"
 
 
 def _shown(default) -> str:
@@ -107,24 +132,51 @@ def settings_from(args, cls, **given):
                   and f.name not in given}, **given)
 
 
-def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: bool = True) -> None:
+def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: bool = True,
+               progress: bool = True) -> None:
     """The options every verb shares: model, model kwargs, device, precision, json, progress.
 
     precision=False leaves out --precision, for a verb that takes several (bench's --precisions) or has
-    its own default (export); device=False leaves out --device, for a verb that runs on the CPU only.
+    its own default (export); device=False leaves out --device, for a verb that runs on the CPU only;
+    progress=False leaves --no-progress out of the help, for a verb that shows no progress bar.
     """
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="built-in name, path/file.py:Name, package.module:Name or hf:ModelClass "
-                             f"(default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC",
+                        help="built-in name, a save_pretrained folder, hf:ORG/NAME (hub), hf:ModelClass (random "
+                             "weights), path/file.py:Name, package.module:Name or a tier_utils checkpoint "
+                             f"(runs/x/checkpoints/last.pt) (default: {DEFAULT_MODEL})")
     parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
                         help="keyword argument for building the model (repeatable), e.g. d_model=256")
-    add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device), ("progress", True))
-                                       if on])
+    parser.add_argument("--weights", metavar="FILE", help="a .safetensors file or torch state dict to load into "
+                                                          "the model")
+    parser.add_argument("--tokenizer", metavar="SPEC", help="a tokenizer folder, hf:ORG/NAME or 'bytes' (default: "
+                                                            "the model's own; bytes for built-ins)")
+    add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device),
+                                                        ("progress", progress)) if on])
+    if not progress:  # still accepted, unlisted: scripts (colab_setup.sh) pass it to every verb alike
+        parser.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
 
 
 def model_kwargs(args) -> dict:
-    return dict(args.model_arg)
+    given = {k: getattr(args, k) for k in ("weights", "tokenizer") if getattr(args, k, None) is not None}
+    return {**dict(args.model_arg), **given}
+
+
+def add_data(parser, data: bool = True) -> None:
+    """--data (unless the verb's signature made it) and the columns a table or dataset is read from."""
+    if data:
+        parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
+    parser.add_argument("--text-column", metavar="NAME", help="a table's or dataset's text column "
+                                                              "(default: text, sentence, content or document)")
+    parser.add_argument("--label-column", metavar="NAME", help="its label column, for a classifier (default: "
+                                                               "label, labels or class)")
+
+
+def data_of(args):
+    """The data as the API takes it: a path with columns becomes a DataSource."""
+    from .userdata import data_source
+
+    return data_source(args.data, args.text_column, args.label_column)
 
 
 def _run_info(args) -> tuple[dict, int]:
@@ -160,7 +212,7 @@ def _run_train(args) -> tuple[dict, int]:
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0
     try:
-        result = train(args.model, args.data, config, **model_kwargs(args))  # seeded before it builds the model
+        result = train(args.model, data_of(args), config, **model_kwargs(args))  # seeded before it builds the model
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
@@ -172,8 +224,7 @@ def _run_train(args) -> tuple[dict, int]:
         args.json = None
         return jsonable(s), code
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
-    if s.checkpoint:
-        files.append(s.checkpoint)
+    files += [f for f in (s.checkpoint, s.best_checkpoint, s.hf_folder) if f]
     print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
     _show(result.table)  # the summary as the notebook shows it
     print("wrote: " + ", ".join(str(f) for f in files))
@@ -186,13 +237,14 @@ def _run_train(args) -> tuple[dict, int]:
 def _run_analyze(args) -> tuple[dict, int]:
     from .analysis import analyze
 
-    report = analyze(args.model, data=args.data, analyses=args.analyses, precision=args.precision, device=args.device,
-                     batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
+    report = analyze(args.model, data=data_of(args), analyses=args.analyses, precision=args.precision,
+                     device=args.device, batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
                      progress=args.progress, **model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
     print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
-          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['source']} data · "
+          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['data']} "
+          f"(tokenizer {d.get('tokenizer', 'none')}) · "
           f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
     return report.to_json(), 1 if report.status == "FAIL" else 0
 
@@ -202,7 +254,7 @@ def _run_bench(args) -> tuple[dict, int]:
     from .models import load_model
 
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))
-    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), args.data, config, device=args.device,
+    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), data_of(args), config, device=args.device,
                            progress=args.progress)
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
@@ -220,7 +272,8 @@ def _run_search(args) -> tuple[dict, int]:
     from .models import load_model
     from .search import search
 
-    result = search(load_model(args.model, **model_kwargs(args)), args.data, config=settings_from(args, TrainConfig),
+    result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
+                    config=settings_from(args, TrainConfig),
                     settings=settings_from(args, SearchConfig), progress=args.progress)
     _show(result.table)
     summary = result.to_json()
@@ -233,7 +286,7 @@ def _run_search(args) -> tuple[dict, int]:
 def _run_export(args) -> tuple[dict, int]:
     from .export import export
 
-    result = export(args.model, args.out, format=args.format, precision=args.precision, data=args.data,
+    result = export(args.model, args.out, format=args.format, precision=args.precision, data=data_of(args),
                     repeats=args.repeats, **model_kwargs(args))
     c, m = result.config, result.metadata
     print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
@@ -261,8 +314,8 @@ def _run_all(args) -> tuple[dict, int]:
     from .measure import machine_load
     from .report import run_all
 
-    print(f"all: smoke, analysis, training, AMP benchmark ({machine_load() or 'load unknown'})", file=sys.stderr)
-    result = run_all(args.model, args.out, data=args.data, precision=args.precision, device=args.device,
+    print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
+    result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
                      **model_kwargs(args))
     print(result.summary_text())
@@ -286,29 +339,56 @@ def _show(table, index: bool = False) -> None:
         print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=index))
 
 
+class _Help(argparse.HelpFormatter):
+    def _split_lines(self, text, width):
+        # Wrapped between words only: argparse's default splits "hf-dataset:NAME" after its hyphen.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class=_Help, **kwargs):  # the verbs' parsers are _Parsers too
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     def error(self, message):
         # One line, not argparse's usage dump: say what is wrong and where help is.
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports an unknown option from the top parser, which knows no verb's options: hand it to
+        # the verb's parser, whose help lists them, with the nearest real option.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verbs = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction)).choices
+            verb = verbs[parsed.verb]
+            options = [o for a in verb._actions for o in a.option_strings]
+            near = [m for x in extras if x.startswith("-")
+                    for m in difflib.get_close_matches(x.split("=")[0].replace("_", "-"), options, n=1)]
+            verb.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {near[0]}?" if near else ""))
+        return parsed
 
-DATA_HELP = "text file or 'synthetic' (default: the bundled corpus)"
+
+DATA_HELP = ("a text file, a folder of .txt, a .csv/.jsonl/.parquet table, hf-dataset:NAME[/CONFIG][:SPLIT] or "
+             "'synthetic' (default: the bundled corpus)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The verbs, their options generated from the settings dataclasses and the API's signatures."""
+    from pathlib import Path
+
     from .analysis import analyze
     from .export import export
     from .fit import fit
     from .report import run_all
     from .smoke import smoke
 
-    parser = _Parser(prog="python -m tier_utils",
+    # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.
+    prog = "tier-utils" if Path(sys.argv[0]).name == "tier-utils" else "python -m tier_utils"
+    parser = _Parser(prog=prog,
                      description="Smoke-test, analyse, train and benchmark a PyTorch transformer.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = verbs.add_parser("info", help="device, precision decision and model summary")
-    add_common(p)
+    add_common(p, progress=False)
     p.set_defaults(run=_run_info)
 
     p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
@@ -316,22 +396,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_parameters(p, smoke, {
         "batch_sizes": ("batch sizes for memory and latency, e.g. 1,4", _int_list),
         "seq_lens": ("sequence lengths for memory and latency (none: the model's max length)", _int_list),
-        "checks": "check groups to run (none: all): shapes, gradients, stability, init, memory, latency, determinism"})
+        "checks": ("check groups to run (none: all): shapes, gradients, stability, init, memory, latency, "
+                   "determinism", _names)})
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
     add_common(p)
     add_parameters(p, analyze, {
-        "analyses": "analyses to run (none: all): attention, robustness, attribution, headroom, dtypes",
+        "analyses": ("analyses to run (none: all): attention, robustness, attribution, headroom, dtypes", _names),
         "data": DATA_HELP, "batch_size": "sequences per batch", "n_batches": "validation batches to analyse",
         "seq_len": "tokens per example (capped at the model's max)"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_analyze)
 
     p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
     add_common(p)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for metrics.csv, training.png, checkpoints/, "
                                                                "logs/")
-    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_data(p)
     add_settings(p.add_mutually_exclusive_group(), TrainConfig, ("epochs", "max_steps"))  # max_steps would win
     add_settings(p, TrainConfig, {f.name for f in fields(TrainConfig)} - {"precision", "device", "progress",
                                                                            "checkpoint_dir", "log_dir", "epochs",
@@ -340,14 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
     add_common(p, precision=False)
-    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_data(p)
     add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds"})
     add_settings(p, Thresholds)
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
     add_common(p)
-    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_data(p)
     add_settings(p, SearchConfig)
     add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
                  defaults=TRIAL_DEFAULTS)
@@ -355,12 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
                                         "against eager")
-    add_common(p, precision=False, device=False)
+    add_common(p, precision=False, device=False, progress=False)
     p.add_argument("--out", required=True, metavar="PATH", help="the artifact to write, e.g. model.onnx")
     add_parameters(p, export, {
         "format": "onnx or pt2", "precision": "the dtype the weights are exported in",
-        "data": "text file or 'synthetic' for the parity batches (default: the bundled corpus)",
+        "data": "the parity batches' text: " + DATA_HELP,
         "repeats": "timed forwards per shape and runner"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_export)
 
     p = verbs.add_parser("fit", help="the largest training batch per precision, with and without activation "
@@ -379,10 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=inspect.signature(run_all).parameters["out_dir"].default, metavar="DIR",
                    help="folder for the CSV tables, PNG plots, JSON and index.html (default: %(default)s)")
     add_parameters(p, run_all, {
-        "data": DATA_HELP, "fast": "shorter runs: fewer steps, repeats and batches (settings.FAST)",
+        "data": DATA_HELP,
+        "fast": f"a quick run, for CI or a notebook on a CPU: {FAST['max_steps']} training steps of "
+                f"{FAST['batch_size']} x {FAST['seq_len']} tokens, {FAST['repeats']} benchmark repeats of "
+                f"{FAST['timed_steps']} steps (without it: {JOB['max_steps']} training steps, "
+                f"{BenchConfig.repeats} repeats of {BenchConfig.timed_steps})",
         "batch_size": (f"sequences per batch (none: {JOB['batch_size']}, {FAST['batch_size']} with --fast)",
                        _whole),
         "seed": "initial weights and training data order"})
+    add_data(p, data=False)
     p.set_defaults(run=_run_all)
 
     p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")

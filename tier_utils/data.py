@@ -1,22 +1,20 @@
 """Data: the bundled corpus (CPython's own docs), synthetic tokens, user data, and the loader.
 
-Everything is byte-level (vocab 256), so no tokenizer download is ever needed. Datasets
-yield the batch dicts the adapter expects: `input_ids`, `labels`, `attention_mask`.
+Text is turned into ids by the model's tokenizer (byte-level for the built-ins, so they need no
+download). Datasets yield the batch dicts the adapter expects: `input_ids`, `labels`, `attention_mask`.
 """
 from __future__ import annotations
 
 import random
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np  # always installed: pandas and matplotlib need it
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from .errors import DataError
-
-BYTE_VOCAB = 256
+from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
+from .userdata import Texts, class_ids, is_user_source, read_source
 
 # Topic groups for the classification set (snippet -> which part of the docs it came from).
 TOPIC_GROUPS = ("statements", "expressions", "types", "runtime")
@@ -59,15 +57,6 @@ def corpus_split() -> tuple[list[str], list[str]]:
     return train, val
 
 
-def encode(text: str) -> torch.Tensor:
-    """Byte-level tokens (UTF-8 bytes) as a long tensor."""
-    return torch.from_numpy(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64))
-
-
-def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
 class TokenWindows(Dataset):
     """Non-overlapping causal-LM windows: input_ids = w[:-1], labels = w[1:]."""
 
@@ -89,10 +78,10 @@ class TokenWindows(Dataset):
 class Snippets(Dataset):
     """Classification examples: fixed-length token snippets with a class id (padded, masked)."""
 
-    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int):
+    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int, pad_id: int = 0):
         if not texts:
             raise DataError("no classification examples; give at least one (text, label) pair")
-        self.ids = torch.zeros(len(texts), seq_len, dtype=torch.long)
+        self.ids = torch.full((len(texts), seq_len), pad_id, dtype=torch.long)
         self.mask = torch.zeros(len(texts), seq_len, dtype=torch.long)
         for i, t in enumerate(texts):
             t = t[:seq_len]
@@ -135,99 +124,146 @@ def synthetic_tokens(n: int, seq_len: int, vocab_size: int, task: str = "causal-
     return TokenRows(rows, class_ids)
 
 
-def _snippets(topics: list[str], seq_len: int) -> Snippets:
+def _snippets(topics: list[str], seq_len: int, tokenizer: Tokenizer) -> Snippets:
     texts, labels = [], []
     corpus = corpus_topics()
     for topic in topics:
-        tokens = encode(corpus[topic])
+        tokens = tokenizer.encode(corpus[topic])
         for start in range(0, len(tokens) - seq_len // 2, seq_len):
             texts.append(tokens[start: start + seq_len])
             labels.append(TOPIC_GROUPS.index(topic_group(topic)))
-    return Snippets(texts, labels, seq_len)
+    return Snippets(texts, labels, seq_len, tokenizer.pad_id or 0)
 
 
 @dataclass
 class DataSplits:
     train: Dataset
     val: Dataset
-    source: str  # "corpus", "synthetic", "text", "tensors"
+    source: str  # the kind: "corpus", "synthetic", "text", "table", "dataset", "tensors", "datasets"
+    name: str = ""  # what it was, e.g. "text file notes.txt"
+    tokenizer: str = BYTES  # the tokenizer that made the ids
+    validation: str = ""  # how the validation part was made
+    classes: list[str] | None = None  # label names, where the labels were text
+
+    def describe(self) -> dict:
+        """What every result records about its data."""
+        return {"data": self.name or self.source, "source": self.source, "tokenizer": self.tokenizer,
+                "validation": self.validation, "train_examples": len(self.train), "val_examples": len(self.val)}
+
+
+CORPUS_VALIDATION = "whole documentation topics held out (every 5th per topic group), so no text is in both"
 
 
 def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
-                   max_len: int | None = None) -> DataSplits:
+                   max_len: int | None = None, tokenizer: Tokenizer | None = None) -> DataSplits:
     """Datasets for a task from any supported source.
 
-    data: None (the bundled corpus), "synthetic", a path to a text file, a list of strings,
-    a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
+    data: None (the bundled corpus), "synthetic", a text file, a folder of .txt files, a .csv / .tsv /
+    .jsonl / .parquet table, `hf-dataset:NAME[/CONFIG][:SPLIT]` or a folder `datasets.save_to_disk` wrote
+    (any of these as a path string, or a `DataSource` naming its text and label columns), a list of
+    strings, a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
+    tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
+    Validation: the source's own split when it has one; else the last `val_fraction` of the text
+    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
     Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
     `max_len`, class ids in [0, num_classes).
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    tokenizer = tokenizer or ByteTokenizer()
     if isinstance(data, str) and data == "synthetic":
         n = 512
         train = synthetic_tokens(n, seq_len, vocab_size, task, num_classes, seed)
         val = synthetic_tokens(n // 8, seq_len, vocab_size, task, num_classes, seed + 1)
-        return DataSplits(train, val, "synthetic")
+        return DataSplits(train, val, "synthetic", "synthetic random tokens", "none (random ids)",
+                          "a second random draw")
     if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Dataset) for d in data):
-        return DataSplits(data[0], data[1], "datasets")
+        return DataSplits(data[0], data[1], "datasets", "the Datasets given", "as given", "the second Dataset given")
     if isinstance(data, Dataset):
-        return DataSplits(*_split(data, val_fraction, seed), "dataset")
-    if data is None or isinstance(data, (str, Path, list)):
-        if vocab_size < BYTE_VOCAB:
-            raise DataError(f"text data is byte-level (vocab {BYTE_VOCAB}) but the model's vocab is {vocab_size}; "
-                            f"build the model with vocab_size>={BYTE_VOCAB} or pass token tensors")
-    if data is None:
-        train_topics, val_topics = corpus_split()
-        if task == "classification":
-            if num_classes is not None and num_classes < len(TOPIC_GROUPS):
-                raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
-                                f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
-                                f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
-            return DataSplits(_snippets(train_topics, seq_len), _snippets(val_topics, seq_len), "corpus")
-        corpus = corpus_topics()
-        join = "\n\n".join
-        return DataSplits(TokenWindows(encode(join(corpus[t] for t in train_topics)), seq_len),
-                          TokenWindows(encode(join(corpus[t] for t in val_topics)), seq_len), "corpus")
+        return DataSplits(*_split(data, val_fraction, seed), "dataset", "the Dataset given", "as given",
+                          f"a seeded random {val_fraction:.0%} of its examples")
     if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor) for d in data)):
         dataset = _tensor_dataset(data, task, vocab_size, num_classes, max_len)
-        return DataSplits(*_split(dataset, val_fraction, seed), "tensors")
-    if isinstance(data, (str, Path)):
-        texts = [_read_text(data)]
-    elif isinstance(data, list) and all(isinstance(t, str) for t in data):
+        return DataSplits(*_split(dataset, val_fraction, seed), "tensors", "the tensors given", "as given",
+                          f"a seeded random {val_fraction:.0%} of the rows")
+    if data is not None and not is_user_source(data) and not (isinstance(data, list)
+                                                               and all(isinstance(t, str) for t in data)):
+        raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a file or folder path, "
+                        "hf-dataset:NAME, a list of strings, tensors or a Dataset")
+    if tokenizer.vocab_size > vocab_size:
+        fix = (f"build the model with vocab_size>={tokenizer.vocab_size} or pass token tensors"
+               if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
+        raise DataError(f"text is tokenized by {tokenizer.name} (vocab {tokenizer.vocab_size}) but the model's vocab "
+                        f"is {vocab_size}; {fix}")
+    if data is None:
+        return _corpus(task, seq_len, num_classes, tokenizer)
+    if isinstance(data, list):
         if not "".join(data):
             raise DataError("data is an empty list of strings; give some text, a text file, 'synthetic' or None")
-        texts = data
+        texts = Texts(data, None, None, None, f"{len(data)} strings given")
     else:
-        raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a text file path, "
-                        "a list of strings, tensors or a Dataset")
+        texts = read_source(data, labels=task == "classification")
+    if task != "classification":
+        return _windows(texts, seq_len, val_fraction, tokenizer)
+    if texts.train_labels is None:
+        raise DataError("plain text has no labels for classification; give a table with a label column, "
+                        "(input_ids, labels) tensors or a Dataset")
+    return _labelled(texts, seq_len, num_classes, val_fraction, seed, tokenizer)
+
+
+def _corpus(task: str, seq_len: int, num_classes: int | None, tokenizer: Tokenizer) -> DataSplits:
+    train_topics, val_topics = corpus_split()
+    name = f"bundled corpus (CPython docs, {len(train_topics)} + {len(val_topics)} topics)"
     if task == "classification":
-        raise DataError("plain text has no labels for classification; pass (input_ids, labels) tensors or a Dataset")
-    tokens = encode("\n\n".join(texts))
-    cut = int(len(tokens) * (1 - val_fraction))  # contiguous split: validation text never seen in training
-    if cut < seq_len + 1 or len(tokens) - cut < seq_len + 1:
-        raise DataError(f"text of {len(tokens)} bytes is too short for train and val windows of {seq_len + 1}; "
-                        "give more text or a smaller seq_len")
-    return DataSplits(TokenWindows(tokens[:cut], seq_len), TokenWindows(tokens[cut:], seq_len), "text")
+        if num_classes is not None and num_classes < len(TOPIC_GROUPS):
+            raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
+                            f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
+                            f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
+        return DataSplits(_snippets(train_topics, seq_len, tokenizer), _snippets(val_topics, seq_len, tokenizer),
+                          "corpus", name, tokenizer.name, CORPUS_VALIDATION, list(TOPIC_GROUPS))
+    corpus = corpus_topics()
+    join = "\n\n".join
+    return DataSplits(TokenWindows(tokenizer.encode(join(corpus[t] for t in train_topics)), seq_len),
+                      TokenWindows(tokenizer.encode(join(corpus[t] for t in val_topics)), seq_len), "corpus", name,
+                      tokenizer.name, CORPUS_VALIDATION)
 
 
-def _read_text(data) -> str:
-    path = Path(data).expanduser()
-    if not path.is_file():
-        raise DataError(f"data file {str(data)!r} not found; give a UTF-8 text file, 'synthetic' or None")
-    raw = path.read_bytes()
-    if not raw:
-        raise DataError(f"data file {str(data)!r} is empty; give a UTF-8 text file with some text in it")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        # Still usable (every byte is a token), but most likely the wrong file: say so.
-        warnings.warn(f"data file {str(data)!r} is not UTF-8 text (first bad byte at offset {exc.start}); "
-                      "training on it with undecodable bytes replaced - give a text file if that is not meant",
-                      stacklevel=2)
-        return raw.decode("utf-8", errors="replace")
+def _windows(texts: Texts, seq_len: int, val_fraction: float, tokenizer: Tokenizer) -> DataSplits:
+    """Causal-LM windows: the source's own validation texts, else the last `val_fraction` of the tokens."""
+    kind = "dataset" if texts.val is not None else "text"
+    tokens = tokenizer.encode("\n\n".join(texts.train))
+    if texts.val is not None:
+        train, val, how = tokens, tokenizer.encode("\n\n".join(texts.val)), texts.validation
+    else:
+        cut = int(len(tokens) * (1 - val_fraction))  # contiguous: validation text never seen in training
+        train, val = tokens[:cut], tokens[cut:]
+        how = f"the last {val_fraction:.0%} of the text ({len(val):,} tokens, contiguous, so no window is in both)"
+    if len(train) < seq_len + 1 or len(val) < seq_len + 1:
+        raise DataError(f"{texts.name} is too short: {len(train)} training and {len(val)} validation tokens for "
+                        f"windows of {seq_len + 1}; give more text or a smaller seq_len")
+    return DataSplits(TokenWindows(train, seq_len), TokenWindows(val, seq_len), kind, texts.name, tokenizer.name, how)
+
+
+def _labelled(texts: Texts, seq_len: int, num_classes: int | None, val_fraction: float, seed: int,
+              tokenizer: Tokenizer) -> DataSplits:
+    """One example per row, cut to seq_len; labels as class ids. The source's own validation rows, else a
+    seeded random `val_fraction` of the rows (whole rows, so no example is in both)."""
+    rows = texts.train + (texts.val or [])
+    labels, names = class_ids(texts.train_labels + (texts.val_labels or []), num_classes, texts.name)
+    ids = [tokenizer.encode(t)[:seq_len] for t in rows]
+    if any(len(t) == 0 for t in ids):
+        raise DataError(f"{texts.name} has empty text rows; drop them or fill the text column")
+    data = Snippets(ids, labels.tolist(), seq_len, tokenizer.pad_id or 0)
+    n_train = len(texts.train)
+    if texts.val is not None:
+        train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows)))
+        how = texts.validation
+    else:
+        train, val = _split(data, val_fraction, seed)
+        how = f"a seeded random {val_fraction:.0%} of the rows ({len(val)} rows)"
+    return DataSplits(train, val, "table", texts.name, tokenizer.name, how, names or None)
 
 
 def _check_ids(ids: torch.Tensor, what: str, high: int | None, fix: str) -> None:
@@ -274,7 +310,7 @@ def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Datase
     if n - n_val < 1:
         raise DataError(f"{n} examples are too few to split into train and val; give more data")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return torch.utils.data.Subset(ds, order[n_val:]), torch.utils.data.Subset(ds, order[:n_val])
+    return Subset(ds, order[n_val:]), Subset(ds, order[:n_val])
 
 
 def _seed_worker(worker_id: int) -> None:

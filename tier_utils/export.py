@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
-from .data import build_datasets, make_loader
+from .data import make_loader
 from .errors import TierError, describe, one_line
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
@@ -124,7 +124,7 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
     keys = ("input_ids", "attention_mask") if adapter.task == "classification" else ("input_ids",)
     t_trace = min(16, adapter.max_len)
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
-    splits = build_datasets(data, adapter.task, max(s[1] for s in shapes), adapter.vocab_size, adapter.num_classes)
+    splits = adapter.datasets(data, max(s[1] for s in shapes))
     trace = _example(example, keys) if example is not None else _batch(splits.val, 2, t_trace, keys)
     program = _capture(wrapper, trace, adapter, fmt)
     payload = _serialize(program, trace, keys, fmt, adapter.name)
@@ -144,7 +144,7 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
     config = {"model": adapter.name, "task": adapter.task, "format": fmt, "precision": prec.name,
               "precision_reason": prec.reason, "inputs": list(keys), "trace_shape": list(trace[0].shape),
               "parity_shapes": [f"{b}x{t}" for b, t in shapes], "max_len": adapter.max_len,
-              "data": splits.source, "repeats": repeats, "bytes": len(payload),
+              **splits.describe(), "repeats": repeats, "bytes": len(payload),
               "rel_tolerance": REL_TOLERANCE[prec.name], "argmax_agreement": AGREEMENT[prec.name]}
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)

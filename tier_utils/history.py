@@ -184,7 +184,9 @@ class TrainSummary:
     model: str
     task: str
     parameters: int
-    data: str
+    data: str  # what it trained on, e.g. "text file notes.txt"
+    tokenizer: str  # what turned it into ids
+    validation: str  # how the validation part was made
     steps: int
     total_steps: int
     epochs: float
@@ -212,6 +214,14 @@ class TrainSummary:
     interrupted: bool
     diverged_at_step: int | None
     run_metadata: dict
+    best_val_loss: float | None = None  # the lowest val loss of any evaluation, and its step
+    best_step: int | None = None
+    best_checkpoint: str | None = None  # best.pt, holding best_step's state
+    early_stopped_at_step: int | None = None  # None: ran its steps (or was interrupted / diverged)
+    early_stop_reason: str | None = None
+    weights: str | None = None  # restore_best: which weights the returned model holds
+    hf_folder: str | None = None  # the save_pretrained folder save_hf wrote
+    hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -251,6 +261,8 @@ class TrainResult(Result):
 
         rows = [
             ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("data", f"{s.data} (tokenizer: {s.tokenizer})"),
+            ("validation", s.validation),
             ("precision", s.precision),
             ("precision_reason", s.precision_reason),
             ("device", s.device_name),
@@ -260,6 +272,9 @@ class TrainResult(Result):
             ("val_loss", number(s.val_loss, ".4f")),
             ("perplexity", number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
+            ("best_val_loss", None if s.best_step is None else f"{s.best_val_loss:.4f} at step {s.best_step}"
+                                                               + (f" ({s.best_checkpoint})" * bool(s.best_checkpoint))),
+            ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),
             ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
@@ -269,6 +284,8 @@ class TrainResult(Result):
             ("diverged_at_step", s.diverged_at_step),
             ("interrupted", True if s.interrupted else None),
             ("checkpoint", s.checkpoint),
+            ("weights", s.weights),
+            ("save_hf", s.hf_detail and (f"{s.hf_folder}: " if s.hf_folder else "") + s.hf_detail),
         ]
         return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
 

@@ -1,4 +1,5 @@
-"""`info`: the device, the precision decision with its reason, and a model summary."""
+"""`info`: the device (with the torch thread count and why), the precision decision with its reason, and a
+model summary."""
 from __future__ import annotations
 
 import os
@@ -49,4 +50,7 @@ def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwar
     for name in ("bf16", "fp16"):
         env[f"native_{name}"] = native_support(name, dev)[0]
     adapter = resolve_model(model, **model_kwargs)
-    return InfoResult(env, resolve_precision(precision, dev).to_dict(), adapter.summary())
+    # The environment section names the device once; the precision section says what was decided on it.
+    decided = {k: v for k, v in resolve_precision(precision, dev).to_dict().items()
+               if k not in ("device", "device_name")}
+    return InfoResult(env, decided, adapter.summary())

@@ -201,14 +201,94 @@ def load_average() -> float | None:
         return None
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of them where the OS has no affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Load:
+    """The CPU load a run shares its cores with: `average` (1-minute; None where the OS has none) on `cores`."""
+
+    average: float | None
+    cores: int
+
+    @property
+    def busy(self) -> bool:
+        """More runnable threads than cores: everyone waits, so timings are slower and noisier."""
+        return self.average is not None and self.average > self.cores
+
+    def __str__(self) -> str:
+        average = "unknown" if self.average is None else f"{self.average:.1f}"
+        return f"load {average} on {self.cores} core{'s' if self.cores != 1 else ''}"
+
+
+def cpu_load() -> Load:
+    return Load(load_average(), usable_cores())
+
+
 def machine_load() -> str:
-    """The CPU load right now, said so that a slow run on a shared machine explains itself."""
-    load, cores = load_average(), os.cpu_count() or 1
-    if load is None:
-        return ""
-    note = ""
-    if load > cores:
-        note = "; busy: timings will be slower and noisier than on an idle machine"
-        if torch.get_num_threads() > 1:  # threads that wait for each other stall when they don't each get a core
-            note += f"; {torch.get_num_threads()} torch threads: try OMP_NUM_THREADS=1 (see bench/RESULTS.md)"
-    return f"load average {load:.1f} on {cores} CPU cores{note}"
+    """The torch threads and why, and whether the CPU is busy right now: a slow run on a shared machine
+    explains itself."""
+    busy = " · machine busy: timings will be slower and noisier than on an idle machine" if cpu_load().busy else ""
+    return threads_note() + busy
+
+
+# Thread counts the user chose before tier_utils started: torch reads these at start-up.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+
+
+def choose_threads(current: int, load: Load, env) -> ThreadChoice:
+    """The torch thread count for a run starting now: one per core that other jobs leave free.
+
+    Threads that synchronise every op wait for each other when one of them has no core of its own: on a
+    shared 2-core machine the main job ran 2.6-6.8x slower with 2 threads than with 1 (bench/RESULTS.md).
+    So the count only goes down, to the cores the load average leaves free (at least 1). The user's own
+    choice wins: OMP_NUM_THREADS / MKL_NUM_THREADS in `env`, or a `current` count other than torch's
+    default of one thread per usable core (torch.set_num_threads called before tier_utils started).
+    """
+    for name in THREAD_ENV:
+        if env.get(name):
+            return ThreadChoice(current, f"{_threads(current)}: {name}={env[name]} is set ({load})")
+    if current != load.cores:
+        return ThreadChoice(current, f"{_threads(current)}: set before tier_utils started, kept ({load})")
+    free = load.cores if load.average is None else max(0, int(load.cores - load.average + 0.5))
+    threads = max(1, min(current, free))
+    if threads == current:
+        return ThreadChoice(current, f"{_threads(current)}, one per core ({load})")
+    cores = "no core" if free == 0 else f"{free} core{'s' if free != 1 else ''}"
+    return ThreadChoice(threads, f"{_threads(threads)}, not {current}: other jobs leave {cores} free ({load}); "
+                                 "OMP_NUM_THREADS=N overrides")
+
+
+def _threads(n: int) -> str:
+    return f"{n} torch thread{'s' if n != 1 else ''}"
+
+
+_CHOICE: list[ThreadChoice] = []  # the decision, once per process
+
+
+def decide_threads() -> ThreadChoice:
+    """Choose the torch thread count once per process (`choose_threads`), apply it, and return it."""
+    if not _CHOICE:
+        choice = choose_threads(torch.get_num_threads(), cpu_load(), os.environ)
+        torch.set_num_threads(choice.threads)
+        _CHOICE.append(choice)
+    return _CHOICE[0]
+
+
+def threads_note() -> str:
+    """How many torch threads run now, and why: tier_utils' choice, or the caller's own change since."""
+    choice, now = decide_threads(), torch.get_num_threads()
+    if now != choice.threads:
+        return f"{_threads(now)}: set by torch.set_num_threads after tier_utils chose {choice.threads}"
+    return choice.reason

@@ -6,13 +6,18 @@ import importlib.util
 import inspect
 import math
 import sys
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoint import CheckpointError, load_checkpoint
 from .errors import ModelSpecError, describe, one_line
+from .hub import HUB_PREFIX, from_hub
+from .tokenizer import is_tokenizer_folder
 
 
 class CausalSelfAttention(nn.Module):
@@ -153,36 +158,94 @@ def _init_weights(module: nn.Module) -> None:
 BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
 DEFAULT_MODEL = "tiny-gpt"
 
+# transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
+# The keys a wrapper puts in front of a state dict's names: torch.compile's module and DDP's.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
-def load_model(spec=DEFAULT_MODEL, **kwargs) -> nn.Module:
+
+@dataclass
+class ModelSource:
+    """Where a model came from, kept on the module as `tier_utils_source`: its tokenizer follows it into every
+    tier, and a training checkpoint records it so `load_model(checkpoint)` can rebuild the model."""
+
+    spec: str | None  # None: a module built in Python, which no spec rebuilds
+    kwargs: dict = field(default_factory=dict)
+    tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
+    weights: str | None = None
+
+    def record(self, tokenizer: str | None) -> dict:
+        """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
+
+
+def source_of(model: nn.Module) -> ModelSource | None:
+    return getattr(model, "tier_utils_source", None)
+
+
+def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn.Module:
     """Turn a spec into an nn.Module.
 
     Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
     (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `path/to/file.py:Name` or
-    `package.module:Name` (a class or factory, called with kwargs); `hf:<ModelClass>`
-    (a transformers model built from a config made of kwargs, no download).
+    `package.module:Name` (a class or factory, called with kwargs; the file's folder is importable
+    while it loads); a folder written by `save_pretrained` (transformers' Auto class for the task its
+    config names; `task=` overrides, other kwargs go to from_pretrained); `hf:ORG/NAME` (the same from
+    the hub; needs network); `hf:<ModelClass>` (a transformers model built from a config made of
+    kwargs, random weights); a training checkpoint tier_utils wrote (`runs/x/checkpoints/last.pt`,
+    rebuilt from the spec it records, then its weights loaded).
+    weights: a safetensors file or a torch state dict loaded into the model (missing or unexpected
+    keys are refused in one line).
+    tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
+    the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
     """
+    model = _build(spec, kwargs)
+    if weights is not None:
+        load_weights(model, weights)
+    if weights is not None or tokenizer is not None:
+        source = source_of(model) or ModelSource(None)
+        model.tier_utils_source = replace(source, weights=str(weights) if weights is not None else source.weights,
+                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer)
+    return model
+
+
+def _build(spec, kwargs: dict) -> nn.Module:
     if isinstance(spec, nn.Module):
         if kwargs:
             raise ModelSpecError("keyword arguments are only used when building a model from a spec, not for an "
                                  "instance; for task, vocab_size, max_len or num_classes use adapt(model, max_len=N)")
         return spec
+    if isinstance(spec, Path):
+        spec = str(spec)
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")
     spec = spec.strip()
     if spec in BUILTIN_MODELS:
-        return _construct(BUILTIN_MODELS[spec], kwargs, spec)
-    if spec.startswith("hf:"):
-        return _load_hf(spec[3:], kwargs)
+        return _sourced(_construct(BUILTIN_MODELS[spec], kwargs, spec), spec, kwargs)
+    if spec.startswith(HUB_PREFIX):
+        return _load_hf(spec[len(HUB_PREFIX):], kwargs)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_folder(path, spec, kwargs)
+    if path.is_file():
+        return _load_checkpoint_file(path, kwargs)
     if ":" not in spec:
-        names = ", ".join(BUILTIN_MODELS)
-        raise ModelSpecError(f"unknown model {spec!r}; use a built-in ({names}), path/to/file.py:Name, "
-                             "package.module:Name or hf:<ModelClass>")
+        hint = f"; a hub model is written hf:{spec}" if "/" in spec or spec.islower() else ""
+        raise ModelSpecError(f"unknown model {spec!r} (no such built-in, folder or file{hint}); use a built-in "
+                             f"({', '.join(BUILTIN_MODELS)}), a save_pretrained folder, hf:ORG/NAME, "
+                             "path/file.py:Name, package.module:Name or a tier_utils checkpoint")
     where, _, name = spec.rpartition(":")
     module = _import_file(where) if where.endswith(".py") else _import_module(where)
     if not hasattr(module, name):
         raise ModelSpecError(f"{where} has no attribute {name!r}; check the name after ':'")
-    return _construct(getattr(module, name), kwargs, spec)
+    # Recorded with an absolute path: a checkpoint rebuilds it from any working directory.
+    recorded = f"{Path(where).expanduser().resolve()}:{name}" if where.endswith(".py") else spec
+    return _sourced(_construct(getattr(module, name), kwargs, spec), recorded, kwargs)
+
+
+def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None) -> nn.Module:
+    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer)
+    return model
 
 
 def _import_file(path: str):
@@ -193,11 +256,16 @@ def _import_file(path: str):
     spec = importlib.util.spec_from_file_location(mod_name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look the module up here
+    folder = str(file.resolve().parent)
+    # The file imports its neighbours (`from model import GPT`) as it would when run from its folder.
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[mod_name]
         raise ModelSpecError(f"importing {path} raised {describe(exc, limit=None)}; fix the file") from exc
+    finally:
+        sys.path.remove(folder)
     return module
 
 
@@ -227,15 +295,141 @@ def _construct(factory, kwargs: dict, spec: str) -> nn.Module:
     return model
 
 
-def _load_hf(class_name: str, config: dict) -> nn.Module:
+def _transformers():
     try:
         import transformers
     except ImportError as exc:
-        raise ModelSpecError("hf: specs need the transformers package; pip install transformers") from exc
-    cls = getattr(transformers, class_name, None)
-    if cls is None or not inspect.isclass(cls) or getattr(cls, "config_class", None) is None:
-        raise ModelSpecError(f"transformers has no model class {class_name!r}; e.g. hf:GPT2LMHeadModel")
+        raise ModelSpecError("Hugging Face models need the transformers package; pip install 'tier_utils[hf]' "
+                             "(or transformers)") from exc
+    return transformers
+
+
+def _load_hf(name: str, kwargs: dict) -> nn.Module:
+    """`hf:<ModelClass>` builds random weights from a config; anything else is a hub id."""
+    transformers = _transformers()
+    cls = getattr(transformers, name, None)
+    if cls is not None and inspect.isclass(cls) and getattr(cls, "config_class", None) is not None:
+        try:
+            model = cls(cls.config_class(**kwargs))
+        except Exception as exc:
+            raise ModelSpecError(f"building hf:{name} raised {describe(exc, limit=None)}; check the config") from exc
+        return _sourced(model, HUB_PREFIX + name, kwargs)
+    if not name or name[0].isupper() and "/" not in name:
+        raise ModelSpecError(f"transformers has no model class {name!r}; e.g. hf:GPT2LMHeadModel, or a hub id "
+                             "such as hf:gpt2")
+    task = kwargs.pop("task", None)
+    config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
+    auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
+    model = from_hub(auto.from_pretrained, name, "model", **kwargs)
+    return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name)
+
+
+def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
+    """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
+    tokenizer."""
+    if not (path / "config.json").is_file():
+        raise ModelSpecError(f"{spec} is a folder with no config.json, so not a save_pretrained model folder; "
+                             "give the folder transformers wrote, or a built-in / file.py:Name spec")
+    transformers = _transformers()
+    task = kwargs.pop("task", None)
     try:
-        return cls(cls.config_class(**config))
+        config = transformers.AutoConfig.from_pretrained(path)
+        auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
+        model = auto.from_pretrained(path, **kwargs)
+    except ModelSpecError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelSpecError(f"loading the model folder {spec} raised {describe(exc, limit=200)}; check the folder "
+                             "(config.json and model.safetensors or pytorch_model.bin)") from exc
+    path = path.resolve()  # recorded absolute: a checkpoint finds it from any working directory
+    tokenizer = str(path) if is_tokenizer_folder(path) else None
+    if tokenizer is None:
+        warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
+                      "tokenizer it was trained with", stacklevel=4)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer)
+
+
+def _hf_task(config, task: str | None, spec: str) -> str:
+    if task is not None:
+        if task not in AUTO_CLASSES:
+            raise ModelSpecError(f"unknown task {task!r} for {spec}; use one of: {', '.join(AUTO_CLASSES)}")
+        return task
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    return "classification" if architecture.endswith("ForSequenceClassification") else "causal-lm"
+
+
+def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
+    """A training checkpoint tier_utils wrote: rebuilt from the spec it records, its weights loaded."""
+    if path.suffix == ".py":
+        raise ModelSpecError(f"{path} is a Python file; name the model in it: {path}:ClassName")
+    if path.suffix == ".safetensors":
+        raise ModelSpecError(f"{path} holds weights only; give the model's spec and weights={str(path)!r} "
+                             "(--weights)")
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as exc:
+        raise ModelSpecError(f"{path} is not a tier_utils training checkpoint ({one_line(exc)[:120]}); for a plain "
+                             "state dict give the model's spec and --weights FILE") from exc
+    if kwargs:
+        raise ModelSpecError(f"{path} records the arguments its model was built with; give no model arguments")
+    recorded = state.get("source")
+    if not recorded:
+        raise ModelSpecError(f"{path} records no model spec (it was trained from a module built in Python); "
+                             "build that module and load the checkpoint's 'model' weights into it, or give the "
+                             "spec and --weights")
+    source = ModelSource(**recorded)
+    model = _build(source.spec, dict(source.kwargs))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ModelSpecError(f"{path}'s weights do not fit {source.spec} ({one_line(exc)[:160]})") from exc
+    model.tier_utils_source = source  # as trained: its spec, arguments and tokenizer
+    return model
+
+
+def load_weights(model: nn.Module, path) -> None:
+    """Load a safetensors file or a torch state dict (or a training checkpoint's 'model'/'state_dict' entry)
+    into `model`; names a compiled or DDP module gave its weights are matched too."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelSpecError(f"weights file {str(path)!r} not found; give a .safetensors file or a torch state dict")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(file)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ModelSpecError(f"building hf:{class_name} raised {describe(exc, limit=None)}; check the config") from exc
+        raise ModelSpecError(f"cannot read weights from {path} ({describe(exc, limit=160)}); give a .safetensors "
+                             "file or a torch state dict saved with torch.save") from exc
+    if isinstance(state, dict):
+        state = next((state[k] for k in ("model", "state_dict") if isinstance(state.get(k), dict)), state)
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelSpecError(f"{path} holds no state dict (a mapping of names to tensors)")
+    state = {_unwrapped(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first says enough
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), one_line(exc))
+        raise ModelSpecError(f"{path} does not fit {type(model).__name__} ({detail[:200]}); give the weights of "
+                             "this architecture (and its arguments)") from exc
+    missing = _untied(model, missing, state)
+    if missing or unexpected:
+        parts = [f"{label} {len(keys)} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise ModelSpecError(f"{path} does not fit {type(model).__name__}: {'; '.join(parts)}; give the weights of "
+                             "this architecture (and its arguments)")
+
+
+def _unwrapped(key: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _untied(model: nn.Module, missing: list[str], loaded: dict) -> list[str]:
+    """Missing keys less those tied to a loaded tensor (an LM head sharing the embedding is saved once)."""
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in loaded if k in own}
+    return [k for k in missing if own[k].data_ptr() not in loaded_ptrs]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import html
+import math
 import os
 import re
 import time
@@ -18,39 +19,47 @@ import torch
 
 from .adapter import adapt
 from .analysis import analyze
-from .bench import amp_benchmark
+from .bench import BenchmarkResult, amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
-from .errors import ModelForwardError
+from .errors import ModelForwardError, TierError
 from .files import atomic_write_bytes, holds_lock, jsonable, write_json
 from .fit import fit
-from .history import TrainSummary
-from .measure import load_average
+from .history import TrainResult, TrainSummary
+from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
-from .results import STATUSES, Result, run_metadata, worst_status
+from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
 from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
 from .smoke import smoke
 from .train import TrainingDiverged, train
 from .validation import writable_dir
+from .verdicts import step_agreement
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
-# A dashboard: the page never scrolls sideways; a wide or long table scrolls inside its own box.
+# A dashboard: the page never scrolls sideways; a long table scrolls inside its own box. Words wrap only
+# between words (no `anywhere`/`break-all`, which split "float32" into "float3 2" in a squeezed column;
+# `.w` keeps "7.334e-08" whole); a long token (a path, an op name) gets break points after its separators
+# instead (`_breakable`).
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}
 .scroll{overflow:auto;max-width:100%;max-height:30em;margin:.5em 0}
 table{border-collapse:collapse;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:break-word}
 th{background:#f3f3f3;position:sticky;top:0}
-td{max-width:40em;overflow-wrap:anywhere}
-img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:anywhere}
-.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP,.measured{color:#666}"""
-MEASURED = "measured"  # shown for a PASS row without a threshold: a measurement, not a verdict
+img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:break-word}
+.w{white-space:nowrap}.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP{color:#666}"""
+_LONG = 20  # characters: a token this long may break after its separators
+_AFTER_SEPARATORS = re.compile(r"(?<=[_./,:=-])")
+_PLAIN = re.compile(r"[(\[]*[\w']*[)\]:;,.!?%]*")  # no line-break opportunity inside
 
 
 def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
-    """Write each result's table as `<name>.csv`, its plot as `<name>.png`, its JSON as `<name>.json`
-    and an `index.html` showing them together (plain HTML, relative image links). Returns index.html.
+    """Write each result's table as `<name>.csv` (a benchmark's verdicts also as `<name>_verdicts.csv`), its
+    plot as `<name>.png`, its JSON as `<name>.json`, and an `index.html` showing them together (plain HTML,
+    relative links). The page shows each tier's verdict columns (check, status, value, threshold, detail,
+    after the columns naming the row), a benchmark's verdicts rather than its measurements; the CSV links
+    hold every column. Returns index.html.
 
     metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`)."""
     out = Path(out_dir)
@@ -59,11 +68,11 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     for name, result in results.items():
         if not _NAME.match(name):
             raise ValueError(f"result name {name!r} is not a plain file name; use letters, digits, _ or -")
-        # A benchmark's verdicts are a table of their own, shown first: they are what to read.
-        tables = {f"{name}_verdicts": result.verdicts} if hasattr(result, "verdicts") else {}
-        tables[name] = result.table
-        for stem, table in tables.items():
-            atomic_write_bytes(out / f"{stem}.csv", table.to_csv(index=False).encode())
+        frames = {name: result.table}
+        if hasattr(result, "verdicts"):  # what to read; the measurements stay one click away
+            frames[f"{name}_verdicts"] = result.verdicts
+        for stem, frame in frames.items():
+            atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
         write_json(out / f"{name}.json", result.to_json())
         fig = result.plot()
         if fig is not None:
@@ -71,8 +80,14 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         status = result.status
         badge = f" <span class='{status}'>{status}</span>" if status else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
-        sections.append(_section(name, badge, tables, fig is not None))
+        shown = result.verdicts if hasattr(result, "verdicts") else result.table
+        files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
+        sections.append(_section(name, badge, shown, files, fig is not None))
     meta = metadata if metadata is not None else run_metadata()
+    agreement = checks_table(consistency(results, _load(meta)))
+    if len(agreement):  # before the tiers: it says how far to trust their timings
+        atomic_write_bytes(out / "consistency.csv", agreement.to_csv(index=False).encode())
+        sections.insert(0, _section("consistency", "", agreement, ["consistency.csv"], False))
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
@@ -81,14 +96,16 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     return atomic_write_bytes(out / "index.html", page.encode())
 
 
-def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
-    links = [f"<a href='{stem}.csv'>{stem}.csv</a>" for stem in tables] + [f"<a href='{name}.json'>{name}.json</a>"]
-    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{' · '.join(links)}</p>"]
-    for table in tables.values():
-        rows = _for_page(table).to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
-        for s in (*STATUSES, MEASURED):  # colour the verdict cells (to_html has escaped every cell already)
-            rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
-        parts.append(f"<div class='scroll'>{rows}</div>")
+def _section(name: str, badge: str, table: pd.DataFrame, files: list[str], has_plot: bool) -> str:
+    shown = _for_page(table)
+    hidden = len(table.columns) - len(shown.columns)
+    note = f" (the page leaves out {hidden} column{'s' if hidden != 1 else ''}; the CSV has all)" if hidden else ""
+    links = " · ".join(f"<a href='{f}'>{f}</a>" for f in files)
+    rows = shown.to_html(index=False, border=0, escape=False)
+    for s in STATUSES:  # colour the verdict cells
+        rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
+    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{links}{note}</p>",
+             f"<div class='scroll'>{rows}</div>"]
     if has_plot:
         parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
     parts.append("</section>")
@@ -96,13 +113,55 @@ def _section(name: str, badge: str, tables: dict, has_plot: bool) -> str:
 
 
 def _for_page(table: pd.DataFrame) -> pd.DataFrame:
-    """The table as the page shows it (the CSV keeps it whole): empty cells blank, all-empty columns
-    dropped, and a PASS with no threshold marked as a measurement (latency, memory), not a verdict."""
-    shown = table.astype(object).where(table.notna(), "")
-    if {"status", "threshold"} <= set(shown.columns):
-        measured = (shown["status"] == "PASS") & (shown["threshold"].astype(str) == "")
-        shown.loc[measured, "status"] = MEASURED
-    return shown.loc[:, [c for c in shown.columns if (shown[c].astype(str) != "").any()]]
+    """The table as the page shows it: a verdict table's columns naming the row (left of `check`) and its
+    verdict columns, no column that is empty throughout, every cell as escaped HTML. The statuses are the
+    table's own: the page, `.table` and the CLI read alike."""
+    columns = list(table.columns)
+    if {"check", "status"} <= set(columns):
+        columns = columns[:columns.index("check")] + [c for c in CHECK_COLUMNS if c in columns]
+    shown = table[columns].astype(object).where(table[columns].notna(), None).map(_cell)
+    return shown.loc[:, [c for c in shown.columns if (shown[c] != "").any()]]
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return " ".join(_breakable(word) for word in text.split(" "))
+
+
+def _breakable(word: str) -> str:
+    """`word` as HTML: a long token (a path, an op name) may wrap after its separators; a word never
+    breaks inside."""
+    parts = _AFTER_SEPARATORS.split(word) if len(word) >= _LONG else [word]
+    # A browser may also wrap inside at a hyphen or slash ("7.334e-" / "08"): such a part can't wrap.
+    return "<wbr>".join(html.escape(p) if _PLAIN.fullmatch(p) else f"<span class='w'>{html.escape(p)}</span>"
+                        for p in parts)
+
+
+def consistency(results: dict, load: Load | None = None) -> list[Check]:
+    """Rows about two tiers that timed the same thing far apart: training's step against the benchmark's
+    at the same model, precision, mode and batch (one rank, no accumulation)."""
+    rows = []
+    for train_result in (r for r in results.values() if isinstance(r, TrainResult)):
+        s, c = train_result.summary, train_result.config
+        mode = "compiled" if s.compiled else "eager"
+        for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
+            b = bench.config
+            rec = next((r for r in bench.records if (r.precision, r.mode) == (s.precision, mode) and r.speed), None)
+            if (rec is None or s.step_time_ms is None or s.world_size != 1 or c.get("grad_accum_steps") != 1
+                    or (s.model, c.get("batch_size"), c.get("seq_len")) != (b["model"], b["batch_size"], b["seq_len"])):
+                continue
+            row = step_agreement(s.step_time_ms, rec.speed["step_ms"],
+                                 f"{s.model}, {s.precision} {mode}, batch {b['batch_size']} x {b['seq_len']} tokens",
+                                 load)
+            rows += [row] if row else []
+    return rows
+
+
+def _load(meta: dict) -> Load:
+    """The load a run's metadata recorded (run_all's), else the load now."""
+    return Load(meta["load_average_1m"], meta["cpu_count"]) if "load_average_1m" in meta else cpu_load()
 
 
 @dataclass(repr=False)
@@ -138,15 +197,19 @@ class AllResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata})
+                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata,
+                         "consistency": checks_table(consistency(self.results, _load(self.metadata)))})
 
     def summary_text(self, width: int = 110) -> str:
         """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
         r, m = self.results, self.metadata
         busy = m.get("load_average_1m") is not None and m["load_average_1m"] > m["cpu_count"]
-        lines = [f"{m['device_name']} · torch {m['torch']} · {m['threads']} threads"
+        threads = m.get("threads_reason") or f"{m['threads']} torch threads"
+        lines = [f"{m['device_name']} · torch {m['torch']} · {threads}"
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
+        r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
+        lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
         if "smoke" in r:
             lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
         if "analysis" in r:
@@ -165,6 +228,7 @@ class AllResult(Result):
             if c["fit"]["reason"]:
                 size += f"; {c['fit']['reason']}"
             lines.append(size)
+        lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, _load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")
         return "\n".join(lines)
@@ -215,7 +279,9 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     bench_cfg = pick(BenchConfig, sizes)
     b, t = train_cfg.batch_size, train_cfg.seq_len
     try:
-        t, runnable = min(t, adapt(base).max_len), True  # the job fits its window to the model, no warning
+        adapter = adapt(base)
+        t, runnable = min(t, adapter.max_len), True  # the job fits its window to the model, no warning
+        adapter.datasets(data, t, seed)  # bad data fails here, in one line, before any tier runs
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}
@@ -235,7 +301,14 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()
-        results[name] = run()
+        try:
+            results[name] = run()
+        except TierError as exc:
+            if not isinstance(exc, ModelForwardError):
+                raise  # the user's input, not the model: one line, exit 2, no report
+            results[name] = TierFailure.of(name, exc)
+        except Exception as exc:  # the model broke this tier: a FAIL in the report, and the other tiers run
+            results[name] = TierFailure.of(name, exc)
         seconds[name] = time.perf_counter() - start
         statuses[name] = results[name].status
     # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.

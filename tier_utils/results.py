@@ -52,11 +52,12 @@ def worst_status(statuses) -> str:
 
 def run_metadata(device=None, dtype=None) -> dict:
     """What every measured figure is stamped with: device name, dtype, torch version, time."""
+    from .measure import threads_note
     from .precision import device_name, resolve_device
 
     dev = resolve_device(device)
     meta = {"device": str(dev), "device_name": device_name(dev), "torch": torch.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "threads": torch.get_num_threads(), "threads_reason": threads_note(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if dtype is not None:
         meta["dtype"] = str(dtype).replace("torch.", "")
@@ -96,6 +97,29 @@ class Result(ABC):
 
     def _repr_html_(self) -> str:
         return self.overview().to_html(index=False, float_format=_short)  # the row numbers carry nothing
+
+
+@dataclass(repr=False)
+class TierFailure(Result):
+    """A tier that raised on this model, as a result: one FAIL row naming the exception, so a job running
+    several tiers reports it and goes on."""
+
+    tier: str
+    error: str
+
+    @classmethod
+    def of(cls, tier: str, exc: BaseException) -> TierFailure:
+        return cls(tier, describe(exc))
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return checks_table([Check("run", "FAIL", None, None, f"{self.tier} raised {self.error}")])
+
+    def plot(self):
+        return None
+
+    def to_json(self) -> dict:
+        return {"status": "FAIL", "tier": self.tier, "error": self.error}
 
 
 def _short(value: float) -> str:

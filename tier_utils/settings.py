@@ -92,7 +92,8 @@ class TrainConfig:
     """Every training setting. `max_steps`, when set, wins over `epochs`; counts are optimizer steps.
 
     A history row aggregates `log_every` steps (more on very long runs, to keep about 2000 rows).
-    Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every` steps and at the end of the run.
+    Checkpoints go to checkpoint_dir/last.pt every `checkpoint_every` steps and at the end of the run (an early
+    stop included), and to checkpoint_dir/best.pt after each evaluation with the lowest val loss so far.
     """
 
     precision: str = setting("auto", "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)")
@@ -113,9 +114,17 @@ class TrainConfig:
                                      low=0)
     eval_batches: int | None = setting(20, "validation batches per evaluation (none: all)", low=1)
     log_every: int | None = setting(None, "steps per history row (none: every step on short runs, else 10)", low=1)
-    checkpoint_dir: str | None = setting(None, "folder for last.pt")
+    checkpoint_dir: str | None = setting(None, "folder for last.pt, and best.pt (the lowest val loss so far)")
     checkpoint_every: int | None = setting(None, "steps between checkpoints (none: only at the end)", low=1)
     resume: bool = setting(False, "continue from the checkpoint folder's last.pt when it exists")
+    early_stop_patience: int | None = setting(None, "stop after this many evaluations in a row without val loss "
+                                                    "improving (none: off)", low=1)
+    early_stop_min_delta: float = setting(0.0, "the least fall in val loss that counts as an improvement for "
+                                               "early stopping", low=0)
+    restore_best: bool = setting(False, "end with the weights of the lowest val loss (best.pt), not the last "
+                                        "step's")
+    save_hf: str | None = setting(None, "after training, write a transformers model and its tokenizer to this "
+                                        "folder with save_pretrained")
     progress: bool = setting(True, "progress bars")
     device: str | None = setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
     loggers: tuple = setting((), "experiment loggers, rank 0 only: tensorboard, wandb, mlflow", flag="log")
@@ -133,15 +142,18 @@ class TrainConfig:
         self.precision = canonical_precision(self.precision)
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
+        check_switch(self, "restore_best")
         check_fields(self)
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir=DIR, the folder holding the run's checkpoint")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
+        if self.restore_best and self.checkpoint_dir is None:
+            raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("device", "checkpoint_dir", "log_dir"):
+        for name in ("device", "checkpoint_dir", "log_dir", "save_hf"):
             d[name] = None if d[name] is None else str(d[name])
         return d
 

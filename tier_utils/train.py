@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import distributed
 from .adapter import ModelAdapter, resolve_model
 from .checkpoint import (
+    BEST_NAME,
     CHECKPOINT_NAME,
     CheckpointError,
     data_fingerprint,
@@ -30,17 +31,21 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .compiling import compile_for_training
-from .data import build_datasets, make_loader, to_device
+from .data import make_loader, to_device
 from .errors import DataError, TierError
 from .files import run_lock
+from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .hub import HUB_PREFIX
 from .loggers import open_train_run
 from .metrics import evaluate
+from .models import source_of
 from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata
 from .seeding import rng_state, seed_everything, set_rng_state
 from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .tokenizer import BYTES
 from .validation import writable_dir
 
 
@@ -206,6 +211,8 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
+    if cfg.save_hf is not None:
+        writable_dir(cfg.save_hf, "save_hf")
     env = distributed.setup(cfg.device)
     # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
     locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
@@ -226,6 +233,7 @@ class _Run:
         self.cfg, self.on_eval, self.env = cfg, on_eval, env
         seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
         self.adapter = resolve_model(model, **model_kwargs)
+        check_save_hf(self.adapter.model, cfg.save_hf)  # a model with no save_pretrained form: refused before any step
         self.device = env.device or resolve_device(cfg.device)
         # As given: a Precision already decided for this device is kept, reason included.
         self.precision: Precision = resolve_precision(precision or cfg.precision, self.device)
@@ -234,9 +242,8 @@ class _Run:
         self.adapter.check_forward()
         if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
             self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
-        splits = build_datasets(data, task=self.adapter.task, seq_len=cfg.seq_len, vocab_size=self.adapter.vocab_size,
-                                num_classes=self.adapter.num_classes, seed=cfg.seed, max_len=self.adapter.max_len)
-        self.data_source = splits.source
+        splits = self.adapter.datasets(data, cfg.seq_len, cfg.seed)
+        self.data = splits.describe()
         self.sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
         self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
         if self.steps_per_epoch < 1:
@@ -244,6 +251,7 @@ class _Run:
             raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
                             f"of {need}; lower batch_size or grad_accum_steps, or give more data")
         self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
         self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
         self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
@@ -257,6 +265,8 @@ class _Run:
         self.hist = History(self.device, env.all_mean if env.active else None)
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
+        self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
+        self.weights = self.saved_hf = None  # what the returned model holds, and what save_hf wrote (end of run)
         ddp = distributed.wrap(module, env)
         self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
                                  self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
@@ -280,6 +290,7 @@ class _Run:
         interrupted = False
         try:
             self._loop()
+            self._finish()
         except KeyboardInterrupt:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
@@ -304,7 +315,7 @@ class _Run:
 
     def _loop(self) -> None:
         cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.selection.stop:  # a resumed early stop stays stopped
             epoch, pos = divmod(self.step, spe)
             self.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch) alone
             self.sampler.start = pos * accum * cfg.batch_size
@@ -324,7 +335,7 @@ class _Run:
                     self.bar.update()
                 self._after_step()
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
-                if self.step >= self.total_steps:
+                if self.step >= self.total_steps or self.selection.stop:
                     break
 
     def _after_step(self) -> None:
@@ -343,9 +354,12 @@ class _Run:
             metrics = self._evaluate()
             self.hist.epoch_row(s, s / self.steps_per_epoch, metrics)
             self._report(metrics)
-        if self.ckpt_path is not None and ((cfg.checkpoint_every and s % cfg.checkpoint_every == 0)
-                                           or s == self.total_steps):
-            self._save()
+        stopping = self.selection.stop
+        if stopping:  # the steps since the last row become one, as on Ctrl-C
+            self.hist.emit(s, s / self.steps_per_epoch)
+        if self.ckpt_path is not None:
+            last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.total_steps or stopping
+            self._save(last=bool(last), best=self.selection.best_step == s)
 
     def _check(self, bad) -> None:
         """Stop at the first diverged step, keeping the good steps before it as a row."""
@@ -364,37 +378,65 @@ class _Run:
         self.hist.close_training_peak()
         metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
         self.val_targets = metrics["targets"]
+        self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def _save(self) -> None:
+    def _save(self, last: bool = True, best: bool = False) -> None:
+        """Write last.pt and/or best.pt (one state, the same bytes; best.pt: this step has the lowest val loss)."""
+        if not (last or best):
+            return
         self._check(self.hist.sync())  # never write a diverged state
         rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
         if self.env.is_main:
-            save_checkpoint(self.ckpt_path, {
+            save_checkpoint([self.ckpt_path] * last + [self.best_path] * best, {
                 "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "precision": self.precision.name,
                 "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info,
+                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
+                "selection": self.selection.state_dict(),
             })
-        self.last_saved = self.step
+        if last:
+            self.last_saved = self.step
+
+    def _source(self) -> dict | None:
+        """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
+        fed it. None for a module built in Python, which no spec can rebuild."""
+        source = source_of(self.adapter.model)
+        if source is None or source.spec is None:
+            return None
+        tokenizer = self.adapter.tokenizer
+        name = tokenizer.name
+        if name != BYTES and not (name.startswith(HUB_PREFIX) or Path(name).is_dir()):
+            # A tokenizer made in memory has no folder or hub id to load it from: keep its files beside the
+            # checkpoints, so load_model(checkpoint) finds the same ids.
+            folder = self.ckpt_path.parent / "tokenizer"
+            if not folder.is_dir():
+                tokenizer.save(folder)
+            name = str(folder.resolve())
+        return source.record(None if name == BYTES else name)
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
         at_boundary = self.step % self.steps_per_epoch == 0
         return self.loader.generator.get_state() if at_boundary else self.epoch_gen
 
-    def _load(self) -> None:
-        state = load_checkpoint(self.ckpt_path)
+    def _differences(self, state: dict) -> list[str]:
+        """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
         saved = state["config"]
         differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
         if state["world_size"] != self.env.world_size:
             differ.append(f"world size {state['world_size']}")
+        return differ
+
+    def _load(self) -> None:
+        state = load_checkpoint(self.ckpt_path)
+        differ = self._differences(state)
         if differ:
             raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
                                   "settings or use a new checkpoint_dir")
@@ -412,9 +454,22 @@ class _Run:
         if self.step_fn.scaler.is_enabled():
             self.step_fn.scaler.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
+        self.selection.load_state_dict(state.get("selection"))
+        later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
+        if later and not self._differences(later) and later["data"] == self.data_info:
+            self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
         self._resume_gen = state["loader_generator"]
         self.step = self.last_saved = self.resumed_from = state["step"]
         set_rng_state(state["rng"][self.env.rank])
+
+    def _finish(self) -> None:
+        """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
+        weights = f"final weights (step {self.step})"
+        if self.cfg.restore_best:
+            self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
+            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
+        if self.cfg.save_hf is not None and self.env.is_main:
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -422,9 +477,11 @@ class _Run:
         last_step = self.hist.last("step") or {}
         last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), {})
         cfg, env, info = self.cfg, self.env, self.compile_info
+        unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
             model=type(self.adapter.model).__name__, task=self.adapter.task,
-            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data_source,
+            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data["data"],
+            tokenizer=self.data["tokenizer"], validation=self.data["validation"],
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
             train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
             perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
@@ -439,6 +496,9 @@ class _Run:
             checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
             interrupted=interrupted, diverged_at_step=diverged_at,
             run_metadata=run_metadata(self.device, self.precision.dtype),
+            **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
+            hf_folder=cfg.save_hf if self.saved_hf else None,
+            hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())

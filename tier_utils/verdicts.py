@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .measure import Stats
+from .measure import Load, Stats
 from .results import Check
 from .settings import Thresholds
 
@@ -30,9 +30,27 @@ def speedup(base: Stats, other: Stats) -> dict:
     """fp32's step time over `other`'s: ratio of medians, and the range the two IQRs allow.
 
     When the two step-time IQRs overlap the precisions are indistinguishable at this noise level.
+    `spread_over_median`: the wider of the two step-time IQRs over its own median (above 1: noise
+    as large as the step itself).
     """
     return {"median": base.median / other.median, "low": base.q1 / other.q3, "high": base.q3 / other.q1,
-            "no_measurable_difference": base.q1 <= other.q3 and other.q1 <= base.q3}
+            "no_measurable_difference": base.q1 <= other.q3 and other.q1 <= base.q3,
+            "spread_over_median": max(base.iqr / base.median, other.iqr / other.median)}
+
+
+def too_wide(sp: dict, threshold: float) -> bool:
+    """Is the spread too wide to decide anything? Either the ratio's IQR range holds both `threshold`
+    and 1.0 (it allows "slower" and "fast enough" alike), or a step time's IQR exceeds its median."""
+    spans = sp["low"] <= min(1.0, threshold) and sp["high"] >= max(1.0, threshold)
+    return spans or sp.get("spread_over_median", 0.0) > 1.0
+
+
+def inconclusive(load: Load | None) -> str:
+    """The detail of a timing verdict too noisy to give: why, and what to do (first, to survive clipping)."""
+    if load is None:
+        return "inconclusive: the timings spread too widely to judge; rerun idle or with more repeats"
+    cause = "the machine was busy" if load.busy else "the timings spread too widely to judge"
+    return f"inconclusive: {cause} ({load}); rerun idle or with more repeats"
 
 
 def reduction(base_bytes, other_bytes) -> float | None:
@@ -84,9 +102,14 @@ def launch_bound(step_ms: float, floor_ms: float, mfu: float | None, batch_size:
             "suggest_batch": suggest, "reason": reason}
 
 
-def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | None = None) -> PrecisionCheck:
-    """`bound`: `launch_bound()`'s diagnosis of fp32's step; a launch-bound size turns a miss into WARN."""
+def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | None = None,
+                load: Load | None = None) -> PrecisionCheck:
+    """`bound`: `launch_bound()`'s diagnosis of fp32's step; a launch-bound size turns a miss into WARN.
+    A spread too wide to decide (`too_wide`) gives WARN "inconclusive: ..." naming the CPU `load`."""
     detail = f"{sp['median']:.2f}x (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats)"
+    if too_wide(sp, t.speedup):
+        return PrecisionCheck("speedup vs fp32", "WARN", round(sp["median"], 4), t.speedup,
+                              f"{inconclusive(load)}; measured {detail}", precision)
     if sp["low"] >= t.speedup:
         status = "PASS"
     elif sp["high"] < t.speedup:
@@ -174,11 +197,17 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
     return PrecisionCheck(name, "WARN", round(dev, 4), t.parity_tolerance, f"{detail}{scaler}", precision)
 
 
-def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float, t: Thresholds) -> PrecisionCheck:
+def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float, t: Thresholds,
+                  load: Load | None = None) -> PrecisionCheck:
     """Compiled against the same precision eager: PASS when the whole IQR range is faster, FAIL when
-    it is all slower; the detail says after how many steps the compile time is paid back."""
+    it is all slower; the detail says after how many steps the compile time is paid back.
+    A step-time IQR wider than its median gives WARN "inconclusive: ..." (the threshold here is 1.0
+    itself, so a range holding it is "no measurable difference", a finding, not noise)."""
     detail = f"{sp['median']:.2f}x eager (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats); " \
              f"compile {compile_s:.1f} s"
+    if sp.get("spread_over_median", 0.0) > 1.0:
+        return PrecisionCheck("compile speedup vs eager", "WARN", round(sp["median"], 4), 1.0,
+                              f"{inconclusive(load)}; measured {detail}", precision, "compiled")
     if sp["low"] > 1:
         status = "PASS"
         detail += f", paid back after {math.ceil(compile_s * 1e3 / saved_ms)} steps at the median step times"
@@ -205,24 +234,25 @@ def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -
 
 
 def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
-                  overhead: dict | None) -> list[PrecisionCheck]:
+                  overhead: dict | None, load: Load | None = None) -> list[PrecisionCheck]:
     """The verdict rows of a benchmark's PrecisionRecord `rec` against the baseline's `base`; a compiled
-    one's also judge it against the same precision eager. `skip_reason`: why it did not run."""
-    rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead)
+    one's also judge it against the same precision eager. `skip_reason`: why it did not run; `load`:
+    the CPU load the timings ran under, named by a timing verdict too noisy to give."""
+    rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
     info, vs_eager = rec.compile, (rec.speed or {}).get("speedup_vs_eager")
     if info is not None and not info["compiled"]:
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], rec.precision))
     elif vs_eager is not None:
         ms = rec.speed["step_ms"]
         saved_ms = vs_eager["median"] * ms["median"] - ms["median"]  # eager's median step minus this one's
-        rows.insert(0, compile_check(rec.precision, vs_eager, ms["n"], info["compile_s"], saved_ms, t))
+        rows.insert(0, compile_check(rec.precision, vs_eager, ms["n"], info["compile_s"], saved_ms, t, load))
     for row in rows:
         row.mode = rec.mode
     return rows
 
 
 def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
-                      overhead: dict | None) -> list[PrecisionCheck]:
+                      overhead: dict | None, load: Load | None) -> list[PrecisionCheck]:
     name = rec.precision
     if rec.stopped:
         return nonfinite_checks(name, rec.stopped, t)
@@ -233,7 +263,7 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
     forced = " [forced: not native on this device]" if rec.forced else ""
     rows = []
     if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
-        rows += [speed_check(name, rec.speed["speedup"], rec.speed["step_ms"]["n"], t, overhead),
+        rows += [speed_check(name, rec.speed["speedup"], rec.speed["step_ms"]["n"], t, overhead, load),
                  memory_check(name, rec.memory["reduction"], t)]
     if not accuracy_steps:
         rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
@@ -253,3 +283,25 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
 def _pct(fraction: float) -> str:
     return f"{-fraction:+.1%}"  # a 40 % reduction reads as -40.0 %
 
+
+
+FAR_APART = 2.0  # train's step also fetches its batch and keeps its history: a few per cent, never 2x
+
+
+def step_agreement(train_ms: dict, bench_ms: dict, same: str, load: Load | None = None) -> Check | None:
+    """Did two tiers time the same step alike? `train_ms`, `bench_ms`: step-time stats (median, q1, q3,
+    iqr, n) of training and of the benchmark at the same model, precision and batch, described by `same`.
+    A WARN row when their medians lie more than FAR_APART apart and their IQRs don't overlap: the load
+    changed between them, and neither figure describes the model alone; None when they agree."""
+    ratio = max(train_ms["median"], bench_ms["median"]) / min(train_ms["median"], bench_ms["median"])
+    overlap = train_ms["q1"] <= bench_ms["q3"] and bench_ms["q1"] <= train_ms["q3"]
+    if ratio <= FAR_APART or overlap:
+        return None
+    busy = f" ({load})" if load is not None else ""
+
+    def said(s):
+        return f"{s['median']:,.4g} ms (median, IQR {s['iqr']:,.3g}, n={s['n']})"
+
+    return Check("step time: train vs amp_benchmark", "WARN", round(ratio, 2), FAR_APART,
+                 f"the same step timed {ratio:.1f}x apart: the machine's load changed between the two{busy}; "
+                 f"rerun idle; train {said(train_ms)}, amp_benchmark {said(bench_ms)} at {same}")

@@ -19,7 +19,7 @@ from .precision import canonical_precision, resolve_device, resolve_precision, s
 from .settings import FAST, check_fields, check_switch, setting
 
 MAX_BATCH_SIZE = 4096
-PANEL_FIELDS = ("model", "precision", "batch_size", "compile")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -48,8 +48,10 @@ class RunConfig:
     `model_kwargs`, `batch_size` and `seq_len` left at None are sized for the device (DEVICE_SIZES;
     model_kwargs only for the built-in models, whose size arguments are known)."""
 
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
     model_kwargs: dict | None = None
+    tokenizer: str | None = None  # None: the model's own (bytes for built-ins)
+    data: str | None = None  # None: the bundled corpus; else a file, folder, table or hf-dataset:NAME
     precision: str = "auto"
     batch_size: int | None = setting(None, low=1, high=MAX_BATCH_SIZE)
     seq_len: int | None = setting(None, low=1)
@@ -73,7 +75,7 @@ class RunConfig:
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
         from the same weights, so re-running a cell with new settings compares like with like."""
         torch.manual_seed(self.seed)
-        return load_model(self.model, **self.model_kwargs)
+        return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +97,12 @@ class ConfigPanel(widgets.VBox):
         if current not in precisions:
             precisions.append(current)  # e.g. fp16 forced on a CPU: shown, not silently replaced
         style = {"description_width": "90px"}
-        self.model_select = widgets.Dropdown(options=names, value=config.model, description="model", style=style)
+        # A combobox: pick a built-in or type any spec (a folder, hf:ORG/NAME, runs/x/checkpoints/last.pt).
+        self.model_select = widgets.Combobox(options=names, value=config.model, description="model", style=style,
+                                             ensure_option=False, placeholder="built-in, folder, hf:ORG/NAME, .pt")
+        self.data_input = widgets.Combobox(options=["synthetic"], value=config.data or "", description="data",
+                                           style=style, ensure_option=False,
+                                           placeholder="bundled corpus; or a file, folder, hf-dataset:NAME")
         self.precision_select = widgets.Dropdown(options=precisions, value=current, description="precision",
                                                  style=style)
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
@@ -103,21 +110,22 @@ class ConfigPanel(widgets.VBox):
         self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
-        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.precision_select, self.batch_size_input,
-                                                  self.compile_box)):
+        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.data_input, self.precision_select,
+                                                  self.batch_size_input, self.compile_box)):
             widget.observe(self._set(name), names="value")
         self._show_decision()
         if kept:
             shown = ", ".join(f"{k}={v}" for k, v in kept.items())
             self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
                       "<code>tier_utils.widgets.forget_panel_choices()</code> drops it")
-        super().__init__([self.model_select, self.precision_select, self.batch_size_input, self.compile_box,
-                          self.decision, self.status])
+        super().__init__([self.model_select, self.data_input, self.precision_select, self.batch_size_input,
+                          self.compile_box, self.decision, self.status])
 
     def _set(self, attribute: str):
         def write(change):
-            setattr(self.config, attribute, change["new"])
-            _user_choices[attribute] = change["new"]
+            value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
+            setattr(self.config, attribute, value)
+            _user_choices[attribute] = value
             self._show_decision()
             self._say(f"{attribute} is now {html.escape(str(change['new']))}: outputs below are from the old "
                       "settings; re-run from the cell after this panel (Run ▸ Run Selected Cell and All Below)")
@@ -140,7 +148,8 @@ class ConfigPanel(widgets.VBox):
 
 
 def config_panel(config: RunConfig, models=None) -> ConfigPanel:
-    """A widget box editing `config` in place: model (built-ins), precision (auto + what the device runs
-    natively), batch size, torch.compile on/off. `models` overrides the model choices. Choices the user
-    made in an earlier panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
+    """A widget box editing `config` in place: model (a built-in, or any spec typed in), data (empty: the
+    bundled corpus), precision (auto + what the device runs natively), batch size, torch.compile on/off.
+    `models` overrides the model choices offered. Choices the user made in an earlier panel of this kernel
+    are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..budget import affordable_repeats
 from ..results import Check
-from .common import Context, Outcome, head, token_text
+from .common import Context, Outcome, head
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -71,14 +71,14 @@ def run(ctx: Context) -> Outcome:
         return Outcome([Check("saliency", "SKIP", None, None,
                               f"{adapter.name} exposes no nn.Embedding to attribute to")])
     # One sequence first, timed: as many of the first batch's sequences as fit the time budget follow.
-    total, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
+    rows, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
     batch = head(ctx.batches[0], 1)
     sal, target = saliency(ctx, batch)
-    n = affordable_repeats(time.perf_counter() - start, BUDGET_S, total)
+    n = affordable_repeats(time.perf_counter() - start, BUDGET_S, rows)
     if n > 1:
         batch = head(ctx.batches[0], n)
         sal, target = saliency(ctx, batch)
-    scope = f"; {n} of {total} sequences, as many as fit the {BUDGET_S:g} s budget" if n < total else ""
+    scope = f"; {n} of {rows} sequences, as many as fit the {BUDGET_S:g} s budget" if n < rows else ""
     mask = ctx.mask(batch)
     if not torch.isfinite(sal).all():
         return Outcome([Check("saliency", "FAIL", None, None, "gradient x input is NaN/inf: the backward pass "
@@ -106,12 +106,13 @@ def run(ctx: Context) -> Outcome:
     n = int(lengths[0])
     tokens = batch["input_ids"][0, :n].tolist()
     s0 = sal[0, :n].cpu()
-    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [token_text(t) for t in tokens],
+    label = adapter.tokenizer.label  # decoded tokens of the model's own vocabulary
+    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [label(t) for t in tokens],
                           "saliency": s0.tolist(), "share": (s0.abs() / s0.abs().sum().clamp_min(1e-30)).tolist()},
                          columns=COLUMNS)
     top = table.nlargest(3, "share")
     target0 = int(target[0])
-    goal = (f"next token {token_text(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
+    goal = (f"next token {label(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
     detail = f"{what}{scope}; example 0 ({goal}) leans most on " + ", ".join(
         f"{r.text!r}@{r.position}" for r in top.itertuples())
     return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],

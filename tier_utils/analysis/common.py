@@ -1,4 +1,4 @@
-"""What every tier-2 analysis shares: the run context, an analysis' outcome, token labels, figures."""
+"""What every tier-2 analysis shares: the run context, an analysis' outcome, figures."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,15 +58,6 @@ def head_rows(batches: list[dict], rows: int) -> list[dict]:
         kept.append(head(batch, rows))
         rows -= len(kept[-1]["input_ids"])
     return kept
-
-
-def token_text(token: int) -> str:
-    """A printable label for a byte-level token (other vocabularies show the id)."""
-    if token == 10:
-        return "⏎"
-    if 32 <= token < 127:
-        return chr(token)
-    return f"<{token}>" if token >= 256 else "·"
 
 
 def message_figure(title: str, text: str) -> Figure:

@@ -14,7 +14,7 @@ import torch
 
 from ..adapter import resolve_model
 from ..budget import read_budget
-from ..data import build_datasets, make_loader, to_device
+from ..data import make_loader, to_device
 from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
@@ -42,17 +42,16 @@ ANALYSES: dict[str, Analysis] = {m.__name__.rpartition(".")[2]: Analysis(m.run, 
 TABLE_COLUMNS = ["analysis", "check", "status", "value", "threshold", "detail"]
 
 
-def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], str]:
+def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], dict]:
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
     whole_number(batch_size, "batch_size")
     whole_number(n_batches, "n_batches")
-    splits = build_datasets(data, task=adapter.task, seq_len=adapter.fit_length(seq_len),
-                            vocab_size=adapter.vocab_size, num_classes=adapter.num_classes, max_len=adapter.max_len)
+    splits = adapter.datasets(data, adapter.fit_length(seq_len))
     loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
     if not batches:
         raise DataError("the validation split is empty; give more data")
-    return batches, splits.source
+    return batches, splits.describe()
 
 
 def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
@@ -149,11 +148,11 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
         adapter = resolve_model(model, **model_kwargs)
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         outcomes = {name: Outcome([Check("error", "FAIL", None, None, f"not run: {exc}")]) for name in names}
-        data_info = {"source": "none", "batches": 0, "batch_size": batch_size, "seq_len": 0}
+        data_info = {"data": "none", "source": "none", "batches": 0, "batch_size": batch_size, "seq_len": 0}
         return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec.to_dict(), data_info,
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
-    batches, source = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
+    batches, described = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
     ctx = Context(adapter, batches, prec, read_budget(dev))
     outcomes, seconds = {}, {}
     was_training = module.training
@@ -163,7 +162,7 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
             outcomes[name], seconds[name] = _isolated(name, ctx)
     finally:
         module.train(was_training)
-    data_info = {"source": source, "batches": len(batches), "batch_size": batch_size,
+    data_info = {**described, "batches": len(batches), "batch_size": batch_size,
                  "seq_len": int(batches[0]["input_ids"].size(1))}
     return AnalysisReport(outcomes, seconds, adapter.summary(), prec.to_dict(), data_info,
                           run_metadata(dev, prec.dtype))

@@ -16,6 +16,7 @@ killed and the script stops (a shared machine must not be pushed into swap or th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -144,6 +145,10 @@ def measure_model(name: str, py: str, min_free: int) -> dict:
                          "peak_rss_gib": got["peak_rss_gib"], "exit_code": got["rc"]}
             print(f"  {verb:<11} {got['seconds']:7.1f} s = {got['seconds'] / step_s:5.2f} steps · peak RSS "
                   f"{got['peak_rss_gib']:.2f} GiB · exit {got['rc']} · load {load_average()}", flush=True)
+            if verb == "all --fast":  # where its time went
+                tiers = json.loads((Path(tmp) / "out.json").read_text())["tiers"]
+                row[verb]["tier_seconds"] = {t["tier"]: t["seconds"] for t in tiers}
+                print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
     return row
 
 

@@ -11,7 +11,7 @@ first pays one-time allocations). Targets (issue 24) for GPT-2-small on a 2-core
 The machine is watched while a child runs: if available RAM falls under --min-free-gib, the child is
 killed and the script stops (a shared machine must not be pushed into swap or the OOM killer).
 
-    python bench/scale.py [--models small,medium] [--json out.json]
+    python bench/scale.py [--models small,medium] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ print(times[0], times[1])
 """
 
 
+CHILD_ENV = dict(os.environ)
+
+
 class TooLittleMemory(RuntimeError):
     pass
 
@@ -69,7 +72,7 @@ def measure(argv: list[str], min_free: int) -> dict:
     below `min_free`."""
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", _WRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)
+                             text=True, start_new_session=True, env=CHILD_ENV)
     low, done = [], threading.Event()
 
     def watch():
@@ -100,12 +103,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="small,medium", help="comma-separated: small, medium (medium last)")
     parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of every child, the plain step's included (default: one per core)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    # The same count everywhere: tier_utils would otherwise pick its own from the load, which the previous
+    # child has just raised, and the step and the tiers would run on different thread counts.
+    CHILD_ENV["OMP_NUM_THREADS"] = str(args.threads)
     names = [n for n in CONFIGS if n in args.models.split(",")]
     py, min_free = sys.executable, int(args.min_free_gib * 2**30)
     print(f"{cpu_name()} · {os.cpu_count()} cores · {psutil.virtual_memory().total / 2**30:.0f} GiB RAM · "
-          f"load {load_average()}", flush=True)
+          f"load {load_average()} · {args.threads} torch threads in every child", flush=True)
     rows, stopped = [], None
     try:
         for name in names:
@@ -122,8 +130,8 @@ def main(argv=None) -> int:
               + f" · smoke peak RSS {rss:.2f} <= {RSS_TARGET_GIB:g} GiB: "
               + ("met" if rss <= RSS_TARGET_GIB else "NOT met"))
     if args.json:
-        write_json(args.json, {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average_1m": load_average(),
-                               "rows": rows, "stopped": stopped})
+        write_json(args.json, {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
+                               "load_average_1m": load_average(), "rows": rows, "stopped": stopped})
     return 3 if stopped else 0
 
 

@@ -84,8 +84,13 @@ def measure(argv: list[str], min_free: int) -> dict:
                 return
 
     threading.Thread(target=watch, daemon=True).start()
-    out, err = child.communicate()
-    done.set()
+    try:
+        out, err = child.communicate()
+    except BaseException:  # Ctrl-C: the child is in its own session, so it must be ended here
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
+    finally:
+        done.set()
     wall = time.perf_counter() - start
     if low:
         raise TooLittleMemory(f"killed {' '.join(argv[2:5])}: available RAM fell to {low[0] / 2**30:.1f} GiB")

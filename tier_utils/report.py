@@ -343,5 +343,6 @@ def _train(model, data, config: TrainConfig):
         return exc.result
     if result.interrupted:
         raise KeyboardInterrupt
+    result.model.zero_grad(set_to_none=True)  # the report keeps the trained copy; its gradients, not
     return result
 

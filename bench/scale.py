@@ -122,12 +122,12 @@ def main(argv=None) -> int:
     rows, stopped = [], None
     try:
         for name in names:
-            rows.append(measure_model(name, py, min_free))
+            measure_model(name, py, min_free, rows)
     except TooLittleMemory as exc:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
     small = next((r for r in rows if r["model"] == "GPT-2-small"), None)
-    if small:
+    if small and all(verb in small for verb in TARGETS):
         met = ["met" if small[verb]["steps"] <= limit else "NOT met" for verb, limit in TARGETS.items()]
         rss = small["smoke"]["peak_rss_gib"]
         print("targets, GPT-2-small: " + " · ".join(f"{verb} {small[verb]['steps']:.2f} <= {limit:g} steps: {m}"
@@ -140,12 +140,14 @@ def main(argv=None) -> int:
     return 3 if stopped else 0
 
 
-def measure_model(name: str, py: str, min_free: int) -> dict:
+def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
+    """One model's row, appended to `rows` before its verbs run: a run stopped half-way keeps what it measured."""
     kwargs = CONFIGS[name]
     step = measure([py, "-c", _STEP.replace("{kwargs}", repr(kwargs))], min_free)
     first_s, step_s = map(float, step["stdout"].split())
     row = {"model": f"GPT-2-{name}", **kwargs, "step_s": step_s, "first_step_s": first_s,
            "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}
+    rows.append(row)
     print(f"GPT-2-{name}: plain fp32 step at 1x1024: {step_s:.1f} s (first {first_s:.1f} s), "
           f"peak RSS {step['peak_rss_gib']:.2f} GiB", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +164,6 @@ def measure_model(name: str, py: str, min_free: int) -> dict:
                 tiers = json.loads((Path(tmp) / "out.json").read_text())["tiers"]
                 row[verb]["tier_seconds"] = {t["tier"]: t["seconds"] for t in tiers}
                 print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
-    return row
 
 
 if __name__ == "__main__":

@@ -292,3 +292,40 @@ def test_nan_models_get_no_pass_from_any_analysis_that_reads_outputs(tiny_model)
     assert (att.status == "FAIL").all() and att.detail.str.contains("NaN/inf weights in blocks.0.attn").all()
     rec = table[table.check == "recommendation"].iloc[0]
     assert rec.status == "FAIL" and "first in blocks.0.attn.qkv" in rec.detail
+
+
+def test_robustness_compares_as_many_sequences_as_its_time_budget_allows(monkeypatch):
+    from tier_utils.analysis import robustness
+
+    monkeypatch.setattr(robustness, "BUDGET_S", 0.0)  # a model so big one sequence is all the budget holds
+    report = analyze("tiny-gpt", analyses="robustness", **SMALL, **TINY)
+    df = report.frames["robustness"]
+    assert (df.n <= SMALL["seq_len"]).all()  # one sequence's predictions, not 4
+    rows = report.table
+    assert rows.detail.str.contains("1 of 4 sequences, as many as fit the 0 s budget").all()
+    assert (rows.status != "FAIL").all()
+
+
+def test_headroom_compares_emulated_precisions_on_one_sequence_and_dtypes_on_a_short_one(monkeypatch):
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "")  # a CPU with neither bf16 nor fp16: both emulated
+    torch.manual_seed(0)
+    report = analyze(TinyGPT(**TINY), analyses=["headroom", "dtypes"], precision="fp32", **SMALL)
+    drift = report.table.set_index("check").loc["fp16 drift"]
+    assert "(on 1 of the first batch's 4 sequences: bf16 and fp16 emulated on cpu (slow))" in drift.detail
+    assert drift.status == "PASS"
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16,avx512_fp16")  # both native: the whole batch
+    report = analyze(TinyGPT(**TINY), analyses=["headroom"], precision="fp32", **SMALL)
+    assert "sequences:" not in report.table.set_index("check").loc["fp16 drift"].detail
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "64KiB")  # too little for 3 copies of every layer's output
+    report = analyze(TinyGPT(**TINY), analyses=["headroom"], precision="fp32", **SMALL)
+    assert "sequences: every layer's output in 3 precisions, at most" in \
+        report.table.set_index("check").loc["fp16 drift"].detail
+
+
+def test_attribution_attributes_as_many_sequences_as_its_time_budget_allows(monkeypatch):
+    from tier_utils.analysis import attribution
+
+    monkeypatch.setattr(attribution, "BUDGET_S", 0.0)
+    row = analyze("tiny-gpt", analyses="attribution", **SMALL, **TINY).table.iloc[0]
+    assert row.status == "PASS" and "(mean over 1 sequences); 1 of 4 sequences, as many as fit the 0 s budget" \
+        in row.detail

@@ -428,7 +428,9 @@ def test_written_files_follow_the_umask(tmp_path):
 
 
 def test_stale_temp_files_are_removed_on_the_next_write(tmp_path):
-    stale = [tmp_path / ".last.pt.ab_c1234", tmp_path / ".last.pt.zzzzzzzz"]
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a writer that has ended: its temps are stale (tests/test_files.py: a live one's are kept)
+    stale = [tmp_path / f".last.pt.{child.pid}.ab_c1234", tmp_path / f".last.pt.{child.pid}.zzzzzzzz"]
     for p in stale:
         p.write_bytes(b"x" * 100)  # what a SIGKILL mid-write leaves
     keep = [tmp_path / ".last.pt.not-ours-at-all", tmp_path / ".other.pt.abcd1234", tmp_path / "notes.txt"]

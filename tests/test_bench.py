@@ -231,7 +231,7 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "train_examples", "val_examples", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
-                                  "compile_mode", "thresholds"}
+                                  "compile_mode", "thresholds", "fit"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
@@ -536,3 +536,53 @@ def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():
     m = fp32_measure(adapt(model), 16)(2)
     assert m["step_ms"] > 0 and m["floor_ms"] > 0 and m["peak_bytes"] is None  # CUDA only
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# --- sized to the device: the fit planner and out-of-memory -------------------------------------
+
+def test_the_comparison_runs_at_the_largest_batch_every_precision_fits(monkeypatch):
+    from tier_utils.fit import plan
+
+    model = tiny(seed=0)
+    configs = plan(adapt(model), ["fp32", "bf16"], 16)[0]
+    need = max(c.step_bytes(2, 16) for c in configs)  # bf16's autocast weight copies may make it the bigger one
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2 * need + 64))  # a safe share (half) that fits batch 2
+    result = amp_benchmark(model, **{**RUN, "batch_size": 8, "precisions": ("fp32", "bf16")})
+    fit = result.config["fit"]
+    largest = fit["largest_batch_predicted"]
+    assert result.config["batch_size"] == min(largest.values()) >= 2 and fit["batch_size_asked"] == 8
+    assert fit["reason"].startswith(f"batch 8 does not fit every compared precision here; run at "
+                                    f"{result.config['batch_size']}, the largest all of them fit (predicted: fp32 ")
+    assert _rec(result, "fp32").speed is not None and _rec(result, "bf16").speed is not None
+
+
+def test_a_baseline_that_fits_nothing_skips_every_precision_with_the_reason(monkeypatch):
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "64KiB")
+    result = amp_benchmark(tiny(seed=0), **{**RUN, "precisions": ("fp32", "bf16")})
+    assert not any(r.ran for r in result.records)
+    rows = result.verdicts
+    assert (rows.status == "SKIP").all()
+    detail = rows[rows.precision == "bf16"].detail  # bf16 fits no more than fp32 here: its own reason
+    assert detail.str.startswith("does not fit here: a training step at batch 1, T=16 predicted").all()
+    assert "TIER_UTILS_FREE_MEMORY" in detail.iloc[0] and not result.records[0].ran
+
+
+class OOMUnderAutocast(TinyGPT):
+    """A pretend GPU with room for fp32 only at the benchmark's batch: bf16 there runs out of memory (the
+    planner's small measurements still run)."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        if torch.is_autocast_enabled("cpu") and input_ids.size(0) >= 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return super().forward(input_ids, attention_mask, inputs_embeds)
+
+
+def test_out_of_memory_in_one_precision_skips_it_and_the_run_goes_on():
+    result = amp_benchmark(OOMUnderAutocast(**dict(d_model=32, n_layer=1, n_head=2, max_len=32)),
+                           **{**RUN, "precisions": ("fp32", "bf16"), "force": True})
+    fp32, bf16 = _rec(result, "fp32"), _rec(result, "bf16")
+    assert fp32.speed is not None and fp32.accuracy is not None  # the run went on
+    assert not bf16.ran
+    rows = result.verdicts.query("precision == 'bf16'")
+    assert (rows.status == "SKIP").all()
+    assert rows.detail.iloc[0].startswith("B=4, T=16 ran out of memory on cpu with") and "free" in rows.detail.iloc[0]

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from tiny import TINY
 
-from tier_utils import TinyEncoder, TinyGPT, load_model, smoke, smoke_checks
+from tier_utils import TinyEncoder, TinyGPT, budget, load_model, smoke, smoke_checks
 from tier_utils.cli import main
 from tier_utils.results import CHECK_COLUMNS
 
@@ -23,7 +23,6 @@ JUSTIFIED_SKIPS = {"stability: bf16 vs fp32 logits", "stability: fp16 vs fp32 lo
 def quick_latency(monkeypatch):
     # Fewer timed runs keep the suite fast; the statistics code is the same.
     monkeypatch.setattr(smoke_checks, "LATENCY_WARMUP", 1)
-    monkeypatch.setattr(smoke_checks, "LATENCY_MIN_RUNS", 3)
     monkeypatch.setattr(smoke_checks, "LATENCY_MAX_RUNS", 3)
 
 
@@ -144,20 +143,55 @@ def test_vanishing_layers_are_flagged():
     assert row.status == "FAIL" and float(row.value) < 1e-7 and "blocks.0.ln" in row.detail
 
 
-class OOMAboveOneGPT(TinyGPT):
+class OOMAbove64TokensGPT(TinyGPT):
+    """A pretend GPU that runs out of memory past 64 tokens in a batch (the activation fit needs 64)."""
+
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
-        if input_ids.size(0) > 1:
+        if input_ids.numel() > 64:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return super().forward(input_ids, attention_mask, inputs_embeds)
 
 
 def test_memory_sweep_stops_cleanly_at_out_of_memory():
-    report = smoke(OOMAboveOneGPT(**TINY), checks=["memory"], batch_sizes=(1, 2, 4), device="cpu", progress=False)
+    report = smoke(OOMAbove64TokensGPT(**TINY), checks=["memory"], batch_sizes=(1, 2, 4), device="cpu",
+                   progress=False)
     rows = report.table.set_index("check")
-    assert rows.loc["memory: peak CUDA B=2 (bytes)"].status == "WARN"
-    assert "largest batch that fit was 1" in rows.loc["memory: peak CUDA B=2 (bytes)"].detail
-    assert [m["batch_size"] for m in report.memory] == [1]  # B=4 never tried
+    oom = rows.loc["memory: B=4, T=32 (bytes)"]
+    assert oom.status == "WARN" and "B=4, T=32 ran out of memory on cpu with" in oom.detail
+    assert "GiB free" in oom.detail or "MiB free" in oom.detail
+    assert "the largest batch that fit was 2" in oom.detail
+    assert [m["batch_size"] for m in report.memory] == [1, 2]  # and the sweep stopped there
     assert rows.loc["memory: activations per sample (bytes)"].status == "PASS"
+
+
+def test_out_of_memory_injected_through_the_free_memory_reading(monkeypatch):
+    """A pretend machine with little free RAM: the sizes over the safe share are refused before they allocate,
+    batch 1 runs at the longest length that fits, and every row says what was measured and what predicted."""
+    model = TinyGPT(d_model=64, n_layer=2, n_head=2, max_len=256)
+    full = smoke(model, checks=["memory"], batch_sizes=(1,), seq_lens=(256,), device="cpu", progress=False)
+    per_sample = full.memory[0]["activation_bytes"]  # measured: about 4.5 MiB at T=256
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(3 * per_sample))  # safe share: 1.5 samples
+    monkeypatch.setattr(budget, "CPU_PROBE_BYTES", per_sample // 2)  # a probe may hold half a sample
+    report = smoke(model, checks=["memory", "latency"], batch_sizes=(1, 4), seq_lens=(256,), device="cpu",
+                   progress=False)
+    rows = report.table.set_index("check")
+    refused = rows.loc["memory: B=4, T=256 (bytes)"]
+    assert refused.status == "WARN" and refused.detail.startswith("not run: B=4, T=256 predicted")
+    assert "TIER_UTILS_FREE_MEMORY" in refused.detail and "measured at B=1, T=32" in refused.detail
+    assert refused.value > 3 * per_sample / 2  # over the safe share (half of free)
+    (ran, pred1, pred4) = report.memory
+    assert not ran["predicted"] and ran["batch_size"] == 1 and ran["seq_len"] < 256
+    assert ran["activation_bytes"] <= per_sample // 2  # the probe held what it was allowed, no more
+    assert pred1["predicted"] and (pred1["batch_size"], pred1["seq_len"]) == (1, 256)
+    assert pred4["predicted"] and pred4["batch_size"] == 4
+    # The fit is exact enough to stand in for the size it did not run (saved-tensor counts are linear in B).
+    assert abs(pred1["activation_bytes"] - per_sample) / per_sample < 0.02
+    detail = rows.loc["memory: activations per sample (bytes)"].detail
+    assert "(predicted;" in detail and f"B=1, T={ran['seq_len']} measured" in detail
+    assert "B=4, T=256 predicted" in detail
+    latency = rows.loc["latency: B=4 T=256 (median ms)"]  # the output alone fits: latency still runs
+    assert latency.status == "PASS"
+    assert report.to_json()["budget"]["source"] == "TIER_UTILS_FREE_MEMORY"
 
 
 @pytest.mark.gpu
@@ -294,3 +328,25 @@ def test_nan_model_gets_no_pass_on_any_check_that_reads_a_number():
     fp16 = rows[rows.check == "stability: fp16 vs fp32 logits"].iloc[0]
     assert fp16.status == "FAIL" and "fp32 logits are already NaN/inf" in fp16.detail
     assert rows[rows.check == "gradients: non-zero"].status.iloc[0] == "FAIL"
+
+
+class OOMAtMaxLengthGPT(TinyGPT):
+    """A pretend GPU that runs out of memory on any batch at the model's max length."""
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        if input_ids.size(1) == self.max_len:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                              "capacity of 14.74 GiB of which 1.10 GiB is free.")
+        return super().forward(input_ids, attention_mask, inputs_embeds)
+
+
+def test_out_of_memory_in_any_check_is_a_warn_row_naming_the_size_and_the_rest_runs():
+    report = smoke(OOMAtMaxLengthGPT(**TINY), checks="shapes,stability,determinism", seq_lens=(16,),
+                   device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    for name in ("shapes: max length 32", "stability: random, max length 32"):
+        assert rows.loc[name].status == "WARN" and "ran out of memory: OutOfMemoryError" in rows.loc[name].detail
+        assert "of which 1.10 GiB is free" in rows.loc[name].detail
+    assert rows.loc["shapes: batch 1"].status == "PASS"  # the rest ran
+    group = rows.loc["determinism"]  # a whole group that runs at the max length: one WARN row, the free memory said
+    assert group.status == "WARN" and group.detail.startswith("ran out of memory (") and "GiB free" in group.detail

@@ -7,6 +7,7 @@ from .checkpoint import CheckpointError, load_checkpoint
 from .data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .errors import AdapterError, DataError, ModelSpecError, TierError
 from .export import ExportError, ExportResult, export
+from .fit import FitResult, fit
 from .history import TrainResult
 from .info import InfoResult, info
 from .loggers import LoggerError
@@ -47,6 +48,7 @@ __all__ = [
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
+    "FitResult", "fit",
     # export, experiment loggers
     "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

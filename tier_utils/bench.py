@@ -7,16 +7,18 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import pandas as pd
 import torch
 
 from .adapter import resolve_model
 from .bench_record import Plan, PrecisionRecord, make_record
+from .budget import gib, out_of_memory_note, read_budget, without_oom
 from .compiling import compile_for_training, compile_modes
 from .data import make_loader, to_device
 from .files import jsonable
+from .fit import device_room, plan
 from .loggers import log_result_tables, logger_names, run_stamp
 from .measure import (
     SavedTensorMeter,
@@ -104,6 +106,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
     modes = compile_modes(cfg.compile)
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
+    budget = read_budget(dev)  # before anything of ours is allocated
+    cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)
     splits = adapter.datasets(data, seq_len)
     steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
     speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
@@ -130,20 +134,30 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 first.append(adapter.forward_loss(speed_batches[0])[0])
                 first[0].backward()
 
-            flops = count_flops(forward_backward)
+            flops = count_flops(forward_backward) if base.ran else {"per_step": None, "by_op": {}}
             adapter.model.zero_grad(set_to_none=True)
             # Nothing is timed on a loss that is not finite: its speed would be a verdict on NaN.
-            stopped = _nonfinite("fp32", first[0], "on the first batch")
+            stopped = _nonfinite("fp32", first[0], "on the first batch") if base.ran else None
             for p in ran:
                 p.stopped = stopped
-                if not stopped:
-                    p.memory, loss = _measure_memory(adapter, p.precision, start, speed_batches, cfg, p.adapter)
+                if not stopped and p.ran:
+                    got = _unless_oom(p, plans, budget, cfg, seq_len, _measure_memory, adapter, p.precision, start,
+                                      speed_batches, cfg, p.adapter)
+                    if got is None:
+                        continue
+                    p.memory, loss = got
                     p.stopped = _nonfinite(p.name, loss, "on the second batch")
                     p.probe_size = probe_size(dev, p.precision.dtype)
-            live = [p for p in ran if not p.stopped]
-            timed = live if base.stopped else live + [floor]  # the floor only means something next to fp32
+            live = [p for p in ran if p.ran and not p.stopped]
+            timed = live if base.stopped or not base.ran else live + [floor]  # the floor needs fp32 beside it
             for _, p in schedule(timed, cfg.repeats):
-                ms, losses = _timed_run(adapter, p.precision, start, p.batches or speed_batches, cfg, bar, p.adapter)
+                if not p.ran:  # out of memory in an earlier repeat
+                    continue
+                got = _unless_oom(p, plans, budget, cfg, seq_len, _timed_run, adapter, p.precision, start,
+                                  p.batches or speed_batches, cfg, bar, p.adapter)
+                if got is None:
+                    continue
+                ms, losses = got
                 p.step_samples.append(sum(ms) / len(ms))
                 if p is not floor:
                     p.stopped = p.stopped or _nonfinite(p.name, losses, "during the timed steps")
@@ -151,13 +165,14 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     p.probe_ms += probe_ms(dev, p.precision.dtype, p.probe_size, _PROBE_REPS)
             for p in ran:
                 p.stopped = base.stopped or p.stopped  # no baseline: no precision gets a verdict
-                if p.stopped:
+                if p.stopped or not p.ran:
                     continue
                 p.speed = {"step_ms": summarize(p.step_samples),
                            "tokens_per_s": summarize(tokens_per_step / (ms / 1e3) for ms in p.step_samples).to_dict(),
                            "samples_ms": p.step_samples, "timed_steps": cfg.timed_steps, "speedup": None}
                 if cfg.accuracy_steps:
-                    p.accuracy = _accuracy_run(adapter, p.precision, start, splits, cfg, bar, p.adapter)
+                    p.accuracy = _unless_oom(p, plans, budget, cfg, seq_len, _accuracy_run, adapter, p.precision,
+                                             start, splits, cfg, bar, p.adapter)
     finally:
         adapter.model.load_state_dict(start)
         adapter.model.train(was_training)
@@ -173,7 +188,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
     config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
-              **splits.describe(), **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step}
+              **splits.describe(), **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step,
+              "fit": sizing}
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
@@ -194,6 +210,49 @@ def _plan(name: str, mode: str, dev: torch.device, force: bool, adapter) -> Plan
         return Plan(name, mode, prec, adapter, forced=not prec.native)
     why = f"not native: {native_support(name, dev)[1]}; force=True (CLI --force) runs it anyway"
     return Plan(name, mode, prec, adapter, ran=False, skip_reason=why)
+
+
+def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int, budget) -> tuple[BenchConfig, dict]:
+    """The batch every compared precision fits here, by the fit planner (predicted): the one asked, or the
+    largest all of them fit. A precision that fits not even batch 1 is SKIPped with the reason; all of them
+    are when fp32, the baseline, does not fit."""
+    names = list(dict.fromkeys(p.name for p in plans if p.ran))
+    room = device_room(budget)
+    configs = {c.precision: c for c in plan(adapter, names, seq_len)[0]}
+    largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
+    for p in plans:
+        if p.ran and largest[p.name] < 1:
+            p.ran, p.skip_reason = False, (f"does not fit here: a training step at batch 1, T={seq_len} predicted "
+                                           f"{gib(configs[p.name].step_bytes(1, seq_len))}, {gib(room)} usable "
+                                           f"({budget.describe()})")
+    if not plans[0].ran and plans[0].name in largest:  # no baseline fits: nothing can be compared
+        for p in plans[1:]:
+            if p.ran:
+                p.ran, p.skip_reason = False, f"fp32, the baseline, {plans[0].skip_reason}"
+    fitting = [largest[p.name] for p in plans if p.ran]
+    batch = min([cfg.batch_size, *fitting])
+    sizing = {"batch_size_asked": cfg.batch_size, "largest_batch_predicted": largest, "room_bytes": room,
+              "budget": budget.to_dict(), "reason": None}
+    if batch < cfg.batch_size:
+        sizing["reason"] = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, "
+                            "the largest all of them fit (predicted: " + ", ".join(
+                                f"{n} {b}" for n, b in largest.items()) + f"; {budget.describe()})")
+        cfg = replace(cfg, batch_size=batch)
+    return cfg, sizing
+
+
+def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
+    """fn(*args); a CUDA out-of-memory instead SKIPs plan `p` with the size and the free memory (every plan,
+    when `p` is fp32's: no baseline) and returns None, its memory released."""
+    got, error = without_oom(fn, *args)
+    if error is None:
+        return got
+    why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, seq_len, budget)} ({error[:120]})"
+    p.ran, p.skip_reason = False, why
+    if p is plans[0]:
+        for other in plans[1:]:
+            other.ran, other.skip_reason = False, f"fp32, the baseline, {why}"
+    return None
 
 
 def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:

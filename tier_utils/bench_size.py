@@ -14,6 +14,7 @@ import types
 import torch
 
 from .bench import _FLOOR_TOKENS, _timed_run
+from .budget import without_oom
 from .precision import resolve_precision
 from .settings import BenchConfig, Thresholds
 from .verdicts import TARGET_FIXED_SHARE, launch_bound
@@ -66,22 +67,21 @@ def fp32_measure(adapter, seq_len: int, lr: float = BenchConfig.lr):
     floor = [adapter.example_batch(1, min(_FLOOR_TOKENS, seq_len))] * (_UNTIMED + _TIMED)
 
     def measure(b: int) -> dict | None:
-        cuda, oom = dev.type == "cuda", False
-        try:
+        cuda = dev.type == "cuda"
+
+        def steps() -> dict:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             batches = [adapter.example_batch(b, seq_len, seed=i) for i in range(_UNTIMED + _TIMED)]
             step_ms = statistics.median(_timed_run(adapter, prec, start, batches, cfg, _NO_BAR)[0])
             peak = torch.cuda.max_memory_allocated(dev) if cuda else None
             floor_ms = statistics.median(_timed_run(adapter, prec, start, floor, cfg, _NO_BAR)[0])
-        except torch.cuda.OutOfMemoryError:
-            oom = True
+            return {"step_ms": step_ms, "floor_ms": floor_ms, "peak_bytes": peak}
+
+        try:
+            return without_oom(steps)[0]  # None: batch b ran out of memory
         finally:
             adapter.model.load_state_dict(start)
             adapter.model.zero_grad(set_to_none=True)
-        if oom:  # outside the except block, so the traceback's tensors are already freed
-            torch.cuda.empty_cache()
-            return None
-        return {"step_ms": step_ms, "floor_ms": floor_ms, "peak_bytes": peak}
 
     return measure

@@ -259,6 +259,8 @@ def _run_bench(args) -> tuple[dict, int]:
     m, c = result.metadata, result.config
     print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
           f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
+    if c["fit"]["reason"]:
+        print(c["fit"]["reason"])
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)
@@ -296,6 +298,16 @@ def _run_export(args) -> tuple[dict, int]:
               f"n={row['n']}) on {m['device_name']}, {m['dtype']}")
     print(f"parity: {result.status}")
     return result.to_json(), 1 if result.status == "FAIL" else 0
+
+
+def _run_fit(args) -> tuple[dict, int]:
+    from .fit import fit
+
+    result = fit(args.model, args.seq_len, precisions=args.precisions, checkpointing=args.checkpointing,
+                 device=args.device, validate=args.validate, progress=args.progress, **model_kwargs(args))
+    print(result.headline())
+    _show(result.overview())
+    return result.to_json(), 0
 
 
 def _run_all(args) -> tuple[dict, int]:
@@ -365,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .analysis import analyze
     from .export import export
+    from .fit import fit
     from .report import run_all
     from .smoke import smoke
 
@@ -432,6 +445,16 @@ def build_parser() -> argparse.ArgumentParser:
         "repeats": "timed forwards per shape and runner"})
     add_data(p, data=False)
     p.set_defaults(run=_run_export)
+
+    p = verbs.add_parser("fit", help="the largest training batch per precision, with and without activation "
+                                     "checkpointing, here and predicted for T4/L4/A100/H100")
+    add_common(p, precision=False)
+    add_parameters(p, fit, {"seq_len": ("tokens per sequence (none: the model's max length)", _optional(_whole)),
+                            "precisions": "precisions to plan for, e.g. fp32,bf16,fp16",
+                            "checkpointing": "also plan each precision with activation checkpointing"})
+    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
+                   help="find the largest batch that really runs a step, by bisection (default: on a GPU only)")
+    p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
                                      "with an HTML report")

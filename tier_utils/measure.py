@@ -101,9 +101,10 @@ class SavedTensorMeter:
     def __init__(self, model: torch.nn.Module | None = None):
         self._param_storages = {p.untyped_storage().data_ptr() for p in (() if model is None else model.parameters())}
         self._seen: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count `tensor`'s storage (once); the pack hook, and for memory kept outside autograd's saved tensors."""
         if tensor.layout == torch.strided and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()

@@ -1,7 +1,7 @@
 """The main job: every tier on one model, and a folder report (CSV tables, PNG plots, index.html).
 
 `write_report` is generic over result objects (anything with `.table`, `.plot()` and `.status`, as every Result has);
-`run_all` runs tier 1, tier 2, a short training run and the AMP benchmark, then writes one.
+`run_all` runs tier 1, tier 2, a short training run, the fit planner and the AMP benchmark, then writes one.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from .analysis import analyze
 from .bench import BenchmarkResult, amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
 from .errors import ModelForwardError, TierError
-from .files import atomic_write_bytes, jsonable, write_json
+from .files import atomic_write_bytes, holds_lock, jsonable, write_json
+from .fit import fit
 from .history import TrainResult, TrainSummary
 from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, DEMO_MODEL, load_model
@@ -221,12 +222,16 @@ class AllResult(Result):
             lines += block
         if "train" in r:
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
+        if "fit" in r:
+            lines.append(r["fit"].summary_line())
         if "amp_benchmark" in r:
             v, c = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
             size = f"  at batch {c['batch_size']} x {c['seq_len']} tokens"
             if self.bench_size:
                 size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
+            if c["fit"]["reason"]:
+                size += f"; {c['fit']['reason']}"
             lines.append(size)
         lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, _load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
@@ -257,6 +262,7 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
     return line + f" · {seconds:.1f} s"
 
 
+@holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
             fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
             **model_kwargs) -> AllResult:
@@ -299,11 +305,12 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
+        "fit": lambda: fit(base, seq_len=t, device=dev, validate=False, progress=progress),  # predictions only
         "amp_benchmark": lambda: amp_benchmark(base, data, replace(bench_cfg, seq_len=t, batch_size=_bench_batch(
             base, dev, b, t, sizing)), device=dev, progress=progress),
     }
     if not runnable:
-        del steps["train"], steps["amp_benchmark"]
+        del steps["train"], steps["fit"], steps["amp_benchmark"]
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()
@@ -351,5 +358,6 @@ def _train(model, data, config: TrainConfig):
         return exc.result
     if result.interrupted:
         raise KeyboardInterrupt
+    result.model.zero_grad(set_to_none=True)  # the report keeps the trained copy; its gradients, not
     return result
 

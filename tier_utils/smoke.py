@@ -14,7 +14,8 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
-from .errors import ModelForwardError
+from .budget import ActivationFit, Budget, read_budget
+from .errors import ModelForwardError, describe
 from .files import jsonable
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
@@ -38,9 +39,11 @@ class SmokeReport(Result):
     seq_lens: list[int]
     grad_norms: dict[str, float] = field(default_factory=dict)  # layer (module path) -> gradient norm
     latency: list[dict] = field(default_factory=list)  # batch_size, seq_len, samples_ms
-    memory: list[dict] = field(default_factory=list)  # batch_size, seq_len, activation_bytes, peak_bytes
+    memory: list[dict] = field(default_factory=list)  # batch_size, seq_len, activation_bytes, peak_bytes, predicted
     parameters: pd.DataFrame | None = None  # per-parameter initialisation statistics
     seconds: float = 0.0
+    budget: Budget | None = None  # the device's free memory, read at the start: probes are sized to it
+    activation_fit: ActivationFit | None = None  # saved bytes by (B, T), measured small: predicts the big sizes
 
     @property
     def table(self) -> pd.DataFrame:
@@ -76,6 +79,8 @@ class SmokeReport(Result):
                          "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
                          "grad_norms": self.grad_norms, "latency": self.latency_table,
                          "latency_samples_ms": self.latency, "memory": self.memory,
+                         "budget": self.budget.to_dict() if self.budget else None,
+                         "activation_fit": asdict(self.activation_fit) if self.activation_fit else None,
                          "parameters": self.parameters if self.parameters is not None else []})
 
     def plot(self):
@@ -120,13 +125,17 @@ def _plot_memory(ax, memory: list, model: dict) -> None:
     _not_run(ax, not memory, "memory by batch size")
     if not memory:
         return
-    xs = [str(r["batch_size"]) for r in memory]
-    ax.bar(xs, [r["activation_bytes"] / 2**20 for r in memory], label="activations saved for backward")
+    xs = [f"B={r['batch_size']}\nT={r['seq_len']}" for r in memory]
+    measured = [r["activation_bytes"] / 2**20 if not r.get("predicted") else 0 for r in memory]
+    ax.bar(xs, measured, label="activations saved for backward")
+    if any(r.get("predicted") for r in memory):
+        ax.bar(xs, [r["activation_bytes"] / 2**20 if r.get("predicted") else 0 for r in memory], fill=False,
+               hatch="//", label="predicted (too big to run here)")
     ax.axhline(model["parameter_bytes"] / 2**20, color="k", ls="--", label="parameters")
     peaks = [(x, r["peak_bytes"] / 2**20) for x, r in zip(xs, memory) if r.get("peak_bytes")]
     if peaks:
         ax.plot(*zip(*peaks), "rs-", label="CUDA peak, forward + backward")
-    ax.set(xlabel=f"batch size (T={memory[0]['seq_len']})", ylabel="MiB")
+    ax.set(xlabel="batch size B, sequence length T", ylabel="MiB")
     ax.legend(fontsize=8)
 
 
@@ -152,9 +161,11 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
         report.seconds = time.perf_counter() - start
         return report
     adapter.model.to(prec.device)
+    budget = read_budget(prec.device)  # once, before anything of ours is allocated
     lengths = [adapter.max_len] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
     lengths = sorted({adapter.fit_length(t, "seq_lens entry") for t in lengths})  # the report records these
-    report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths)
+    report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
+                         budget=budget)
     net = adapter.model
     was_training, grads = net.training, [(p, p.grad) for p in net.parameters()]
     dev = prec.device
@@ -167,6 +178,9 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
             try:
                 for row in CHECK_GROUPS[name](adapter, report):
                     report.checks.append(row)
+            except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
+                report.checks.append(Check(name, "WARN", None, None, f"ran out of memory ({budget.describe()} at "
+                                                                     f"the start): {describe(exc, 240)}"))
             except Exception as exc:
                 report.checks.append(failed_check(name, exc))
             finally:

@@ -13,22 +13,30 @@ import torch
 import torch.nn as nn
 
 from .adapter import ModelAdapter
-from .measure import SavedTensorMeter, StepTimer, percentile, summarize
+from .budget import affordable_repeats, gib, measure_activations
+from .errors import describe
+from .measure import StepTimer, percentile, summarize
 from .precision import Precision, native_support, resolve_precision
 from .results import Check, failed_check
+from .smoke_memory import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
 LOW_PRECISION_TOL = {"bf16": 5e-2, "fp16": 1e-2}  # max |logits - fp32 logits| / max |fp32 logits|
 PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
 INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
 EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
-LATENCY_WARMUP, LATENCY_MIN_RUNS, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 5, 20, 1.0
+# Timed forwards per latency probe: as many as fit LATENCY_BUDGET_S after the warm-up, up to LATENCY_MAX_RUNS;
+# a big model gets fewer (its row says n). A call slower than a tenth of the budget warms up once only.
+LATENCY_WARMUP, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 20, 3.0
 
 
 def _guarded(name: str, fn, *args) -> Check:
-    """One row's isolation: its exception becomes its FAIL row."""
+    """One row's isolation: its exception becomes its FAIL row; running out of GPU memory, a WARN (the
+    device's limit, not a bug), its memory released when the row returns."""
     try:
         return fn(name, *args)
+    except torch.cuda.OutOfMemoryError as exc:
+        return Check(name, "WARN", None, None, f"ran out of memory: {describe(exc, 240)}")
     except Exception as exc:
         return failed_check(name, exc)
 
@@ -177,21 +185,32 @@ def _stability(adapter: ModelAdapter, report):
     token = int(torch.randint(V, (1,), generator=torch.Generator().manual_seed(2)))
     inputs = {f"token id 0 x{T}": torch.zeros(2, T, dtype=torch.long),
               f"token id {V - 1} x{T}": torch.full((2, T), V - 1),
-              f"token {token} repeated x{T}": torch.full((2, T), token),
-              f"random, max length {L}": adapter.example_batch(2, L, seed=2)["input_ids"]}
+              f"token {token} repeated x{T}": torch.full((2, T), token)}
     for what, ids in inputs.items():
         yield _guarded(f"stability: {what}", _finite_case, adapter, ids.to(adapter.device))
+    # One random max-length batch serves twice, as a finiteness case and as the fp32 reference the low
+    # precisions are compared with: on a big model each such forward costs seconds.
     batch = adapter.example_batch(2, L, seed=3)
-    with torch.no_grad():
-        ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+    try:
+        with torch.no_grad():
+            ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+    except Exception as exc:  # each row that needed it fails with it
+        ref = exc
+    yield _guarded(f"stability: random, max length {L}", _finite_case, adapter, ref)
     for low in ("bf16", "fp16"):
         yield _guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
                        batch, ref)
 
 
-def _finite_case(name: str, adapter: ModelAdapter, ids: torch.Tensor) -> Check:
-    with torch.no_grad():
-        out = adapter.logits(ids)
+def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
+    """`ids_or_logits`: input ids to run, or a forward's logits (or the exception it raised) to judge."""
+    if isinstance(ids_or_logits, Exception):
+        raise ids_or_logits
+    if ids_or_logits.is_floating_point():
+        out = ids_or_logits
+    else:
+        with torch.no_grad():
+            out = adapter.logits(ids_or_logits)
     bad = int((~torch.isfinite(out)).sum())
     kinds = "NaN" if out.isnan().any() else "inf"
     return Check(name, "FAIL" if bad else "PASS", bad, 0,
@@ -199,7 +218,9 @@ def _finite_case(name: str, adapter: ModelAdapter, ids: torch.Tensor) -> Check:
 
 
 def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, low: str, batch: dict,
-                        ref: torch.Tensor) -> Check:
+                        ref: torch.Tensor | Exception) -> Check:
+    if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
+        raise ref
     tol = LOW_PRECISION_TOL[low]
     native, why = native_support(low, adapter.device)
     forced = requested.name == low  # asked for by name; auto only ever picks a native one
@@ -269,54 +290,11 @@ def _init(adapter: ModelAdapter, report):
                 f"all-zero rows: {_names(dead)}" if dead else "no all-zero row in any weight matrix")
 
 
-# --- memory -------------------------------------------------------------------------------------
-
-def _memory(adapter: ModelAdapter, report):
-    s = report.model
-    yield Check("memory: parameters + buffers (bytes)", "PASS", s["parameter_bytes"] + s["buffer_bytes"], None,
-                f"{_mib(s['parameter_bytes'])} in {s['parameters']:,} parameters + {_mib(s['buffer_bytes'])} buffers")
-    net, T, dtype, dev = adapter.model, max(report.seq_lens), report.precision.name, adapter.device
-    cuda, peaks = dev.type == "cuda", []
-    net.train()
-    for b in report.batch_sizes:  # ascending, so the first out-of-memory ends the sweep
-        loss, oom = None, False
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
-        try:
-            with SavedTensorMeter(net) as meter, report.precision.autocast():
-                loss, _ = adapter.forward_loss(adapter.example_batch(b, T))
-            if cuda:  # the backward is what a training step adds to the peak
-                loss.backward()
-        except torch.cuda.OutOfMemoryError:
-            oom = True
-        loss = None
-        net.zero_grad(set_to_none=True)
-        if oom:  # handled outside the except block, so the traceback's tensors are already freed
-            torch.cuda.empty_cache()
-            fit = report.memory[-1]["batch_size"] if report.memory else None
-            peaks.append(Check(f"memory: peak CUDA B={b} (bytes)", "WARN", None, None,
-                               f"out of memory at B={b}, T={T}; the largest batch that fit was {fit}"))
-            break
-        peak = torch.cuda.max_memory_allocated(dev) if cuda else None
-        report.memory.append({"batch_size": b, "seq_len": T, "activation_bytes": meter.bytes, "peak_bytes": peak})
-        if cuda:
-            peaks.append(Check(f"memory: peak CUDA B={b} (bytes)", "PASS", peak, None,
-                               f"{_mib(peak)} peak allocated, forward + backward at T={T} in {dtype}"))
-    if report.memory:
-        per = {r["batch_size"]: r["activation_bytes"] // r["batch_size"] for r in report.memory}
-        b = max(per)
-        yield Check("memory: activations per sample (bytes)", "PASS", per[b], None,
-                    f"{_mib(per[b])} per sample saved for backward at T={T} in {dtype} (B={b}; "
-                    + ", ".join(f"B={k}: {_mib(v)}" for k, v in per.items()) + "; saved-tensor accounting)")
-    yield from peaks
-    if not cuda:
-        yield Check("memory: peak CUDA", "SKIP", None, None,
-                    f"runs on {dev.type}: no CUDA allocator to read; the activation bytes above hold anywhere")
-
-
 # --- inference latency --------------------------------------------------------------------------
 
 def _latency(adapter: ModelAdapter, report):
+    report.activation_fit = report.activation_fit or measure_activations(adapter, report.precision,
+                                                                         max(report.seq_lens))
     adapter.model.eval()
     for t in report.seq_lens:
         for b in report.batch_sizes:
@@ -324,25 +302,33 @@ def _latency(adapter: ModelAdapter, report):
 
 
 def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> Check:
+    need = report.activation_fit.transient(b, t) * 2
+    if need > report.budget.limit:  # refused before it allocates
+        return Check(name, "SKIP", None, None, f"not run: B={b}, T={t} predicted {gib(need)} for the output and "
+                                               f"one temporary its size, over the safe share of "
+                                               f"{report.budget.describe()}")
     batch = adapter.example_batch(b, t)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    timer, n = StepTimer(adapter.device), 0
+    timer = StepTimer(adapter.device)
     with torch.inference_mode(), report.precision.autocast():
         for _ in range(LATENCY_WARMUP):
+            start = time.perf_counter()
             adapter.logits(ids, mask)
-        if timer.cuda:
-            torch.cuda.synchronize(adapter.device)
-        start = time.perf_counter()
-        # A time budget keeps big models quick; launches are async on CUDA, so it is only a bound.
-        while n < LATENCY_MIN_RUNS or (n < LATENCY_MAX_RUNS and time.perf_counter() - start < LATENCY_BUDGET_S):
+            if timer.cuda:
+                torch.cuda.synchronize(adapter.device)
+            call_s = time.perf_counter() - start
+            if call_s * 10 > LATENCY_BUDGET_S:  # a big model: its first call already settled the allocations
+                break
+        n = affordable_repeats(call_s, LATENCY_BUDGET_S, LATENCY_MAX_RUNS)
+        for _ in range(n):
             with timer.region():
                 adapter.logits(ids, mask)
-            n += 1
     ms = timer.milliseconds()
     report.latency.append({"batch_size": b, "seq_len": t, "samples_ms": ms})
     s, p95 = summarize(ms), percentile(ms, 95)
+    budget = f"; n set by the {LATENCY_BUDGET_S:g} s budget" if n < LATENCY_MAX_RUNS else ""
     return Check(name, "PASS", _sig(s.median), None,
-                 f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}); "
+                 f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}{budget}); "
                  f"{b * t / (s.median / 1e3):,.0f} tokens/s; {report.precision.name} on "
                  f"{report.metadata['device_name']}")
 
@@ -380,4 +366,4 @@ def _determinism(adapter: ModelAdapter, report):
 
 
 CHECK_GROUPS = {"shapes": _shapes, "gradients": _gradients, "stability": _stability, "init": _init,
-                "memory": _memory, "latency": _latency, "determinism": _determinism}
+                "memory": memory, "latency": _latency, "determinism": _determinism}

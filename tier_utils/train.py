@@ -33,6 +33,7 @@ from .checkpoint import (
 from .compiling import compile_for_training
 from .data import make_loader, to_device
 from .errors import DataError, TierError
+from .files import run_lock
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .hub import HUB_PREFIX
@@ -213,8 +214,12 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     if cfg.save_hf is not None:
         writable_dir(cfg.save_hf, "save_hf")
     env = distributed.setup(cfg.device)
+    # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
+    locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
+        else contextlib.nullcontext()
     try:
-        with _deterministic_algorithms(cfg.deterministic, (env.device or resolve_device(cfg.device)).type == "cuda"):
+        with locked, _deterministic_algorithms(cfg.deterministic,
+                                               (env.device or resolve_device(cfg.device)).type == "cuda"):
             return _Run(model, model_kwargs, data, cfg, on_eval, env, overrides.get("precision")).run()
     finally:
         env.close()

@@ -8,14 +8,16 @@ the predicted class for a classifier. Positive saliency supports the prediction,
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from ..budget import affordable_repeats
 from ..results import Check
-from .common import Context, Outcome
+from .common import Context, Outcome, head
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -24,6 +26,7 @@ RECENT = 8  # a causal LM's finding quotes the saliency share of its last RECENT
 TOP_SHARE = 0.1  # a classifier's finding quotes the share held by its top 10% tokens
 COLUMNS = ["position", "token", "text", "saliency", "share"]
 _CHARS_PER_ROW = 32
+BUDGET_S = 10.0  # seconds of forward + backward: a big model attributes fewer sequences (the row says how many)
 
 
 @contextlib.contextmanager
@@ -67,8 +70,15 @@ def run(ctx: Context) -> Outcome:
     if adapter.embeddings() is None:
         return Outcome([Check("saliency", "SKIP", None, None,
                               f"{adapter.name} exposes no nn.Embedding to attribute to")])
-    batch = ctx.batches[0]
+    # One sequence first, timed: as many of the first batch's sequences as fit the time budget follow.
+    rows, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
+    batch = head(ctx.batches[0], 1)
     sal, target = saliency(ctx, batch)
+    n = affordable_repeats(time.perf_counter() - start, BUDGET_S, rows)
+    if n > 1:
+        batch = head(ctx.batches[0], n)
+        sal, target = saliency(ctx, batch)
+    scope = f"; {n} of {rows} sequences, as many as fit the {BUDGET_S:g} s budget" if n < rows else ""
     mask = ctx.mask(batch)
     if not torch.isfinite(sal).all():
         return Outcome([Check("saliency", "FAIL", None, None, "gradient x input is NaN/inf: the backward pass "
@@ -103,7 +113,7 @@ def run(ctx: Context) -> Outcome:
     top = table.nlargest(3, "share")
     target0 = int(target[0])
     goal = (f"next token {label(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
-    detail = f"{what}; example 0 ({goal}) leans most on " + ", ".join(
+    detail = f"{what}{scope}; example 0 ({goal}) leans most on " + ", ".join(
         f"{r.text!r}@{r.position}" for r in top.itertuples())
     return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],
                    {"attribution": table}, {"target": goal})

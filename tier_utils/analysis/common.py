@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 
 from ..adapter import ModelAdapter
+from ..budget import Budget
 from ..precision import Precision
 from ..results import Check
 
@@ -22,6 +23,7 @@ class Context:
     adapter: ModelAdapter
     batches: list[dict]  # real batches (dicts of input_ids / labels / attention_mask) on the device
     precision: Precision  # the autocast every plain forward runs under
+    budget: Budget | None = None  # the device's free memory, read once: what a probe may hold
 
     def mask(self, batch: dict) -> torch.Tensor:
         """(B, T) bool: which positions hold real tokens."""
@@ -40,6 +42,22 @@ class Outcome:
     @property
     def ran(self) -> bool:
         return bool(self.frames)
+
+
+def head(batch: dict, rows: int, tokens: int | None = None) -> dict:
+    """The first `rows` sequences of a batch, cut to their first `tokens` positions (None: all)."""
+    return {k: v[:rows, :tokens] if v.dim() > 1 else v[:rows] for k, v in batch.items()}
+
+
+def head_rows(batches: list[dict], rows: int) -> list[dict]:
+    """The first `rows` sequences of a list of batches, in order: whole batches, then part of the next."""
+    kept = []
+    for batch in batches:
+        if rows <= 0:
+            break
+        kept.append(head(batch, rows))
+        rows -= len(kept[-1]["input_ids"])
+    return kept
 
 
 def message_figure(title: str, text: str) -> Figure:

@@ -10,11 +10,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
 
 from ..adapter import resolve_model
+from ..budget import read_budget
 from ..data import make_loader, to_device
 from ..demo import provenance_of
-from ..errors import DataError, ModelForwardError
+from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
 from ..precision import resolve_device, resolve_precision
@@ -58,8 +60,13 @@ def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     t0 = time.perf_counter()
     try:
         outcome = ANALYSES[name].run(ctx)
+    except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
+        outcome = Outcome([Check("out of memory", "WARN", None, None, f"{ctx.budget.describe()} at the start: "
+                                                                      f"{describe(exc, 240)}")])
     except Exception as exc:  # noqa: BLE001 - isolation is the point; KeyboardInterrupt still stops the run
         outcome = Outcome([failed_check("error", exc)], artifacts={"traceback": traceback.format_exc()})
+    if torch.cuda.is_initialized():  # what a failed analysis held goes back to the device
+        torch.cuda.empty_cache()
     return outcome, time.perf_counter() - t0
 
 
@@ -148,7 +155,7 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
     batches, described = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
-    ctx = Context(adapter, batches, prec)
+    ctx = Context(adapter, batches, prec, read_budget(dev))
     outcomes, seconds = {}, {}
     was_training = module.training
     module.eval()

@@ -4,7 +4,8 @@ Forward hooks on every leaf module record, over the real batches in fp32: the ou
 against fp16's largest finite value (65504) and the share of non-zero values below fp16's
 smallest normal (6.1e-5, where fp16 loses precision and later flushes to zero). The first batch
 is then run again under bf16 and under fp16 autocast and each layer's output is compared with
-its fp32 output (relative L2 deviation; errors accumulate along the network, as in training).
+its fp32 output (relative L2 deviation; errors accumulate along the network, as in training): all of
+its sequences, or as many as the probe budget holds, or one where a low precision is emulated.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..budget import gib
 from ..plotting import category_ticks, decade_limits
-from ..precision import resolve_precision
+from ..precision import native_support, resolve_precision
 from ..results import Check
-from .common import Context, Outcome, first_tensor
+from .common import Context, Outcome, first_tensor, head
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -56,6 +58,7 @@ def tap_outputs(model: nn.Module, on_output):
 class _RangeStats:
     def __init__(self):
         self.rows: dict[str, dict] = {}  # insertion order = first call order
+        self.bytes = 0  # of every output seen, as fp32
 
     def __call__(self, name, module, t):
         t = t.float()
@@ -68,6 +71,7 @@ class _RangeStats:
         row["abs_max"] = max(row["abs_max"], float(t[finite].abs().max()) if finite.any() else 0.0)
         row["nonzero"] += int(nonzero.sum())
         row["tiny"] += int((nonzero & (t.abs() < FP16_TINY)).sum())
+        self.bytes += t.numel() * t.element_size()
 
 
 def _outputs(ctx: Context, batch: dict, precision) -> dict[str, list[torch.Tensor]]:
@@ -98,12 +102,16 @@ def run(ctx: Context) -> Outcome:
     stats = _RangeStats()
     out_nonfinite = 0  # the model's own output, which may be computed outside every leaf module
     with tap_outputs(model, stats), torch.no_grad():
-        for batch in ctx.batches:  # fp32 reference: no autocast
+        for i, batch in enumerate(ctx.batches):  # fp32 reference: no autocast
             logits = ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
             out_nonfinite += int((~torch.isfinite(logits)).sum())
+            if i == 0:
+                row_bytes = stats.bytes / len(batch["input_ids"])
     dev = ctx.adapter.device
-    ref = _outputs(ctx, ctx.batches[0], resolve_precision("fp32", dev, warn=False))
-    low = {name: _outputs(ctx, ctx.batches[0], resolve_precision(name, dev, warn=False)) for name in ("bf16", "fp16")}
+    n, scope = _compared_rows(ctx, row_bytes)
+    sample = head(ctx.batches[0], n)
+    ref = _outputs(ctx, sample, resolve_precision("fp32", dev, warn=False))
+    low = {name: _outputs(ctx, sample, resolve_precision(name, dev, warn=False)) for name in ("bf16", "fp16")}
     rows = []
     for name, s in stats.rows.items():
         bf16_dev, _ = _deviation(ref.get(name, []), low["bf16"].get(name, []))
@@ -130,11 +138,27 @@ def run(ctx: Context) -> Outcome:
     checks = [Check("recommendation", status, recommendation,
                     f"abs_max < 65504/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below 6.1e-5",
                     _explain(df, recommendation, drivers, len(ctx.batches)))]
-    checks += [_drift_check(df, prec) for prec in ("bf16", "fp16")]
+    checks += [_drift_check(df, prec, scope) for prec in ("bf16", "fp16")]
     return Outcome(checks, {"headroom": df}, {"drivers": drivers})
 
 
-def _drift_check(df: pd.DataFrame, prec: str) -> Check:
+def _compared_rows(ctx: Context, row_bytes: float) -> tuple[int, str]:
+    """How many sequences of the first batch the bf16/fp16 comparison runs on, and why (or "": all of them).
+
+    It holds every layer's output in three precisions at once: as many sequences as the probe budget allows.
+    Where a low precision is emulated (no native support: often 10x slower than fp32), one sequence."""
+    total = len(ctx.batches[0]["input_ids"])
+    n, why = total, ""
+    if ctx.budget is not None and 3 * row_bytes * total > ctx.budget.probe_limit:
+        n = max(1, int(ctx.budget.probe_limit // (3 * row_bytes)))
+        why = f"every layer's output in 3 precisions, at most {gib(ctx.budget.probe_limit)} here"
+    emulated = [p for p in ("bf16", "fp16") if not native_support(p, ctx.adapter.device)[0]]
+    if emulated and n > 1:
+        n, why = 1, f"{' and '.join(emulated)} emulated on {ctx.adapter.device.type} (slow)"
+    return n, f" (on {n} of the first batch's {total} sequences: {why})" if n < total else ""
+
+
+def _drift_check(df: pd.DataFrame, prec: str, scope: str = "") -> Check:
     """Deviation at the model output (the last leaf in execution order, usually the head)."""
     col = f"{prec}_rel_dev"
     if df.empty:
@@ -144,7 +168,7 @@ def _drift_check(df: pd.DataFrame, prec: str) -> Check:
     status = "PASS" if value <= DRIFT else "WARN"  # inf: the output overflowed
     return Check(f"{prec} drift", status, round(value, 5), f"<= {DRIFT} at the output",
                  f"{out.layer} output deviates {value:.2g} from fp32 under {prec} autocast; largest: "
-                 f"{worst.layer} {worst[col]:.2g}")
+                 f"{worst.layer} {worst[col]:.2g}{scope}")
 
 
 def recommend(df: pd.DataFrame) -> tuple[str, list[str], str]:

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from ..budget import affordable_repeats
 from ..results import Check
-from .common import Context, Outcome
+from .common import Context, Outcome, head_rows
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -32,6 +34,8 @@ PERTURBATIONS = ("substitution", "deletion", "embedding_noise")
 REFERENCE_LEVEL = 0.1  # the level a finding quotes
 FRAGILE_AGREEMENT = 0.5  # below this at the reference level: WARN
 COLUMNS = ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
+# Seconds the perturbed passes may take: a big model compares fewer sequences (the rows say how many).
+BUDGET_S = 10.0
 
 
 def _substitute(ids, mask, level, vocab, g):
@@ -94,10 +98,20 @@ def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
 def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
     adapter = ctx.adapter
     embedding = adapter.embeddings()
+    start = time.perf_counter()
     clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches]
+    # Every further pass costs about what the clean one did: as many sequences as fit the time budget.
+    passes = (0 in levels) + len(perturbations) * sum(level != 0 for level in levels)
+    total = sum(len(b["input_ids"]) for b in ctx.batches)
+    per_sequence = (time.perf_counter() - start) / total
+    rows_kept = affordable_repeats(per_sequence * passes, BUDGET_S, total)
+    batches = head_rows(ctx.batches, rows_kept)
+    clean = [c[: len(b["input_ids"])] for c, b in zip(clean, batches)]
     # Level 0 compares a second clean run with the first: the eval-mode determinism check.
-    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches] if 0 in levels else clean
+    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in batches] if 0 in levels else clean
     rows, notes = [], []
+    scope = (f"; {rows_kept} of {total} sequences, as many as fit the {BUDGET_S:g} s budget at "
+             f"{per_sequence * passes:.2g} s each for {passes} passes" if rows_kept < total else "")
     for pi, kind in enumerate(perturbations):
         if kind == "embedding_noise" and embedding is None:
             notes.append(f"embedding_noise skipped: {adapter.name} exposes no nn.Embedding")
@@ -105,7 +119,7 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
         for li, level in enumerate(levels):
             g = torch.Generator().manual_seed(1000 * pi + li)
             parts = []
-            for batch, ref, rerun in zip(ctx.batches, clean, again):
+            for batch, ref, rerun in zip(batches, clean, again):
                 ids, mask = batch["input_ids"], ctx.mask(batch)
                 if level == 0:
                     pert, new_mask, origin = rerun, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
@@ -125,11 +139,12 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
                          "flip_rate": float(flipped.sum()) / n_correct if n_correct else float("nan")})
     df = pd.DataFrame(rows, columns=COLUMNS)
     nonfinite = sum(int((~torch.isfinite(c).all(-1)).sum()) for c in clean)
-    return Outcome(_checks(df, notes, nonfinite), {"robustness": df})
+    return Outcome(_checks(df, notes, nonfinite, scope), {"robustness": df})
 
 
-def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0) -> list[Check]:
-    """`nonfinite`: clean predictions with a NaN/inf log-probability; any of them and nothing can PASS."""
+def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0, scope: str = "") -> list[Check]:
+    """`nonfinite`: clean predictions with a NaN/inf log-probability; any of them and nothing can PASS.
+    `scope`: appended to each detail when the time budget left sequences out."""
     checks = []
     for kind, grp in df.groupby("perturbation", sort=False):
         zero = grp[grp.level == 0]
@@ -139,7 +154,7 @@ def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0) -> list[Chec
         flips = (f"flip rate {ref.flip_rate:.2f} of {ref.n_correct} correct" if ref.n_correct
                  else "no correct predictions to flip")
         detail = (f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, "
-                  f"over {ref.n} predictions")
+                  f"over {ref.n} predictions{scope}")
         if nonfinite or not math.isfinite(ref.kl):
             status, detail = "FAIL", (f"{nonfinite} clean predictions have NaN/inf log-probabilities: agreement "
                                       "between NaN outputs means nothing; " + detail)

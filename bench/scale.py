@@ -1,0 +1,170 @@
+"""Tiers on models of real size: smoke, analyze and `all --fast` on GPT-2-small and GPT-2-medium configs
+(random weights, `hf:GPT2LMHeadModel`), each one's wall time and peak RSS next to one plain fp32 training
+step of the same model at 1 x 1024, all measured in this run.
+
+Each measurement runs in its own subprocess (the CLI, as a user runs it; the step as a bare torch loop), so
+its peak RSS is that child's alone (os.wait4's ru_maxrss). The plain step: AdamW, forward with labels,
+backward, optimizer step, fp32, no autocast, one sequence of 1024 tokens; two steps, the second timed (the
+first pays one-time allocations). Targets (issue 24) for GPT-2-small on a 2-core CPU: smoke <= 6 steps and
+<= 4 GiB peak RSS, analyze <= 6 steps.
+
+The machine is watched while a child runs: if available RAM falls under --min-free-gib, the child is
+killed and the script stops (a shared machine must not be pushed into swap or the OOM killer).
+
+    python bench/scale.py [--models small,medium] [--threads N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from tier_utils.files import write_json
+from tier_utils.measure import load_average
+from tier_utils.precision import cpu_name
+
+CONFIGS = {"small": {"n_embd": 768, "n_layer": 12, "n_head": 12},  # 124 M parameters
+           "medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}  # 355 M
+TARGETS = {"smoke": 6.0, "analyze": 6.0}  # steps, for GPT-2-small
+RSS_TARGET_GIB = 4.0  # smoke's, for GPT-2-small
+_STEP = """
+import sys, time, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(**{kwargs})).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+ids = torch.randint(0, model.config.vocab_size, (1, 1024))
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    times.append(time.perf_counter() - t0)
+print(times[0], times[1])
+"""
+
+
+CHILD_ENV = dict(os.environ)
+
+
+class TooLittleMemory(RuntimeError):
+    pass
+
+
+# Runs the command as its only child: RUSAGE_CHILDREN is then that child's own peak RSS (KiB on Linux).
+_WRAP = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+         "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+         "sys.exit(rc)")
+
+
+def measure(argv: list[str], min_free: int) -> dict:
+    """Run argv in a subprocess: wall time, peak RSS (GiB), exit code, stdout. Killed if available RAM drops
+    below `min_free`."""
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", _WRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True, env=CHILD_ENV)
+    low, done = [], threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            available = psutil.virtual_memory().available
+            if available < min_free:
+                low.append(available)
+                os.killpg(child.pid, signal.SIGKILL)  # the wrapper and what it runs
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        out, err = child.communicate()
+    except BaseException:  # Ctrl-C: the child is in its own session, so it must be ended here
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
+    finally:
+        done.set()
+    wall = time.perf_counter() - start
+    if low:
+        raise TooLittleMemory(f"killed {' '.join(argv[2:5])}: available RAM fell to {low[0] / 2**30:.1f} GiB")
+    if child.returncode not in (0, 1):  # 1: a check FAILed; the run is still a measurement
+        raise RuntimeError(f"{' '.join(argv)} exited {child.returncode}: {err[-1500:]}")
+    rss = [line.split()[1] for line in err.splitlines() if line.startswith("peak_rss_kib ")]
+    return {"seconds": wall, "rc": child.returncode, "stdout": out, "peak_rss_gib": int(rss[-1]) / 2**20}
+
+
+def model_args(kwargs: dict) -> list[str]:
+    return ["--model", "hf:GPT2LMHeadModel", *[a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="small,medium", help="comma-separated: small, medium (medium last)")
+    parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of every child, the plain step's included (default: one per core)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    # The same count everywhere: tier_utils would otherwise pick its own from the load, which the previous
+    # child has just raised, and the step and the tiers would run on different thread counts.
+    CHILD_ENV["OMP_NUM_THREADS"] = str(args.threads)
+    names = [n for n in CONFIGS if n in args.models.split(",")]
+    py, min_free = sys.executable, int(args.min_free_gib * 2**30)
+    print(f"{cpu_name()} · {os.cpu_count()} cores · {psutil.virtual_memory().total / 2**30:.0f} GiB RAM · "
+          f"load {load_average()} · {args.threads} torch threads in every child", flush=True)
+    rows, stopped = [], None
+    try:
+        for name in names:
+            measure_model(name, py, min_free, rows)
+    except TooLittleMemory as exc:
+        stopped = str(exc)
+        print(f"stopped: {exc}", flush=True)
+    small = next((r for r in rows if r["model"] == "GPT-2-small"), None)
+    if small and all(verb in small for verb in TARGETS):
+        met = ["met" if small[verb]["steps"] <= limit else "NOT met" for verb, limit in TARGETS.items()]
+        rss = small["smoke"]["peak_rss_gib"]
+        print("targets, GPT-2-small: " + " · ".join(f"{verb} {small[verb]['steps']:.2f} <= {limit:g} steps: {m}"
+                                                    for (verb, limit), m in zip(TARGETS.items(), met))
+              + f" · smoke peak RSS {rss:.2f} <= {RSS_TARGET_GIB:g} GiB: "
+              + ("met" if rss <= RSS_TARGET_GIB else "NOT met"))
+    if args.json:
+        write_json(args.json, {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
+                               "load_average_1m": load_average(), "rows": rows, "stopped": stopped})
+    return 3 if stopped else 0
+
+
+def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
+    """One model's row, appended to `rows` before its verbs run: a run stopped half-way keeps what it measured."""
+    kwargs = CONFIGS[name]
+    step = measure([py, "-c", _STEP.replace("{kwargs}", repr(kwargs))], min_free)
+    first_s, step_s = map(float, step["stdout"].split())
+    row = {"model": f"GPT-2-{name}", **kwargs, "step_s": step_s, "first_step_s": first_s,
+           "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}
+    rows.append(row)
+    print(f"GPT-2-{name}: plain fp32 step at 1x1024: {step_s:.1f} s (first {first_s:.1f} s), "
+          f"peak RSS {step['peak_rss_gib']:.2f} GiB", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        verbs = {"smoke": ["smoke"], "analyze": ["analyze"],
+                 "all --fast": ["all", "--fast", "--out", str(Path(tmp) / "all")]}
+        for verb, words in verbs.items():
+            got = measure([py, "-m", "tier_utils", *words, *model_args(kwargs), "--no-progress",
+                           "--json", str(Path(tmp) / "out.json")], min_free)
+            row[verb] = {"seconds": got["seconds"], "steps": got["seconds"] / step_s,
+                         "peak_rss_gib": got["peak_rss_gib"], "exit_code": got["rc"]}
+            print(f"  {verb:<11} {got['seconds']:7.1f} s = {got['seconds'] / step_s:5.2f} steps · peak RSS "
+                  f"{got['peak_rss_gib']:.2f} GiB · exit {got['rc']} · load {load_average()}", flush=True)
+            if verb == "all --fast":  # where its time went
+                tiers = json.loads((Path(tmp) / "out.json").read_text())["tiers"]
+                row[verb]["tier_seconds"] = {t["tier"]: t["seconds"] for t in tiers}
+                print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

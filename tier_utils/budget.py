@@ -1,0 +1,170 @@
+"""What the device can hold and what a probe will need: free memory read once at a tier's start, a probe's
+bytes predicted from a small measured one, out-of-memory turned into a result, repeats sized to a time budget.
+
+Free memory: a CPU's available RAM (psutil), a GPU's free memory (torch.cuda.mem_get_info). The one override,
+TIER_UTILS_FREE_MEMORY=BYTES (e.g. 2GiB), replaces that reading for every device: a test injects an
+out-of-memory through it, not through a mock of the tier.
+
+Activation bytes: autograd's saved tensors of a training forward (measure.SavedTensorMeter, an exact count)
+at batch 1 and two short lengths, and at batch 2, fitted as k + B * (a*T + c*T^2): k holds what does not
+grow with the batch (autocast's low-precision weight copies), c what grows with T^2 (materialised
+attention). Any other size is extrapolated from that fit, and says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import re
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .errors import one_line
+from .measure import SavedTensorMeter
+
+FREE_MEMORY_ENV = "TIER_UTILS_FREE_MEMORY"
+# The share of free memory a probe may plan to fill. A CPU shares its RAM with the OS, the notebook and
+# other jobs, and an overrun there is the OOM killer ending the kernel, not an exception: half. On a GPU an
+# overrun is a caught OutOfMemoryError, and the rest covers the allocator's fragmentation and workspaces.
+SAFE_SHARE = {"cpu": 0.5, "cuda": 0.9}
+# On a CPU, smoke's and analyze's measuring forwards hold at most this many bytes of activations: the
+# saved-tensor count is exact and its fit predicts bigger sizes, so running them would add time, not facts.
+CPU_PROBE_BYTES = 512 << 20
+PROFILE_LENGTH = 32  # the short length the activation fit measures at (and twice it)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def gib(n: float) -> str:
+    """Bytes as the rows print them: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _parse_bytes(text: str) -> int:
+    found = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not found or found.group(2).lower() not in _UNITS:
+        raise ValueError(f"{FREE_MEMORY_ENV}={text!r} is not a size; give bytes, e.g. 2147483648 or 2GiB")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Free memory on one device, read once, and the share of it a probe may plan to use."""
+
+    device: str  # cpu or cuda
+    free_bytes: int
+    source: str  # where the reading came from
+
+    @property
+    def limit(self) -> int:
+        return int(SAFE_SHARE[self.device] * self.free_bytes)
+
+    @property
+    def probe_limit(self) -> int:
+        """What a measuring forward of smoke or analyze may hold (CPU_PROBE_BYTES on a CPU)."""
+        return min(self.limit, CPU_PROBE_BYTES) if self.device == "cpu" else self.limit
+
+    def describe(self) -> str:
+        return f"{gib(self.free_bytes)} free ({self.source}; probes plan for {SAFE_SHARE[self.device]:.0%} of it)"
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "free_bytes": self.free_bytes, "source": self.source,
+                "safe_share": SAFE_SHARE[self.device], "limit_bytes": self.limit}
+
+
+def read_budget(device) -> Budget:
+    """The device's free memory now: TIER_UTILS_FREE_MEMORY if set, else psutil / torch.cuda.mem_get_info."""
+    dev = torch.device(device)
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    override = os.environ.get(FREE_MEMORY_ENV)
+    if override is not None:
+        return Budget(kind, _parse_bytes(override), FREE_MEMORY_ENV)
+    if kind == "cuda":
+        return Budget(kind, torch.cuda.mem_get_info(dev)[0], "torch.cuda.mem_get_info")
+    return Budget(kind, psutil.virtual_memory().available, "available RAM")
+
+
+@dataclass(frozen=True)
+class ActivationFit:
+    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes."""
+
+    k: float
+    a: float
+    c: float
+    output_per_token: float  # fp32 bytes of the output per token: its gradient is alive during backward
+    measured: tuple  # ((B, T, bytes), ...) as measured
+
+    def per_sequence(self, length: int) -> float:
+        return self.a * length + self.c * length**2
+
+    def bytes(self, batch: int, length: int) -> int:
+        return int(self.k + batch * self.per_sequence(length))
+
+    def transient(self, batch: int, length: int) -> int:
+        """The output's gradient (for a causal LM the logits'), alive during backward next to the saved tensors."""
+        return int(self.output_per_token * batch * length)
+
+    def where(self) -> str:
+        return "measured at " + ", ".join(f"B={b}, T={t}" for b, t, _ in self.measured)
+
+    def largest_length(self, batch: int, room: float, up_to: int) -> int:
+        """The longest length up to `up_to` whose activations at `batch` fit in `room` bytes (0: none)."""
+        lo, hi = 0, up_to
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.bytes(batch, mid) <= room else (lo, mid - 1)
+        return lo
+
+
+def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext) -> ActivationFit:
+    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at
+    (B=1, T=t), (B=1, 2t) and (B=2, 2t) with t = min(PROFILE_LENGTH, length // 2): small, whatever the model.
+    `context(meter)` wraps each forward (e.g. activation checkpointing that reports what it keeps)."""
+    t = max(1, min(PROFILE_LENGTH, length // 2))
+    t2 = min(2 * t, adapter.max_len)
+    measured = []
+    was_training = adapter.model.training
+    adapter.model.train()
+    try:
+        for b, tt in ((1, t), (1, t2), (2, t2)):
+            with SavedTensorMeter(adapter.model) as meter, context(meter), precision.autocast():
+                loss, logits = adapter.forward_loss(adapter.example_batch(b, tt))
+            output = 4 * logits.numel() / (b * tt)
+            del loss, logits
+            measured.append((b, tt, meter.bytes))
+    finally:
+        adapter.model.train(was_training)
+    (_, _, b1), (_, _, b2), (_, _, b3) = measured
+    per2 = max(0, b3 - b2)  # one sequence at t2
+    k = max(0, b2 - per2)
+    per1 = max(0, b1 - k)
+    c = max(0.0, (per2 * t - per1 * t2) / (t * t2 * (t2 - t))) if t2 > t else 0.0
+    a = max(0.0, (per2 - c * t2**2) / t2)
+    return ActivationFit(k, a, c, output, tuple(measured))
+
+
+def out_of_memory_note(dev, fit: ActivationFit | None, batch: int, length: int, budget: Budget) -> str:
+    """The row's words for a size that did not fit: which size, how much was free, what it would have needed."""
+    need = f"; {gib(fit.bytes(batch, length))} of activations predicted ({fit.where()})" if fit else ""
+    return f"B={batch}, T={length} ran out of memory on {dev} with {gib(budget.free_bytes)} free{need}"
+
+
+def without_oom(fn, *args, **kwargs) -> tuple[object, str | None]:
+    """(fn's result, None), or (None, the error in one line) when a CUDA out-of-memory stopped it, with the
+    memory it held released: the run goes on."""
+    try:
+        return fn(*args, **kwargs), None
+    except torch.cuda.OutOfMemoryError as exc:
+        message = one_line(exc)
+    # Outside the except block: the traceback, and the tensors its frames held, are gone.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None, message
+
+
+def affordable_repeats(call_s: float, budget_s: float, high: int) -> int:
+    """How many timed repeats of a call that took `call_s` fit in `budget_s`: 1 to `high`."""
+    return max(1, min(high, int(budget_s // call_s) if call_s > 0 else high))

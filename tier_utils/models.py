@@ -157,6 +157,9 @@ def _init_weights(module: nn.Module) -> None:
 
 BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
 DEFAULT_MODEL = "tiny-gpt"
+# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/demo.py); fixed sizes, no
+# kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.
+DEMO_MODEL = "tiny-gpt-trained"
 
 # transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
@@ -187,7 +190,8 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
     """Turn a spec into an nn.Module.
 
     Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
-    (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `path/to/file.py:Name` or
+    (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `tiny-gpt-trained` (the shipped trained demo
+    model, tier_utils/demo.py; no kwargs); `path/to/file.py:Name` or
     `package.module:Name` (a class or factory, called with kwargs; the file's folder is importable
     while it loads); a folder written by `save_pretrained` (transformers' Auto class for the task its
     config names; `task=` overrides, other kwargs go to from_pretrained); `hf:ORG/NAME` (the same from
@@ -220,6 +224,9 @@ def _build(spec, kwargs: dict) -> nn.Module:
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")
     spec = spec.strip()
+    if spec == DEMO_MODEL:
+        from .demo import load_demo  # here, not at the top: the demo module imports the training loop
+        return _sourced(load_demo(**kwargs), spec, kwargs)
     if spec in BUILTIN_MODELS:
         return _sourced(_construct(BUILTIN_MODELS[spec], kwargs, spec), spec, kwargs)
     if spec.startswith(HUB_PREFIX):
@@ -232,7 +239,7 @@ def _build(spec, kwargs: dict) -> nn.Module:
     if ":" not in spec:
         hint = f"; a hub model is written hf:{spec}" if "/" in spec or spec.islower() else ""
         raise ModelSpecError(f"unknown model {spec!r} (no such built-in, folder or file{hint}); use a built-in "
-                             f"({', '.join(BUILTIN_MODELS)}), a save_pretrained folder, hf:ORG/NAME, "
+                             f"({', '.join([*BUILTIN_MODELS, DEMO_MODEL])}), a save_pretrained folder, hf:ORG/NAME, "
                              "path/file.py:Name, package.module:Name or a tier_utils checkpoint")
     where, _, name = spec.rpartition(":")
     module = _import_file(where) if where.endswith(".py") else _import_module(where)

@@ -26,7 +26,7 @@ from .files import atomic_write_bytes, holds_lock, jsonable, write_json
 from .fit import fit
 from .history import TrainResult, TrainSummary
 from .measure import Load, cpu_load, load_average
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, DEMO_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
 from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
@@ -208,13 +208,18 @@ class AllResult(Result):
         lines = [f"{m['device_name']} · torch {m['torch']} · {threads}"
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
+        if "tokenizer" in m:
+            lines.append(f"{m['model']} · tokenizer {m['tokenizer']} · data: {m['data']}")
         r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
         lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
         if "smoke" in r:
             lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
         if "analysis" in r:
-            lines += _verdict_block("analysis", self, r["analysis"].table[["analysis", "check", "status", "value",
-                                                                           "detail"]], width)
+            block = _verdict_block("analysis", self, r["analysis"].table[["analysis", "check", "status", "value",
+                                                                          "detail"]], width)
+            if provenance := r["analysis"].model.get("provenance"):  # the shipped demo model, not fresh weights
+                block.insert(1, f"  on {provenance['summary']}")
+            lines += block
         if "train" in r:
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
         if "fit" in r:
@@ -264,31 +269,39 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
-    initial weights (training works on a copy). Run lengths: settings.JOB, or settings.FAST with
-    fast=True. Training that diverges is recorded as FAIL with its partial history; a model whose
-    forward raises gets smoke and analysis FAIL rows and no training or benchmark; bad input raises
-    as in each tier. Ctrl-C raises KeyboardInterrupt (the CLI exits 130) and writes no report.
+    initial weights (training works on a copy), except that with the default model and no kwargs,
+    tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
+    Run lengths: settings.JOB, or settings.FAST with fast=True. Training that diverges is recorded
+    as FAIL with its partial history; a model whose forward raises gets smoke and analysis FAIL rows
+    and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
+    (the CLI exits 130) and writes no report.
     """
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
     sizes = {**(FAST if fast else JOB), **({} if batch_size is None else {"batch_size": batch_size})}
     torch.manual_seed(seed)
     base = load_model(model, **model_kwargs)
+    # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
+    # it analyses the shipped trained demo model instead. Tiers 1 and 3 start from fresh weights.
+    default = isinstance(model, str) and model.strip() == DEFAULT_MODEL and not model_kwargs
+    analysed = load_model(DEMO_MODEL) if default else base
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     train_cfg = pick(TrainConfig, sizes, precision=prec, device=dev, seed=seed, progress=progress)
     bench_cfg = pick(BenchConfig, sizes)
     b, t = train_cfg.batch_size, train_cfg.seq_len
+    ran_on = {"model": type(base).__name__}  # what the report names: model, tokenizer, data
     try:
         adapter = adapt(base)
         t, runnable = min(t, adapter.max_len), True  # the job fits its window to the model, no warning
-        adapter.datasets(data, t, seed)  # bad data fails here, in one line, before any tier runs
+        described = adapter.datasets(data, t, seed).describe()  # bad data fails here, before any tier runs
+        ran_on.update(tokenizer=described["tokenizer"], data=described["data"])
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}
     steps = {
         "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,), precision=prec, device=dev,
                                progress=progress),
-        "analysis": lambda: analyze(base, data=data, precision=prec, device=dev, batch_size=b,
+        "analysis": lambda: analyze(analysed, data=data, precision=prec, device=dev, batch_size=b,
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
@@ -312,8 +325,10 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         seconds[name] = time.perf_counter() - start
         statuses[name] = results[name].status
     # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.
-    meta = {**run_metadata(dev, prec.dtype), "load_average_1m": load_average(), "cpu_count": os.cpu_count()}
-    index = write_report(results, out_dir, title=f"tier_utils report: {type(base).__name__}", metadata=meta)
+    meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
+            "cpu_count": os.cpu_count()}
+    title = f"tier_utils report: {type(base).__name__}" + (f", tier 2 on {DEMO_MODEL}" if analysed is not base else "")
+    index = write_report(results, out_dir, title=title, metadata=meta)
     return AllResult(results, statuses, seconds, index, meta, sizing.get("chosen"))
 
 

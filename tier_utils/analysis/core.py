@@ -15,6 +15,7 @@ import torch
 from ..adapter import resolve_model
 from ..budget import read_budget
 from ..data import make_loader, to_device
+from ..demo import provenance_of
 from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
@@ -120,7 +121,8 @@ class AnalysisReport(Result):
                 ax.text(0.5, 0.5, self._why_not(outcome)[:160], ha="center", va="center", wrap=True, fontsize=8)
         for ax in axes[len(names):]:
             fig.delaxes(ax)  # no blank panels in the grid's last row
-        fig.suptitle(f"{self.model['model']} · {self.precision['precision']} on {self.metadata['device_name']} · "
+        name = self.model.get("provenance", {}).get("name", self.model["model"])
+        fig.suptitle(f"{name} · {self.precision['precision']} on {self.metadata['device_name']} · "
                      f"worst status {self.status}")
         return fig
 
@@ -164,5 +166,6 @@ def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", dev
         module.train(was_training)
     data_info = {**described, "batches": len(batches), "batch_size": batch_size,
                  "seq_len": int(batches[0]["input_ids"].size(1))}
-    return AnalysisReport(outcomes, seconds, adapter.summary(), prec.to_dict(), data_info,
-                          run_metadata(dev, prec.dtype))
+    provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
+    model_info = {**adapter.summary(), **({"provenance": provenance} if provenance else {})}
+    return AnalysisReport(outcomes, seconds, model_info, prec.to_dict(), data_info, run_metadata(dev, prec.dtype))

@@ -29,7 +29,7 @@ from .results import Result, run_metadata
 from .settings import precision_list
 from .train import TrainStep, make_optimizer
 
-# Memory as nvidia-smi reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
+# Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN
 # workspaces and rounding: the margin stated with every prediction.
 GPUS = {"T4 16 GB": 15360, "L4 24 GB": 23034, "A100 40 GB": 40960, "A100 80 GB": 81920, "H100 80 GB": 81559}

@@ -44,6 +44,12 @@ def canonical_precision(requested) -> str:
     return _ALIASES[key]
 
 
+def precision_setting(value) -> str | Precision:
+    """What a config's `precision` field holds: a Precision already decided (kept whole, so its device and reason
+    reach the autocast context unchanged) or the canonical name of a spelling, to be resolved at the boundary."""
+    return value if isinstance(value, Precision) else canonical_precision(value)
+
+
 def resolve_device(device=None) -> torch.device:
     """None -> the first CUDA device if there is one, else the CPU."""
     if device is None or str(device) == "auto":

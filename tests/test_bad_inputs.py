@@ -154,7 +154,7 @@ CLI_BAD = [
     (["train", "--out", "{d}/run", "--log-every", "0"], "log_every must be a whole number >= 1"),
     (["train", "--out", "{d}/run", "--checkpoint-every", "0"], "checkpoint_every must be a whole number >= 1"),
     (["train", "--out", "{d}/run", "--max-steps", "1", "--epochs", "2"], "not allowed with argument"),
-    (["train", "--out", "{d}/run", "--model-arg", "seed=3"], "--model-arg seed names a training setting"),
+    (["train", "--out", "{d}/run", "--model-arg", "seed=3"], "unexpected keyword argument 'seed'; check its arguments"),
     (["train", "--out", "{d}/run", "--model", "tiny-encoder", "--data", "{d}/text.txt"], "has no labels"),
     (["train", "--out", "{d}/run", "--model-arg", "vocab_size=100"], "vocab_size>=256"),
     (["train", "--out", "{d}/run", "--batch-size", "100000", "--max-steps", "1", *TINY_ARGS], "lower batch_size"),
@@ -387,7 +387,7 @@ def test_seq_len_past_max_len_is_capped_with_a_warning_and_recorded_everywhere()
     with pytest.warns(UserWarning, match="seq_len=64 exceeds TinyGPT's max_len=32; using 32"):
         result = tier_utils.train(tiny(), "synthetic", seq_len=64, max_steps=1, batch_size=4, progress=False,
                                   device="cpu", eval_batches=1)
-    assert result.config["seq_len"] == 32
+    assert result.config.seq_len == 32
     with pytest.warns(UserWarning, match="seq_len=64 exceeds"):
         bench = tier_utils.amp_benchmark(tiny(), "synthetic", precisions=["fp32"], batch_size=2, seq_len=64,
                                          untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, device="cpu",

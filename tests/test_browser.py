@@ -184,11 +184,14 @@ def main_job_report(tmp_path_factory):
     """The main job's index.html at tiny sizes: real tables from every tier, run once for this file."""
     from tiny import TINY
 
-    from tier_utils import report
+    from tier_utils import BenchConfig, TrainConfig, report
+    from tier_utils.presets import Preset
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
-                                        eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=2))
+        mp.setattr(report, "FAST", Preset(batch_size=4, seq_len=16, analysis_batches=1,
+                                          train=TrainConfig(max_steps=4, eval_every=2, eval_batches=1),
+                                          bench=BenchConfig(untimed_steps=1, timed_steps=1, repeats=1,
+                                                            accuracy_steps=2, eval_batches=1)))
         result = report.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
                                 device="cpu", **TINY)
     return result.index.resolve().as_uri()

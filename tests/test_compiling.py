@@ -54,7 +54,7 @@ def test_compiled_fp32_matches_eager_within_1e4(runs):
     s = compiled.summary
     assert s.compiled and s.compile_s > 0 and s.compile_reason.startswith("compiled (mode default)")
     assert not eager.summary.compiled and eager.summary.compile_s is None
-    assert compiled.config["compile"] is True and compiled.model is not None
+    assert compiled.config.compile is True and compiled.model is not None
     assert len(losses(compiled)) == STEPS
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     # The trained module handed back is the eager one: plain parameter names.

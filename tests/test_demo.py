@@ -12,7 +12,8 @@ from tier_utils import ModelSpecError, adapt, analyze, load_model, report
 from tier_utils import demo as demo_module
 from tier_utils.demo import ASSETS, CARD_NAME, SEED, STEPS, UNIFORM_LOSS, WEIGHTS_NAME, corpus_val_loss, demo_card
 from tier_utils.models import DEFAULT_MODEL, DEMO_MODEL
-from tier_utils.settings import FAST, JOB, TrainConfig
+from tier_utils.presets import FAST, JOB, Preset
+from tier_utils.settings import BenchConfig, TrainConfig
 
 # Two runs of the recipe on different CPUs round differently and drift apart; their val losses agree
 # this closely (a model that failed to train is > 1 nat off).
@@ -24,8 +25,7 @@ def test_demo_model_loads_byte_level_and_its_val_loss_is_well_below_uniform():
     adapter = adapt(model)
     card = demo_card()
     assert (adapter.task, adapter.vocab_size) == ("causal-lm", 256)
-    tier2_lengths = (inspect.signature(analyze).parameters["seq_len"].default, JOB.get("seq_len", TrainConfig.seq_len),
-                     FAST["seq_len"])
+    tier2_lengths = (inspect.signature(analyze).parameters["seq_len"].default, JOB.seq_len, FAST.seq_len)
     assert adapter.max_len >= max(tier2_lengths)
     assert (ASSETS / WEIGHTS_NAME).stat().st_size <= 5 * 2**20
     val_loss, targets = corpus_val_loss(model)
@@ -94,8 +94,9 @@ def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_pat
     loaded = []
     real = report.load_model
     monkeypatch.setattr(report, "load_model", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
-    sizes = dict(batch_size=2, seq_len=16, n_batches=1, max_steps=2, eval_every=1, eval_batches=1,
-                 untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=1)
+    sizes = Preset(batch_size=2, seq_len=16, analysis_batches=1,
+                   train=TrainConfig(max_steps=2, eval_every=1, eval_batches=1),
+                   bench=BenchConfig(untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=1, eval_batches=1))
     monkeypatch.setattr(report, "FAST", sizes)
     result = report.run_all(DEFAULT_MODEL, tmp_path / "default", fast=True, progress=False, device="cpu")
     assert loaded == [DEFAULT_MODEL, DEMO_MODEL]

@@ -39,7 +39,7 @@ def test_training_starts_at_the_models_own_loss_and_bytes_give_todays_behaviour(
 
     def first_val_loss(**kwargs):
         result = tu.train(str(trained_hf_folder), str(text), max_steps=1, lr=1e-9, batch_size=4, seq_len=64,
-                          progress=False, device="cpu", **kwargs)
+                          progress=False, device="cpu", model_kwargs=kwargs)
         return result.summary
     own, as_bytes = first_val_loss(), first_val_loss(tokenizer="bytes")
     assert own.val_loss < uniform - 0.5, own.val_loss  # its own tokens: what it learned
@@ -79,7 +79,8 @@ def test_targets_convention_model_from_another_folder(tmp_path, monkeypatch):
     assert "FAIL" not in set(smoke.table["status"]), smoke.table[smoke.table["status"] == "FAIL"]
     report = tu.analyze(spec, batch_size=2, n_batches=1, seq_len=16, progress=False, device="cpu", **kwargs)
     assert "FAIL" not in set(report.table["status"]), report.table[report.table["status"] == "FAIL"]
-    result = tu.train(spec, None, max_steps=3, batch_size=2, seq_len=16, progress=False, device="cpu", **kwargs)
+    result = tu.train(spec, None, max_steps=3, batch_size=2, seq_len=16, progress=False, device="cpu",
+                      model_kwargs=kwargs)
     assert result.summary.steps == 3 and math.isfinite(result.summary.val_loss)
 
 
@@ -123,14 +124,15 @@ def test_csv_with_labels_trains_the_classifier(tmp_path):
     pd.DataFrame(rows).to_csv(tmp_path / "reviews.csv", index=False)
     data = tu.DataSource(str(tmp_path / "reviews.csv"), text_column="review", label_column="stars")
     result = tu.train("tiny-encoder", data, max_steps=4, batch_size=8, seq_len=16, progress=False, device="cpu",
-                      **{**TINY, "num_classes": 3})
+                      model_kwargs={**TINY, "num_classes": 3})
     s = result.summary
     assert s.steps == 4 and s.accuracy is not None and "seeded random 10% of the rows" in s.validation
     with pytest.raises(DataError, match="outside the classifier's 2 classes"):
-        tu.train("tiny-encoder", data, max_steps=1, progress=False, device="cpu", **{**TINY, "num_classes": 2})
+        tu.train("tiny-encoder", data, max_steps=1, progress=False, device="cpu",
+                 model_kwargs={**TINY, "num_classes": 2})
     with pytest.raises(DataError, match="no column 'body'; its columns are review, stars"):
         tu.train("tiny-encoder", tu.DataSource(str(tmp_path / "reviews.csv"), text_column="body"), max_steps=1,
-                 progress=False, device="cpu", **{**TINY, "num_classes": 3})
+                 progress=False, device="cpu", model_kwargs={**TINY, "num_classes": 3})
 
 
 def test_hf_dataset_saved_to_disk_uses_its_own_validation_split(tmp_path):
@@ -141,7 +143,7 @@ def test_hf_dataset_saved_to_disk_uses_its_own_validation_split(tmp_path):
                                "validation": datasets.Dataset.from_dict({"text": [corpus[t] for t in val_topics]})})
     ds.save_to_disk(tmp_path / "docs")
     result = tu.train("tiny-gpt", f"hf-dataset:{tmp_path / 'docs'}", max_steps=2, batch_size=2, seq_len=32,
-                      progress=False, device="cpu", **TINY)
+                      progress=False, device="cpu", model_kwargs=TINY)
     assert result.summary.validation == "the dataset's own 'validation' split"
     assert result.summary.data == "dataset docs [train]"
 

@@ -7,14 +7,16 @@ import pytest
 from matplotlib.figure import Figure
 from tiny import TINY, TINY_ARGS
 
-from tier_utils import report
+from tier_utils import BenchConfig, TrainConfig, report
 from tier_utils.cli import main
+from tier_utils.presets import Preset
 from tier_utils.report import run_all, write_report
 from tier_utils.results import Result
 from tier_utils.train import TrainingDiverged
 
-TINY_SIZES = dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2, eval_batches=1,
-                  untimed_steps=1, timed_steps=2, repeats=2, accuracy_steps=2)
+TINY_SIZES = Preset(batch_size=4, seq_len=16, analysis_batches=1,
+                    train=TrainConfig(max_steps=4, eval_every=2, eval_batches=1),
+                    bench=BenchConfig(untimed_steps=1, timed_steps=2, repeats=2, accuracy_steps=2, eval_batches=1))
 
 
 class Fake(Result):
@@ -82,7 +84,9 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     assert set(verdicts["precision"]) == {"fp32", "bf16", "fp16"}
     assert data["tiers"][4]["status"] in verdicts["status"].tolist()
     train = json.loads((out / "train.json").read_text())
-    assert train["summary"]["steps"] == TINY_SIZES["max_steps"] and train["summary"]["global_batch"] == 4
+    assert train["summary"]["steps"] == TINY_SIZES.train.max_steps and train["summary"]["global_batch"] == 4
+    # the job decided `auto` once; training runs that decision, so its reason still says auto (not "bf16 requested")
+    assert train["summary"]["precision_reason"].startswith("auto: ")
     printed = capsys.readouterr().out
     for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "fit: largest training batch at T=16 here",
                  "amp_benchmark: ", "model checks: ", "  at batch 4 x 16 tokens"):

@@ -127,3 +127,15 @@ def test_import_tier_utils_leaves_optuna_unloaded():
     code = "import sys, tier_utils; print('optuna' in sys.modules, tier_utils.search.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "search"]  # the function, not the module, and no optuna until a study runs
+
+
+def test_one_config_holds_the_study_and_its_trials_and_a_typo_is_refused_by_name():
+    """The study's settings and its trials' TrainConfig travel in one SearchConfig; an override names a field
+    of either, and anything else is named back rather than silently ignored."""
+    from tier_utils import SearchConfig
+
+    cfg = SearchConfig.of(SearchConfig(n_trials=3), {"max_steps": 5, "study_name": "s"})
+    assert (cfg.n_trials, cfg.study_name, cfg.trial.max_steps, cfg.trial.eval_every) == (3, "s", 5, 10)
+    assert cfg.trial.progress is False  # trials never draw bars of their own beside the study's
+    with pytest.raises(ValueError, match="unknown search or trial training setting.s. n_trails"):
+        search(tiny(seed=0), n_trails=2)

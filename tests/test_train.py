@@ -499,15 +499,24 @@ def test_summary_names_how_many_targets_validation_scored():
     torch.manual_seed(0)
     result = train(MODELS["tiny-gpt"](), precision="fp32", max_steps=2, eval_every=0, **FAST)
     cfg = result.config
-    assert result.summary.val_targets == cfg["eval_batches"] * cfg["batch_size"] * cfg["seq_len"]
+    assert result.summary.val_targets == cfg.eval_batches * cfg.batch_size * cfg.seq_len
 
 
-def test_spec_keywords_build_the_model_and_a_decided_precision_is_kept():
+def test_model_kwargs_build_the_model_and_a_decided_precision_is_kept():
     prec = resolve_precision("auto", "cpu")  # its reason says auto; deciding "fp32" again would not
-    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST, **TINY)
+    result = train("tiny-gpt", precision=prec, device=torch.device("cpu"), max_steps=1, eval_every=0, **FAST,
+                   model_kwargs=TINY)
     assert result.summary.parameters == sum(p.numel() for p in tiny().parameters())
-    assert result.summary.precision_reason == prec.reason and result.config["precision"] == prec.name
-    assert result.config["device"] == "cpu"
+    assert result.summary.precision_reason == prec.reason and result.summary.precision_reason.startswith("auto: ")
+    assert result.config.precision is prec and result.config.to_dict()["precision"] == prec.name
+    assert result.to_json()["config"]["device"] == "cpu"
+
+
+def test_a_model_keyword_among_the_settings_is_refused_by_name():
+    """Settings and the model's arguments travel apart: a model argument given as a setting is a typo to name,
+    not something to pass on to the model."""
+    with pytest.raises(ValueError, match="unknown training setting.s. d_model; valid: precision, batch_size"):
+        train("tiny-gpt", max_steps=1, d_model=32)
 
 
 @pytest.mark.parametrize("bad", [np.int64(4), 4.0, True])

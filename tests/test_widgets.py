@@ -6,8 +6,9 @@ import torch
 
 import tier_utils
 from tier_utils.precision import supported_precisions
+from tier_utils.presets import NOTEBOOK
 from tier_utils.train import train
-from tier_utils.widgets import DEVICE_SIZES, ConfigPanel, RunConfig, config_panel, forget_panel_choices
+from tier_utils.widgets import ConfigPanel, RunConfig, config_panel, forget_panel_choices
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +23,8 @@ def test_panel_offers_builtins_auto_and_what_the_device_runs():
     assert isinstance(panel, ConfigPanel) and len(panel.children) == 7
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
-    sizes = DEVICE_SIZES[tier_utils.resolve_device().type]  # None = sized for the device
-    assert panel.precision_select.value == "auto" and panel.batch_size_input.value == sizes["batch_size"]
+    preset = NOTEBOOK[tier_utils.resolve_device().type]  # None = sized for the device
+    assert panel.precision_select.value == "auto" and panel.batch_size_input.value == preset.batch_size
     assert panel.compile_box.value is False
     assert panel.decision.value.startswith("<small>auto: ")
 
@@ -92,7 +93,7 @@ def test_the_next_run_uses_the_changed_widget_values(tiny_kwargs):
     result = train(cfg.build_model(), precision=cfg.precision, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    max_steps=cfg.max_steps, eval_every=None, eval_batches=1, progress=False)
     assert result.summary.precision == choice
-    assert result.summary.global_batch == 3 and result.config["batch_size"] == 3
+    assert result.summary.global_batch == 3 and result.config.batch_size == 3
     assert result.summary.steps == 2
 
 
@@ -144,8 +145,8 @@ def test_sizes_left_at_none_follow_the_device():
         gpu = RunConfig(device="cuda")
     cpu = RunConfig(device="cpu")
     assert gpu.model_kwargs["d_model"] > cpu.model_kwargs["d_model"] and gpu.batch_size > cpu.batch_size
-    assert (cpu.batch_size, cpu.seq_len) == (DEVICE_SIZES["cpu"]["batch_size"], DEVICE_SIZES["cpu"]["seq_len"])
+    assert (cpu.batch_size, cpu.seq_len) == (NOTEBOOK["cpu"].batch_size, NOTEBOOK["cpu"].seq_len)
     assert RunConfig(model="my_model.py:Net", device="cpu").model_kwargs == {}  # unknown size arguments
     assert RunConfig(batch_size=7, model_kwargs={"d_model": 64}, device="cpu").batch_size == 7
     cpu.model_kwargs["d_model"] = 1
-    assert DEVICE_SIZES["cpu"]["model_kwargs"]["d_model"] == 32  # each config has its own copy
+    assert NOTEBOOK["cpu"].model_kwargs["d_model"] == 32  # each config has its own copy

@@ -18,7 +18,8 @@ from dataclasses import fields
 from .errors import ModelForwardError, TierError, one_line
 from .files import write_json
 from .models import DEFAULT_MODEL
-from .settings import FAST, JOB, TRIAL_DEFAULTS, BenchConfig, SearchConfig, Thresholds, TrainConfig
+from .presets import FAST, JOB
+from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
 from .validation import whole_number, writable_dir, writable_file
 
 
@@ -204,15 +205,12 @@ def _run_train(args) -> tuple[dict, int]:
     from .train import TrainConfig, TrainingDiverged, train
 
     out = Path(args.out)
-    clash = sorted(set(model_kwargs(args)) & {f.name for f in fields(TrainConfig)})
-    if clash:  # train() would take it as the training setting of that name, not as the model's
-        raise ValueError(f"--model-arg {', '.join(clash)} names a training setting; give it as --"
-                         f"{clash[0].replace('_', '-')}, or build the model in Python and pass the module")
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
     code = 0
     try:
-        result = train(args.model, data_of(args), config, **model_kwargs(args))  # seeded before it builds the model
+        # seeded before it builds the model
+        result = train(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
@@ -273,8 +271,7 @@ def _run_search(args) -> tuple[dict, int]:
     from .search import search
 
     result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
-                    config=settings_from(args, TrainConfig),
-                    settings=settings_from(args, SearchConfig), progress=args.progress)
+                    settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig)))
     _show(result.table)
     summary = result.to_json()
     if summary["best"]:
@@ -430,9 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
     add_common(p)
     add_data(p)
-    add_settings(p, SearchConfig)
+    add_settings(p, SearchConfig, {f.name for f in fields(SearchConfig)} - {"progress", "trial"})
     add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
-                 defaults=TRIAL_DEFAULTS)
+                 defaults=vars(SearchConfig().trial))
     p.set_defaults(run=_run_search)
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
@@ -463,11 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the CSV tables, PNG plots, JSON and index.html (default: %(default)s)")
     add_parameters(p, run_all, {
         "data": DATA_HELP,
-        "fast": f"a quick run, for CI or a notebook on a CPU: {FAST['max_steps']} training steps of "
-                f"{FAST['batch_size']} x {FAST['seq_len']} tokens, {FAST['repeats']} benchmark repeats of "
-                f"{FAST['timed_steps']} steps (without it: {JOB['max_steps']} training steps, "
-                f"{BenchConfig.repeats} repeats of {BenchConfig.timed_steps})",
-        "batch_size": (f"sequences per batch (none: {JOB['batch_size']}, {FAST['batch_size']} with --fast)",
+        "fast": f"a quick run, for CI or a notebook on a CPU: {FAST.train.max_steps} training steps of "
+                f"{FAST.batch_size} x {FAST.seq_len} tokens, {FAST.bench.repeats} benchmark repeats of "
+                f"{FAST.bench.timed_steps} steps (without it: {JOB.train.max_steps} training steps, "
+                f"{JOB.bench.repeats} repeats of {JOB.bench.timed_steps})",
+        "batch_size": (f"sequences per batch (none: {JOB.batch_size}, {FAST.batch_size} with --fast)",
                        _whole),
         "seed": "initial weights and training data order"})
     add_data(p, data=False)

@@ -65,7 +65,7 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
     out = writable_dir(out_dir, "out_dir")  # before the minute of training, not after it
     config = TrainConfig(max_steps=steps, seed=seed, progress=progress, **RECIPE)  # checks steps and seed
     start = time.perf_counter()
-    result = train("tiny-gpt", None, config, **MODEL_KWARGS)
+    result = train("tiny-gpt", None, config, model_kwargs=MODEL_KWARGS)
     seconds = time.perf_counter() - start
     model = result.model.eval()
     val_loss, targets = corpus_val_loss(model)

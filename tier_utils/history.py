@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -18,6 +19,9 @@ from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .plotting import caption, integer_axis, power_of_two_axis, save_png
 from .results import Result
+
+if TYPE_CHECKING:
+    from .settings import TrainConfig
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                    "loss_scale", "skipped_steps", "tokens_per_s", "step_time_ms", "max_memory_mb", "gpu_util_pct"]
@@ -237,7 +241,7 @@ class TrainResult(Result):
     skipped_steps: int = 0
     loss_scale_trace: list = field(default_factory=list)
     interrupted: bool = False
-    config: dict = field(default_factory=dict)
+    config: TrainConfig | None = None  # as the run used it (seq_len capped to the model's)
 
     @property
     def status(self) -> str | None:
@@ -323,9 +327,9 @@ class TrainResult(Result):
             integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.model} · {self.summary.precision} · {self.summary.device_name}")
         if c := self.config:
-            evals = f"every {c['eval_every']} steps" if c.get("eval_every") else "at the end"
-            caption(fig, f"linear warm-up for {c['warmup_steps']} steps, then cosine decay · validation {evals} "
-                         f"on up to {c.get('eval_batches') or 'all'} batches · global batch "
+            evals = f"every {c.eval_every} steps" if c.eval_every else "at the end"
+            caption(fig, f"linear warm-up for {c.warmup_steps} steps, then cosine decay · validation {evals} "
+                         f"on up to {c.eval_batches or 'all'} batches · global batch "
                          f"{self.summary.global_batch}")
         return fig
 

@@ -29,8 +29,9 @@ from .measure import Load, cpu_load, load_average
 from .models import DEFAULT_MODEL, DEMO_MODEL, load_model
 from .plotting import save_png
 from .precision import resolve_device, resolve_precision
+from .presets import FAST, JOB
 from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
-from .settings import FAST, JOB, BenchConfig, TrainConfig, pick
+from .settings import TrainConfig
 from .smoke import smoke
 from .train import TrainingDiverged, train
 from .validation import writable_dir
@@ -149,8 +150,8 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
         for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
             b = bench.config
             rec = next((r for r in bench.records if (r.precision, r.mode) == (s.precision, mode) and r.speed), None)
-            if (rec is None or s.step_time_ms is None or s.world_size != 1 or c.get("grad_accum_steps") != 1
-                    or (s.model, c.get("batch_size"), c.get("seq_len")) != (b["model"], b["batch_size"], b["seq_len"])):
+            if (rec is None or s.step_time_ms is None or s.world_size != 1 or c.grad_accum_steps != 1
+                    or (s.model, c.batch_size, c.seq_len) != (b["model"], b["batch_size"], b["seq_len"])):
                 continue
             row = step_agreement(s.step_time_ms, rec.speed["step_ms"],
                                  f"{s.model}, {s.precision} {mode}, batch {b['batch_size']} x {b['seq_len']} tokens",
@@ -271,13 +272,15 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy), except that with the default model and no kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
-    Run lengths: settings.JOB, or settings.FAST with fast=True. Training that diverges is recorded
-    as FAIL with its partial history; a model whose forward raises gets smoke and analysis FAIL rows
-    and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
+    Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's. Training
+    that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
+    analysis FAIL rows and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
     (the CLI exits 130) and writes no report.
     """
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
-    sizes = {**(FAST if fast else JOB), **({} if batch_size is None else {"batch_size": batch_size})}
+    preset = FAST if fast else JOB
+    if batch_size is not None:
+        preset = replace(preset, batch_size=batch_size)
     torch.manual_seed(seed)
     base = load_model(model, **model_kwargs)
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
@@ -286,9 +289,9 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     analysed = load_model(DEMO_MODEL) if default else base
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
-    train_cfg = pick(TrainConfig, sizes, precision=prec, device=dev, seed=seed, progress=progress)
-    bench_cfg = pick(BenchConfig, sizes)
-    b, t = train_cfg.batch_size, train_cfg.seq_len
+    train_cfg = preset.train_config(precision=prec, device=dev, seed=seed, progress=progress)
+    bench_cfg = preset.bench_config()
+    b, t = preset.batch_size, preset.seq_len
     ran_on = {"model": type(base).__name__}  # what the report names: model, tokenizer, data
     try:
         adapter = adapt(base)
@@ -302,7 +305,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,), precision=prec, device=dev,
                                progress=progress),
         "analysis": lambda: analyze(analysed, data=data, precision=prec, device=dev, batch_size=b,
-                                    n_batches=sizes["n_batches"], seq_len=t, progress=progress),
+                                    n_batches=preset.analysis_batches, seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
         "fit": lambda: fit(base, seq_len=t, device=dev, validate=False, progress=progress),  # predictions only

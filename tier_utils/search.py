@@ -22,7 +22,7 @@ from .plotting import integer_axis
 from .precision import canonical_precision
 from .progress import interactive
 from .results import Result, run_metadata
-from .settings import TRIAL_DEFAULTS, SearchConfig, TrainConfig, merge
+from .settings import SearchConfig, TrainConfig
 from .train import TrainingDiverged, train
 
 if TYPE_CHECKING:
@@ -148,28 +148,25 @@ class SearchResult(Result):
                          "states": states, "best": best, "trials": self.table, "meta": self.meta})
 
 
-def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: TrainConfig | None = None,
-           settings: SearchConfig | None = None, *, pruner: optuna.pruners.BasePruner | None = None,
-           sampler: optuna.samplers.BaseSampler | None = None, start_with: list[dict] | None = None,
-           progress: bool = True, **overrides) -> SearchResult:
+def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = None, *,
+           model_kwargs: dict | None = None, space: dict | None = None,
+           pruner: optuna.pruners.BasePruner | None = None, sampler: optuna.samplers.BaseSampler | None = None,
+           start_with: list[dict] | None = None, **overrides) -> SearchResult:
     """Search `space` (default: lr, weight decay, warm-up, batch size) minimising validation loss.
 
-    `settings` (or overrides naming SearchConfig fields: n_trials, timeout, storage, study_name,
-    sampler_seed) shape the study; `n_trials` counts finished (complete or pruned) trials in it, so a
-    continued study with storage runs only what is left. `config` and the other overrides set the
-    trials' fixed TrainConfig fields (default: TRIAL_DEFAULTS, short runs evaluated often).
+    `config` (a SearchConfig) and overrides naming its fields (n_trials, timeout, storage, study_name,
+    sampler_seed, progress) shape the study; `n_trials` counts finished (complete or pruned) trials in it, so
+    a continued study with storage runs only what is left. Overrides naming TrainConfig fields set the trials'
+    fixed settings (`SearchConfig.trial`: short runs evaluated often); any other name is refused.
     `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
     A trial whose training diverges ends PRUNED with the reason in its `diverged` column.
     """
     import optuna
 
-    names = {f.name for f in dataclasses.fields(SearchConfig)}
-    study_cfg = merge(SearchConfig, settings, {k: v for k, v in overrides.items() if k in names}, "search")
-    trial_overrides = {k: v for k, v in overrides.items() if k not in names}
+    study_cfg = SearchConfig.of(config, overrides)
+    base = study_cfg.trial
     space = _check_space(dict(DEFAULT_SPACE if space is None else space))
-    base = merge(TrainConfig, config or TrainConfig(**TRIAL_DEFAULTS), {**trial_overrides, "progress": False},
-                 "training")
-    adapter = resolve_model(model)  # fails here, once, on a model the trials could not drive
+    adapter = resolve_model(model, **(model_kwargs or {}))  # fails here, once, on a model the trials could not drive
     adapter.require_trainable()
     adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
     initial = adapter.model
@@ -217,5 +214,5 @@ def search(model=DEFAULT_MODEL, data=None, space: dict | None = None, config: Tr
 
     if done < study_cfg.n_trials:
         study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,
-                       show_progress_bar=progress and interactive())  # Optuna's bar redraws: terminals only
+                       show_progress_bar=study_cfg.progress and interactive())  # Optuna's bar redraws: terminals only
     return SearchResult(study, base, run_metadata(base.device))

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+import torch
 
 from .compiling import COMPILE_MODES, compile_modes
 from .loggers import logger_names
-from .precision import canonical_precision
+from .precision import Precision, canonical_precision, precision_setting
 
 
 def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices=None, low=None, above=None,
@@ -96,7 +98,8 @@ class TrainConfig:
     stop included), and to checkpoint_dir/best.pt after each evaluation with the lowest val loss so far.
     """
 
-    precision: str = setting("auto", "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)")
+    # A name, resolved for the device when the run starts, or a Precision a caller already decided (kept whole).
+    precision: str | Precision = setting("auto", "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)")
     batch_size: int = setting(16, "sequences per step per rank; global batch = batch size x ranks x grad accum",
                               low=1)
     seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
@@ -126,7 +129,7 @@ class TrainConfig:
     save_hf: str | None = setting(None, "after training, write a transformers model and its tokenizer to this "
                                         "folder with save_pretrained")
     progress: bool = setting(True, "progress bars")
-    device: str | None = setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
+    device: str | torch.device | None = setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
     loggers: tuple = setting((), "experiment loggers, rank 0 only: tensorboard, wandb, mlflow", flag="log")
     log_dir: str | None = setting(None, "logger output (none: logs beside the checkpoint folder, else runs/logs)")
     log_project: str = setting("tier_utils", "W&B project / MLflow experiment")
@@ -139,7 +142,7 @@ class TrainConfig:
                                 choices=COMPILE_MODES)
 
     def __post_init__(self):
-        self.precision = canonical_precision(self.precision)
+        self.precision = precision_setting(self.precision)
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
@@ -152,7 +155,8 @@ class TrainConfig:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would unfold a decided Precision
+        d["precision"] = canonical_precision(self.precision)  # what ran, where it was decided before the run
         for name in ("device", "checkpoint_dir", "log_dir", "save_hf"):
             d[name] = None if d[name] is None else str(d[name])
         return d
@@ -225,9 +229,15 @@ class BenchConfig:
         check_fields(self)
 
 
+def _trial_defaults() -> TrainConfig:
+    """A trial is a short run, evaluated often so the pruner can stop a bad one early; its bar stays off
+    (the study has its own)."""
+    return TrainConfig(max_steps=60, eval_every=10, progress=False)
+
+
 @dataclass
 class SearchConfig:
-    """The Optuna study around `train`; the trials' own settings are a TrainConfig (TRIAL_DEFAULTS)."""
+    """The Optuna study around `train`, and its trials' fixed training settings (`trial`, a TrainConfig)."""
 
     n_trials: int = setting(8, "finished trials the study should hold", flag="trials", low=1)
     timeout: float | None = setting(None, "stop starting trials after this many seconds", above=0)
@@ -235,22 +245,22 @@ class SearchConfig:
                                         "continues it")
     study_name: str = setting("tier_utils", "the study's name in its storage")
     sampler_seed: int = setting(0, "the TPE sampler's seed", low=0)
+    progress: bool = setting(True, "the study's progress bar (a terminal's; Optuna's bar redraws)")
+    trial: TrainConfig = setting(factory=_trial_defaults, help="each trial's settings, before the searched ones")
 
     def __post_init__(self):
+        check_switch(self, "progress")
+        if not isinstance(self.trial, TrainConfig):
+            raise ValueError(f"trial must be a TrainConfig, got {type(self.trial).__name__}")
+        self.trial = replace(self.trial, progress=False)
         check_fields(self)
 
-
-# A trial is a short run, evaluated often so the pruner can stop a bad one early.
-TRIAL_DEFAULTS = {"max_steps": 60, "eval_every": 10}
-
-# Run lengths as changes to the defaults above, by name of field. FAST: CI, tests, a notebook on a
-# CPU (`all --fast`); JOB: the main job's default, a few minutes on a 2-core CPU. n_batches: analysis.
-FAST = {"batch_size": 4, "seq_len": 32, "n_batches": 1, "max_steps": 20, "eval_every": 10, "eval_batches": 2,
-        "untimed_steps": 1, "timed_steps": 3, "repeats": 3, "accuracy_steps": 10}
-JOB = {"batch_size": BenchConfig.batch_size, "n_batches": 2, "max_steps": 60, "eval_every": 20, "eval_batches": 10}
-
-
-def pick(cls, sizes: dict, **extra):
-    """An instance of settings class `cls` from the entries of `sizes` that are its fields, and `extra`."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in sizes.items() if k in names}, **extra)
+    @classmethod
+    def of(cls, config, overrides: dict) -> SearchConfig:
+        """`config` (a SearchConfig, a dict of its fields or None) with `overrides`: names of its own fields,
+        else of its trials' TrainConfig; a name that is neither is refused."""
+        own = {f.name for f in fields(cls)}
+        cfg = merge(cls, config, {k: v for k, v in overrides.items() if k in own}, "search")
+        trial = merge(TrainConfig, cfg.trial, {k: v for k, v in overrides.items() if k not in own},
+                      "search or trial training")
+        return replace(cfg, trial=trial)

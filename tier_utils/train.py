@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .compiling import compile_for_training
-from .data import make_loader, to_device
+from .data import DataSplits, make_loader, to_device
 from .errors import DataError, TierError
 from .files import run_lock
 from .finetune import Selection, check_save_hf, restore_best, save_hf
@@ -186,14 +186,15 @@ def _deterministic_algorithms(on: bool, cuda: bool):
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
 
 
-def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, **overrides) -> TrainResult:
+def train(model, data=None, config: TrainConfig | dict | None = None, *, model_kwargs: dict | None = None,
+          on_eval=None, **overrides) -> TrainResult:
     """Train `model` and return a `TrainResult` (history, summary, the trained module in train mode).
 
-    model: a spec string (see `load_model`), an nn.Module (trained in place) or a ModelAdapter.
+    model: a spec string (see `load_model`; `model_kwargs` build it), an nn.Module (trained in place) or a
+        ModelAdapter.
     data: None for the bundled corpus in the model's task, or anything `build_datasets` accepts.
-    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords; a
-        `precision=` Precision already decided for the device (as run_all does) is used as is.
-        Other keywords build a spec's model (as in smoke and analyze); a module takes none.
+    config / overrides: a TrainConfig (or dict) and/or TrainConfig field names as keywords; any other name is
+        refused. A `precision` already decided for the device (a Precision, as run_all passes) is used as is.
     on_eval(step, metrics): called on rank 0 after every evaluation with `val_loss`, `perplexity`,
         `accuracy`, `targets` (how many were scored) and `epoch`; an exception it raises stops
         training and propagates (e.g. Optuna's TrialPruned), so it can prune a run.
@@ -206,82 +207,111 @@ def train(model, data=None, config: TrainConfig | None = None, *, on_eval=None, 
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
-    names = {f.name for f in fields(TrainConfig)}
-    model_kwargs = {k: overrides.pop(k) for k in list(overrides) if k not in names} if isinstance(model, str) else {}
     cfg = merge(TrainConfig, config, overrides, "training")
     if cfg.checkpoint_dir is not None:
         writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
     if cfg.save_hf is not None:
         writable_dir(cfg.save_hf, "save_hf")
     env = distributed.setup(cfg.device)
+    device = env.device or resolve_device(cfg.device)
     # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
     locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
         else contextlib.nullcontext()
     try:
-        with locked, _deterministic_algorithms(cfg.deterministic,
-                                               (env.device or resolve_device(cfg.device)).type == "cuda"):
-            return _Run(model, model_kwargs, data, cfg, on_eval, env, overrides.get("precision")).run()
+        with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
+            return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
     finally:
         env.close()
 
 
 class _Run:
-    """One call of train(): the state the loop, evaluation and checkpoints share."""
+    """One call of train(): the state the loop, evaluation and checkpoints share, set up in the order below."""
 
     def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
-                 precision=None):
-        self.cfg, self.on_eval, self.env = cfg, on_eval, env
-        seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-        self.adapter = resolve_model(model, **model_kwargs)
-        check_save_hf(self.adapter.model, cfg.save_hf)  # a model with no save_pretrained form: refused before any step
-        self.device = env.device or resolve_device(cfg.device)
-        # As given: a Precision already decided for this device is kept, reason included.
-        self.precision: Precision = resolve_precision(precision or cfg.precision, self.device)
-        module = self.adapter.model.to(self.device).train()
-        self.adapter.require_trainable()
-        self.adapter.check_forward()
-        if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
-            self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
-        splits = self.adapter.datasets(data, cfg.seq_len, cfg.seed)
-        self.data = splits.describe()
-        self.sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
-        self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
-        if self.steps_per_epoch < 1:
-            need = cfg.batch_size * cfg.grad_accum_steps * env.world_size
-            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
-                            f"of {need}; lower batch_size or grad_accum_steps, or give more data")
-        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
-        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
-        self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
-        self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
-                                  seed=cfg.seed, drop_last=True, sampler=self.sampler)
-        self.val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, shuffle=False,
-                                      device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
-        self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
-        self.optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
-        self.hist = History(self.device, env.all_mean if env.active else None)
+                 device: torch.device):
+        self.cfg, self.on_eval, self.env, self.device = cfg, on_eval, env, device
+        # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
+        self.precision: Precision = resolve_precision(cfg.precision, device)
+        self.adapter = self._build(model, model_kwargs)
+        splits = self._datasets(data)
+        self._loaders(splits)
+        self._optimization()
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
         self.weights = self.saved_hf = None  # what the returned model holds, and what save_hf wrote (end of run)
-        ddp = distributed.wrap(module, env)
-        self.step_fn = TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision,
-                                 self.optimizer, self.scheduler, cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
-        if cfg.resume and self.ckpt_path.is_file():
-            self._load()  # it restores the RNG states: only the compile below (which puts them back) follows
-        elif cfg.resume and env.is_main:
-            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=3)
-        self.compile_info = None
-        if cfg.compile:  # the step calls the compiled model; evaluation and checkpoints use the eager one
-            shaped = next(iter(make_loader(splits.train, cfg.batch_size, shuffle=False, device=self.device)))
-            self.step_fn.adapter, self.compile_info = compile_for_training(
-                self.step_fn.adapter, self.precision, to_device(shaped, self.device), cfg.compile_mode)
-        self.log = open_train_run(cfg, env.is_main, self.resumed_from is not None, {
+        self.step_fn = self._step()
+        self._resume()  # it restores the RNG states: only the compile below (which puts them back) follows
+        self.compile_info = self._compile(splits) if cfg.compile else None
+        self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
             "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             **run_metadata(self.device, self.precision.dtype)})
+
+    def _build(self, model, model_kwargs: dict) -> ModelAdapter:
+        """The model on the device in train mode, checked: trainable, and its forward runs."""
+        seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
+        adapter = resolve_model(model, **model_kwargs)
+        check_save_hf(adapter.model, self.cfg.save_hf)  # a model with no save_pretrained form: refused before any step
+        adapter.model.to(self.device).train()
+        adapter.require_trainable()
+        adapter.check_forward()
+        return adapter
+
+    def _datasets(self, data) -> DataSplits:
+        """The splits at the run's length, this rank's sampler over them, and the run's length in steps."""
+        cfg = self.cfg
+        if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
+            self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
+        splits = self.adapter.datasets(data, cfg.seq_len, cfg.seed)
+        self.data = splits.describe()
+        self.sampler = distributed.ShardedSampler(splits.train, self.env.world_size, self.env.rank, cfg.seed)
+        self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
+        if self.steps_per_epoch < 1:
+            need = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
+            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
+                            f"of {need}; lower batch_size or grad_accum_steps, or give more data")
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
+        self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
+        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
+        self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
+        return splits
+
+    def _loaders(self, splits: DataSplits) -> None:
+        cfg = self.cfg
+        self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
+                                  seed=cfg.seed, drop_last=True, sampler=self.sampler)
+        self.val_loader = make_loader(distributed.eval_shard(splits.val, self.env), cfg.batch_size, shuffle=False,
+                                      device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
+
+    def _optimization(self) -> None:
+        """AdamW, the LR schedule over the run's steps, and the history that records them."""
+        cfg = self.cfg
+        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
+        self.hist = History(self.device, self.env.all_mean if self.env.active else None)
+
+    def _step(self) -> TrainStep:
+        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation)."""
+        ddp = distributed.wrap(self.adapter.model, self.env)
+        return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
+                         self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
+
+    def _resume(self) -> None:
+        if not self.cfg.resume:
+            return
+        if self.ckpt_path.is_file():
+            self._load()
+        elif self.env.is_main:
+            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
+
+    def _compile(self, splits: DataSplits):
+        """The step calls the compiled model; evaluation and checkpoints use the eager one."""
+        shaped = next(iter(make_loader(splits.train, self.cfg.batch_size, shuffle=False, device=self.device)))
+        self.step_fn.adapter, info = compile_for_training(self.step_fn.adapter, self.precision,
+                                                          to_device(shaped, self.device), self.cfg.compile_mode)
+        return info
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -501,4 +531,4 @@ class _Run:
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
-                           list(self.hist.loss_scale_trace), interrupted, cfg.to_dict())
+                           list(self.hist.loss_scale_trace), interrupted, cfg)

@@ -9,14 +9,15 @@ Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import ipywidgets as widgets
 import torch
 
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
-from .settings import FAST, check_fields, check_switch, setting
+from .presets import Preset, notebook_preset
+from .settings import BenchConfig, SearchConfig, TrainConfig, check_fields, check_switch, setting
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")
@@ -30,52 +31,67 @@ def forget_panel_choices() -> None:
     _user_choices.clear()
 
 
-# The sizes a RunConfig left at None gets, by device type. On a GPU, large enough that the benchmark
-# measures arithmetic rather than kernel launches (a T4 still runs the tier 3 notebook in under a
-# minute); on a CPU, small enough for seconds, where the benchmark then says it is overhead-bound.
-DEVICE_SIZES = {
-    "cuda": {"model_kwargs": {"d_model": 512, "n_layer": 6, "n_head": 8, "max_len": 256},
-             "batch_size": 32, "seq_len": 256},
-    "cpu": {"model_kwargs": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": FAST["seq_len"]},
-            "batch_size": FAST["batch_size"], "seq_len": FAST["seq_len"]},
-}
-
-
 @dataclass
 class RunConfig:
-    """What a notebook's run cells read: the model spec and its sizes, precision, batch size, lengths,
-    and whether to torch.compile (train(compile=...), amp_benchmark(compile="both" or False)).
-    `model_kwargs`, `batch_size` and `seq_len` left at None are sized for the device (DEVICE_SIZES;
-    model_kwargs only for the built-in models, whose size arguments are known)."""
+    """What a notebook's run cells read: the model spec and its sizes, the data, precision, batch size, lengths,
+    and whether to torch.compile; `train_config()`, `bench_config()` and `search_config()` hand each tier its own
+    config from them, so a run cell passes one object and copies no setting by hand.
+
+    `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
+    (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other
+    defaults are the tiers' own."""
 
     model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
     model_kwargs: dict | None = None
     tokenizer: str | None = None  # None: the model's own (bytes for built-ins)
     data: str | None = None  # None: the bundled corpus; else a file, folder, table or hf-dataset:NAME
-    precision: str = "auto"
+    precision: str = TrainConfig.precision
     batch_size: int | None = setting(None, low=1, high=MAX_BATCH_SIZE)
     seq_len: int | None = setting(None, low=1)
-    max_steps: int = setting(FAST["max_steps"], low=1)
-    device: str | None = None
-    seed: int = 0
-    compile: bool = False
+    max_steps: int | None = setting(None, low=1)
+    device: str | None = TrainConfig.device
+    seed: int = TrainConfig.seed
+    compile: bool = TrainConfig.compile
 
     def __post_init__(self):
-        sizes = DEVICE_SIZES.get(resolve_device(self.device).type, DEVICE_SIZES["cpu"])
+        preset = self.preset
         if self.model_kwargs is None:
-            self.model_kwargs = dict(sizes["model_kwargs"]) if self.model in BUILTIN_MODELS else {}
-        for name in ("batch_size", "seq_len"):
+            self.model_kwargs = dict(preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
+        for name, value in (("batch_size", preset.batch_size), ("seq_len", preset.seq_len),
+                            ("max_steps", preset.train.max_steps)):
             if getattr(self, name) is None:
-                setattr(self, name, sizes[name])
+                setattr(self, name, value)
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
+
+    @property
+    def preset(self) -> Preset:
+        """The notebook preset of the device this config runs on: the lengths its tiers run for."""
+        return notebook_preset(resolve_device(self.device).type)
 
     def build_model(self):
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
         from the same weights, so re-running a cell with new settings compares like with like."""
         torch.manual_seed(self.seed)
         return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
+
+    def train_config(self, **given) -> TrainConfig:
+        """Training at this config's precision, shape, steps, device, seed and compile choice, with the preset's
+        evaluation lengths; `given` TrainConfig fields (e.g. checkpoint_dir) on top."""
+        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len).train_config(
+            **{"precision": self.precision, "max_steps": self.max_steps, "device": self.device, "seed": self.seed,
+               "compile": self.compile, **given})
+
+    def bench_config(self, **given) -> BenchConfig:
+        """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
+        precision runs eager and compiled, interleaved, so the table compares the two."""
+        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len).bench_config(
+            **{"compile": "both" if self.compile else "off", **given})
+
+    def search_config(self, **given) -> SearchConfig:
+        """A study whose trials train as `train_config()` does; `given` SearchConfig fields on top."""
+        return SearchConfig(trial=self.train_config(), **given)
 
     def to_dict(self) -> dict:
         return asdict(self)

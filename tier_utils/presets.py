@@ -1,0 +1,60 @@
+"""Run lengths for the main job (`all`) and the notebooks, as the tiers' own config objects.
+
+A preset is one batch shape (`batch_size` x `seq_len`) that every tier runs at, plus each tier's lengths at
+that shape: a TrainConfig (steps, evaluations), a BenchConfig (repeats, accuracy steps), how many batches the
+analysis reads and, for the notebooks, the size of a built-in model. The shape is declared once, here, and
+stamped into each tier's config by `train_config()` / `bench_config()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .settings import BenchConfig, TrainConfig, check_fields, setting
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One batch shape and each tier's lengths at it. `train` and `bench` hold the lengths; their own batch
+    size and length are replaced by the preset's shape when a config is made from them."""
+
+    batch_size: int = setting(BenchConfig.batch_size, "sequences per step in every tier", low=1)
+    seq_len: int = setting(TrainConfig.seq_len, "tokens per sequence in every tier", low=1)
+    analysis_batches: int = setting(2, "validation batches tier 2 analyses", low=1)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    # Sizes for the built-in models (None: their own defaults): a notebook sizes its fresh model to the device.
+    model_kwargs: dict | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+
+    def train_config(self, **given) -> TrainConfig:
+        """The preset's training settings at its shape, with `given` TrainConfig fields on top."""
+        return replace(self.train, batch_size=self.batch_size, seq_len=self.seq_len, **given)
+
+    def bench_config(self, **given) -> BenchConfig:
+        """The preset's benchmark settings at its shape, with `given` BenchConfig fields on top."""
+        return replace(self.bench, batch_size=self.batch_size, seq_len=self.seq_len, **given)
+
+
+# FAST: CI, tests, a notebook on a CPU (`all --fast`): seconds per tier.
+FAST = Preset(batch_size=4, seq_len=32, analysis_batches=1,
+              train=TrainConfig(max_steps=20, eval_every=10, eval_batches=2),
+              bench=BenchConfig(untimed_steps=1, timed_steps=3, repeats=3, accuracy_steps=10, eval_batches=2))
+# JOB: the main job's default, a few minutes on a 2-core CPU; the benchmark at its own defaults.
+JOB = Preset(train=TrainConfig(max_steps=60, eval_every=20, eval_batches=10),
+             bench=BenchConfig(eval_batches=10))
+
+# The notebooks' sizes for a fresh built-in model, by device type. On a GPU, large enough that the benchmark
+# measures arithmetic rather than kernel launches (a T4 still runs the tier 3 notebook in under a minute); on a
+# CPU, small enough for seconds, where the benchmark then says it is launch-bound. Both run FAST's lengths.
+NOTEBOOK = {
+    "cuda": replace(FAST, batch_size=32, seq_len=256,
+                    model_kwargs={"d_model": 512, "n_layer": 6, "n_head": 8, "max_len": 256}),
+    "cpu": replace(FAST, model_kwargs={"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": FAST.seq_len}),
+}
+
+
+def notebook_preset(device_type: str) -> Preset:
+    """The notebooks' preset for a device type (a device with no preset of its own gets the CPU's)."""
+    return NOTEBOOK.get(device_type, NOTEBOOK["cpu"])

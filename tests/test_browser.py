@@ -190,7 +190,7 @@ def main_job_report(tmp_path_factory):
         mp.setattr(report, "FAST", dict(batch_size=4, seq_len=16, n_batches=1, max_steps=4, eval_every=2,
                                         eval_batches=1, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=2))
         result = report.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
-                                device="cpu", **TINY)
+                                device="cpu", model_kwargs=TINY)
     return result.index.resolve().as_uri()
 
 

@@ -107,7 +107,8 @@ def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_pat
     assert f"on {DEMO_MODEL}: TinyGPT trained" in result.summary_text()
     assert f"tier 2 on {DEMO_MODEL}" in result.index.read_text()
     loaded.clear()
-    sized = report.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu", **TINY)
+    sized = report.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu",
+                           model_kwargs=TINY)
     assert loaded == [DEFAULT_MODEL] and "provenance" not in sized.results["analysis"].model
 
 

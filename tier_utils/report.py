@@ -265,11 +265,11 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
 @holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
             fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
-            **model_kwargs) -> AllResult:
+            model_kwargs: dict | None = None) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
-    model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
-    initial weights (training works on a copy), except that with the default model and no kwargs,
+    model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
+    initial weights (training works on a copy), except that with the default model and no model_kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
     Run lengths: settings.JOB, or settings.FAST with fast=True. Training that diverges is recorded
     as FAIL with its partial history; a model whose forward raises gets smoke and analysis FAIL rows
@@ -279,7 +279,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
     sizes = {**(FAST if fast else JOB), **({} if batch_size is None else {"batch_size": batch_size})}
     torch.manual_seed(seed)
-    base = load_model(model, **model_kwargs)
+    base = load_model(model, **(model_kwargs or {}))
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
     # it analyses the shipped trained demo model instead. Tiers 1 and 3 start from fresh weights.
     default = isinstance(model, str) and model.strip() == DEFAULT_MODEL and not model_kwargs
@@ -301,7 +301,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     steps = {
         "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,), precision=prec, device=dev,
                                progress=progress),
-        "analysis": lambda: analyze(analysed, data=data, precision=prec, device=dev, batch_size=b,
+        "analysis": lambda: analyze(analysed, data, precision=prec, device=dev, batch_size=b,
                                     n_batches=sizes["n_batches"], seq_len=t, progress=progress),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),

@@ -9,12 +9,12 @@ from matplotlib.figure import Figure
 from tiny import TINY
 
 from tier_utils import TinyGPT, adapt, analyze, load_model
-from tier_utils.analysis import ANALYSES, capture_attention, core
+from tier_utils.analysis import ANALYSES, AnalysisConfig, capture_attention, core
 from tier_utils.analysis.common import Context
 from tier_utils.analysis.dtypes import op_dtypes
 from tier_utils.cli import main
 from tier_utils.errors import ModelSpecError
-from tier_utils.precision import resolve_precision
+from tier_utils.precision import Precision, resolve_precision
 
 HF_BERT = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=256,
                max_position_embeddings=64, num_labels=4)
@@ -198,13 +198,13 @@ def test_robustness_fails_a_model_that_is_not_deterministic_in_eval_mode(tiny_mo
     rows = report.table
     assert list(rows.status) == ["FAIL"] * 3 and rows.detail.str.contains("not deterministic in eval mode").all()
     with pytest.raises(ModelSpecError, match="not to an adapter"):
-        analyze(adapt(model), analyses="robustness", d_model=64, **SMALL)
+        analyze(adapt(model), analyses="robustness", model_kwargs={"d_model": 64}, **SMALL)
 
 
 def test_attribution_for_lm_and_classifier():
     torch.manual_seed(0)
     for spec in ("tiny-gpt", "tiny-encoder"):
-        report = analyze(spec, analyses="attribution", **SMALL, **TINY)
+        report = analyze(spec, analyses="attribution", model_kwargs=TINY, **SMALL)
         table = report.frames["attribution"]
         assert len(table) == 32 and table.saliency.abs().sum() > 0
         assert table.share.sum() == pytest.approx(1.0)
@@ -217,7 +217,7 @@ def test_a_raising_analysis_becomes_a_fail_row_and_the_rest_still_run(monkeypatc
         raise RuntimeError("planted failure\n  on a second line")
 
     monkeypatch.setitem(ANALYSES, "attribution", core.Analysis(broken, None, None))
-    report = analyze("tiny-gpt", analyses=["attribution", "robustness"], **SMALL, **TINY)
+    report = analyze("tiny-gpt", analyses=["attribution", "robustness"], model_kwargs=TINY, **SMALL)
     failed = report.table[report.table.analysis == "attribution"].iloc[0]
     assert failed.status == "FAIL" and failed.detail == "raised RuntimeError: planted failure on a second line"
     assert (report.table[report.table.analysis == "robustness"].status != "FAIL").all()
@@ -228,7 +228,26 @@ def test_a_raising_analysis_becomes_a_fail_row_and_the_rest_still_run(monkeypatc
 
 def test_unknown_analysis_names_the_valid_ones():
     with pytest.raises(ValueError, match="choose from: attention, robustness, attribution, headroom, dtypes"):
-        analyze("tiny-gpt", analyses="attention,vibes", **SMALL, **TINY)
+        analyze("tiny-gpt", analyses="attention,vibes", model_kwargs=TINY, **SMALL)
+
+
+def test_keywords_are_settings_and_model_kwargs_build_the_model():
+    # A model argument given as a keyword used to build the model; now it is refused, naming the valid settings.
+    with pytest.raises(ValueError, match=r"unknown analysis setting\(s\) d_model; valid: analyses, precision"):
+        analyze("tiny-gpt", d_model=32)
+    config = AnalysisConfig(analyses="robustness", precision="fp32", **{**SMALL, "seq_len": 16})
+    report = analyze("tiny-gpt", None, config, model_kwargs={**TINY, "max_len": 16})
+    assert report.model["max_len"] == 16 and report.data["seq_len"] == 16
+    assert list(report.outcomes) == ["robustness"]
+
+
+def test_the_precision_is_the_decision_its_json_unchanged(gpt_report):
+    _, report = gpt_report
+    assert isinstance(report.precision, Precision) and report.precision.name == "fp32"
+    assert report.to_json()["precision"] == report.precision.to_dict()
+    decided = resolve_precision("fp32", "cpu")  # run_all decides once and passes the decision down
+    assert analyze(TinyGPT(**TINY), analyses="robustness", precision=decided, device="cpu", **SMALL).precision \
+        is decided
 
 
 def test_plots_and_json(gpt_report):
@@ -298,7 +317,7 @@ def test_robustness_compares_as_many_sequences_as_its_time_budget_allows(monkeyp
     from tier_utils.analysis import robustness
 
     monkeypatch.setattr(robustness, "BUDGET_S", 0.0)  # a model so big one sequence is all the budget holds
-    report = analyze("tiny-gpt", analyses="robustness", **SMALL, **TINY)
+    report = analyze("tiny-gpt", analyses="robustness", model_kwargs=TINY, **SMALL)
     df = report.frames["robustness"]
     assert (df.n <= SMALL["seq_len"]).all()  # one sequence's predictions, not 4
     rows = report.table
@@ -326,6 +345,6 @@ def test_attribution_attributes_as_many_sequences_as_its_time_budget_allows(monk
     from tier_utils.analysis import attribution
 
     monkeypatch.setattr(attribution, "BUDGET_S", 0.0)
-    row = analyze("tiny-gpt", analyses="attribution", **SMALL, **TINY).table.iloc[0]
+    row = analyze("tiny-gpt", analyses="attribution", model_kwargs=TINY, **SMALL).table.iloc[0]
     assert row.status == "PASS" and "(mean over 1 sequences); 1 of 4 sequences, as many as fit the 0 s budget" \
         in row.detail

@@ -271,10 +271,20 @@ API_BAD = [
     (lambda d, ck: tier_utils.smoke(tiny(), batch_sizes=[0]), "whole number >= 1"),
     (lambda d, ck: tier_utils.smoke(tiny(), batch_sizes=[True]), "whole number >= 1"),
     (lambda d, ck: tier_utils.smoke(_models(d)["NoMaxLen"]), "adapt(model, max_len=N)"),
-    (lambda d, ck: tier_utils.smoke(_models(d)["NoMaxLen"], d_model=3), "only task, vocab_size, max_len"),
-    (lambda d, ck: tier_utils.smoke(adapt(tiny()), max_len=8), "pass them to adapt(model, ...)"),
-    (lambda d, ck: tier_utils.smoke(tiny(), task="regression"), "unknown task"),
+    (lambda d, ck: tier_utils.smoke(_models(d)["NoMaxLen"], model_kwargs={"d_model": 3}),
+     "only task, vocab_size, max_len"),
+    (lambda d, ck: tier_utils.smoke(adapt(tiny()), model_kwargs={"max_len": 8}), "pass them to adapt(model, ...)"),
+    (lambda d, ck: tier_utils.smoke(tiny(), model_kwargs={"task": "regression"}), "unknown task"),
     (lambda d, ck: tier_utils.smoke(tiny(), precision="fp8"), "unknown precision"),
+    # A tier's keywords are its settings only: a typo or a model argument is refused, not passed to the model.
+    (lambda d, ck: tier_utils.smoke(tiny(), batch_size=2), "unknown smoke setting(s) batch_size; valid: batch_sizes"),
+    (lambda d, ck: tier_utils.smoke(tiny(), config=5), "config must be a SmokeConfig or a dict"),
+    (lambda d, ck: tier_utils.analyze("tiny-gpt", d_model=32), "unknown analysis setting(s) d_model; valid: analyses"),
+    (lambda d, ck: tier_utils.export(tiny(), d / "m.pt2", repeat=2), "unknown export setting(s) repeat; valid: format"),
+    (lambda d, ck: tier_utils.export(tiny(), d / "m.x", format="tflite"), "unknown export format 'tflite'"),
+    (lambda d, ck: tier_utils.fit(tiny(), batch_size=2), "unknown fit setting(s) batch_size; valid: seq_len"),
+    (lambda d, ck: tier_utils.fit(tiny(), seq_len=0), "seq_len must be a whole number >= 1"),
+    (lambda d, ck: tier_utils.info(tiny(), {"precison": "fp32"}), "unknown info setting(s) precison; valid: precision"),
     (lambda d, ck: tier_utils.analyze(tiny(), analyses=[]), "no analysis given"),
     (lambda d, ck: tier_utils.analyze(tiny(), batch_size=0), "batch_size must be"),
     (lambda d, ck: tier_utils.analyze(tiny(), data=torch.rand(40, 33)), "integer ids"),
@@ -379,7 +389,8 @@ def test_main_job_on_a_raising_forward_writes_a_fail_report(files, tmp_path, cap
 
 
 def test_instance_accepts_adapter_keywords(files):
-    report = tier_utils.smoke(_models(files)["NoMaxLen"], max_len=16, checks="shapes", device="cpu", progress=False)
+    report = tier_utils.smoke(_models(files)["NoMaxLen"], model_kwargs={"max_len": 16}, checks="shapes", device="cpu",
+                              progress=False)
     assert report.model["max_len"] == 16 and report.passed
 
 

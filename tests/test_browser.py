@@ -193,7 +193,7 @@ def main_job_report(tmp_path_factory):
                                           bench=BenchConfig(untimed_steps=1, timed_steps=1, repeats=1,
                                                             accuracy_steps=2, eval_batches=1)))
         result = report.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
-                                device="cpu", **TINY)
+                                device="cpu", model_kwargs=TINY)
     return result.index.resolve().as_uri()
 
 

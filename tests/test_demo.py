@@ -1,14 +1,13 @@
 """The shipped demo model (tiny-gpt-trained): it loads, it learned the corpus, its recipe reproduces it,
 and tier 2 sees a trained model's attention in it (by default in `all`)."""
 import hashlib
-import inspect
 import json
 
 import pytest
 import torch
 from tiny import TINY
 
-from tier_utils import ModelSpecError, adapt, analyze, load_model, report
+from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, report
 from tier_utils import demo as demo_module
 from tier_utils.demo import ASSETS, CARD_NAME, SEED, STEPS, UNIFORM_LOSS, WEIGHTS_NAME, corpus_val_loss, demo_card
 from tier_utils.models import DEFAULT_MODEL, DEMO_MODEL
@@ -25,7 +24,7 @@ def test_demo_model_loads_byte_level_and_its_val_loss_is_well_below_uniform():
     adapter = adapt(model)
     card = demo_card()
     assert (adapter.task, adapter.vocab_size) == ("causal-lm", 256)
-    tier2_lengths = (inspect.signature(analyze).parameters["seq_len"].default, JOB.seq_len, FAST.seq_len)
+    tier2_lengths = (AnalysisConfig.seq_len, JOB.seq_len, FAST.seq_len)
     assert adapter.max_len >= max(tier2_lengths)
     assert (ASSETS / WEIGHTS_NAME).stat().st_size <= 5 * 2**20
     val_loss, targets = corpus_val_loss(model)
@@ -108,7 +107,8 @@ def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_pat
     assert f"on {DEMO_MODEL}: TinyGPT trained" in result.summary_text()
     assert f"tier 2 on {DEMO_MODEL}" in result.index.read_text()
     loaded.clear()
-    sized = report.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu", **TINY)
+    sized = report.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu",
+                           model_kwargs=TINY)
     assert loaded == [DEFAULT_MODEL] and "provenance" not in sized.results["analysis"].model
 
 

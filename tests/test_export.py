@@ -22,7 +22,7 @@ MODELS = {
 @pytest.mark.parametrize("spec", list(MODELS))
 def test_export_parity_passes(spec, fmt, tmp_path):
     path = tmp_path / f"model.{fmt}"
-    result = export(spec, path, format=fmt, repeats=2, **MODELS[spec])
+    result = export(spec, path, format=fmt, repeats=2, model_kwargs=MODELS[spec])
     assert path.is_file() and path.stat().st_size == result.config["bytes"]
     table = result.table
     assert len(table) == 4  # two batch shapes x (relative max |Δ|, argmax agreement)
@@ -96,6 +96,8 @@ def test_unexportable_construct_is_one_line_naming_it(fmt, tmp_path):
 def test_bad_format_and_missing_runtime_name_the_fix(monkeypatch, tmp_path):
     with pytest.raises(ExportError, match="unknown export format 'tflite'; use one of: onnx, pt2"):
         export("tiny-gpt", tmp_path / "m", format="tflite")
+    with pytest.raises(ValueError, match=r"unknown export setting\(s\) d_model; valid: format, precision"):
+        export("tiny-gpt", tmp_path / "m.pt2", d_model=32)  # model arguments go in model_kwargs
     import importlib.util
 
     real = importlib.util.find_spec

@@ -10,7 +10,7 @@ from tier_utils import TinyGPT
 from tier_utils.adapter import adapt
 from tier_utils.budget import FREE_MEMORY_ENV
 from tier_utils.cli import main
-from tier_utils.fit import GPUS, bisect_batch, checkpointed, device_room, fit, static_bytes
+from tier_utils.fit import GPUS, FitConfig, bisect_batch, checkpointed, device_room, fit, static_bytes
 from tier_utils.measure import SavedTensorMeter, static_memory
 from tier_utils.precision import resolve_precision
 from tier_utils.train import TrainStep, make_optimizer
@@ -76,6 +76,19 @@ def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpoin
     row = result.table.iloc[0]
     assert list(result.table.checkpointing) == ["off"]
     assert row.this_device == 0 and row.status == "WARN" and row.detail.startswith("not even batch 1 fits")
+
+
+def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
+    # seq_len was fit's second positional argument; now it is a FitConfig field like the rest.
+    with pytest.raises(ValueError, match="config must be a FitConfig or a dict, got int"):
+        fit("tiny-gpt", 16)
+    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: seq_len, precisions"):
+        fit("tiny-gpt", d_model=32)
+    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, device="cpu", progress=False)
+    result = fit("tiny-gpt", config, model_kwargs={**MODEL, "n_layer": 1})
+    built = TinyGPT(**{**MODEL, "n_layer": 1})
+    assert result.seq_len == 16 and result.model["parameters"] == sum(p.numel() for p in built.parameters())
+    assert [(c.precision, c.checkpointing) for c in result.configs] == [("fp32", False)]
 
 
 def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):

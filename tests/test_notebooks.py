@@ -79,3 +79,23 @@ def test_checked_outputs_name_no_machine(name):
         text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
         assert not MACHINE_WORDS.search(text), (cell.source, text)
         assert "resolve_precision(\"auto\"" not in cell.source  # auto's choice is a device fact
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_run_cells_pass_the_panels_configs_and_copy_no_setting_by_hand(name):
+    """A tier call takes its settings from the panel's config (cfg.smoke_config(), cfg.train_config(), ...):
+    none of the config's fields is copied into a tier keyword, where it would be declared a second time."""
+    import ast
+
+    calls = [node for cell in code_cells(load(name)) if "tier_utils." in cell.source
+             for node in ast.walk(ast.parse("\n".join(line for line in cell.source.splitlines()
+                                                       if not line.lstrip().startswith(("!", "%")))))
+             if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("tier_utils.")]
+    tiers = [c for c in calls if ast.unparse(c.func).split(".")[1] in
+             {"smoke", "analyze", "train", "fit", "amp_benchmark", "search"}]
+    assert tiers
+    for call in tiers:
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            text = ast.unparse(arg)
+            assert not text.startswith("cfg.") or text in ("cfg.data", "cfg.build_model()") \
+                or re.fullmatch(r"cfg\.\w+_config\(.*\)", text), (name, ast.unparse(call))

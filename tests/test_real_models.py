@@ -75,9 +75,10 @@ def test_targets_convention_model_from_another_folder(tmp_path, monkeypatch):
     adapter = tu.adapt(tu.load_model(spec, **kwargs))
     assert adapter.targets_keyword == "targets" and adapter.max_len == 32
     assert adapter.logits(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)
-    smoke = tu.smoke(spec, batch_sizes=(1, 2), seq_lens=(16,), progress=False, device="cpu", **kwargs)
+    smoke = tu.smoke(spec, batch_sizes=(1, 2), seq_lens=(16,), progress=False, device="cpu", model_kwargs=kwargs)
     assert "FAIL" not in set(smoke.table["status"]), smoke.table[smoke.table["status"] == "FAIL"]
-    report = tu.analyze(spec, batch_size=2, n_batches=1, seq_len=16, progress=False, device="cpu", **kwargs)
+    report = tu.analyze(spec, batch_size=2, n_batches=1, seq_len=16, progress=False, device="cpu",
+                        model_kwargs=kwargs)
     assert "FAIL" not in set(report.table["status"]), report.table[report.table["status"] == "FAIL"]
     result = tu.train(spec, None, max_steps=3, batch_size=2, seq_len=16, progress=False, device="cpu",
                       model_kwargs=kwargs)

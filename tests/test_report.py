@@ -114,7 +114,7 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
     monkeypatch.setattr(report, "train", diverging)
     for tier in ("smoke", "analyze", "amp_benchmark"):  # only training matters here
         monkeypatch.setattr(report, tier, lambda *a, **k: Fake(["PASS"]))
-    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY)
+    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, model_kwargs=TINY)
     assert result.statuses["train"] == "FAIL" and result.status == "FAIL" and result.model_status == "FAIL"
     assert result.results["train"].summary.steps == 1 and (tmp_path / "train.csv").exists()
 
@@ -124,7 +124,7 @@ def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, mo
     monkeypatch.setattr(report, "analyze", lambda *a, **k: Fake(["WARN"]))
     monkeypatch.setattr(report, "_train", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(report, "amp_benchmark", lambda *a, **k: Fake(["FAIL"]))
-    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, **TINY)
+    result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, model_kwargs=TINY)
     assert (result.status, result.model_status) == ("FAIL", "WARN")
 
 
@@ -155,7 +155,7 @@ def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(report.AllResult, "summary_text", lambda self: "")  # it reads real tier tables
     assert main(["all", *TINY_ARGS, "--out", str(tmp_path / "r"), "--fast", "--seed", "7", "--no-progress"]) == 0
     assert seeds == [7]
-    result = run_all("tiny-gpt", tmp_path / "api", fast=True, progress=False, **TINY)
+    result = run_all("tiny-gpt", tmp_path / "api", fast=True, progress=False, model_kwargs=TINY)
     assert isinstance(result, Result)
     saved = json.loads(result.save_json(tmp_path / "all.json").read_text())
     assert saved["status"] == "PASS" and [t["tier"] for t in saved["tiers"]][2] == "train"

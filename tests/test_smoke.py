@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from tiny import TINY
 
-from tier_utils import TinyEncoder, TinyGPT, budget, load_model, smoke, smoke_checks
+from tier_utils import SmokeConfig, TinyEncoder, TinyGPT, budget, load_model, smoke, smoke_checks
 from tier_utils.cli import main
 from tier_utils.results import CHECK_COLUMNS
 
@@ -238,6 +238,28 @@ def test_bad_arguments_raise_value_errors_naming_the_fix():
         smoke(TinyGPT(**TINY), batch_sizes=[1, 0], progress=False)
     with pytest.raises(ValueError, match="no check group given"):
         smoke(TinyGPT(**TINY), checks=[], progress=False)
+
+
+def test_keywords_are_settings_and_model_kwargs_build_the_model():
+    # A typo of batch_sizes, or a model argument given as a keyword, is refused: it used to build the model.
+    with pytest.raises(ValueError, match=r"unknown smoke setting\(s\) batch_size; valid: batch_sizes, seq_lens"):
+        smoke(TinyGPT(**TINY), batch_size=2, progress=False)
+    with pytest.raises(ValueError, match=r"unknown smoke setting\(s\) d_model"):
+        smoke("tiny-gpt", d_model=32, progress=False)
+    report = smoke("tiny-gpt", checks="shapes", device="cpu", progress=False, model_kwargs={**TINY, "max_len": 16})
+    assert report.model["max_len"] == 16 and report.passed
+
+
+def test_a_config_a_dict_and_overrides_say_the_same():
+    config = SmokeConfig(batch_sizes=[2, 1], seq_lens=[16], checks="memory,shapes", device="cpu", progress=False)
+    assert (config.batch_sizes, config.seq_lens, config.checks) == ((1, 2), (16,), ("shapes", "memory"))
+    from_config = smoke(TinyGPT(**TINY), config)
+    from_dict = smoke(TinyGPT(**TINY), {"batch_sizes": (1, 2), "seq_lens": (16,), "checks": "shapes,memory",
+                                         "device": "cpu", "progress": False})
+    overridden = smoke(TinyGPT(**TINY), config, checks="shapes")  # a keyword wins over the config's field
+    assert from_config.table["check"].tolist() == from_dict.table["check"].tolist()
+    assert from_config.batch_sizes == [1, 2] and from_config.seq_lens == [16]
+    assert set(overridden.table["check"].str.split(":").str[0]) == {"shapes"}
 
 
 def test_multi_line_exception_becomes_a_one_line_fail_detail():

@@ -1,10 +1,13 @@
 """The notebooks' config panel: widgets write into a RunConfig, and the next run reads it."""
+import dataclasses
+from dataclasses import replace
 from unittest import mock
 
 import pytest
 import torch
 
 import tier_utils
+from tier_utils import TrainConfig
 from tier_utils.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
 from tier_utils.train import train
@@ -150,3 +153,24 @@ def test_sizes_left_at_none_follow_the_device():
     assert RunConfig(batch_size=7, model_kwargs={"d_model": 64}, device="cpu").batch_size == 7
     cpu.model_kwargs["d_model"] = 1
     assert NOTEBOOK["cpu"].model_kwargs["d_model"] == 32  # each config has its own copy
+
+
+def test_the_notebook_path_declares_no_setting_of_its_own():
+    """The panel's config shares the tiers' defaults and hands each tier the device preset's lengths: no setting
+    the notebooks run is declared a second time, in RunConfig or in a run cell."""
+    shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(RunConfig)}
+    sized = {"batch_size", "seq_len", "max_steps"}  # None in RunConfig: the device preset's
+    assert shared - sized == {"precision", "device", "seed", "compile"}
+    for name in shared - sized:
+        assert getattr(RunConfig, name) == getattr(TrainConfig, name), name
+    cfg, preset = RunConfig(device="cpu"), NOTEBOOK["cpu"]
+    assert cfg.train_config() == preset.train_config(device="cpu")
+    assert cfg.bench_config() == preset.bench_config()
+    assert cfg.smoke_config() == preset.smoke_config(device="cpu")
+    assert cfg.analysis_config() == preset.analysis_config(device="cpu")
+    assert cfg.fit_config() == preset.fit_config(device="cpu")
+    assert cfg.search_config().trial == replace(preset.train_config(device="cpu"), progress=False)
+    edited = RunConfig(device="cpu", precision="fp32", batch_size=2, compile=True)
+    assert (edited.train_config().precision, edited.train_config().batch_size, edited.train_config().compile) == \
+        ("fp32", 2, True)
+    assert edited.bench_config().compile == "both" and edited.smoke_config().batch_sizes == (1, 2)

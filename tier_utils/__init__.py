@@ -1,15 +1,15 @@
 """tier_utils: smoke-test (tier 1), analyse (tier 2), train and benchmark mixed precision (tier 3)
 for a PyTorch transformer, from notebooks, the CLI or Python."""
 from .adapter import ModelAdapter, adapt
-from .analysis import AnalysisReport, analyze
+from .analysis import AnalysisConfig, AnalysisReport, analyze
 from .bench import BenchmarkResult, amp_benchmark
 from .checkpoint import CheckpointError, load_checkpoint
 from .data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .errors import AdapterError, DataError, ModelSpecError, TierError
-from .export import ExportError, ExportResult, export
-from .fit import FitResult, fit
+from .export import ExportConfig, ExportError, ExportResult, export
+from .fit import FitConfig, FitResult, fit
 from .history import TrainResult
-from .info import InfoResult, info
+from .info import InfoConfig, InfoResult, info
 from .loggers import LoggerError
 from .measure import decide_threads
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
@@ -25,7 +25,7 @@ from .report import AllResult, run_all, write_report
 from .results import Check
 from .search import SearchResult, search
 from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
-from .smoke import SmokeReport, smoke
+from .smoke import SmokeConfig, SmokeReport, smoke
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .train import TrainingDiverged, train
 from .userdata import DataSource
@@ -42,15 +42,15 @@ __all__ = [
     "Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
     "DataSplits", "DataSource", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
     "Precision", "SlowPrecisionWarning", "canonical_precision", "resolve_device", "resolve_precision",
-    "supported_precisions", "InfoResult", "info",
+    "supported_precisions", "InfoConfig", "InfoResult", "info",
     # tier 1, tier 2
-    "Check", "SmokeReport", "smoke", "AnalysisReport", "analyze",
+    "Check", "SmokeConfig", "SmokeReport", "smoke", "AnalysisConfig", "AnalysisReport", "analyze",
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
-    "FitResult", "fit",
+    "FitConfig", "FitResult", "fit",
     # export, experiment loggers
-    "ExportResult", "export", "ExportError", "LoggerError",
+    "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",
     # the main job
     "AllResult", "run_all", "write_report",
     # errors

@@ -39,12 +39,7 @@ def _int_list(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 1,4; got {value!r}") from None
 
 
-def _names(value: str) -> str:
-    """'shapes,latency': names the API checks against its own list."""
-    return value
-
-
-_int_list.metavar, _names.metavar = "N,N", "NAME,NAME"
+_int_list.metavar = "N,N"
 
 
 def _whole(value: str) -> int:
@@ -77,13 +72,18 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
         return
     optional = isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if optional else kind
-    convert = meta.get("type") or (base if base in (int, float) else str)
+    if base is bool:  # on, off, or None: left to the API (its help says what it then does)
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        return
+    convert = meta.get("type") or _CONVERTERS.get(base) or (base if base in (int, float) else str)
     metavar = None if meta.get("choices") else (
         getattr(convert, "metavar", None) or _METAVAR_NAMES.get(name) or _METAVARS.get(base, "TEXT"))
     parser.add_argument(flag, dest=name, default=default, type=_optional(convert) if optional else convert,
                         choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
 
 
+# Types a plain int/float/str conversion won't parse (a plain tuple is names: its class splits the string).
+_CONVERTERS = {tuple[int, ...]: _int_list}
 # What a value looks like, by its type (a tuple setting is a list of names)...
 _METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
 # ...or, where the type says too little, by the option's name.
@@ -133,9 +133,10 @@ def settings_from(args, cls, **given):
                   and f.name not in given}, **given)
 
 
-def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: bool = True,
+def add_common(parser: argparse.ArgumentParser, settings=TrainConfig, precision: bool = True, device: bool = True,
                progress: bool = True) -> None:
-    """The options every verb shares: model, model kwargs, device, precision, json, progress.
+    """The options every verb shares: model, model kwargs, device, precision, json, progress; the last three
+    from the fields of `settings`, the verb's settings class.
 
     precision=False leaves out --precision, for a verb that takes several (bench's --precisions) or has
     its own default (export); device=False leaves out --device, for a verb that runs on the CPU only;
@@ -151,8 +152,8 @@ def add_common(parser: argparse.ArgumentParser, precision: bool = True, device: 
                                                           "the model")
     parser.add_argument("--tokenizer", metavar="SPEC", help="a tokenizer folder, hf:ORG/NAME or 'bytes' (default: "
                                                             "the model's own; bytes for built-ins)")
-    add_settings(parser, TrainConfig, [n for n, on in (("precision", precision), ("device", device),
-                                                        ("progress", progress)) if on])
+    add_settings(parser, settings, [n for n, on in (("precision", precision), ("device", device),
+                                                     ("progress", progress)) if on])
     if not progress:  # still accepted, unlisted: scripts (colab_setup.sh) pass it to every verb alike
         parser.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
@@ -164,7 +165,7 @@ def model_kwargs(args) -> dict:
 
 
 def add_data(parser, data: bool = True) -> None:
-    """--data (unless the verb's signature made it) and the columns a table or dataset is read from."""
+    """--data (unless the verb made its own) and the columns a table or dataset is read from."""
     if data:
         parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
     parser.add_argument("--text-column", metavar="NAME", help="a table's or dataset's text column "
@@ -181,18 +182,17 @@ def data_of(args):
 
 
 def _run_info(args) -> tuple[dict, int]:
-    from .info import info
+    from .info import InfoConfig, info
 
-    result = info(args.model, args.precision, args.device, **model_kwargs(args))
+    result = info(args.model, settings_from(args, InfoConfig), model_kwargs=model_kwargs(args))
     _show(result.table)
     return result.to_json(), 0
 
 
 def _run_smoke(args) -> tuple[dict, int]:
-    from .smoke import smoke
+    from .smoke import SmokeConfig, smoke
 
-    report = smoke(args.model, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, precision=args.precision,
-                   checks=args.checks, device=args.device, progress=args.progress, **model_kwargs(args))
+    report = smoke(args.model, settings_from(args, SmokeConfig), model_kwargs=model_kwargs(args))
     _show(report.table)
     print(report.headline())
     return report.to_json(), 0 if report.passed else 1
@@ -233,14 +233,12 @@ def _run_train(args) -> tuple[dict, int]:
 
 
 def _run_analyze(args) -> tuple[dict, int]:
-    from .analysis import analyze
+    from .analysis import AnalysisConfig, analyze
 
-    report = analyze(args.model, data=data_of(args), analyses=args.analyses, precision=args.precision,
-                     device=args.device, batch_size=args.batch_size, n_batches=args.n_batches, seq_len=args.seq_len,
-                     progress=args.progress, **model_kwargs(args))
+    report = analyze(args.model, data_of(args), settings_from(args, AnalysisConfig), model_kwargs=model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
-    print(f"{report.model['model']} · {report.precision['precision']} ({report.precision['reason']}) · "
+    print(f"{report.model['model']} · {report.precision.name} ({report.precision.reason}) · "
           f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['data']} "
           f"(tokenizer {d.get('tokenizer', 'none')}) · "
           f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
@@ -281,10 +279,10 @@ def _run_search(args) -> tuple[dict, int]:
 
 
 def _run_export(args) -> tuple[dict, int]:
-    from .export import export
+    from .export import ExportConfig, export
 
-    result = export(args.model, args.out, format=args.format, precision=args.precision, data=data_of(args),
-                    repeats=args.repeats, **model_kwargs(args))
+    result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig),
+                    model_kwargs=model_kwargs(args))
     c, m = result.config, result.metadata
     print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
           f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to "
@@ -298,10 +296,9 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_fit(args) -> tuple[dict, int]:
-    from .fit import fit
+    from .fit import FitConfig, fit
 
-    result = fit(args.model, args.seq_len, precisions=args.precisions, checkpointing=args.checkpointing,
-                 device=args.device, validate=args.validate, progress=args.progress, **model_kwargs(args))
+    result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
     print(result.headline())
     _show(result.overview())
     return result.to_json(), 0
@@ -314,7 +311,7 @@ def _run_all(args) -> tuple[dict, int]:
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
-                     **model_kwargs(args))
+                     model_kwargs=model_kwargs(args))
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
@@ -369,14 +366,15 @@ DATA_HELP = ("a text file, a folder of .txt, a .csv/.jsonl/.parquet table, hf-da
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The verbs, their options generated from the settings dataclasses and the API's signatures."""
+    """The verbs, their options generated from the settings dataclasses (and run_all's signature)."""
     from pathlib import Path
 
-    from .analysis import analyze
-    from .export import export
-    from .fit import fit
+    from .analysis import AnalysisConfig
+    from .export import ExportConfig
+    from .fit import FitConfig
+    from .info import InfoConfig
     from .report import run_all
-    from .smoke import smoke
+    from .smoke import SmokeConfig
 
     # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.
     prog = "tier-utils" if Path(sys.argv[0]).name == "tier-utils" else "python -m tier_utils"
@@ -385,25 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = verbs.add_parser("info", help="device, precision decision and model summary")
-    add_common(p, progress=False)
+    add_common(p, InfoConfig, progress=False)
     p.set_defaults(run=_run_info)
 
     p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
-    add_common(p)
-    add_parameters(p, smoke, {
-        "batch_sizes": ("batch sizes for memory and latency, e.g. 1,4", _int_list),
-        "seq_lens": ("sequence lengths for memory and latency (none: the model's max length)", _int_list),
-        "checks": ("check groups to run (none: all): shapes, gradients, stability, init, memory, latency, "
-                   "determinism", _names)})
+    add_common(p, SmokeConfig)
+    add_settings(p, SmokeConfig, ("batch_sizes", "seq_lens", "checks"))
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
-    add_common(p)
-    add_parameters(p, analyze, {
-        "analyses": ("analyses to run (none: all): attention, robustness, attribution, headroom, dtypes", _names),
-        "data": DATA_HELP, "batch_size": "sequences per batch", "n_batches": "validation batches to analyse",
-        "seq_len": "tokens per example (capped at the model's max)"})
-    add_data(p, data=False)
+    add_common(p, AnalysisConfig)
+    add_settings(p, AnalysisConfig, ("analyses", "batch_size", "n_batches", "seq_len"))
+    add_data(p)
     p.set_defaults(run=_run_analyze)
 
     p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
@@ -436,21 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "against eager")
     add_common(p, precision=False, device=False, progress=False)
     p.add_argument("--out", required=True, metavar="PATH", help="the artifact to write, e.g. model.onnx")
-    add_parameters(p, export, {
-        "format": "onnx or pt2", "precision": "the dtype the weights are exported in",
-        "data": "the parity batches' text: " + DATA_HELP,
-        "repeats": "timed forwards per shape and runner"})
+    add_settings(p, ExportConfig, ("format", "precision", "repeats"))
+    p.add_argument("--data", default=None, metavar="SOURCE", help="the parity batches' text: " + DATA_HELP)
     add_data(p, data=False)
     p.set_defaults(run=_run_export)
 
     p = verbs.add_parser("fit", help="the largest training batch per precision, with and without activation "
                                      "checkpointing, here and predicted for T4/L4/A100/H100")
-    add_common(p, precision=False)
-    add_parameters(p, fit, {"seq_len": ("tokens per sequence (none: the model's max length)", _optional(_whole)),
-                            "precisions": "precisions to plan for, e.g. fp32,bf16,fp16",
-                            "checkpointing": "also plan each precision with activation checkpointing"})
-    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
-                   help="find the largest batch that really runs a step, by bisection (default: on a GPU only)")
+    add_common(p, FitConfig, precision=False)
+    add_settings(p, FitConfig, ("seq_len", "precisions", "checkpointing", "validate"))
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "

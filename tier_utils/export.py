@@ -26,9 +26,9 @@ from .data import make_loader
 from .errors import TierError, describe, one_line
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
-from .precision import resolve_precision
+from .precision import Precision, precision_setting, resolve_precision
 from .results import Check, Result, checks_table, run_metadata
-from .validation import whole_number
+from .settings import check_fields, merge, setting
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
@@ -41,6 +41,30 @@ AGREEMENT = {"fp32": (1.0, 0.99), "bf16": (0.98, 0.9), "fp16": (0.99, 0.95)}
 
 class ExportError(TierError, ValueError):
     """The model could not be exported (an unsupported op or construct) or the export was asked wrongly."""
+
+
+@dataclass
+class ExportConfig:
+    """What `export` writes and how parity times it.
+
+    format: "onnx" (torch.onnx from a torch.export program; needs onnx, onnxscript and onnxruntime)
+        or "pt2" (torch.export.save).
+    precision: the dtype the weights are exported in (fp32, bf16, fp16; auto resolves for the CPU).
+    example: token ids (B, T) or a batch dict to trace with; None: a validation batch of the data.
+    repeats: timed forwards per shape and runner for the latency rows.
+    """
+
+    format: str = setting("onnx", "onnx or pt2")
+    precision: str | Precision = setting("fp32", "the dtype the weights are exported in")
+    example: torch.Tensor | dict | None = setting(None, "token ids (B, T) or a batch dict to trace with")
+    repeats: int = setting(10, "timed forwards per shape and runner", low=1)
+
+    def __post_init__(self):
+        self.format = str(self.format).lower()
+        if self.format not in FORMATS:  # an ExportError, as every export problem is (so no `choices`)
+            raise ExportError(f"unknown export format {self.format!r}; use one of: {', '.join(FORMATS)}")
+        self.precision = precision_setting(self.precision)
+        check_fields(self)
 
 
 class _Logits(torch.nn.Module):
@@ -98,26 +122,22 @@ class ExportResult(Result):
                          "metadata": self.metadata, "parity": self.table, "latency": self.latency})
 
 
-def export(model, path, format: str = "onnx", precision: str = "fp32", example=None, data=None,
-           repeats: int = 10, **model_kwargs) -> ExportResult:
-    """Export `model` (an nn.Module, adapter or load_model spec) to `path` and check it against eager.
+def export(model, path, data=None, config: ExportConfig | dict | None = None, *, model_kwargs: dict | None = None,
+           **overrides) -> ExportResult:
+    """Export `model` (an nn.Module, adapter or load_model spec, built with `model_kwargs`) to `path` and check
+    it against eager. Batch and sequence axes are dynamic (sequence up to max_len).
 
-    format: "onnx" (torch.onnx from a torch.export program; needs onnx, onnxscript and onnxruntime)
-        or "pt2" (torch.export.save). Batch and sequence axes are dynamic (sequence up to max_len).
-    precision: the dtype the weights are exported in (fp32, bf16, fp16; auto resolves for the CPU).
-    example: token ids (B, T) or a batch dict to trace with; None: a validation batch of `data`
-        (None: the bundled corpus), which also supplies the parity batches.
-    repeats: timed forwards per shape and runner for the latency rows.
+    data: None (the bundled corpus) or any form build_datasets takes: the parity batches, and the traced
+        one unless the config gives an example.
+    config / overrides: an ExportConfig (or dict) and/or its field names as keywords.
     A model torch.export cannot capture raises ExportError naming the construct and where it is.
     """
-    fmt = str(format).lower()
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {format!r}; use one of: {', '.join(FORMATS)}")
-    whole_number(repeats, "repeats")
-    prec = resolve_precision(precision, "cpu", warn=False)
+    cfg = merge(ExportConfig, config, overrides, "export")
+    fmt = cfg.format
+    prec = resolve_precision(cfg.precision, "cpu", warn=False)
     if fmt == "onnx":
         _require("onnxruntime", "onnxscript", "onnx")
-    source = resolve_model(model, **model_kwargs)
+    source = resolve_model(model, **(model_kwargs or {}))
     # A copy: the caller's model keeps its device, dtype and mode.
     adapter = replace(source, model=copy.deepcopy(source.model).to("cpu", prec.dtype).eval())
     wrapper = _Logits(adapter).eval()
@@ -125,7 +145,7 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
     t_trace = min(16, adapter.max_len)
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
     splits = adapter.datasets(data, max(s[1] for s in shapes))
-    trace = _example(example, keys) if example is not None else _batch(splits.val, 2, t_trace, keys)
+    trace = _example(cfg.example, keys) if cfg.example is not None else _batch(splits.val, 2, t_trace, keys)
     program = _capture(wrapper, trace, adapter, fmt)
     payload = _serialize(program, trace, keys, fmt, adapter.name)
     written = atomic_write_bytes(path, payload)
@@ -140,11 +160,11 @@ def export(model, path, format: str = "onnx", precision: str = "fp32", example=N
                                                                                        "argmax agreement")]
                 continue
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.name, label)
-            latency += _latency(wrapper, runner, batch, label, repeats, fmt)
+            latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = {"model": adapter.name, "task": adapter.task, "format": fmt, "precision": prec.name,
               "precision_reason": prec.reason, "inputs": list(keys), "trace_shape": list(trace[0].shape),
               "parity_shapes": [f"{b}x{t}" for b, t in shapes], "max_len": adapter.max_len,
-              **splits.describe(), "repeats": repeats, "bytes": len(payload),
+              **splits.describe(), "repeats": cfg.repeats, "bytes": len(payload),
               "rel_tolerance": REL_TOLERANCE[prec.name], "argmax_agreement": AGREEMENT[prec.name]}
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)

@@ -26,7 +26,7 @@ from .measure import static_memory
 from .precision import native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, run_metadata
-from .settings import precision_list
+from .settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, merge, precision_list, setting
 from .train import TrainStep, make_optimizer
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
@@ -39,6 +39,27 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
                f"{ALLOCATOR_MARGIN:.0%} for the allocator's fragmentation and kernel workspaces")
+
+
+@dataclass
+class FitConfig:
+    """What `fit` plans: the sequence length, the precisions (fp32; bf16/fp16 autocast with fp32 master
+    weights), each also with activation checkpointing, and whether to validate by running real steps."""
+
+    seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
+    precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16")
+    checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
+                                          "on a GPU only)")
+    progress: bool = setting(True, PROGRESS_HELP)
+
+    def __post_init__(self):
+        self.precisions = precision_list(self.precisions)
+        check_switch(self, "checkpointing")
+        if self.validate is not None:
+            check_switch(self, "validate")
+        check_fields(self)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -200,21 +221,24 @@ class FitResult(Result):
         return fig
 
 
-def fit(model, seq_len: int | None = None, *, precisions=PRECISIONS, checkpointing: bool = True, device=None,
-        validate: bool | None = None, progress: bool = True, **model_kwargs) -> FitResult:
-    """What fits where: for each precision (fp32; bf16/fp16 autocast with fp32 master weights) and, with
-    `checkpointing`, each with activation checkpointing, the largest training batch at `seq_len` (None:
-    the model's max length) here and predicted on common GPUs. validate (None: on a GPU only): find the
-    largest batch that really runs a training step, by bisection, for each row."""
-    dev = resolve_device(device)
-    adapter = resolve_model(model, **model_kwargs)
+def fit(model, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
+        **overrides) -> FitResult:
+    """What fits where: for each precision and, with `checkpointing`, each with activation checkpointing, the
+    largest training batch at `seq_len` here and predicted on common GPUs. It reads no data.
+
+    model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
+    config / overrides: a FitConfig (or dict) and/or its field names as keywords; validate (None: on a GPU
+    only): find the largest batch that really runs a training step, by bisection, for each row."""
+    cfg = merge(FitConfig, config, overrides, "fit")
+    dev = resolve_device(cfg.device)
+    adapter = resolve_model(model, **(model_kwargs or {}))
     adapter.model.to(dev)
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
-    length = adapter.fit_length(seq_len or adapter.max_len)
-    configs, blocks = plan(adapter, precision_list(precisions), length, checkpointing, progress)
+    length = adapter.fit_length(cfg.seq_len or adapter.max_len)
+    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks)
-    if validate or (validate is None and dev.type == "cuda"):
+    if cfg.validate or (cfg.validate is None and dev.type == "cuda"):
         for c in configs:
             start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
             result.validated[(c.precision, c.checkpointing)] = bisect_batch(

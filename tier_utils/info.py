@@ -11,8 +11,29 @@ import torch
 from .adapter import resolve_model
 from .files import jsonable, write_json
 from .models import DEFAULT_MODEL
-from .precision import CPU_FLAGS_ENV, cpu_flags, native_support, resolve_device, resolve_precision
+from .precision import (
+    CPU_FLAGS_ENV,
+    Precision,
+    cpu_flags,
+    native_support,
+    precision_setting,
+    resolve_device,
+    resolve_precision,
+)
 from .results import run_metadata
+from .settings import DEVICE_HELP, PRECISION_HELP, check_fields, merge, setting
+
+
+@dataclass
+class InfoConfig:
+    """The device `info` describes and the precision it decides there."""
+
+    precision: str | Precision = setting("auto", PRECISION_HELP)
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+
+    def __post_init__(self):
+        self.precision = precision_setting(self.precision)
+        check_fields(self)
 
 
 @dataclass
@@ -36,8 +57,12 @@ class InfoResult:
         return self.table._repr_html_()
 
 
-def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwargs) -> InfoResult:
-    dev = resolve_device(device)
+def info(model=DEFAULT_MODEL, config: InfoConfig | dict | None = None, *, model_kwargs: dict | None = None,
+         **overrides) -> InfoResult:
+    """The device, the precision decided on it and a summary of `model` (a load_model spec is built with
+    `model_kwargs`). config / overrides: an InfoConfig (or dict) and/or its field names as keywords."""
+    cfg = merge(InfoConfig, config, overrides, "info")
+    dev = resolve_device(cfg.device)
     env = run_metadata(dev)
     if dev.type == "cuda":
         cc = torch.cuda.get_device_capability(dev)
@@ -49,8 +74,8 @@ def info(model=DEFAULT_MODEL, precision: str = "auto", device=None, **model_kwar
             env["cpu_flags"] += f" (set by {CPU_FLAGS_ENV})"
     for name in ("bf16", "fp16"):
         env[f"native_{name}"] = native_support(name, dev)[0]
-    adapter = resolve_model(model, **model_kwargs)
+    adapter = resolve_model(model, **(model_kwargs or {}))
     # The environment section names the device once; the precision section says what was decided on it.
-    decided = {k: v for k, v in resolve_precision(precision, dev).to_dict().items()
+    decided = {k: v for k, v in resolve_precision(cfg.precision, dev).to_dict().items()
                if k not in ("device", "device_name")}
     return InfoResult(env, decided, adapter.summary())

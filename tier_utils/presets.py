@@ -3,13 +3,17 @@
 A preset is one batch shape (`batch_size` x `seq_len`) that every tier runs at, plus each tier's lengths at
 that shape: a TrainConfig (steps, evaluations), a BenchConfig (repeats, accuracy steps), how many batches the
 analysis reads and, for the notebooks, the size of a built-in model. The shape is declared once, here, and
-stamped into each tier's config by `train_config()` / `bench_config()`.
+stamped into each tier's config by `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()` and
+`fit_config()`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .analysis import AnalysisConfig
+from .fit import FitConfig
 from .settings import BenchConfig, TrainConfig, check_fields, setting
+from .smoke import SmokeConfig
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,26 @@ class Preset:
     def __post_init__(self):
         check_fields(self)
 
+    def smoke_config(self, **given) -> SmokeConfig:
+        """Smoke's memory and latency grid at one sequence and at the preset's shape; `given` on top."""
+        return SmokeConfig(**{"batch_sizes": (1, self.batch_size), "seq_lens": (self.seq_len,), **given})
+
+    def analysis_config(self, **given) -> AnalysisConfig:
+        """The analysis over `analysis_batches` batches of the preset's shape; `given` on top."""
+        return AnalysisConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len,
+                                 "n_batches": self.analysis_batches, **given})
+
     def train_config(self, **given) -> TrainConfig:
         """The preset's training settings at its shape, with `given` TrainConfig fields on top."""
-        return replace(self.train, batch_size=self.batch_size, seq_len=self.seq_len, **given)
+        return replace(self.train, **{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
 
     def bench_config(self, **given) -> BenchConfig:
         """The preset's benchmark settings at its shape, with `given` BenchConfig fields on top."""
-        return replace(self.bench, batch_size=self.batch_size, seq_len=self.seq_len, **given)
+        return replace(self.bench, **{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
+
+    def fit_config(self, **given) -> FitConfig:
+        """The fit planner at the preset's length; `given` on top."""
+        return FitConfig(**{"seq_len": self.seq_len, **given})
 
 
 # FAST: CI, tests, a notebook on a CPU (`all --fast`): seconds per tier.

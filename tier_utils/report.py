@@ -266,11 +266,11 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
 @holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
             fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
-            **model_kwargs) -> AllResult:
+            model_kwargs: dict | None = None) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
-    model: a load_model spec (kwargs build it) or an nn.Module; every tier starts from the same
-    initial weights (training works on a copy), except that with the default model and no kwargs,
+    model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
+    initial weights (training works on a copy), except that with the default model and no model_kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
     Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's. Training
     that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
@@ -282,35 +282,34 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     if batch_size is not None:
         preset = replace(preset, batch_size=batch_size)
     torch.manual_seed(seed)
-    base = load_model(model, **model_kwargs)
+    base = load_model(model, **(model_kwargs or {}))
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
     # it analyses the shipped trained demo model instead. Tiers 1 and 3 start from fresh weights.
     default = isinstance(model, str) and model.strip() == DEFAULT_MODEL and not model_kwargs
     analysed = load_model(DEMO_MODEL) if default else base
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
-    train_cfg = preset.train_config(precision=prec, device=dev, seed=seed, progress=progress)
-    bench_cfg = preset.bench_config()
-    b, t = preset.batch_size, preset.seq_len
     ran_on = {"model": type(base).__name__}  # what the report names: model, tokenizer, data
     try:
         adapter = adapt(base)
-        t, runnable = min(t, adapter.max_len), True  # the job fits its window to the model, no warning
-        described = adapter.datasets(data, t, seed).describe()  # bad data fails here, before any tier runs
+        # the job fits its window to the model, no warning
+        preset, runnable = replace(preset, seq_len=min(preset.seq_len, adapter.max_len)), True
+        described = adapter.datasets(data, preset.seq_len, seed).describe()  # bad data fails here, before any tier runs
         ran_on.update(tokenizer=described["tokenizer"], data=described["data"])
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}
     steps = {
-        "smoke": lambda: smoke(base, batch_sizes=(1, b), seq_lens=(t,), precision=prec, device=dev,
-                               progress=progress),
-        "analysis": lambda: analyze(analysed, data=data, precision=prec, device=dev, batch_size=b,
-                                    n_batches=preset.analysis_batches, seq_len=t, progress=progress),
+        "smoke": lambda: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
+        "analysis": lambda: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
+                                                                            progress=progress)),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
-        "train": lambda: _train(copy.deepcopy(base), data, replace(train_cfg, seq_len=t)),
-        "fit": lambda: fit(base, seq_len=t, device=dev, validate=False, progress=progress),  # predictions only
-        "amp_benchmark": lambda: amp_benchmark(base, data, replace(bench_cfg, seq_len=t, batch_size=_bench_batch(
-            base, dev, b, t, sizing)), device=dev, progress=progress),
+        "train": lambda: _train(copy.deepcopy(base), data, preset.train_config(precision=prec, device=dev, seed=seed,
+                                                                               progress=progress)),
+        # predictions only
+        "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
+        "amp_benchmark": lambda: amp_benchmark(base, data, preset.bench_config(batch_size=_bench_batch(
+            base, dev, preset.batch_size, preset.seq_len, sizing)), device=dev, progress=progress),
     }
     if not runnable:
         del steps["train"], steps["fit"], steps["amp_benchmark"]

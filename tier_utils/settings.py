@@ -2,7 +2,8 @@
 
 `TrainConfig` (train, search trials), `BenchConfig` and `Thresholds` (amp_benchmark), `SearchConfig`
 (search). The CLI verbs are generated from these fields, the widgets and the main job read the same
-defaults, and every config checks its fields on construction with one-line messages.
+defaults, and every config checks its fields on construction with one-line messages. The other tiers'
+configs (SmokeConfig, AnalysisConfig, ExportConfig, FitConfig, InfoConfig) live beside their tier, built alike.
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def check_fields(config) -> None:
 
 
 _OPERATORS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}
+
+# The help of the settings most tiers share, so every verb says them alike.
+PRECISION_HELP = "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)"
+DEVICE_HELP = "cpu, cuda or cuda:N (none: cuda if available)"
+PROGRESS_HELP = "progress bars"
 
 
 def merge(cls, config, overrides: dict, what: str):

@@ -20,11 +20,34 @@ from .files import jsonable
 from .measure import percentile, summarize
 from .models import DEFAULT_MODEL
 from .plotting import category_ticks
-from .precision import Precision, resolve_precision
+from .precision import Precision, precision_setting, resolve_precision
 from .progress import progress_bar
 from .results import Check, Result, checks_table, failed_check, run_metadata
+from .settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, merge, setting
 from .smoke_checks import CHECK_GROUPS
 from .validation import select_names, whole_number
+
+
+@dataclass
+class SmokeConfig:
+    """What `smoke` runs: the check groups, and the memory and latency grid with the autocast it runs under."""
+
+    batch_sizes: tuple[int, ...] = setting((1, 4), "batch sizes for memory and latency, e.g. 1,4")
+    seq_lens: tuple[int, ...] | None = setting(None, "sequence lengths for memory and latency (none: the model's "
+                                                     "max length)")
+    precision: str | Precision = setting("auto", PRECISION_HELP)
+    checks: tuple | None = setting(None, f"check groups to run (none: all): {', '.join(CHECK_GROUPS)}")
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    progress: bool = setting(True, PROGRESS_HELP)
+
+    def __post_init__(self):
+        self.batch_sizes = _positive_ints(self.batch_sizes, "batch_sizes")
+        if self.seq_lens is not None:
+            self.seq_lens = _positive_ints(self.seq_lens, "seq_lens")
+        self.precision = precision_setting(self.precision)
+        if self.checks is not None:  # None stays "all", as the CLI's default shows it
+            self.checks = tuple(select_names(self.checks, CHECK_GROUPS, "check group"))
+        check_fields(self)
 
 
 @dataclass(repr=False)
@@ -139,31 +162,33 @@ def _plot_memory(ax, memory: list, model: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="auto", checks=None, device=None,
-          progress: bool = True, **model_kwargs) -> SmokeReport:
-    """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec).
+def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, model_kwargs: dict | None = None,
+          **overrides) -> SmokeReport:
+    """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec, built with
+    `model_kwargs`). It reads no data: every check runs on random token batches.
 
-    batch_sizes and seq_lens (default: the model's max length) set the memory and latency grid;
-    precision is the autocast used for those two; checks: None (every group in CHECK_GROUPS), a list
-    of group names or a comma-separated string.
+    config / overrides: a SmokeConfig (or dict) and/or its field names as keywords. batch_sizes and seq_lens
+    (default: the model's max length) set the memory and latency grid; precision is the autocast used for
+    those two; checks: None (every group in CHECK_GROUPS), a list of group names or a comma-separated string.
     The model is moved to `device` (default: CUDA when available).
     """
     start = time.perf_counter()
-    groups = select_names(checks, CHECK_GROUPS, "check group")
-    batch_sizes = _positive_ints(batch_sizes, "batch_sizes")
-    prec = resolve_precision(precision, device)
+    cfg = merge(SmokeConfig, config, overrides, "smoke")
+    groups = list(cfg.checks or CHECK_GROUPS)
+    batch_sizes = list(cfg.batch_sizes)
+    prec = resolve_precision(cfg.precision, cfg.device)
     try:
-        adapter = resolve_model(model, **model_kwargs)
+        adapter = resolve_model(model, **(model_kwargs or {}))
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         checks = [Check(name, "FAIL", None, None, f"not run: {exc}") for name in groups]
-        lengths = [] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
-        report = SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths)
+        report = SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes,
+                             list(cfg.seq_lens or ()))
         report.seconds = time.perf_counter() - start
         return report
     adapter.model.to(prec.device)
     budget = read_budget(prec.device)  # once, before anything of ours is allocated
-    lengths = [adapter.max_len] if seq_lens is None else _positive_ints(seq_lens, "seq_lens")
-    lengths = sorted({adapter.fit_length(t, "seq_lens entry") for t in lengths})  # the report records these
+    lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
+                      for t in cfg.seq_lens or (adapter.max_len,)})
     report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
                          budget=budget)
     net = adapter.model
@@ -172,7 +197,7 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
-        bar = progress_bar(groups, desc="smoke", unit="group", enabled=progress)
+        bar = progress_bar(groups, desc="smoke", unit="group", enabled=cfg.progress)
         for name in bar:
             bar.set_postfix_str(name)
             try:
@@ -193,8 +218,8 @@ def smoke(model=DEFAULT_MODEL, batch_sizes=(1, 4), seq_lens=None, precision="aut
     return report
 
 
-def _positive_ints(values, what: str) -> list[int]:
+def _positive_ints(values, what: str) -> tuple[int, ...]:
     values = [values] if isinstance(values, int) else list(values)
     if not values:
         raise ValueError(f"{what} is empty; give at least one whole number >= 1")
-    return sorted({whole_number(v, f"every entry of {what}") for v in values})
+    return tuple(sorted({whole_number(v, f"every entry of {what}") for v in values}))

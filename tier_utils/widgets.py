@@ -14,10 +14,13 @@ from dataclasses import asdict, dataclass, replace
 import ipywidgets as widgets
 import torch
 
+from .analysis import AnalysisConfig
+from .fit import FitConfig
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .presets import Preset, notebook_preset
 from .settings import BenchConfig, SearchConfig, TrainConfig, check_fields, check_switch, setting
+from .smoke import SmokeConfig
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")
@@ -76,22 +79,38 @@ class RunConfig:
         torch.manual_seed(self.seed)
         return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
 
+    def smoke_config(self, **given) -> SmokeConfig:
+        """Tier 1 at one sequence and at this config's shape, precision and device; `given` on top."""
+        return self._sized().smoke_config(**{**self._decided(), **given})
+
+    def analysis_config(self, **given) -> AnalysisConfig:
+        """Tier 2 over the preset's batches of this config's shape, at its precision and device; `given` on top."""
+        return self._sized().analysis_config(**{**self._decided(), **given})
+
     def train_config(self, **given) -> TrainConfig:
-        """Training at this config's precision, shape, steps, device, seed and compile choice, with the preset's
+        """Training at this config's shape, precision, steps, device, seed and compile choice, with the preset's
         evaluation lengths; `given` TrainConfig fields (e.g. checkpoint_dir) on top."""
-        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len).train_config(
-            **{"precision": self.precision, "max_steps": self.max_steps, "device": self.device, "seed": self.seed,
-               "compile": self.compile, **given})
+        return self._sized().train_config(**{**self._decided(), "max_steps": self.max_steps, "seed": self.seed,
+                                             "compile": self.compile, **given})
 
     def bench_config(self, **given) -> BenchConfig:
-        """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
-        precision runs eager and compiled, interleaved, so the table compares the two."""
-        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len).bench_config(
-            **{"compile": "both" if self.compile else "off", **given})
+        """The benchmark at this config's shape, with the preset's repeats; with compile on, each precision runs
+        eager and compiled, interleaved, so the table compares the two. `given` on top."""
+        return self._sized().bench_config(**{"compile": "both" if self.compile else "off", **given})
+
+    def fit_config(self, **given) -> FitConfig:
+        """The fit planner at this config's length and device; `given` on top."""
+        return self._sized().fit_config(**{"device": self.device, **given})
 
     def search_config(self, **given) -> SearchConfig:
         """A study whose trials train as `train_config()` does; `given` SearchConfig fields on top."""
         return SearchConfig(trial=self.train_config(), **given)
+
+    def _sized(self) -> Preset:
+        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)
+
+    def _decided(self) -> dict:
+        return {"precision": self.precision, "device": self.device}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,9 +19,10 @@ from ..demo import provenance_of
 from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL
-from ..precision import resolve_device, resolve_precision
+from ..precision import Precision, precision_setting, resolve_device, resolve_precision
 from ..progress import progress_bar
 from ..results import Check, Result, failed_check, run_metadata
+from ..settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, merge, setting
 from ..validation import select_names, whole_number
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
@@ -41,6 +42,26 @@ class Analysis:
 ANALYSES: dict[str, Analysis] = {m.__name__.rpartition(".")[2]: Analysis(m.run, m.plot, m.panel)
                                  for m in (attention, robustness, attribution, headroom, dtypes)}
 TABLE_COLUMNS = ["analysis", "check", "status", "value", "threshold", "detail"]
+
+
+@dataclass
+class AnalysisConfig:
+    """What `analyze` runs and on how much data. precision: the autocast the plain forwards run under;
+    headroom and dtypes always compare fp32, bf16 and fp16."""
+
+    analyses: tuple | None = setting(None, f"analyses to run (none: all): {', '.join(ANALYSES)}")
+    precision: str | Precision = setting("auto", PRECISION_HELP)
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    batch_size: int = setting(8, "sequences per batch", low=1)
+    n_batches: int = setting(2, "validation batches to analyse", low=1)
+    seq_len: int = setting(64, "tokens per example (capped at the model's max)", low=1)
+    progress: bool = setting(True, PROGRESS_HELP)
+
+    def __post_init__(self):
+        if self.analyses is not None:  # None stays "all", as the CLI's default shows it
+            self.analyses = tuple(select_names(self.analyses, ANALYSES, "analysis"))
+        self.precision = precision_setting(self.precision)
+        check_fields(self)
 
 
 def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], dict]:
@@ -74,7 +95,7 @@ class AnalysisReport(Result):
     """Tier-2 findings. `.table`: one row per finding; `.frames`: each analysis' DataFrames;
     `.plot(name)`: one analysis' figure (`.plot()`: an overview); `.to_json()`."""
 
-    def __init__(self, outcomes: dict[str, Outcome], seconds: dict[str, float], model: dict, precision: dict,
+    def __init__(self, outcomes: dict[str, Outcome], seconds: dict[str, float], model: dict, precision: Precision,
                  data: dict, metadata: dict):
         self.outcomes, self.seconds = outcomes, seconds
         self.model, self.precision, self.data, self.metadata = model, precision, data, metadata
@@ -122,50 +143,50 @@ class AnalysisReport(Result):
         for ax in axes[len(names):]:
             fig.delaxes(ax)  # no blank panels in the grid's last row
         name = self.model.get("provenance", {}).get("name", self.model["model"])
-        fig.suptitle(f"{name} · {self.precision['precision']} on {self.metadata['device_name']} · "
+        fig.suptitle(f"{name} · {self.precision.name} on {self.metadata['device_name']} · "
                      f"worst status {self.status}")
         return fig
 
     def to_json(self) -> dict:
         errors = {n: o.artifacts["traceback"] for n, o in self.outcomes.items() if "traceback" in o.artifacts}
         return jsonable({"status": self.status, "findings": self.table, "frames": self.frames, "seconds": self.seconds,
-                         "model": self.model, "precision": self.precision, "data": self.data, "errors": errors,
-                         "run_metadata": self.metadata})
+                         "model": self.model, "precision": self.precision.to_dict(), "data": self.data,
+                         "errors": errors, "run_metadata": self.metadata})
 
 
-def analyze(model=DEFAULT_MODEL, data=None, analyses=None, precision="auto", device=None, batch_size: int = 8,
-            n_batches: int = 2, seq_len: int = 64, progress: bool = True, **model_kwargs) -> AnalysisReport:
+def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None = None, *,
+            model_kwargs: dict | None = None, **overrides) -> AnalysisReport:
     """Explain a model: attention patterns, robustness, attribution, precision headroom, per-op dtypes.
 
-    model: an nn.Module, an adapter or a load_model spec (kwargs build it). data: None (the bundled corpus) or any
-    form build_datasets takes; its validation split supplies `n_batches` batches of `batch_size`.
-    analyses: None (all) or names from ANALYSES. precision: the autocast the plain forwards run under;
-    headroom and dtypes always compare fp32, bf16 and fp16. The model runs in eval mode and is left
-    in the mode it came in.
+    model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it). data: None (the bundled
+    corpus) or any form build_datasets takes; its validation split supplies `n_batches` batches of `batch_size`.
+    config / overrides: an AnalysisConfig (or dict) and/or its field names as keywords; analyses: None (all)
+    or names from ANALYSES. The model runs in eval mode and is left in the mode it came in.
     """
-    names = select_names(analyses, ANALYSES, "analysis")
-    dev = resolve_device(device)
-    prec = resolve_precision(precision, dev)
+    cfg = merge(AnalysisConfig, config, overrides, "analysis")
+    names = list(cfg.analyses or ANALYSES)
+    dev = resolve_device(cfg.device)
+    prec = resolve_precision(cfg.precision, dev)
     try:
-        adapter = resolve_model(model, **model_kwargs)
+        adapter = resolve_model(model, **(model_kwargs or {}))
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         outcomes = {name: Outcome([Check("error", "FAIL", None, None, f"not run: {exc}")]) for name in names}
-        data_info = {"data": "none", "source": "none", "batches": 0, "batch_size": batch_size, "seq_len": 0}
-        return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec.to_dict(), data_info,
+        data_info = {"data": "none", "source": "none", "batches": 0, "batch_size": cfg.batch_size, "seq_len": 0}
+        return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec, data_info,
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
-    batches, described = real_batches(adapter, data, batch_size, n_batches, seq_len, dev)
+    batches, described = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev)
     ctx = Context(adapter, batches, prec, read_budget(dev))
     outcomes, seconds = {}, {}
     was_training = module.training
     module.eval()
     try:
-        for name in progress_bar(names, desc="analyze", unit="analysis", enabled=progress):
+        for name in progress_bar(names, desc="analyze", unit="analysis", enabled=cfg.progress):
             outcomes[name], seconds[name] = _isolated(name, ctx)
     finally:
         module.train(was_training)
-    data_info = {**described, "batches": len(batches), "batch_size": batch_size,
+    data_info = {**described, "batches": len(batches), "batch_size": cfg.batch_size,
                  "seq_len": int(batches[0]["input_ids"].size(1))}
     provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
     model_info = {**adapter.summary(), **({"provenance": provenance} if provenance else {})}
-    return AnalysisReport(outcomes, seconds, model_info, prec.to_dict(), data_info, run_metadata(dev, prec.dtype))
+    return AnalysisReport(outcomes, seconds, model_info, prec, data_info, run_metadata(dev, prec.dtype))

@@ -18,7 +18,8 @@ from tier_utils import bench, cli, compiling
 from tier_utils.bench import amp_benchmark
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
-from tier_utils.train import TrainConfig, make_optimizer, optimizer_impl, train
+from tier_utils.step import make_optimizer, optimizer_impl
+from tier_utils.train import TrainConfig, train
 
 STEPS, CUT = 10, 5
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,

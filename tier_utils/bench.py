@@ -37,7 +37,7 @@ from .progress import progress_bar
 from .results import Result, checks_table, run_metadata, worst_status
 from .seeding import rng_state, set_rng_state
 from .settings import BenchConfig, merge
-from .train import TrainStep, make_optimizer, make_scheduler
+from .step import TrainStep, make_optimizer, make_scheduler
 from .verdicts import launch_bound, record_checks
 
 SCHEMA = "tier_utils.bench/1"

@@ -11,7 +11,7 @@ from tiny import TINY_ARGS, tiny
 
 from tier_utils import bench
 from tier_utils.adapter import adapt
-from tier_utils.bench import amp_benchmark, schedule
+from tier_utils.bench import amp_benchmark, interleave
 from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
@@ -55,14 +55,14 @@ def default_run():
     model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order = []
-    original = bench._timed_run
+    original = bench.timed_repeat
 
     def recording(adapter, prec, start, batches, *args):
         order.append((prec.name, len(batches[0]["input_ids"])))
         return original(adapter, prec, start, batches, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "_timed_run", recording)
+        mp.setattr(bench, "timed_repeat", recording)
         result = amp_benchmark(model, **RUN)
     return result, model, before, order
 
@@ -96,7 +96,7 @@ def test_repeats_are_interleaved_across_precisions(default_run):
     result, _, _, order = default_run
     ran = [(r.precision, RUN["batch_size"]) for r in result.records if r.ran]
     assert order == (ran + [("fp32", 1)]) * RUN["repeats"]  # the 1-sequence floor step rides along
-    assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert interleave(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
 def test_speed_statistics_over_repeats(default_run):
@@ -194,7 +194,7 @@ def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    ms, losses = bench._timed_run(adapter, prec, start, batches, BenchConfig(untimed_steps=1), _NO_BAR)
+    ms, losses = bench.timed_repeat(adapter, prec, start, batches, BenchConfig(untimed_steps=1), _NO_BAR)
     assert len(ms) == 2 and reads == [] and losses.shape == (3,)
 
 
@@ -493,7 +493,7 @@ def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch, floor
         ms = floor_ms if len(batches[0]["input_ids"]) == 1 else fp32_ms * (1.12 if prec.name == "bf16" else 1.0)
         return [ms] * (len(batches) - cfg.untimed_steps), torch.zeros(len(batches))
 
-    monkeypatch.setattr(bench, "_timed_run", fake)
+    monkeypatch.setattr(bench, "timed_repeat", fake)
     result = amp_benchmark(tiny(seed=0), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
     assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(floor_ms / fp32_ms)
     row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]

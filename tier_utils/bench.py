@@ -42,7 +42,7 @@ from .verdicts import launch_bound, record_checks
 
 SCHEMA = "tier_utils.bench/1"
 _PROBE_REPS = 3  # probe matmuls per speed repeat
-_FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
+FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
 
 
 @dataclass(repr=False)
@@ -91,8 +91,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
     `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
     `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
-    compile: False (eager), True (every step torch.compiled) or "both": each precision eager and
-    compiled, repeats interleaved, compiled rows also judged against the same precision eager.
+    compile: "off" (eager), "on" (every step torch.compiled; True/False are read as on/off) or "both": each
+    precision eager and compiled, repeats interleaved, compiled rows also judged against the same precision eager.
     A model that can't be compiled gets a WARN row and is measured eager.
     """
     cfg = merge(BenchConfig, config, overrides, "benchmark")
@@ -119,7 +119,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     ran = [p for p in plans if p.ran]
     base = plans[0]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
-    short = [{k: v[:1, :_FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
+    short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
     floor = Plan("fp32 floor", "eager", base.precision, adapter, batches=short)
     total = len(ran) * (cfg.repeats * steps_per_repeat + cfg.accuracy_steps) + cfg.repeats * steps_per_repeat
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
@@ -150,10 +150,10 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     p.probe_size = probe_size(dev, p.precision.dtype)
             live = [p for p in ran if p.ran and not p.stopped]
             timed = live if base.stopped or not base.ran else live + [floor]  # the floor needs fp32 beside it
-            for _, p in schedule(timed, cfg.repeats):
+            for _, p in interleave(timed, cfg.repeats):
                 if not p.ran:  # out of memory in an earlier repeat
                     continue
-                got = _unless_oom(p, plans, budget, cfg, seq_len, _timed_run, adapter, p.precision, start,
+                got = _unless_oom(p, plans, budget, cfg, seq_len, timed_repeat, adapter, p.precision, start,
                                   p.batches or speed_batches, cfg, bar, p.adapter)
                 if got is None:
                     continue
@@ -199,7 +199,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     return result
 
 
-def schedule(items: list, repeats: int) -> list[tuple[int, object]]:
+def interleave(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
 
@@ -321,7 +321,7 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     return mem, loss
 
 
-def _timed_run(adapter, prec, start, batches, cfg: BenchConfig, bar,
+def timed_repeat(adapter, prec, start, batches, cfg: BenchConfig, bar,
                step_adapter=None) -> tuple[list[float], torch.Tensor]:
     """One repeat: fresh optimizer, `cfg.untimed_steps` steps untimed, then each optimizer step timed.
     Returns the timed steps' milliseconds and every step's loss, read after the timing.

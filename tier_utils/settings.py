@@ -10,7 +10,7 @@ import math
 import operator
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
-from .compiling import COMPILE_MODES, compile_modes
+from .compiling import COMPILE_CHOICES, COMPILE_MODES
 from .loggers import logger_names
 from .precision import canonical_precision
 
@@ -208,17 +208,16 @@ class BenchConfig:
     grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
     seed: int = setting(0, "data order and dropout masks, the same for every precision", low=0)
     force: bool = setting(False, "run precisions this device has no native support for")
-    # False/"off" eager, True/"on" compiled, "both": each precision eager and compiled, interleaved.
-    compile: bool | str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, "
-                                         "interleaved)", choices=("off", "on", "both"))
+    compile: str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, interleaved)",
+                           choices=tuple(COMPILE_CHOICES))
     compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
                                 choices=COMPILE_MODES)
     thresholds: Thresholds = setting(factory=Thresholds)
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
-        self.compile = {"off": False, "on": True}.get(self.compile, self.compile)
-        compile_modes(self.compile)
+        if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
+            self.compile = "on" if self.compile else "off"
         check_switch(self, "force")
         if not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")

@@ -103,16 +103,16 @@ def test_speed_statistics_over_repeats(default_run):
     result = default_run[0]
     for rec in (r for r in result.records if r.ran):
         speed = rec.speed
-        assert speed["step_ms"]["n"] == RUN["repeats"] == len(speed["samples_ms"])
-        assert speed["step_ms"]["q1"] <= speed["step_ms"]["median"] <= speed["step_ms"]["q3"]
-        assert speed["timed_steps"] == RUN["timed_steps"]
+        assert speed.step_ms.n == RUN["repeats"] == len(speed.samples_ms)
+        assert speed.step_ms.q1 <= speed.step_ms.median <= speed.step_ms.q3
+        assert speed.timed_steps == RUN["timed_steps"]
         assert rec.mfu["mfu"] == pytest.approx(rec.mfu["achieved_tflops"] / rec.mfu["peak_tflops"])
         assert rec.mfu["probe"]["tflops"]["n"] == bench._PROBE_REPS * RUN["repeats"]
         assert rec.mfu["peak_tflops"] == rec.mfu["probe"]["tflops"]["max"]
     bf16 = _rec(result, "bf16")
     if bf16.ran:
-        fp32 = _rec(result, "fp32").speed["step_ms"]["median"]
-        assert bf16.speed["speedup"]["median"] == pytest.approx(fp32 / bf16.speed["step_ms"]["median"])
+        fp32 = _rec(result, "fp32").speed.step_ms.median
+        assert bf16.speed.speedup["median"] == pytest.approx(fp32 / bf16.speed.step_ms.median)
 
 
 def test_flops_counted_once_including_cpu_attention(default_run):
@@ -548,11 +548,11 @@ def test_the_comparison_runs_at_the_largest_batch_every_precision_fits(monkeypat
     need = max(c.step_bytes(2, 16) for c in configs)  # bf16's autocast weight copies may make it the bigger one
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2 * need + 64))  # a safe share (half) that fits batch 2
     result = amp_benchmark(model, **{**RUN, "batch_size": 8, "precisions": ("fp32", "bf16")})
-    fit = result.config["fit"]
-    largest = fit["largest_batch_predicted"]
-    assert result.config["batch_size"] == min(largest.values()) >= 2 and fit["batch_size_asked"] == 8
-    assert fit["reason"].startswith(f"batch 8 does not fit every compared precision here; run at "
-                                    f"{result.config['batch_size']}, the largest all of them fit (predicted: fp32 ")
+    fit, batch = result.config.fit, result.config.settings.batch_size
+    assert batch == min(fit.largest_batch_predicted.values()) >= 2 and fit.batch_size_asked == 8
+    assert fit.reason.startswith(f"batch 8 does not fit every compared precision here; run at {batch}, the largest "
+                                 "all of them fit (predicted: fp32 ")
+    assert result.to_json()["config"]["fit"]["reason"] == fit.reason
     assert _rec(result, "fp32").speed is not None and _rec(result, "bf16").speed is not None
 
 

@@ -169,7 +169,8 @@ def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(chea
     assert fp32_compiled == {"compile speedup vs eager", "val accuracy diff", "loss-curve parity"}
     parity_row = v[(v["mode"] == "compiled") & (v["check"] == "loss-curve parity") & (v["precision"] == "fp32")]
     assert parity_row["status"].item() == "PASS"  # compiled fp32 tracks eager fp32's loss curve
-    assert result.config["compile"] == "both" and json.dumps(result.to_json())
+    doc = json.loads(json.dumps(result.to_json()))
+    assert result.config.settings.compile == "both" and doc["config"]["compile"] == "both"
     assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
     assert len(result.plot().axes) == 3  # bf16 and fp32 only: no loss-scale panel without an fp16 trace
 

@@ -10,6 +10,8 @@ import math
 import operator
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
+import torch
+
 from .compiling import COMPILE_CHOICES, COMPILE_MODES
 from .loggers import logger_names
 from .precision import canonical_precision
@@ -213,15 +215,30 @@ class BenchConfig:
     compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
                                 choices=COMPILE_MODES)
     thresholds: Thresholds = setting(factory=Thresholds)
+    progress: bool = setting(True, "progress bars")
+    device: str | torch.device | None = setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
+    loggers: tuple = setting((), "experiment loggers: tensorboard, wandb, mlflow (one run holding the table and "
+                                 "the verdicts)", flag="log")
+    log_dir: str | None = setting(None, "logger output (none: runs/logs)")
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
         if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
             self.compile = "on" if self.compile else "off"
+        self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
         check_switch(self, "force")
+        check_switch(self, "progress")
         if not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")
         check_fields(self)
+
+    def to_dict(self) -> dict:
+        """The settings a result records: what was measured and how, not where it ran (the result's metadata
+        says), how it showed or where it logged."""
+        return {k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}
+
+
+BENCH_RUN_ONLY = ("progress", "device", "loggers", "log_dir")
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
-from tiny import TINY_ARGS, tiny
+from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import bench
 from tier_utils.adapter import adapt
@@ -15,10 +15,12 @@ from tier_utils.bench import amp_benchmark, interleave
 from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
+from tier_utils.errors import ModelSpecError
+from tier_utils.loggers import LoggerError
 from tier_utils.measure import SavedTensorMeter, Stats
 from tier_utils.models import TinyGPT
 from tier_utils.precision import native_support, resolve_precision
-from tier_utils.settings import BenchConfig, precision_list
+from tier_utils.settings import BENCH_RUN_ONLY, BenchConfig, precision_list
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,
@@ -301,6 +303,20 @@ def test_bad_input_errors_name_the_fix():
         amp_benchmark(model, batch_size=0, progress=False)
     with pytest.raises(ValueError, match="'auto' is not a precision"):
         precision_list(["auto"])
+
+
+def test_the_entry_convention_spec_kwargs_config_and_overrides():
+    quick = {**RUN, "precisions": ("fp32",), "repeats": 1, "timed_steps": 1, "accuracy_steps": 0}
+    config = BenchConfig(**{k: v for k, v in quick.items() if k != "device"})
+    result = amp_benchmark("tiny-gpt", None, config, model_kwargs=TINY, device="cpu")  # a spec built from kwargs
+    assert result.config.parameters == adapt(tiny()).summary()["parameters"] and result.config.settings.repeats == 1
+    assert not set(BENCH_RUN_ONLY) & set(result.to_json()["config"])  # how a run showed is no measurement
+    with pytest.raises(ValueError, match="unknown benchmark setting.s. devices; valid: precisions"):
+        amp_benchmark(tiny(), devices="cpu")
+    with pytest.raises(ModelSpecError, match="d_model: an nn.Module instance is already built"):
+        amp_benchmark(tiny(), config, model_kwargs={"d_model": 64})
+    with pytest.raises(LoggerError, match="unknown logger 'neptune'"):
+        BenchConfig(loggers="neptune")
 
 
 def test_precision_list_adds_baseline_and_dedupes():

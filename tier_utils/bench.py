@@ -321,7 +321,7 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
 
 
 def timed_repeat(adapter, prec, start, batches, cfg: BenchConfig, bar,
-               step_adapter=None) -> tuple[list[float], torch.Tensor]:
+                 step_adapter=None) -> tuple[list[float], torch.Tensor]:
     """One repeat: fresh optimizer, `cfg.untimed_steps` steps untimed, then each optimizer step timed.
     Returns the timed steps' milliseconds and every step's loss, read after the timing.
 

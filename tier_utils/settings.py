@@ -191,6 +191,10 @@ class Thresholds:
         check_fields(self)
 
 
+# BenchConfig's fields that say where a run goes and how it shows, not what it measures.
+BENCH_RUN_ONLY = ("progress", "device", "loggers", "log_dir")
+
+
 @dataclass
 class BenchConfig:
     """What `amp_benchmark` measures, and how long. Every precision starts from the same weights and
@@ -236,9 +240,6 @@ class BenchConfig:
         """The settings a result records: what was measured and how, not where it ran (the result's metadata
         says), how it showed or where it logged."""
         return {k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}
-
-
-BENCH_RUN_ONLY = ("progress", "device", "loggers", "log_dir")
 
 
 @dataclass

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                                accuracy_steps=args.accuracy_steps, force=args.force, device="cpu")
         runs[f"d_model={d}"] = result.to_json()
         m = result.metadata
-        print(f"\n== tiny-gpt d_model={d} ({result.config['parameters']:,} parameters), batch {args.batch_size} x "
+        print(f"\n== tiny-gpt d_model={d} ({result.config.parameters:,} parameters), batch {args.batch_size} x "
               f"{args.seq_len}, {m['device_name']}, {m['threads']} threads, torch {m['torch']}, "
               f"load average {m['load_average_1m']}")
         table = result.table.set_index("precision")[COLUMNS]
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).T.to_string())
             print(result.verdicts.to_string(index=False))
         for rec in result.records:
-            sp = rec.speed and rec.speed["speedup"]
+            sp = rec.speed and rec.speed.speedup
             if sp:
                 speedups.append(f"d_model={d}: {rec.precision} {sp['median']:.2f}x fp32 "
                                 f"(IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={args.repeats} repeats"

@@ -80,7 +80,7 @@ def harness_run(model, low: str, args, dev) -> dict[str, float]:
     result = amp_benchmark(model, precisions=("fp32", low), batch_size=args.batch_size, seq_len=args.seq_len,
                            untimed_steps=args.warmup_steps, timed_steps=args.timed_steps, repeats=1,
                            accuracy_steps=0, force=args.force, device=dev, progress=False)
-    return {r.precision: r.speed["samples_ms"][0] for r in result.records if r.ran}
+    return {r.precision: r.speed.samples_ms[0] for r in result.records if r.ran}
 
 
 def load() -> float | None:

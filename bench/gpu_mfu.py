@@ -35,7 +35,8 @@ from tier_utils.files import write_json
 from tier_utils.measure import StepTimer, count_flops, probe_ms, probe_size, summarize
 from tier_utils.models import load_model
 from tier_utils.results import run_metadata
-from tier_utils.train import make_optimizer, make_scheduler, train
+from tier_utils.step import make_optimizer, make_scheduler
+from tier_utils.train import train
 
 SHAPE = dict(d_model=768, n_layer=12, n_head=12, max_len=1024)
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s, no sparsity), for context only.

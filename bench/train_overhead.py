@@ -29,7 +29,8 @@ from tier_utils.measure import summarize
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, device_name, resolve_precision
 from tier_utils.results import run_metadata
-from tier_utils.train import make_optimizer, make_scheduler, train
+from tier_utils.step import make_optimizer, make_scheduler
+from tier_utils.train import train
 
 
 def hand_loop(model, dataset, precision: str, steps: int, batch_size: int, seed: int) -> list[float]:

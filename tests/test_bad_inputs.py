@@ -403,7 +403,7 @@ def test_seq_len_past_max_len_is_capped_with_a_warning_and_recorded_everywhere()
         bench = tier_utils.amp_benchmark(tiny(), "synthetic", precisions=["fp32"], batch_size=2, seq_len=64,
                                          untimed_steps=0, timed_steps=1, repeats=1, accuracy_steps=0, device="cpu",
                                          progress=False)
-    assert bench.config["seq_len"] == 32
+    assert bench.config.settings.seq_len == 32 and bench.to_json()["config"]["seq_len"] == 32
     with pytest.warns(UserWarning, match="seq_lens entry=64 exceeds"):
         report = tier_utils.smoke(tiny(), seq_lens=(64,), checks="latency", device="cpu", progress=False)
     assert report.seq_lens == [32]

@@ -7,18 +7,20 @@ import pytest
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
-from tiny import TINY_ARGS, tiny
+from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import bench
 from tier_utils.adapter import adapt
-from tier_utils.bench import amp_benchmark, schedule
+from tier_utils.bench import amp_benchmark, interleave
 from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
+from tier_utils.errors import ModelSpecError
+from tier_utils.loggers import LoggerError
 from tier_utils.measure import SavedTensorMeter, Stats
 from tier_utils.models import TinyGPT
 from tier_utils.precision import native_support, resolve_precision
-from tier_utils.settings import BenchConfig, precision_list
+from tier_utils.settings import BENCH_RUN_ONLY, BenchConfig, precision_list
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,
@@ -55,14 +57,14 @@ def default_run():
     model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order = []
-    original = bench._timed_run
+    original = bench.timed_repeat
 
     def recording(adapter, prec, start, batches, *args):
         order.append((prec.name, len(batches[0]["input_ids"])))
         return original(adapter, prec, start, batches, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "_timed_run", recording)
+        mp.setattr(bench, "timed_repeat", recording)
         result = amp_benchmark(model, **RUN)
     return result, model, before, order
 
@@ -96,23 +98,23 @@ def test_repeats_are_interleaved_across_precisions(default_run):
     result, _, _, order = default_run
     ran = [(r.precision, RUN["batch_size"]) for r in result.records if r.ran]
     assert order == (ran + [("fp32", 1)]) * RUN["repeats"]  # the 1-sequence floor step rides along
-    assert schedule(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert interleave(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
 def test_speed_statistics_over_repeats(default_run):
     result = default_run[0]
     for rec in (r for r in result.records if r.ran):
         speed = rec.speed
-        assert speed["step_ms"]["n"] == RUN["repeats"] == len(speed["samples_ms"])
-        assert speed["step_ms"]["q1"] <= speed["step_ms"]["median"] <= speed["step_ms"]["q3"]
-        assert speed["timed_steps"] == RUN["timed_steps"]
+        assert speed.step_ms.n == RUN["repeats"] == len(speed.samples_ms)
+        assert speed.step_ms.q1 <= speed.step_ms.median <= speed.step_ms.q3
+        assert speed.timed_steps == RUN["timed_steps"]
         assert rec.mfu["mfu"] == pytest.approx(rec.mfu["achieved_tflops"] / rec.mfu["peak_tflops"])
         assert rec.mfu["probe"]["tflops"]["n"] == bench._PROBE_REPS * RUN["repeats"]
         assert rec.mfu["peak_tflops"] == rec.mfu["probe"]["tflops"]["max"]
     bf16 = _rec(result, "bf16")
     if bf16.ran:
-        fp32 = _rec(result, "fp32").speed["step_ms"]["median"]
-        assert bf16.speed["speedup"]["median"] == pytest.approx(fp32 / bf16.speed["step_ms"]["median"])
+        fp32 = _rec(result, "fp32").speed.step_ms.median
+        assert bf16.speed.speedup["median"] == pytest.approx(fp32 / bf16.speed.step_ms.median)
 
 
 def test_flops_counted_once_including_cpu_attention(default_run):
@@ -194,7 +196,7 @@ def test_timed_fp16_steps_read_no_loss_scale(monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    ms, losses = bench._timed_run(adapter, prec, start, batches, BenchConfig(untimed_steps=1), _NO_BAR)
+    ms, losses = bench.timed_repeat(adapter, prec, start, batches, BenchConfig(untimed_steps=1), _NO_BAR)
     assert len(ms) == 2 and reads == [] and losses.shape == (3,)
 
 
@@ -301,6 +303,20 @@ def test_bad_input_errors_name_the_fix():
         amp_benchmark(model, batch_size=0, progress=False)
     with pytest.raises(ValueError, match="'auto' is not a precision"):
         precision_list(["auto"])
+
+
+def test_the_entry_convention_spec_kwargs_config_and_overrides():
+    quick = {**RUN, "precisions": ("fp32",), "repeats": 1, "timed_steps": 1, "accuracy_steps": 0}
+    config = BenchConfig(**{k: v for k, v in quick.items() if k != "device"})
+    result = amp_benchmark("tiny-gpt", None, config, model_kwargs=TINY, device="cpu")  # a spec built from kwargs
+    assert result.config.parameters == adapt(tiny()).summary()["parameters"] and result.config.settings.repeats == 1
+    assert not set(BENCH_RUN_ONLY) & set(result.to_json()["config"])  # how a run showed is no measurement
+    with pytest.raises(ValueError, match="unknown benchmark setting.s. devices; valid: precisions"):
+        amp_benchmark(tiny(), devices="cpu")
+    with pytest.raises(ModelSpecError, match="d_model: an nn.Module instance is already built"):
+        amp_benchmark(tiny(), config, model_kwargs={"d_model": 64})
+    with pytest.raises(LoggerError, match="unknown logger 'neptune'"):
+        BenchConfig(loggers="neptune")
 
 
 def test_precision_list_adds_baseline_and_dedupes():
@@ -493,7 +509,7 @@ def test_benchmark_says_launch_bound_with_injected_step_times(monkeypatch, floor
         ms = floor_ms if len(batches[0]["input_ids"]) == 1 else fp32_ms * (1.12 if prec.name == "bf16" else 1.0)
         return [ms] * (len(batches) - cfg.untimed_steps), torch.zeros(len(batches))
 
-    monkeypatch.setattr(bench, "_timed_run", fake)
+    monkeypatch.setattr(bench, "timed_repeat", fake)
     result = amp_benchmark(tiny(seed=0), precisions=("fp32", "bf16"), force=True, **{**RUN, "accuracy_steps": 0})
     assert result.overhead["launch_bound"] and result.overhead["fixed_share"] == pytest.approx(floor_ms / fp32_ms)
     row = result.verdicts[(result.verdicts.precision == "bf16") & (result.verdicts.check == "speedup vs fp32")].iloc[0]
@@ -548,11 +564,11 @@ def test_the_comparison_runs_at_the_largest_batch_every_precision_fits(monkeypat
     need = max(c.step_bytes(2, 16) for c in configs)  # bf16's autocast weight copies may make it the bigger one
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2 * need + 64))  # a safe share (half) that fits batch 2
     result = amp_benchmark(model, **{**RUN, "batch_size": 8, "precisions": ("fp32", "bf16")})
-    fit = result.config["fit"]
-    largest = fit["largest_batch_predicted"]
-    assert result.config["batch_size"] == min(largest.values()) >= 2 and fit["batch_size_asked"] == 8
-    assert fit["reason"].startswith(f"batch 8 does not fit every compared precision here; run at "
-                                    f"{result.config['batch_size']}, the largest all of them fit (predicted: fp32 ")
+    fit, batch = result.config.fit, result.config.settings.batch_size
+    assert batch == min(fit.largest_batch_predicted.values()) >= 2 and fit.batch_size_asked == 8
+    assert fit.reason.startswith(f"batch 8 does not fit every compared precision here; run at {batch}, the largest "
+                                 "all of them fit (predicted: fp32 ")
+    assert result.to_json()["config"]["fit"]["reason"] == fit.reason
     assert _rec(result, "fp32").speed is not None and _rec(result, "bf16").speed is not None
 
 

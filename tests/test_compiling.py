@@ -18,7 +18,9 @@ from tier_utils import bench, cli, compiling
 from tier_utils.bench import amp_benchmark
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
-from tier_utils.train import TrainConfig, make_optimizer, optimizer_impl, train
+from tier_utils.settings import BenchConfig
+from tier_utils.step import make_optimizer, optimizer_impl
+from tier_utils.train import TrainConfig, train
 
 STEPS, CUT = 10, 5
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,
@@ -107,9 +109,12 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
         TrainConfig(compile=True, compile_mode="fast")
     with pytest.raises(ValueError, match="compile must be True or False"):
         TrainConfig(compile="yes")
-    with pytest.raises(ValueError, match="compile must be False, True or 'both'"):
+    with pytest.raises(ValueError, match="compile must be one of off, on, both"):
         compile_modes("sometimes")
     assert compile_modes("both") == ["eager", "compiled"]
+    assert BenchConfig(compile=True).compile == "on" and BenchConfig(compile=False).compile == "off"
+    with pytest.raises(ValueError, match="compile must be one of off, on, both"):
+        BenchConfig(compile="sometimes")
     cpu = make_optimizer(tiny(seed=0), 1e-3, 0.1)
     assert optimizer_impl(cpu) == "foreach"  # fused is for CUDA parameters
     if torch.cuda.is_available():
@@ -137,13 +142,13 @@ def cheap_compile(monkeypatch):
 
 
 def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(cheap_compile, monkeypatch):
-    order, original = [], bench._timed_run
+    order, original = [], bench.timed_repeat
 
     def recording(adapter, prec, *args):
         order.append((prec.name, args[-1] is not adapter))  # the last argument is the adapter the steps call
         return original(adapter, prec, *args)
 
-    monkeypatch.setattr(bench, "_timed_run", recording)
+    monkeypatch.setattr(bench, "timed_repeat", recording)
     model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = amp_benchmark(model, precisions=("fp32", "bf16"), compile="both", **BENCH)
@@ -164,7 +169,8 @@ def test_benchmark_both_runs_every_precision_eager_and_compiled_interleaved(chea
     assert fp32_compiled == {"compile speedup vs eager", "val accuracy diff", "loss-curve parity"}
     parity_row = v[(v["mode"] == "compiled") & (v["check"] == "loss-curve parity") & (v["precision"] == "fp32")]
     assert parity_row["status"].item() == "PASS"  # compiled fp32 tracks eager fp32's loss curve
-    assert result.config["compile"] == "both" and json.dumps(result.to_json())
+    doc = json.loads(json.dumps(result.to_json()))
+    assert result.config.settings.compile == "both" and doc["config"]["compile"] == "both"
     assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
     assert len(result.plot().axes) == 3  # bf16 and fp32 only: no loss-scale panel without an fp16 trace
 

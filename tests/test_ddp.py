@@ -31,7 +31,7 @@ DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity"
 # Rank != 0 must not write: every write path raises there. KILL_AT=k SIGKILLs each rank as it
 # starts optimizer step k (after the checkpoint of step k-2 is on disk).
 _WORKER = textwrap.dedent("""
-    import importlib, os, pathlib, signal, sys
+    import os, pathlib, signal, sys
     import tier_utils.checkpoint, tier_utils.files, tier_utils.history
     from tier_utils import cli
 
@@ -43,8 +43,8 @@ _WORKER = textwrap.dedent("""
         pathlib.Path.write_bytes = pathlib.Path.write_text = forbidden
     kill_at = int(os.environ.get("KILL_AT", 0))
     if kill_at:
-        tt = importlib.import_module("tier_utils.train")
-        real_call, calls = tt.TrainStep.__call__, [0]
+        from tier_utils.step import TrainStep
+        real_call, calls = TrainStep.__call__, [0]
 
         def call(self, micro):
             calls[0] += 1
@@ -52,7 +52,7 @@ _WORKER = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_call(self, micro)
 
-        tt.TrainStep.__call__ = call
+        TrainStep.__call__ = call
     sys.exit(cli.main(sys.argv[1:]))
 """)
 

@@ -13,7 +13,7 @@ from tier_utils.cli import main
 from tier_utils.fit import GPUS, FitConfig, bisect_batch, checkpointed, device_room, fit, static_bytes
 from tier_utils.measure import SavedTensorMeter, static_memory
 from tier_utils.precision import resolve_precision
-from tier_utils.train import TrainStep, make_optimizer
+from tier_utils.step import TrainStep, make_optimizer
 
 T = 64
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)

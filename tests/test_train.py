@@ -30,7 +30,8 @@ from tier_utils.history import History, TrainResult
 from tier_utils.metrics import evaluate
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, resolve_precision
-from tier_utils.train import StepOutput, TrainConfig, TrainingDiverged, TrainStep, make_optimizer, make_scheduler, train
+from tier_utils.step import StepOutput, TrainStep, make_optimizer, make_scheduler
+from tier_utils.train import TrainConfig, TrainingDiverged, train
 
 # The exact history schema: renaming or dropping a column must fail here.
 EXPECTED_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
@@ -359,12 +360,13 @@ def test_config_validation_messages():
 
 
 _KILL_SCRIPT = textwrap.dedent("""
-    import importlib, os, signal, sys, torch
-    tt = importlib.import_module("tier_utils.train")  # the module; tier_utils.train is the function
+    import os, signal, sys, torch
     from tier_utils.models import load_model
+    from tier_utils.step import TrainStep
+    from tier_utils.train import train
 
     ckpt_dir, kill_at = sys.argv[1], int(sys.argv[2])
-    real_call = tt.TrainStep.__call__
+    real_call = TrainStep.__call__
     calls = [0]
 
     def call(self, micro):
@@ -373,11 +375,11 @@ _KILL_SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run, no cleanup
         return real_call(self, micro)
 
-    tt.TrainStep.__call__ = call
+    TrainStep.__call__ = call
     data = torch.randint(0, 256, (80, 17), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)
-    tt.train(model, data, **CONFIG, checkpoint_dir=ckpt_dir, resume=True)
+    train(model, data, **CONFIG, checkpoint_dir=ckpt_dir, resume=True)
 """)
 # 9 steps per epoch, so the 14 steps cross an epoch; dropout makes the RNG state matter.
 RESUME_CONFIG = dict(precision="fp32", batch_size=8, seq_len=16, max_steps=14, checkpoint_every=2,

@@ -57,7 +57,7 @@ def test_the_benchmark_says_inconclusive_for_injected_timings_with_a_huge_spread
         ms = 5.0 * (100 if len(calls) % 2 else 1)
         return [ms] * (len(batches) - cfg.untimed_steps), torch.zeros(len(batches))
 
-    monkeypatch.setattr(bench, "_timed_run", fake)
+    monkeypatch.setattr(bench, "timed_repeat", fake)
     monkeypatch.setattr(bench, "cpu_load", lambda: BUSY)
     result = amp_benchmark(tiny(seed=0), precisions=("fp32", "bf16"), force=True, batch_size=4, seq_len=16,
                            untimed_steps=1, timed_steps=2, repeats=4, accuracy_steps=0, progress=False, device="cpu")

@@ -165,7 +165,7 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
         assert getattr(RunConfig, name) == getattr(TrainConfig, name), name
     cfg, preset = RunConfig(device="cpu"), NOTEBOOK["cpu"]
     assert cfg.train_config() == preset.train_config(device="cpu")
-    assert cfg.bench_config() == preset.bench_config()
+    assert cfg.bench_config() == preset.bench_config(device="cpu")
     assert cfg.smoke_config() == preset.smoke_config(device="cpu")
     assert cfg.analysis_config() == preset.analysis_config(device="cpu")
     assert cfg.fit_config() == preset.fit_config(device="cpu")

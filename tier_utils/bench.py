@@ -7,19 +7,19 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
 
 from .adapter import resolve_model
-from .bench_record import Plan, PrecisionRecord, make_record
+from .bench_record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
 from .budget import gib, out_of_memory_note, read_budget, without_oom
-from .compiling import compile_for_training, compile_modes
+from .compiling import Mode, compile_for_training, compile_modes
 from .data import make_loader, to_device
 from .files import jsonable
 from .fit import device_room, plan
-from .loggers import log_result_tables, logger_names, run_stamp
+from .loggers import log_result_tables, run_stamp
 from .measure import (
     SavedTensorMeter,
     StepTimer,
@@ -37,19 +37,19 @@ from .progress import progress_bar
 from .results import Result, checks_table, run_metadata, worst_status
 from .seeding import rng_state, set_rng_state
 from .settings import BenchConfig, merge
-from .train import TrainStep, make_optimizer, make_scheduler
+from .step import TrainStep, make_optimizer, make_scheduler
 from .verdicts import launch_bound, record_checks
 
 SCHEMA = "tier_utils.bench/1"
 _PROBE_REPS = 3  # probe matmuls per speed repeat
-_FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
+FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
 
 
 @dataclass(repr=False)
 class BenchmarkResult(Result):
     """What `amp_benchmark` measured: one record per precision, the verdict rows, config and metadata."""
 
-    config: dict
+    config: BenchRun
     metadata: dict
     flops: dict  # {"per_step": int, "by_op": {op: flops}} of one fp32 forward + backward
     records: list[PrecisionRecord]
@@ -82,23 +82,23 @@ class BenchmarkResult(Result):
                          "verdicts": self.verdicts})
 
 
-def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *, device=None, progress: bool = True,
-                  loggers=(), log_dir=None, **overrides) -> BenchmarkResult:
+def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *, model_kwargs: dict | None = None,
+                  **overrides) -> BenchmarkResult:
     """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).
 
     Settings: `config` (a BenchConfig, a dict of its fields or None: the defaults), then `overrides` by field name.
+    `model_kwargs`: load_model's keywords, building a spec's model (e.g. {"d_model": 256}).
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
     `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
     `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
-    compile: False (eager), True (every step torch.compiled) or "both": each precision eager and
-    compiled, repeats interleaved, compiled rows also judged against the same precision eager.
+    compile: "off" (eager), "on" (every step torch.compiled; True/False are read as on/off) or "both": each
+    precision eager and compiled, repeats interleaved, compiled rows also judged against the same precision eager.
     A model that can't be compiled gets a WARN row and is measured eager.
     """
     cfg = merge(BenchConfig, config, overrides, "benchmark")
-    loggers = logger_names(loggers)  # a missing package fails here, before minutes of measuring
-    dev = resolve_device(device)
-    adapter = resolve_model(model)
+    dev = resolve_device(cfg.device)
+    adapter = resolve_model(model, **(model_kwargs or {}))
     was_training = adapter.model.training
     adapter.model.to(dev).train()
     adapter.require_trainable()
@@ -119,14 +119,14 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     ran = [p for p in plans if p.ran]
     base = plans[0]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
-    short = [{k: v[:1, :_FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
+    short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
     floor = Plan("fp32 floor", "eager", base.precision, adapter, batches=short)
     total = len(ran) * (cfg.repeats * steps_per_repeat + cfg.accuracy_steps) + cfg.repeats * steps_per_repeat
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
-                                                                     unit="step", enabled=progress) as bar:
+                                                                     unit="step", enabled=cfg.progress) as bar:
             # One fp32 forward + backward, counted once: precision changes no FLOP count.
             first = []
 
@@ -150,10 +150,10 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     p.probe_size = probe_size(dev, p.precision.dtype)
             live = [p for p in ran if p.ran and not p.stopped]
             timed = live if base.stopped or not base.ran else live + [floor]  # the floor needs fp32 beside it
-            for _, p in schedule(timed, cfg.repeats):
+            for _, p in interleave(timed, cfg.repeats):
                 if not p.ran:  # out of memory in an earlier repeat
                     continue
-                got = _unless_oom(p, plans, budget, cfg, seq_len, _timed_run, adapter, p.precision, start,
+                got = _unless_oom(p, plans, budget, cfg, seq_len, timed_repeat, adapter, p.precision, start,
                                   p.batches or speed_batches, cfg, bar, p.adapter)
                 if got is None:
                     continue
@@ -167,9 +167,9 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 p.stopped = base.stopped or p.stopped  # no baseline: no precision gets a verdict
                 if p.stopped or not p.ran:
                     continue
-                p.speed = {"step_ms": summarize(p.step_samples),
-                           "tokens_per_s": summarize(tokens_per_step / (ms / 1e3) for ms in p.step_samples).to_dict(),
-                           "samples_ms": p.step_samples, "timed_steps": cfg.timed_steps, "speedup": None}
+                p.speed = Speed(summarize(p.step_samples),
+                                summarize(tokens_per_step / (ms / 1e3) for ms in p.step_samples), p.step_samples,
+                                cfg.timed_steps)
                 if cfg.accuracy_steps:
                     p.accuracy = _unless_oom(p, plans, budget, cfg, seq_len, _accuracy_run, adapter, p.precision,
                                              start, splits, cfg, bar, p.adapter)
@@ -182,29 +182,29 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     if records[0].speed is not None:
         floor_ms = summarize(floor.step_samples)
         overhead = {"floor_step_ms": floor_ms.to_dict(), "floor_shape": list(floor.batches[0]["input_ids"].shape),
-                    **launch_bound(records[0].speed["step_ms"]["median"], floor_ms.median, records[0].mfu["mfu"],
+                    **launch_bound(records[0].speed.step_ms.median, floor_ms.median, records[0].mfu["mfu"],
                                    cfg.batch_size, cfg.thresholds)}
     verdicts = [c for p, r in zip(plans, records)
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
-    config = {"model": adapter.name, "task": adapter.task, "parameters": adapter.summary()["parameters"],
-              **splits.describe(), **asdict(cfg), "seq_len": seq_len, "tokens_per_step": tokens_per_step,
-              "fit": sizing}
+    config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], **splits.describe(),
+                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
-    if loggers:
-        log_result_tables(loggers, log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
-                          {"amp_benchmark": result.table, "verdicts": result.verdicts}, {**config, **metadata})
+    if cfg.loggers:
+        log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
+                          {"amp_benchmark": result.table, "verdicts": result.verdicts},
+                          {**config.to_dict(), **metadata})
     return result
 
 
-def schedule(items: list, repeats: int) -> list[tuple[int, object]]:
+def interleave(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
 
 
-def _plan(name: str, mode: str, dev: torch.device, force: bool, adapter) -> Plan:
+def _plan(name: str, mode: Mode, dev: torch.device, force: bool, adapter) -> Plan:
     prec = resolve_precision(name, dev, warn=False)
     if prec.native or force:
         return Plan(name, mode, prec, adapter, forced=not prec.native)
@@ -212,7 +212,8 @@ def _plan(name: str, mode: str, dev: torch.device, force: bool, adapter) -> Plan
     return Plan(name, mode, prec, adapter, ran=False, skip_reason=why)
 
 
-def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int, budget) -> tuple[BenchConfig, dict]:
+def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int,
+               budget) -> tuple[BenchConfig, BatchFit]:
     """The batch every compared precision fits here, by the fit planner (predicted): the one asked, or the
     largest all of them fit. A precision that fits not even batch 1 is SKIPped with the reason; all of them
     are when fp32, the baseline, does not fit."""
@@ -231,14 +232,12 @@ def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int, budge
                 p.ran, p.skip_reason = False, f"fp32, the baseline, {plans[0].skip_reason}"
     fitting = [largest[p.name] for p in plans if p.ran]
     batch = min([cfg.batch_size, *fitting])
-    sizing = {"batch_size_asked": cfg.batch_size, "largest_batch_predicted": largest, "room_bytes": room,
-              "budget": budget.to_dict(), "reason": None}
-    if batch < cfg.batch_size:
-        sizing["reason"] = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, "
-                            "the largest all of them fit (predicted: " + ", ".join(
-                                f"{n} {b}" for n, b in largest.items()) + f"; {budget.describe()})")
-        cfg = replace(cfg, batch_size=batch)
-    return cfg, sizing
+    if batch == cfg.batch_size:
+        return cfg, BatchFit(cfg.batch_size, largest, room, budget, None)
+    reason = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, the largest all "
+              "of them fit (predicted: " + ", ".join(f"{n} {b}" for n, b in largest.items())
+              + f"; {budget.describe()})")
+    return replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget, reason)
 
 
 def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
@@ -321,8 +320,8 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     return mem, loss
 
 
-def _timed_run(adapter, prec, start, batches, cfg: BenchConfig, bar,
-               step_adapter=None) -> tuple[list[float], torch.Tensor]:
+def timed_repeat(adapter, prec, start, batches, cfg: BenchConfig, bar,
+                 step_adapter=None) -> tuple[list[float], torch.Tensor]:
     """One repeat: fresh optimizer, `cfg.untimed_steps` steps untimed, then each optimizer step timed.
     Returns the timed steps' milliseconds and every step's loss, read after the timing.
 

@@ -27,12 +27,13 @@ def plot_benchmark(result) -> Figure:
     axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
     ax_speed, ax_mem, ax_loss = axes[:3]
     device = result.metadata["device_name"]
-    fig.suptitle(f"AMP benchmark: {result.config['model']} on {device} (torch {result.metadata['torch']})")
+    cfg = result.config.settings
+    fig.suptitle(f"AMP benchmark: {result.config.model} on {device} (torch {result.metadata['torch']})")
 
-    tps = [r.speed["tokens_per_s"] for r in ran]
-    err = [[s["median"] - s["q1"] for s in tps], [s["q3"] - s["median"] for s in tps]]
-    ax_speed.bar(names, [s["median"] for s in tps], yerr=err, capsize=6, color="tab:blue")
-    ax_speed.set(title=f"throughput, median and IQR of n={result.config['repeats']} repeats", ylabel="tokens / s",
+    tps = [r.speed.tokens_per_s for r in ran]
+    err = [[s.median - s.q1 for s in tps], [s.q3 - s.median for s in tps]]
+    ax_speed.bar(names, [s.median for s in tps], yerr=err, capsize=6, color="tab:blue")
+    ax_speed.set(title=f"throughput, median and IQR of n={cfg.repeats} repeats", ylabel="tokens / s",
                  xlabel="precision")
 
     bottom = [0.0] * len(ran)
@@ -65,8 +66,7 @@ def plot_benchmark(result) -> Figure:
         axes[3].legend()
     for ax in axes[2:]:
         integer_axis(ax.xaxis)
-    cfg = result.config
     caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
-                 f"{cfg['repeats']} interleaved repeats of {cfg['timed_steps']} timed steps, batch {cfg['batch_size']} "
-                 f"x {cfg['seq_len']} tokens, {result.metadata['threads']} threads")
+                 f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
+                 f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads")
     return fig

@@ -1,24 +1,83 @@
-"""The AMP benchmark's bookkeeping per precision x mode: the `Plan` a run fills in and the
-`PrecisionRecord` it becomes (one entry of the JSON's "precisions", one row of `.table`)."""
+"""The AMP benchmark's records: per precision x mode the `Plan` a run fills in and the `PrecisionRecord`
+it becomes (one entry of the JSON's "precisions", one row of `.table`) with its `Speed`; per run the
+`BenchRun` (the JSON's "config") with its `BatchFit`."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from .measure import probe_summary
+from .budget import Budget
+from .compiling import Mode
+from .measure import Stats, probe_summary
 from .precision import Precision
 from .results import run_metadata
-from .settings import Thresholds
+from .settings import BenchConfig, Thresholds
 from .verdicts import parity, reduction, speedup
 
 MIB = 2**20
 
 
+@dataclass(frozen=True)
+class Speed:
+    """One precision x mode's timed repeats and, once compared, its ratios (verdicts.speedup's dicts)."""
+
+    step_ms: Stats  # over the repeats' mean timed steps
+    tokens_per_s: Stats
+    samples_ms: list[float]  # each repeat's mean timed step, in the order they ran
+    timed_steps: int  # per repeat
+    speedup: dict | None = None  # against the baseline; None for the baseline itself
+    speedup_vs_eager: dict | None = None  # against the same precision eager: compiled rows only
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_ms": self.step_ms.to_dict(), "tokens_per_s": self.tokens_per_s.to_dict()}
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """How the fit planner (predicted) sized the benchmark's batch to this device."""
+
+    batch_size_asked: int
+    largest_batch_predicted: dict[str, int]  # precision -> the largest batch a training step fits here
+    room_bytes: float  # what a training step may use here
+    budget: Budget
+    reason: str | None  # why the run's batch is smaller than the one asked; None: it is the one asked
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "budget": self.budget.to_dict()}
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """What a benchmark ran: the model, its data (DataSplits.describe's fields), the settings as run (the
+    batch every compared precision fits, the length capped at the model's) and one step's tokens."""
+
+    model: str
+    task: str
+    parameters: int
+    data: str
+    source: str
+    tokenizer: str
+    validation: str
+    train_examples: int
+    val_examples: int
+    settings: BenchConfig
+    tokens_per_step: int
+    fit: BatchFit
+
+    def to_dict(self) -> dict:
+        """The JSON's "config": the settings' fields flat beside the model's and the data's."""
+        flat = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flat.update(value.to_dict() if f.name == "settings" else {f.name: value})
+        return {**flat, "fit": self.fit.to_dict()}
+
+
 @dataclass
 class Plan:
-    """One precision x mode: how it runs, then what it measured, raw (step times as Stats)."""
+    """One precision x mode: how it runs, then what it measured, raw."""
 
     name: str
-    mode: str  # "eager" or "compiled"
+    mode: Mode
     precision: Precision
     adapter: object  # what the steps call: the compiled model where compiling worked
     ran: bool = True
@@ -31,7 +90,7 @@ class Plan:
     probe_size: int | None = None
     probe_ms: list = field(default_factory=list)
     step_samples: list = field(default_factory=list)  # mean timed step (ms) of each repeat
-    speed: dict | None = None
+    speed: Speed | None = None
     accuracy: dict | None = None
 
 
@@ -40,7 +99,7 @@ class PrecisionRecord:
     """What one precision x mode measured, with its comparisons against the baseline."""
 
     precision: str
-    mode: str
+    mode: Mode
     dtype: str
     native: bool
     ran: bool
@@ -48,18 +107,19 @@ class PrecisionRecord:
     reason: str  # the precision policy's reason (Precision.reason)
     compile: dict | None
     metadata: dict
-    speed: dict | None = None
+    speed: Speed | None = None
     mfu: dict | None = None
     memory: dict | None = None
     accuracy: dict | None = None
     stopped: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "speed": None if self.speed is None else self.speed.to_dict()}
 
     def table_row(self) -> dict:
-        speed, mfu, mem, acc = self.speed or {}, self.mfu or {}, self.memory or {}, self.accuracy or {}
-        step, tps, sp = speed.get("step_ms", {}), speed.get("tokens_per_s", {}), speed.get("speedup") or {}
+        speed, mfu, mem, acc = self.speed, self.mfu or {}, self.memory or {}, self.accuracy or {}
+        step, tps = (speed.step_ms.to_dict(), speed.tokens_per_s.to_dict()) if speed else ({}, {})
+        sp, vs_eager = (speed.speedup or {}, speed.speedup_vs_eager or {}) if speed else ({}, {})
         red, par = mem.get("reduction", {}), acc.get("parity") or {}
         def mib(key):
             return mem[key] / MIB if mem.get(key) is not None else None
@@ -70,7 +130,7 @@ class PrecisionRecord:
             "tokens_per_s_median": tps.get("median"), "tokens_per_s_iqr": tps.get("iqr"),
             "speedup": sp.get("median", 1.0 if self.ran else None),  # ran with no speedup: the baseline
             "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
-            "speedup_vs_eager": (speed.get("speedup_vs_eager") or {}).get("median"),
+            "speedup_vs_eager": vs_eager.get("median"),
             "compile_s": (self.compile or {}).get("compile_s"), "achieved_tflops": mfu.get("achieved_tflops"),
             "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"), "weights_mib": mib("weights_bytes"),
             "grads_mib": mib("grads_bytes"), "optimizer_state_mib": mib("optimizer_state_bytes"),
@@ -93,12 +153,10 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
                           prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped)
     if not p.ran or p.stopped:
         return rec
-    step_ms = p.speed["step_ms"]
-    speed = rec.speed = {**p.speed, "step_ms": step_ms.to_dict(), "speedup_vs_eager": None}
-    if p is not base:
-        speed["speedup"] = speedup(base.speed["step_ms"], step_ms)
-    if p.mode == "compiled" and eager is not None:
-        speed["speedup_vs_eager"] = speedup(eager.speed["step_ms"], step_ms)
+    step_ms = p.speed.step_ms
+    vs_eager = p.mode == "compiled" and eager is not None
+    rec.speed = replace(p.speed, speedup=None if p is base else speedup(base.speed.step_ms, step_ms),
+                        speedup_vs_eager=speedup(eager.speed.step_ms, step_ms) if vs_eager else None)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
     probe = probe_summary(prec.dtype, p.probe_size, p.probe_ms)
     # The best probe matmul: a peak is what the device reached, and other load only slows it.

@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from .bench import _FLOOR_TOKENS, _timed_run
+from .bench import FLOOR_TOKENS, timed_repeat
 from .budget import without_oom
 from .precision import resolve_precision
 from .settings import BenchConfig, Thresholds
@@ -64,7 +64,7 @@ def fp32_measure(adapter, seq_len: int, lr: float = BenchConfig.lr):
     prec = resolve_precision("fp32", dev, warn=False)
     cfg = BenchConfig(untimed_steps=_UNTIMED, lr=lr)  # the benchmark's optimizer, clipping and seed
     start = copy.deepcopy(adapter.model.state_dict())
-    floor = [adapter.example_batch(1, min(_FLOOR_TOKENS, seq_len))] * (_UNTIMED + _TIMED)
+    floor = [adapter.example_batch(1, min(FLOOR_TOKENS, seq_len))] * (_UNTIMED + _TIMED)
 
     def measure(b: int) -> dict | None:
         cuda = dev.type == "cuda"
@@ -73,9 +73,9 @@ def fp32_measure(adapter, seq_len: int, lr: float = BenchConfig.lr):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             batches = [adapter.example_batch(b, seq_len, seed=i) for i in range(_UNTIMED + _TIMED)]
-            step_ms = statistics.median(_timed_run(adapter, prec, start, batches, cfg, _NO_BAR)[0])
+            step_ms = statistics.median(timed_repeat(adapter, prec, start, batches, cfg, _NO_BAR)[0])
             peak = torch.cuda.max_memory_allocated(dev) if cuda else None
-            floor_ms = statistics.median(_timed_run(adapter, prec, start, floor, cfg, _NO_BAR)[0])
+            floor_ms = statistics.median(timed_repeat(adapter, prec, start, floor, cfg, _NO_BAR)[0])
             return {"step_ms": step_ms, "floor_ms": floor_ms, "peak_bytes": peak}
 
         try:

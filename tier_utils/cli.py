@@ -19,7 +19,7 @@ from .errors import ModelForwardError, TierError, one_line
 from .files import write_json
 from .models import DEFAULT_MODEL
 from .presets import FAST, JOB
-from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
+from .settings import BENCH_RUN_ONLY, BenchConfig, SearchConfig, Thresholds, TrainConfig
 from .validation import whole_number, writable_dir, writable_file
 
 
@@ -247,16 +247,14 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 def _run_bench(args) -> tuple[dict, int]:
     from .bench import amp_benchmark
-    from .models import load_model
 
-    config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))
-    result = amp_benchmark(load_model(args.model, **model_kwargs(args)), data_of(args), config, device=args.device,
-                           progress=args.progress)
-    m, c = result.metadata, result.config
-    print(f"{c['model']} · {m['device_name']} · torch {m['torch']} · batch {c['batch_size']} x {c['seq_len']} "
-          f"tokens · {c['repeats']} repeats of {c['timed_steps']} timed steps · {c['accuracy_steps']} accuracy steps")
-    if c["fit"]["reason"]:
-        print(c["fit"]["reason"])
+    config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))  # --device, --no-progress too
+    result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
+    m, run, s = result.metadata, result.config, result.config.settings
+    print(f"{run.model} · {m['device_name']} · torch {m['torch']} · batch {s.batch_size} x {s.seq_len} tokens · "
+          f"{s.repeats} repeats of {s.timed_steps} timed steps · {s.accuracy_steps} accuracy steps")
+    if run.fit.reason:
+        print(run.fit.reason)
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)
@@ -411,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
     add_common(p, precision=False)
     add_data(p)
-    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds"})
+    # --device and --no-progress come with add_common; the benchmark's loggers are the API's only.
+    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds", *BENCH_RUN_ONLY})
     add_settings(p, Thresholds)
     p.set_defaults(run=_run_bench)
 

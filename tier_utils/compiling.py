@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -22,6 +23,9 @@ from .precision import Precision
 from .seeding import rng_state, set_rng_state
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
+Mode = Literal["eager", "compiled"]  # how a benchmarked step runs
+# amp_benchmark's `compile` setting: the modes each precision runs in, eager first.
+COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}
 
 
 class CompileFallbackWarning(UserWarning):
@@ -48,15 +52,11 @@ def check_compile_mode(mode: str) -> str:
     return mode
 
 
-def compile_modes(compile) -> list[str]:
-    """amp_benchmark's `compile` (False, True or "both") as the modes to run, eager first."""
-    if compile is False:
-        return ["eager"]
-    if compile is True:
-        return ["compiled"]
-    if compile == "both":
-        return ["eager", "compiled"]
-    raise ValueError(f"compile must be False, True or 'both', got {compile!r}")
+def compile_modes(compile: str) -> list[Mode]:
+    """amp_benchmark's `compile` ("off", "on" or "both") as the modes to run, eager first."""
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
+    return list(COMPILE_CHOICES[compile])
 
 
 def _compile(module: torch.nn.Module, mode: str):

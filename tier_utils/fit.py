@@ -27,7 +27,7 @@ from .precision import native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, run_metadata
 from .settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, merge, precision_list, setting
-from .train import TrainStep, make_optimizer
+from .step import TrainStep, make_optimizer
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN

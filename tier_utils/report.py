@@ -148,14 +148,13 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
         s, c = train_result.summary, train_result.config
         mode = "compiled" if s.compiled else "eager"
         for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
-            b = bench.config
+            b = bench.config.settings
             rec = next((r for r in bench.records if (r.precision, r.mode) == (s.precision, mode) and r.speed), None)
-            if (rec is None or s.step_time_ms is None or s.world_size != 1 or c.grad_accum_steps != 1
-                    or (s.model, c.batch_size, c.seq_len) != (b["model"], b["batch_size"], b["seq_len"])):
+            same = (s.model, c.batch_size, c.seq_len) == (bench.config.model, b.batch_size, b.seq_len)
+            if rec is None or s.step_time_ms is None or s.world_size != 1 or c.grad_accum_steps != 1 or not same:
                 continue
-            row = step_agreement(s.step_time_ms, rec.speed["step_ms"],
-                                 f"{s.model}, {s.precision} {mode}, batch {b['batch_size']} x {b['seq_len']} tokens",
-                                 load)
+            row = step_agreement(s.step_time_ms, rec.speed.step_ms.to_dict(),
+                                 f"{s.model}, {s.precision} {mode}, batch {b.batch_size} x {b.seq_len} tokens", load)
             rows += [row] if row else []
     return rows
 
@@ -226,13 +225,13 @@ class AllResult(Result):
         if "fit" in r:
             lines.append(r["fit"].summary_line())
         if "amp_benchmark" in r:
-            v, c = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
+            v, run = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
-            size = f"  at batch {c['batch_size']} x {c['seq_len']} tokens"
+            size = f"  at batch {run.settings.batch_size} x {run.settings.seq_len} tokens"
             if self.bench_size:
                 size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
-            if c["fit"]["reason"]:
-                size += f"; {c['fit']['reason']}"
+            if run.fit.reason:
+                size += f"; {run.fit.reason}"
             lines.append(size)
         lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, _load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
@@ -309,7 +308,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         # predictions only
         "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
         "amp_benchmark": lambda: amp_benchmark(base, data, preset.bench_config(batch_size=_bench_batch(
-            base, dev, preset.batch_size, preset.seq_len, sizing)), device=dev, progress=progress),
+            base, dev, preset.batch_size, preset.seq_len, sizing), device=dev, progress=progress)),
     }
     if not runnable:
         del steps["train"], steps["fit"], steps["amp_benchmark"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
-from .compiling import COMPILE_MODES, compile_modes
+from .compiling import COMPILE_CHOICES, COMPILE_MODES
 from .loggers import logger_names
 from .precision import Precision, canonical_precision, precision_setting
 
@@ -199,6 +199,10 @@ class Thresholds:
         check_fields(self)
 
 
+# BenchConfig's fields that say where a run goes and how it shows, not what it measures.
+BENCH_RUN_ONLY = ("progress", "device", "loggers", "log_dir")
+
+
 @dataclass
 class BenchConfig:
     """What `amp_benchmark` measures, and how long. Every precision starts from the same weights and
@@ -218,21 +222,32 @@ class BenchConfig:
     grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
     seed: int = setting(0, "data order and dropout masks, the same for every precision", low=0)
     force: bool = setting(False, "run precisions this device has no native support for")
-    # False/"off" eager, True/"on" compiled, "both": each precision eager and compiled, interleaved.
-    compile: bool | str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, "
-                                         "interleaved)", choices=("off", "on", "both"))
+    compile: str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, interleaved)",
+                           choices=tuple(COMPILE_CHOICES))
     compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
                                 choices=COMPILE_MODES)
     thresholds: Thresholds = setting(factory=Thresholds)
+    progress: bool = setting(True, "progress bars")
+    device: str | torch.device | None = setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
+    loggers: tuple = setting((), "experiment loggers: tensorboard, wandb, mlflow (one run holding the table and "
+                                 "the verdicts)", flag="log")
+    log_dir: str | None = setting(None, "logger output (none: runs/logs)")
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
-        self.compile = {"off": False, "on": True}.get(self.compile, self.compile)
-        compile_modes(self.compile)
+        if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
+            self.compile = "on" if self.compile else "off"
+        self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
         check_switch(self, "force")
+        check_switch(self, "progress")
         if not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")
         check_fields(self)
+
+    def to_dict(self) -> dict:
+        """The settings a result records: what was measured and how, not where it ran (the result's metadata
+        says), how it showed or where it logged."""
+        return {k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}
 
 
 def _trial_defaults() -> TrainConfig:

@@ -1,8 +1,6 @@
-"""Tier 3 training engine: `train()`, `TrainConfig`, and the one AMP-correct optimizer step.
+"""Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, step.py).
 
-`TrainStep` is shared by `train()` and `amp_benchmark()`: autocast around forward + loss only;
-fp16 goes scale -> backward -> unscale_ -> clip -> step -> update through a GradScaler that is a
-no-op for fp32/bf16. `train()` adds the loop around it: data order from (seed, epoch), metrics
+`train()` adds the loop around that step: data order from (seed, epoch), metrics
 kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
 History rows and `TrainResult` live in history.py, checkpoint I/O in checkpoint.py, DDP helpers
 in distributed.py.
@@ -13,7 +11,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,6 +43,7 @@ from .progress import progress_bar
 from .results import run_metadata
 from .seeding import rng_state, seed_everything, set_rng_state
 from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from .tokenizer import BYTES
 from .validation import writable_dir
 
@@ -58,109 +57,6 @@ class TrainingDiverged(TierError):
                          f"or lengthen warmup_steps{other}")
         self.step, self.precision, self.value, self.result = step, precision, value, result
         self.quantity = quantity
-
-
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT.
-
-    Fused on CUDA (one kernel launch for all parameters, the fastest there), foreach elsewhere.
-    `optimizer_impl` names the choice.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    impl = {"fused": True} if params and all(p.is_cuda for p in params) else {"foreach": True}
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, **impl)
-
-
-def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
-    """How the optimizer's step runs: fused, foreach or for-loop."""
-    d = optimizer.defaults
-    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
-
-
-def make_scheduler(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the base LR, then cosine decay to 10% of it at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-# Below this the GradScaler has halved its way out of range (17 overflowing steps from its initial
-# 65536, with nothing in between to grow it back): the gradients overflow even unscaled, so no
-# scale can rescue the run and every further step would be skipped.
-MIN_LOSS_SCALE = 1.0
-
-
-@dataclass
-class StepOutput:
-    loss: torch.Tensor  # mean loss over the micro-batches, detached, still on the device
-    grad_norm: torch.Tensor  # total norm before clipping; non-finite when the gradients overflowed
-    skipped: bool | None  # fp16 with track_scale only (deciding it needs a host sync); else None
-    scale_before: float | None
-    scale_after: float | None
-
-    @property
-    def scale_collapsed(self) -> bool:
-        """fp16: this step was skipped and the loss scale fell below MIN_LOSS_SCALE; the run has diverged."""
-        return bool(self.skipped) and self.scale_after < MIN_LOSS_SCALE
-
-
-class TrainStep:
-    """One optimizer step over one or more micro-batches (gradient accumulation).
-
-    `no_sync` is a callable taking "is this not the last micro-batch" and returning a context;
-    DDP passes one that skips the all-reduce on accumulation micro-steps. `track_scale=False`
-    leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
-    back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
-    """
-
-    def __init__(self, adapter: ModelAdapter, precision: Precision, optimizer: torch.optim.Optimizer,
-                 scheduler=None, grad_clip: float | None = 1.0, no_sync=None, track_scale: bool = True):
-        if scheduler is not None and not track_scale:
-            raise ValueError("track_scale=False cannot hold a scheduler back on skipped fp16 steps; "
-                             "pass scheduler=None or keep track_scale=True")
-        self.adapter, self.precision = adapter, precision
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.grad_clip, self.track_scale = grad_clip, track_scale
-        self.scaler = precision.grad_scaler()
-        self.params = [p for p in adapter.model.parameters() if p.requires_grad]
-        self.no_sync = no_sync or (lambda accumulating: contextlib.nullcontext())
-
-    def __call__(self, micro_batches: list[dict]) -> StepOutput:
-        self.optimizer.zero_grad(set_to_none=True)
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.adapter.device)
-        for i, batch in enumerate(micro_batches):
-            with self.no_sync(i < n - 1):
-                with self.precision.autocast():
-                    loss, _ = self.adapter.forward_loss(batch)
-                self.scaler.scale(loss / n).backward()
-            total += loss.detach().float()
-        self.scaler.unscale_(self.optimizer)
-        # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
-        skipped = scale_before = scale_after = None
-        if self.scaler.is_enabled() and self.track_scale:
-            # fp16's per-step host syncs: a skipped step must not advance the LR schedule.
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            scale_after = self.scaler.get_scale()
-            skipped = scale_after < scale_before
-        else:  # a disabled GradScaler (fp32/bf16) just calls optimizer.step(), and update() does nothing
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        if self.scheduler is not None and not skipped:
-            self.scheduler.step()
-        return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after)
 
 
 @contextlib.contextmanager

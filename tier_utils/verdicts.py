@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .compiling import Mode
 from .measure import Load, Stats
 from .results import Check
 from .settings import Thresholds
@@ -23,7 +24,7 @@ class PrecisionCheck(Check):
     """A verdict row that also names the precision it judges."""
 
     precision: str = ""
-    mode: str = "eager"  # or "compiled" (torch.compile)
+    mode: Mode = "eager"
 
 
 def speedup(base: Stats, other: Stats) -> dict:
@@ -239,13 +240,13 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     one's also judge it against the same precision eager. `skip_reason`: why it did not run; `load`:
     the CPU load the timings ran under, named by a timing verdict too noisy to give."""
     rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
-    info, vs_eager = rec.compile, (rec.speed or {}).get("speedup_vs_eager")
+    info, vs_eager = rec.compile, rec.speed and rec.speed.speedup_vs_eager
     if info is not None and not info["compiled"]:
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], rec.precision))
     elif vs_eager is not None:
-        ms = rec.speed["step_ms"]
-        saved_ms = vs_eager["median"] * ms["median"] - ms["median"]  # eager's median step minus this one's
-        rows.insert(0, compile_check(rec.precision, vs_eager, ms["n"], info["compile_s"], saved_ms, t, load))
+        ms = rec.speed.step_ms
+        saved_ms = vs_eager["median"] * ms.median - ms.median  # eager's median step minus this one's
+        rows.insert(0, compile_check(rec.precision, vs_eager, ms.n, info["compile_s"], saved_ms, t, load))
     for row in rows:
         row.mode = rec.mode
     return rows
@@ -263,7 +264,7 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
     forced = " [forced: not native on this device]" if rec.forced else ""
     rows = []
     if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
-        rows += [speed_check(name, rec.speed["speedup"], rec.speed["step_ms"]["n"], t, overhead, load),
+        rows += [speed_check(name, rec.speed.speedup, rec.speed.step_ms.n, t, overhead, load),
                  memory_check(name, rec.memory["reduction"], t)]
     if not accuracy_steps:
         rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))

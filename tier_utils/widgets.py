@@ -94,9 +94,10 @@ class RunConfig:
                                              "compile": self.compile, **given})
 
     def bench_config(self, **given) -> BenchConfig:
-        """The benchmark at this config's shape, with the preset's repeats; with compile on, each precision runs
-        eager and compiled, interleaved, so the table compares the two. `given` on top."""
-        return self._sized().bench_config(**{"compile": "both" if self.compile else "off", **given})
+        """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
+        precision runs eager and compiled, interleaved, so the table compares the two. `given` on top."""
+        return self._sized().bench_config(**{"device": self.device, "compile": "both" if self.compile else "off",
+                                             **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at this config's length and device; `given` on top."""

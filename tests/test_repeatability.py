@@ -16,7 +16,7 @@ def _run():
         # Built from the spec as the CLI does: train seeds first, so the initial weights follow the seed.
         result = train("tiny-gpt", "synthetic", precision="bf16", batch_size=4, seq_len=16, max_steps=4, eval_every=2,
                        eval_batches=1, log_every=1, deterministic=True, progress=False, device="cpu",
-                       **TINY, dropout=0.1)  # dropout: RNG matters
+                       model_kwargs={**TINY, "dropout": 0.1})  # dropout: RNG matters
     return result
 
 

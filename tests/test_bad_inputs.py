@@ -450,3 +450,26 @@ def test_stale_temp_files_are_removed_on_the_next_write(tmp_path):
     save_checkpoint(tmp_path / "last.pt", {"x": torch.zeros(1)})
     assert not any(p.exists() for p in stale) and all(p.exists() for p in keep)
     assert load_checkpoint(tmp_path / "last.pt")["x"].shape == (1,)
+
+
+def test_every_error_class_lives_in_errors_py_with_its_exit_code():
+    """One place says what each error means to the CLI: 2 for the user's input, 1 for a finding about the
+    model or the run (a broken forward, a diverged run), as a FAIL row is."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from tier_utils import errors
+
+    package = importlib.import_module("tier_utils")
+    classes = set()
+    for info in pkgutil.walk_packages(package.__path__, "tier_utils."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        classes |= {c for _, c in inspect.getmembers(module, inspect.isclass)
+                    if issubclass(c, Exception) and not issubclass(c, Warning) and c.__module__.startswith("tier_utils")}
+    assert {c.__module__ for c in classes} == {"tier_utils.errors"}, sorted(c.__qualname__ for c in classes)
+    assert all(issubclass(c, errors.TierError) for c in classes)
+    ones = {c.__name__ for c in classes if c.exit_code == 1}
+    assert ones == {"ModelForwardError", "TrainingDiverged"} and {c.exit_code for c in classes} == {1, 2}

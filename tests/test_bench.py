@@ -12,15 +12,15 @@ from tiny import TINY, TINY_ARGS, tiny
 from tier_utils import bench
 from tier_utils.adapter import adapt
 from tier_utils.bench import amp_benchmark, interleave
+from tier_utils.bench_config import BENCH_RUN_ONLY, BenchConfig
 from tier_utils.bench_size import fp32_measure, grow_batch
 from tier_utils.cli import main
 from tier_utils.data import build_datasets
-from tier_utils.errors import ModelSpecError
-from tier_utils.loggers import LoggerError
+from tier_utils.errors import LoggerError, ModelSpecError
 from tier_utils.measure import SavedTensorMeter, Stats
 from tier_utils.models import TinyGPT
 from tier_utils.precision import native_support, resolve_precision
-from tier_utils.settings import BENCH_RUN_ONLY, BenchConfig, precision_list
+from tier_utils.settings import precision_list
 from tier_utils.verdicts import (
     Thresholds,
     accuracy_check,

@@ -12,8 +12,10 @@ import warnings
 import pytest
 
 import tier_utils
+from tier_utils.bench_config import BenchConfig, Thresholds
 from tier_utils.cli import build_parser, main
-from tier_utils.settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
+from tier_utils.search import SearchConfig
+from tier_utils.train_config import TrainConfig
 
 
 def run_cli(*args):

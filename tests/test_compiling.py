@@ -16,11 +16,12 @@ from tiny import TINY_ARGS, tiny
 
 from tier_utils import bench, cli, compiling
 from tier_utils.bench import amp_benchmark
+from tier_utils.bench_config import BenchConfig
 from tier_utils.checkpoint import load_checkpoint
 from tier_utils.compiling import CompileFallbackWarning, compile_modes
-from tier_utils.settings import BenchConfig
 from tier_utils.step import make_optimizer, optimizer_impl
-from tier_utils.train import TrainConfig, train
+from tier_utils.train import train
+from tier_utils.train_config import TrainConfig
 
 STEPS, CUT = 10, 5
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1,

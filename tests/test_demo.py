@@ -9,10 +9,20 @@ from tiny import TINY
 
 from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, report
 from tier_utils import demo as demo_module
-from tier_utils.demo import ASSETS, CARD_NAME, SEED, STEPS, UNIFORM_LOSS, WEIGHTS_NAME, corpus_val_loss, demo_card
+from tier_utils.bench_config import BenchConfig
+from tier_utils.demo import SEED, STEPS
+from tier_utils.demo_model import (
+    ASSETS,
+    CARD_NAME,
+    MODEL_KWARGS,
+    UNIFORM_LOSS,
+    WEIGHTS_NAME,
+    corpus_val_loss,
+    demo_card,
+)
 from tier_utils.models import DEFAULT_MODEL, DEMO_MODEL
 from tier_utils.presets import FAST, JOB, Preset
-from tier_utils.settings import BenchConfig, TrainConfig
+from tier_utils.train_config import TrainConfig
 
 # Two runs of the recipe on different CPUs round differently and drift apart; their val losses agree
 # this closely (a model that failed to train is > 1 nat off).
@@ -36,7 +46,7 @@ def test_demo_model_loads_byte_level_and_its_val_loss_is_well_below_uniform():
 def test_the_shipped_model_is_the_recipe_s_default():
     card = demo_card()
     assert (card["steps"], card["seed"]) == (STEPS, SEED)
-    assert card["model_kwargs"] == demo_module.MODEL_KWARGS and card["training"]["lr"] == demo_module.RECIPE["lr"]
+    assert card["model_kwargs"] == MODEL_KWARGS and card["training"]["lr"] == demo_module.RECIPE["lr"]
     assert {"train_loss", "val_loss", "torch", "data"} <= set(card)
 
 

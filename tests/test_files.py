@@ -9,7 +9,8 @@ from tiny import TINY_ARGS, tiny
 from tier_utils import train
 from tier_utils.checkpoint import save_checkpoint
 from tier_utils.cli import main
-from tier_utils.files import LOCK_NAME, RunFolderBusy, atomic_write_bytes, run_lock
+from tier_utils.errors import RunFolderBusy
+from tier_utils.files import LOCK_NAME, atomic_write_bytes, run_lock
 
 RUN = dict(precision="fp32", max_steps=1, batch_size=4, seq_len=16, eval_every=0, eval_batches=1, progress=False,
            device="cpu")

@@ -10,10 +10,10 @@ from tiny import TINY, TINY_ARGS
 
 from tier_utils import BenchConfig, TrainConfig, report
 from tier_utils.cli import main
+from tier_utils.errors import TrainingDiverged
 from tier_utils.presets import Preset
 from tier_utils.report import run_all, write_report
 from tier_utils.results import Result
-from tier_utils.train import TrainingDiverged
 
 TINY_SIZES = Preset(batch_size=4, seq_len=16, analysis_batches=1,
                     train=TrainConfig(max_steps=4, eval_every=2, eval_batches=1),

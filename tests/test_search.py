@@ -8,7 +8,7 @@ import pytest
 from tiny import TINY_ARGS, tiny
 
 from tier_utils import search, train
-from tier_utils.train import TrainConfig
+from tier_utils.train_config import TrainConfig
 
 FAST = dict(max_steps=12, eval_every=4, eval_batches=2, seq_len=32, batch_size=8, warmup_steps=0)
 
@@ -104,7 +104,7 @@ def test_cli_search_with_sqlite_continues_and_writes_json(tmp_path):
 
 @pytest.mark.parametrize("url", ["bogus://x", "sqlite:////no/such/folder/study.db"])
 def test_bad_storage_is_one_line_naming_the_fix(url):
-    from tier_utils.search import SearchStorageError
+    from tier_utils.errors import SearchStorageError
 
     with pytest.raises(SearchStorageError, match="use e.g. sqlite:///") as info:
         search(tiny(seed=0), n_trials=1, storage=url, **FAST)
@@ -112,7 +112,7 @@ def test_bad_storage_is_one_line_naming_the_fix(url):
 
 
 def test_an_existing_maximizing_study_is_refused_not_silently_reused(tmp_path):
-    from tier_utils.search import SearchStorageError
+    from tier_utils.errors import SearchStorageError
 
     url = f"sqlite:///{tmp_path / 'other.db'}"
     optuna.create_study(study_name="accuracy", storage=url, direction="maximize")

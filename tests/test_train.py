@@ -24,14 +24,16 @@ from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import cli
 from tier_utils.adapter import adapt
-from tier_utils.checkpoint import CheckpointError, load_checkpoint
+from tier_utils.checkpoint import load_checkpoint
 from tier_utils.data import build_datasets, make_loader
+from tier_utils.errors import CheckpointError, TrainingDiverged
 from tier_utils.history import History, TrainResult
 from tier_utils.metrics import evaluate
 from tier_utils.models import load_model
 from tier_utils.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.step import StepOutput, TrainStep, make_optimizer, make_scheduler
-from tier_utils.train import TrainConfig, TrainingDiverged, train
+from tier_utils.train import train
+from tier_utils.train_config import TrainConfig
 
 # The exact history schema: renaming or dropping a column must fail here.
 EXPECTED_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",

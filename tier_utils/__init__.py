@@ -3,14 +3,23 @@ for a PyTorch transformer, from notebooks, the CLI or Python."""
 from .adapter import ModelAdapter, adapt
 from .analysis import AnalysisConfig, AnalysisReport, analyze
 from .bench import BenchmarkResult, amp_benchmark
-from .checkpoint import CheckpointError, load_checkpoint
+from .bench_config import BenchConfig, Thresholds
+from .checkpoint import load_checkpoint
 from .data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
-from .errors import AdapterError, DataError, ModelSpecError, TierError
-from .export import ExportConfig, ExportError, ExportResult, export
+from .errors import (
+    AdapterError,
+    CheckpointError,
+    DataError,
+    ExportError,
+    LoggerError,
+    ModelSpecError,
+    TierError,
+    TrainingDiverged,
+)
+from .export import ExportConfig, ExportResult, export
 from .fit import FitConfig, FitResult, fit
 from .history import TrainResult
 from .info import InfoConfig, InfoResult, info
-from .loggers import LoggerError
 from .measure import decide_threads
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
 from .precision import (
@@ -23,11 +32,11 @@ from .precision import (
 )
 from .report import AllResult, run_all, write_report
 from .results import Check
-from .search import SearchResult, search
-from .settings import BenchConfig, SearchConfig, Thresholds, TrainConfig
+from .search import SearchConfig, SearchResult, search
 from .smoke import SmokeConfig, SmokeReport, smoke
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from .train import TrainingDiverged, train
+from .train import train
+from .train_config import TrainConfig
 from .userdata import DataSource
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 
 from .adapter import resolve_model
+from .bench_config import BenchConfig
 from .bench_record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
 from .budget import gib, out_of_memory_note, read_budget, without_oom
 from .compiling import Mode, compile_for_training, compile_modes
@@ -36,7 +37,7 @@ from .precision import native_support, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import Result, checks_table, run_metadata, worst_status
 from .seeding import rng_state, set_rng_state
-from .settings import BenchConfig, merge
+from .settings import merge
 from .step import TrainStep, make_optimizer, make_scheduler
 from .verdicts import launch_bound, record_checks
 

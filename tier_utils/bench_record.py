@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from .bench_config import BenchConfig, Thresholds
 from .budget import Budget
 from .compiling import Mode
 from .measure import Stats, probe_summary
 from .precision import Precision
 from .results import run_metadata
-from .settings import BenchConfig, Thresholds
 from .verdicts import parity, reduction, speedup
 
 MIB = 2**20

@@ -14,9 +14,9 @@ import types
 import torch
 
 from .bench import FLOOR_TOKENS, timed_repeat
+from .bench_config import BenchConfig, Thresholds
 from .budget import without_oom
 from .precision import resolve_precision
-from .settings import BenchConfig, Thresholds
 from .verdicts import TARGET_FIXED_SHARE, launch_bound
 
 MAX_DOUBLINGS = 10  # 8 -> 8192 sequences: past that, a model is no longer "tiny at this size"

@@ -14,16 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import TierError
+from .errors import CheckpointError
 from .files import atomic_write_bytes
 
 CHECKPOINT_NAME = "last.pt"
 BEST_NAME = "best.pt"  # beside last.pt: the lowest val loss so far, in the same format
 FORMAT = 1
-
-
-class CheckpointError(TierError, ValueError):
-    """A checkpoint is missing, unreadable, unsafe, or from a different run."""
 
 
 def data_fingerprint(splits) -> dict:

@@ -15,11 +15,13 @@ import typing
 import warnings
 from dataclasses import fields
 
-from .errors import ModelForwardError, TierError, one_line
+from .bench_config import BENCH_RUN_ONLY, BenchConfig, Thresholds
+from .errors import TierError, one_line
 from .files import write_json
 from .models import DEFAULT_MODEL
 from .presets import FAST, JOB
-from .settings import BENCH_RUN_ONLY, BenchConfig, SearchConfig, Thresholds, TrainConfig
+from .search import SearchConfig
+from .train_config import TrainConfig
 from .validation import whole_number, writable_dir, writable_file
 
 
@@ -201,8 +203,10 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
+    from .errors import TrainingDiverged
     from .files import jsonable
-    from .train import TrainConfig, TrainingDiverged, train
+    from .train import train
+    from .train_config import TrainConfig
 
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
@@ -214,7 +218,7 @@ def _run_train(args) -> tuple[dict, int]:
     except TrainingDiverged as exc:
         if exc.result is None:
             raise
-        result, code = exc.result, 1
+        result, code = exc.result, exc.exit_code
         if exc.result.summary.rank == 0:
             print(f"error: {exc}", file=sys.stderr)
     s = result.summary
@@ -491,10 +495,10 @@ def main(argv=None) -> int:
             summary, code = args.run(args)
         if args.json:
             write_json(args.json, summary)
-    except ModelForwardError as exc:  # the model itself fails, not the user's input
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (TierError, ValueError, OSError) as exc:
+    except TierError as exc:  # each class says its code: 2 for the input, 1 for a finding about the model or run
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except (ValueError, OSError) as exc:  # a bad setting (a config's check) or an unusable path
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,8 +1,11 @@
-"""Errors a user can cause. Each message is one line that says what to change."""
+"""Every error tier_utils raises on purpose, and the exit code the CLI gives it. Each message is one line that
+says what to change."""
 
 
 class TierError(Exception):
-    """Base class: the CLI prints the message and exits 2."""
+    """Base class: the CLI prints the message on one line and exits with `exit_code`."""
+
+    exit_code = 2  # the input (a setting, a path, the data) is wrong: change it and run again
 
 
 class ModelSpecError(TierError, ValueError):
@@ -15,7 +18,9 @@ class AdapterError(TierError, ValueError):
 
 class ModelForwardError(AdapterError):
     """The model's own forward raised on a well-formed batch: the model is broken, not the input.
-    smoke/analyze turn it into FAIL rows; the CLI exits 1 on it, not 2."""
+    smoke/analyze turn it into FAIL rows."""
+
+    exit_code = 1  # a finding about the model, as a FAIL row is
 
 
 class DataError(TierError, ValueError):
@@ -24,6 +29,40 @@ class DataError(TierError, ValueError):
 
 class OutputError(TierError, ValueError):
     """An output file or folder cannot be written; checked before any work starts."""
+
+
+class RunFolderBusy(TierError):
+    """Another live run holds the run folder's lock."""
+
+
+class CheckpointError(TierError, ValueError):
+    """A checkpoint is missing, unreadable, unsafe, or from a different run."""
+
+
+class LoggerError(TierError, ValueError):
+    """A logger was asked for that is unknown or not installed."""
+
+
+class ExportError(TierError, ValueError):
+    """The model could not be exported (an unsupported op or construct) or the export was asked wrongly."""
+
+
+class SearchStorageError(TierError, ValueError):
+    """The storage URL given to `search` could not be opened."""
+
+
+class TrainingDiverged(TierError):
+    """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed.
+    `.result` holds the run's partial TrainResult (its history up to the step before)."""
+
+    exit_code = 1  # a finding about this run's settings, not bad input: the partial results are written
+
+    def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss"):
+        other = "" if precision == "fp32" else ", or train in fp32"
+        super().__init__(f"{quantity} became {value} at step {step} in {precision}; lower lr, keep grad_clip on "
+                         f"or lengthen warmup_steps{other}")
+        self.step, self.precision, self.value, self.result = step, precision, value, result
+        self.quantity = quantity
 
 
 def one_line(exc: BaseException) -> str:

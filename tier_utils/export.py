@@ -23,7 +23,7 @@ import torch
 
 from .adapter import resolve_model
 from .data import make_loader
-from .errors import TierError, describe, one_line
+from .errors import ExportError, describe, one_line
 from .files import atomic_write_bytes, jsonable
 from .measure import StepTimer, summarize
 from .precision import Precision, precision_setting, resolve_precision
@@ -37,10 +37,6 @@ SCHEMA = "tier_utils.export/1"
 REL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (3e-2, 1e-1), "fp16": (5e-3, 5e-2)}
 # Argmax agreement at positions whose eager top-2 margin exceeds the difference (a near-tie may flip).
 AGREEMENT = {"fp32": (1.0, 0.99), "bf16": (0.98, 0.9), "fp16": (0.99, 0.95)}
-
-
-class ExportError(TierError, ValueError):
-    """The model could not be exported (an unsupported op or construct) or the export was asked wrongly."""
 
 
 @dataclass

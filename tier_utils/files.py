@@ -17,7 +17,7 @@ import pandas as pd
 import psutil
 import torch
 
-from .errors import TierError
+from .errors import RunFolderBusy
 from .validation import writable_dir
 
 # A temp file's name: .<target>.<writer's pid>.<mkstemp's 8 characters from [a-z0-9_]>. The pid says
@@ -79,10 +79,6 @@ def atomic_write_bytes(path, data: bytes) -> Path:
 
 def write_json(path, obj) -> Path:
     return atomic_write_bytes(path, (json.dumps(jsonable(obj), indent=2) + "\n").encode())
-
-
-class RunFolderBusy(TierError):
-    """Another live run holds the run folder's lock."""
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .errors import ModelSpecError, OutputError, one_line
+from .checkpoint import load_checkpoint
+from .errors import CheckpointError, ModelSpecError, OutputError, one_line
 from .tokenizer import BYTES
 
 

@@ -21,7 +21,7 @@ from .plotting import caption, integer_axis, power_of_two_axis, save_png
 from .results import Result
 
 if TYPE_CHECKING:
-    from .settings import TrainConfig
+    from .train_config import TrainConfig
 
 HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                    "loss_scale", "skipped_steps", "tokens_per_s", "step_time_ms", "max_memory_mb", "gpu_util_pct"]

@@ -17,16 +17,12 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import TierError
+from .errors import LoggerError
 from .files import atomic_write_bytes, jsonable
 from .validation import select_names
 
 LOGGER_NAMES = ("tensorboard", "wandb", "mlflow")  # each the name of the package it needs
 STATE_FILE = "tier_utils_run.json"
-
-
-class LoggerError(TierError, ValueError):
-    """A logger was asked for that is unknown or not installed."""
 
 
 def logger_names(value) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .errors import ModelSpecError, describe, one_line
+from .checkpoint import load_checkpoint
+from .errors import CheckpointError, ModelSpecError, describe, one_line
 from .hub import HUB_PREFIX, from_hub
 from .tokenizer import is_tokenizer_folder
 
@@ -157,7 +157,7 @@ def _init_weights(module: nn.Module) -> None:
 
 BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
 DEFAULT_MODEL = "tiny-gpt"
-# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/demo.py); fixed sizes, no
+# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/demo_model.py); fixed sizes, no
 # kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.
 DEMO_MODEL = "tiny-gpt-trained"
 
@@ -191,7 +191,7 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
 
     Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
     (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `tiny-gpt-trained` (the shipped trained demo
-    model, tier_utils/demo.py; no kwargs); `path/to/file.py:Name` or
+    model, tier_utils/demo_model.py; no kwargs); `path/to/file.py:Name` or
     `package.module:Name` (a class or factory, called with kwargs; the file's folder is importable
     while it loads); a folder written by `save_pretrained` (transformers' Auto class for the task its
     config names; `task=` overrides, other kwargs go to from_pretrained); `hf:ORG/NAME` (the same from
@@ -225,7 +225,7 @@ def _build(spec, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")
     spec = spec.strip()
     if spec == DEMO_MODEL:
-        from .demo import load_demo  # here, not at the top: the demo module imports the training loop
+        from .demo_model import load_demo  # here, not at the top: demo_model imports this module (TinyGPT)
         return _sourced(load_demo(**kwargs), spec, kwargs)
     if spec in BUILTIN_MODELS:
         return _sourced(_construct(BUILTIN_MODELS[spec], kwargs, spec), spec, kwargs)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .analysis import AnalysisConfig
+from .bench_config import BenchConfig
 from .fit import FitConfig
-from .settings import BenchConfig, TrainConfig, check_fields, setting
+from .settings import check_fields, setting
 from .smoke import SmokeConfig
+from .train_config import TrainConfig
 
 
 @dataclass(frozen=True)

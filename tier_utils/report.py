@@ -21,7 +21,7 @@ from .adapter import adapt
 from .analysis import analyze
 from .bench import BenchmarkResult, amp_benchmark
 from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
-from .errors import ModelForwardError, TierError
+from .errors import ModelForwardError, TierError, TrainingDiverged
 from .files import atomic_write_bytes, holds_lock, jsonable, write_json
 from .fit import fit
 from .history import TrainResult, TrainSummary
@@ -31,9 +31,9 @@ from .plotting import save_png
 from .precision import resolve_device, resolve_precision
 from .presets import FAST, JOB
 from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
-from .settings import TrainConfig
 from .smoke import smoke
-from .train import TrainingDiverged, train
+from .train import train
+from .train_config import TrainConfig
 from .validation import writable_dir
 from .verdicts import step_agreement
 

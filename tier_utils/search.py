@@ -10,26 +10,62 @@ import copy
 import dataclasses
 import logging
 import warnings
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .adapter import resolve_model
-from .errors import TierError, one_line
+from .errors import SearchStorageError, TrainingDiverged, one_line
 from .files import jsonable
 from .models import DEFAULT_MODEL
 from .plotting import integer_axis
 from .precision import canonical_precision
 from .progress import interactive
 from .results import Result, run_metadata
-from .settings import SearchConfig, TrainConfig
-from .train import TrainingDiverged, train
+from .settings import check_fields, check_switch, merge, setting
+from .train import train
+from .train_config import TrainConfig
 
 if TYPE_CHECKING:
     import optuna
 
-class SearchStorageError(TierError, ValueError):
-    """The storage URL given to `search` could not be opened."""
+
+def _trial_defaults() -> TrainConfig:
+    """A trial is a short run, evaluated often so the pruner can stop a bad one early; its bar stays off
+    (the study has its own)."""
+    return TrainConfig(max_steps=60, eval_every=10, progress=False)
+
+
+@dataclass
+class SearchConfig:
+    """The Optuna study around `train`, and its trials' fixed training settings (`trial`, a TrainConfig)."""
+
+    n_trials: int = setting(8, "finished trials the study should hold", flag="trials", low=1)
+    timeout: float | None = setting(None, "stop starting trials after this many seconds", above=0)
+    storage: str | None = setting(None, "e.g. sqlite:///study.db: persist the study; the same study name "
+                                        "continues it")
+    study_name: str = setting("tier_utils", "the study's name in its storage")
+    sampler_seed: int = setting(0, "the TPE sampler's seed", low=0)
+    progress: bool = setting(True, "the study's progress bar (a terminal's; Optuna's bar redraws)")
+    trial: TrainConfig = setting(factory=_trial_defaults, help="each trial's settings, before the searched ones")
+
+    def __post_init__(self):
+        check_switch(self, "progress")
+        if not isinstance(self.trial, TrainConfig):
+            raise ValueError(f"trial must be a TrainConfig, got {type(self.trial).__name__}")
+        self.trial = replace(self.trial, progress=False)
+        check_fields(self)
+
+    @classmethod
+    def of(cls, config, overrides: dict) -> SearchConfig:
+        """`config` (a SearchConfig, a dict of its fields or None) with `overrides`: names of its own fields,
+        else of its trials' TrainConfig; a name that is neither is refused."""
+        own = {f.name for f in fields(cls)}
+        cfg = merge(cls, config, {k: v for k, v in overrides.items() if k in own}, "search")
+        trial = merge(TrainConfig, cfg.trial, {k: v for k, v in overrides.items() if k not in own},
+                      "search or trial training")
+        return replace(cfg, trial=trial)
 
 
 # name -> (kind, *args). Kinds: "log" (lo, hi), "float" (lo, hi), "int" (lo, hi), "choice" ([values]).

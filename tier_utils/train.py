@@ -19,18 +19,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import distributed
 from .adapter import ModelAdapter, resolve_model
-from .checkpoint import (
-    BEST_NAME,
-    CHECKPOINT_NAME,
-    CheckpointError,
-    data_fingerprint,
-    describe_data,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint, describe_data, load_checkpoint, save_checkpoint
 from .compiling import compile_for_training
 from .data import DataSplits, make_loader, to_device
-from .errors import DataError, TierError
+from .errors import CheckpointError, DataError, TrainingDiverged
 from .files import run_lock
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
@@ -42,21 +34,11 @@ from .precision import Precision, device_name, resolve_device, resolve_precision
 from .progress import progress_bar
 from .results import run_metadata
 from .seeding import rng_state, seed_everything, set_rng_state
-from .settings import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig, merge
+from .settings import merge
 from .step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from .tokenizer import BYTES
+from .train_config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
 from .validation import writable_dir
-
-
-class TrainingDiverged(TierError):
-    """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed."""
-
-    def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss"):
-        other = "" if precision == "fp32" else ", or train in fp32"
-        super().__init__(f"{quantity} became {value} at step {step} in {precision}; lower lr, keep grad_clip on "
-                         f"or lengthen warmup_steps{other}")
-        self.step, self.precision, self.value, self.result = step, precision, value, result
-        self.quantity = quantity
 
 
 @contextlib.contextmanager

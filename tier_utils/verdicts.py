@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .bench_config import Thresholds
 from .compiling import Mode
 from .measure import Load, Stats
 from .results import Check
-from .settings import Thresholds
 
 # The fixed per-step cost's share of fp32's step that leaves room for AMP's arithmetic speedup to show:
 # the batch `launch_bound` suggests, and the one the main job grows to on a GPU, aim at it.

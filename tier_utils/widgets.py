@@ -15,12 +15,15 @@ import ipywidgets as widgets
 import torch
 
 from .analysis import AnalysisConfig
+from .bench_config import BenchConfig
 from .fit import FitConfig
 from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .presets import Preset, notebook_preset
-from .settings import BenchConfig, SearchConfig, TrainConfig, check_fields, check_switch, setting
+from .search import SearchConfig
+from .settings import check_fields, check_switch, setting
 from .smoke import SmokeConfig
+from .train_config import TrainConfig
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")

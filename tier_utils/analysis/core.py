@@ -15,7 +15,7 @@ import torch
 from ..adapter import resolve_model
 from ..budget import read_budget
 from ..data import make_loader, to_device
-from ..demo import provenance_of
+from ..demo_model import provenance_of
 from ..errors import DataError, ModelForwardError, describe
 from ..files import jsonable
 from ..models import DEFAULT_MODEL

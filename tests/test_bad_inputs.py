@@ -467,8 +467,8 @@ def test_every_error_class_lives_in_errors_py_with_its_exit_code():
         if info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
-        classes |= {c for _, c in inspect.getmembers(module, inspect.isclass)
-                    if issubclass(c, Exception) and not issubclass(c, Warning) and c.__module__.startswith("tier_utils")}
+        classes |= {c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Exception)
+                    and not issubclass(c, Warning) and c.__module__.startswith("tier_utils")}
     assert {c.__module__ for c in classes} == {"tier_utils.errors"}, sorted(c.__qualname__ for c in classes)
     assert all(issubclass(c, errors.TierError) for c in classes)
     ones = {c.__name__ for c in classes if c.exit_code == 1}

@@ -31,14 +31,14 @@ import types
 import torch
 import torch.nn.functional as F
 
-from tier_utils import measure
-from tier_utils.bench import amp_benchmark
-from tier_utils.data import build_datasets, make_loader, to_device
-from tier_utils.files import write_json
-from tier_utils.measure import StepTimer, summarize
-from tier_utils.models import load_model
-from tier_utils.precision import resolve_device, resolve_precision
-from tier_utils.results import run_metadata
+from tier_utils.benchmark.amp import amp_benchmark
+from tier_utils.core import measure
+from tier_utils.core.files import write_json
+from tier_utils.core.measure import StepTimer, summarize
+from tier_utils.core.precision import resolve_device, resolve_precision
+from tier_utils.core.results import run_metadata
+from tier_utils.model.data import build_datasets, make_loader, to_device
+from tier_utils.model.loading import load_model
 
 
 def batches(seq_len: int, batch_size: int, n: int, dev) -> list[dict]:

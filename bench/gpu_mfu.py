@@ -29,14 +29,14 @@ import sys
 
 import torch
 
-from tier_utils.compiling import COMPILE_MODES
-from tier_utils.data import build_datasets, make_loader, to_device
-from tier_utils.files import write_json
-from tier_utils.measure import StepTimer, count_flops, probe_ms, probe_size, summarize
-from tier_utils.models import load_model
-from tier_utils.results import run_metadata
-from tier_utils.step import make_optimizer, make_scheduler
-from tier_utils.train import train
+from tier_utils.core.files import write_json
+from tier_utils.core.measure import StepTimer, count_flops, probe_ms, probe_size, summarize
+from tier_utils.core.results import run_metadata
+from tier_utils.model.compiling import COMPILE_MODES
+from tier_utils.model.data import build_datasets, make_loader, to_device
+from tier_utils.model.loading import load_model
+from tier_utils.model.step import make_optimizer, make_scheduler
+from tier_utils.training.loop import train
 
 SHAPE = dict(d_model=768, n_layer=12, n_head=12, max_len=1024)
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (TFLOP/s, no sparsity), for context only.

@@ -26,8 +26,8 @@ cfg = json.loads(sys.argv[1])
 if cfg["threads"]:
     torch.set_num_threads(cfg["threads"])
 torch.backends.mkldnn.enabled = not cfg["mkldnn_off"]
-import tier_utils.seeding
-tier_utils.seeding.seed_everything(0)  # as the CLI does: the initial weights follow the seed too
+import tier_utils.core.seeding
+tier_utils.core.seeding.seed_everything(0)  # as the CLI does: the initial weights follow the seed too
 model = tier_utils.load_model("tiny-gpt", d_model=cfg["d_model"], n_layer=2, n_head=4, max_len=64)
 r = tier_utils.train(model, None, precision=cfg["precision"], batch_size=16, seq_len=64, max_steps=cfg["steps"],
                      eval_every=0, eval_batches=1, deterministic=True, progress=False, device="cpu")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import psutil
 
-from tier_utils.files import write_json
-from tier_utils.measure import load_average
-from tier_utils.precision import cpu_name
+from tier_utils.core.files import write_json
+from tier_utils.core.measure import load_average
+from tier_utils.core.precision import cpu_name
 
 CONFIGS = {"small": {"n_embd": 768, "n_layer": 12, "n_head": 12},  # 124 M parameters
            "medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}  # 355 M

@@ -4,7 +4,7 @@ per core and against one thread.
 For each load level K, K busy-looping processes share the cores (each stops by itself after
 --max-seconds, and is stopped as soon as its level is done). Under that load, training steps of
 tiny-gpt (forward, backward, AdamW) are timed at each thread count, repeats interleaved (the order
-alternates) so drift hits every count alike. The rule (`tier_utils.measure.choose_threads`) is shown
+alternates) so drift hits every count alike. The rule (`tier_utils.core.measure.choose_threads`) is shown
 for the load a run starting into that level would see once the 1-minute average has settled:
 the outside load measured before the first level plus K (the live average climbs towards it over
 about a minute, and is printed too).
@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from tier_utils.files import write_json
-from tier_utils.measure import Load, choose_threads, load_average, summarize, usable_cores
-from tier_utils.models import load_model
-from tier_utils.results import run_metadata
+from tier_utils.core.files import write_json
+from tier_utils.core.measure import Load, choose_threads, load_average, summarize, usable_cores
+from tier_utils.core.results import run_metadata
+from tier_utils.model.loading import load_model
 
 # A busy loop that ends itself: the load can't outlive the script, even if it is killed.
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"

@@ -23,14 +23,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from tier_utils.data import build_datasets
-from tier_utils.files import write_json
-from tier_utils.measure import summarize
-from tier_utils.models import load_model
-from tier_utils.precision import SlowPrecisionWarning, device_name, resolve_precision
-from tier_utils.results import run_metadata
-from tier_utils.step import make_optimizer, make_scheduler
-from tier_utils.train import train
+from tier_utils.core.files import write_json
+from tier_utils.core.measure import summarize
+from tier_utils.core.precision import SlowPrecisionWarning, device_name, resolve_precision
+from tier_utils.core.results import run_metadata
+from tier_utils.model.data import build_datasets
+from tier_utils.model.loading import load_model
+from tier_utils.model.step import make_optimizer, make_scheduler
+from tier_utils.training.loop import train
 
 
 def hand_loop(model, dataset, precision: str, steps: int, batch_size: int, seed: int) -> list[float]:

@@ -17,11 +17,11 @@ import torch.nn as nn
 from tiny import TINY_ARGS, tiny
 
 import tier_utils
-from tier_utils.adapter import adapt
-from tier_utils.checkpoint import load_checkpoint, save_checkpoint
 from tier_utils.cli import main
-from tier_utils.errors import ModelForwardError, TierError
-from tier_utils.files import atomic_write_bytes
+from tier_utils.core.errors import ModelForwardError, TierError
+from tier_utils.core.files import atomic_write_bytes
+from tier_utils.model.adapter import adapt
+from tier_utils.model.checkpoint import load_checkpoint, save_checkpoint
 
 MODELS = textwrap.dedent('''
     import torch
@@ -459,7 +459,7 @@ def test_every_error_class_lives_in_errors_py_with_its_exit_code():
     import inspect
     import pkgutil
 
-    from tier_utils import errors
+    from tier_utils.core import errors
 
     package = importlib.import_module("tier_utils")
     classes = set()
@@ -469,7 +469,7 @@ def test_every_error_class_lives_in_errors_py_with_its_exit_code():
         module = importlib.import_module(info.name)
         classes |= {c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Exception)
                     and not issubclass(c, Warning) and c.__module__.startswith("tier_utils")}
-    assert {c.__module__ for c in classes} == {"tier_utils.errors"}, sorted(c.__qualname__ for c in classes)
+    assert {c.__module__ for c in classes} == {"tier_utils.core.errors"}, sorted(c.__qualname__ for c in classes)
     assert all(issubclass(c, errors.TierError) for c in classes)
     ones = {c.__name__ for c in classes if c.exit_code == 1}
     assert ones == {"ModelForwardError", "TrainingDiverged"} and {c.exit_code for c in classes} == {1, 2}

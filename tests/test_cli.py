@@ -12,10 +12,10 @@ import warnings
 import pytest
 
 import tier_utils
-from tier_utils.bench_config import BenchConfig, Thresholds
+from tier_utils.benchmark.config import BenchConfig, Thresholds
 from tier_utils.cli import build_parser, main
-from tier_utils.search import SearchConfig
-from tier_utils.train_config import TrainConfig
+from tier_utils.training.config import TrainConfig
+from tier_utils.tuning.study import SearchConfig
 
 
 def run_cli(*args):
@@ -50,7 +50,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 
 
 def test_slow_precision_warning_is_one_line(capsys, monkeypatch):
-    from tier_utils import precision
+    from tier_utils.core import precision
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))  # a CPU without native fp16
     monkeypatch.setattr(precision, "_slow_warned", set())

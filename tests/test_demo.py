@@ -9,9 +9,9 @@ from tiny import TINY
 
 from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, report
 from tier_utils import demo as demo_module
-from tier_utils.bench_config import BenchConfig
+from tier_utils.benchmark.config import BenchConfig
 from tier_utils.demo import SEED, STEPS
-from tier_utils.demo_model import (
+from tier_utils.model.demo import (
     ASSETS,
     CARD_NAME,
     MODEL_KWARGS,
@@ -20,9 +20,9 @@ from tier_utils.demo_model import (
     corpus_val_loss,
     demo_card,
 )
-from tier_utils.models import DEFAULT_MODEL, DEMO_MODEL
+from tier_utils.model.loading import DEFAULT_MODEL, DEMO_MODEL
 from tier_utils.presets import FAST, JOB, Preset
-from tier_utils.train_config import TrainConfig
+from tier_utils.training.config import TrainConfig
 
 # Two runs of the recipe on different CPUs round differently and drift apart; their val losses agree
 # this closely (a model that failed to train is > 1 nat off).

@@ -16,7 +16,7 @@ from matplotlib.ticker import FixedLocator
 from tiny import tiny
 
 from tier_utils import amp_benchmark, analyze, search, smoke, train
-from tier_utils.plotting import MAX_TICKS, MIN_FONT_PT, short_name
+from tier_utils.core.plotting import MAX_TICKS, MIN_FONT_PT, short_name
 
 WHOLE_NUMBER_AXES = ("step", "trial")
 
@@ -110,7 +110,7 @@ def test_smoke_and_analysis_plots_are_readable(model):
     assert {name: p for name, p in found.items() if p} == {}
 
 
-@pytest.mark.filterwarnings("ignore::tier_utils.precision.SlowPrecisionWarning")  # fp16 on a CPU without it
+@pytest.mark.filterwarnings("ignore::tier_utils.core.precision.SlowPrecisionWarning")  # fp16 on a CPU without it
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_training_plot_is_readable_and_shows_every_step_of_a_short_run(model, precision):
     result = train(model, precision=precision, max_steps=12, eval_every=6, eval_batches=1, batch_size=2,

@@ -10,10 +10,10 @@ from tiny import TINY, TINY_ARGS
 
 from tier_utils import BenchConfig, TrainConfig, report
 from tier_utils.cli import main
-from tier_utils.errors import TrainingDiverged
+from tier_utils.core.errors import TrainingDiverged
+from tier_utils.core.results import Result
 from tier_utils.presets import Preset
 from tier_utils.report import run_all, write_report
-from tier_utils.results import Result
 
 TINY_SIZES = Preset(batch_size=4, seq_len=16, analysis_batches=1,
                     train=TrainConfig(max_steps=4, eval_every=2, eval_batches=1),
@@ -226,9 +226,9 @@ def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
 
 
 def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far_apart(tmp_path):
-    from tier_utils.bench import amp_benchmark
-    from tier_utils.models import load_model
-    from tier_utils.train import train
+    from tier_utils.benchmark.amp import amp_benchmark
+    from tier_utils.model.loading import load_model
+    from tier_utils.training.loop import train
 
     model = load_model("tiny-gpt", **TINY)
     trained = train(model, max_steps=3, batch_size=4, seq_len=16, eval_every=0, eval_batches=1, precision="fp32",

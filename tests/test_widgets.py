@@ -8,9 +8,9 @@ import torch
 
 import tier_utils
 from tier_utils import TrainConfig
-from tier_utils.precision import supported_precisions
+from tier_utils.core.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
-from tier_utils.train import train
+from tier_utils.training.loop import train
 from tier_utils.widgets import ConfigPanel, RunConfig, config_panel, forget_panel_choices
 
 

@@ -1,12 +1,9 @@
 """tier_utils: smoke-test (tier 1), analyse (tier 2), train and benchmark mixed precision (tier 3)
 for a PyTorch transformer, from notebooks, the CLI or Python."""
-from .adapter import ModelAdapter, adapt
 from .analysis import AnalysisConfig, AnalysisReport, analyze
-from .bench import BenchmarkResult, amp_benchmark
-from .bench_config import BenchConfig, Thresholds
-from .checkpoint import load_checkpoint
-from .data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
-from .errors import (
+from .benchmark.amp import BenchmarkResult, amp_benchmark
+from .benchmark.config import BenchConfig, Thresholds
+from .core.errors import (
     AdapterError,
     CheckpointError,
     DataError,
@@ -16,13 +13,8 @@ from .errors import (
     TierError,
     TrainingDiverged,
 )
-from .export import ExportConfig, ExportResult, export
-from .fit import FitConfig, FitResult, fit
-from .history import TrainResult
-from .info import InfoConfig, InfoResult, info
-from .measure import decide_threads
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
-from .precision import (
+from .core.measure import decide_threads
+from .core.precision import (
     Precision,
     SlowPrecisionWarning,
     canonical_precision,
@@ -30,14 +22,22 @@ from .precision import (
     resolve_precision,
     supported_precisions,
 )
+from .core.results import Check
+from .exporting.exporter import ExportConfig, ExportResult, export
+from .model.adapter import ModelAdapter, adapt
+from .model.checkpoint import load_checkpoint
+from .model.data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
+from .model.loading import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
+from .model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from .model.userdata import DataSource
+from .planning.device_info import InfoConfig, InfoResult, info
+from .planning.planner import FitConfig, FitResult, fit
 from .report import AllResult, run_all, write_report
-from .results import Check
-from .search import SearchConfig, SearchResult, search
-from .smoke import SmokeConfig, SmokeReport, smoke
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from .train import train
-from .train_config import TrainConfig
-from .userdata import DataSource
+from .smoketest.suite import SmokeConfig, SmokeReport, smoke
+from .training.config import TrainConfig
+from .training.history import TrainResult
+from .training.loop import train
+from .tuning.study import SearchConfig, SearchResult, search
 
 __version__ = "0.1.0"
 

@@ -15,14 +15,14 @@ import typing
 import warnings
 from dataclasses import fields
 
-from .bench_config import BENCH_RUN_ONLY, BenchConfig, Thresholds
-from .errors import TierError, one_line
-from .files import write_json
-from .models import DEFAULT_MODEL
+from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
+from .core.errors import TierError, one_line
+from .core.files import write_json
+from .core.inputs import whole_number, writable_dir, writable_file
+from .model.loading import DEFAULT_MODEL
 from .presets import FAST, JOB
-from .search import SearchConfig
-from .train_config import TrainConfig
-from .validation import whole_number, writable_dir, writable_file
+from .training.config import TrainConfig
+from .tuning.study import SearchConfig
 
 
 def _optional(convert):
@@ -178,13 +178,13 @@ def add_data(parser, data: bool = True) -> None:
 
 def data_of(args):
     """The data as the API takes it: a path with columns becomes a DataSource."""
-    from .userdata import data_source
+    from .model.userdata import data_source
 
     return data_source(args.data, args.text_column, args.label_column)
 
 
 def _run_info(args) -> tuple[dict, int]:
-    from .info import InfoConfig, info
+    from .planning.device_info import InfoConfig, info
 
     result = info(args.model, settings_from(args, InfoConfig), model_kwargs=model_kwargs(args))
     _show(result.table)
@@ -192,7 +192,7 @@ def _run_info(args) -> tuple[dict, int]:
 
 
 def _run_smoke(args) -> tuple[dict, int]:
-    from .smoke import SmokeConfig, smoke
+    from .smoketest.suite import SmokeConfig, smoke
 
     report = smoke(args.model, settings_from(args, SmokeConfig), model_kwargs=model_kwargs(args))
     _show(report.table)
@@ -203,10 +203,10 @@ def _run_smoke(args) -> tuple[dict, int]:
 def _run_train(args) -> tuple[dict, int]:
     from pathlib import Path
 
-    from .errors import TrainingDiverged
-    from .files import jsonable
-    from .train import train
-    from .train_config import TrainConfig
+    from .core.errors import TrainingDiverged
+    from .core.files import jsonable
+    from .training.config import TrainConfig
+    from .training.loop import train
 
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
@@ -250,7 +250,7 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 
 def _run_bench(args) -> tuple[dict, int]:
-    from .bench import amp_benchmark
+    from .benchmark.amp import amp_benchmark
 
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))  # --device, --no-progress too
     result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
@@ -267,8 +267,8 @@ def _run_bench(args) -> tuple[dict, int]:
 
 
 def _run_search(args) -> tuple[dict, int]:
-    from .models import load_model
-    from .search import search
+    from .model.loading import load_model
+    from .tuning.study import search
 
     result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
                     settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig)))
@@ -281,7 +281,7 @@ def _run_search(args) -> tuple[dict, int]:
 
 
 def _run_export(args) -> tuple[dict, int]:
-    from .export import ExportConfig, export
+    from .exporting.exporter import ExportConfig, export
 
     result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig),
                     model_kwargs=model_kwargs(args))
@@ -298,7 +298,7 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_fit(args) -> tuple[dict, int]:
-    from .fit import FitConfig, fit
+    from .planning.planner import FitConfig, fit
 
     result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
     print(result.headline())
@@ -307,7 +307,7 @@ def _run_fit(args) -> tuple[dict, int]:
 
 
 def _run_all(args) -> tuple[dict, int]:
-    from .measure import machine_load
+    from .core.measure import machine_load
     from .report import run_all
 
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
@@ -372,11 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pathlib import Path
 
     from .analysis import AnalysisConfig
-    from .export import ExportConfig
-    from .fit import FitConfig
-    from .info import InfoConfig
+    from .exporting.exporter import ExportConfig
+    from .planning.device_info import InfoConfig
+    from .planning.planner import FitConfig
     from .report import run_all
-    from .smoke import SmokeConfig
+    from .smoketest.suite import SmokeConfig
 
     # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.
     prog = "tier-utils" if Path(sys.argv[0]).name == "tier-utils" else "python -m tier_utils"

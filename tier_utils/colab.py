@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .files import atomic_write_bytes
+from .core.files import atomic_write_bytes
 
 SETUP = "colab_setup.sh"
 # The one place the repository is declared; the badges and the notebooks' curl line follow it.

@@ -1,4 +1,4 @@
-"""The recipe that made the shipped demo model (`tier_utils.demo_model`): `train_demo` trains it again, seeded;
+"""The recipe that made the shipped demo model (`tier_utils.model.demo`): `train_demo` trains it again, seeded;
 `python -m tier_utils.demo --out DIR` runs it from the command line."""
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .data import build_datasets
-from .demo_model import (
+from .core.errors import TierError, one_line
+from .core.files import atomic_write_bytes, write_json
+from .core.inputs import writable_dir
+from .core.results import run_metadata
+from .model.data import build_datasets
+from .model.demo import (
     CARD_NAME,
     MODEL_KWARGS,
     UNIFORM_LOSS,
@@ -20,13 +24,9 @@ from .demo_model import (
     describe_demo,
     weights_bytes,
 )
-from .errors import TierError, one_line
-from .files import atomic_write_bytes, write_json
-from .models import DEMO_MODEL
-from .results import run_metadata
-from .train import train
-from .train_config import TrainConfig
-from .validation import writable_dir
+from .model.loading import DEMO_MODEL
+from .training.config import TrainConfig
+from .training.loop import train
 
 STEPS, SEED = 1200, 0
 # Sized for about a minute on 2 idle CPU cores. Fewer steps leave layer 0's heads spread over the

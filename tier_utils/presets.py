@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .analysis import AnalysisConfig
-from .bench_config import BenchConfig
-from .fit import FitConfig
-from .settings import check_fields, setting
-from .smoke import SmokeConfig
-from .train_config import TrainConfig
+from .benchmark.config import BenchConfig
+from .core.settings import check_fields, setting
+from .planning.planner import FitConfig
+from .smoketest.suite import SmokeConfig
+from .training.config import TrainConfig
 
 
 @dataclass(frozen=True)

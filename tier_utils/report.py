@@ -17,25 +17,25 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .adapter import adapt
 from .analysis import analyze
-from .bench import BenchmarkResult, amp_benchmark
-from .bench_size import MEMORY_FRACTION, fp32_measure, grow_batch
-from .errors import ModelForwardError, TierError, TrainingDiverged
-from .files import atomic_write_bytes, holds_lock, jsonable, write_json
-from .fit import fit
-from .history import TrainResult, TrainSummary
-from .measure import Load, cpu_load, load_average
-from .models import DEFAULT_MODEL, DEMO_MODEL, load_model
-from .plotting import save_png
-from .precision import resolve_device, resolve_precision
+from .benchmark.amp import BenchmarkResult, amp_benchmark
+from .benchmark.size import MEMORY_FRACTION, fp32_measure, grow_batch
+from .benchmark.verdicts import step_agreement
+from .core.errors import ModelForwardError, TierError, TrainingDiverged
+from .core.files import atomic_write_bytes, holds_lock, jsonable, write_json
+from .core.inputs import writable_dir
+from .core.measure import Load, cpu_load, load_average
+from .core.plotting import save_png
+from .core.precision import resolve_device, resolve_precision
+from .core.results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
+from .model.adapter import adapt
+from .model.loading import DEFAULT_MODEL, DEMO_MODEL, load_model
+from .planning.planner import fit
 from .presets import FAST, JOB
-from .results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
-from .smoke import smoke
-from .train import train
-from .train_config import TrainConfig
-from .validation import writable_dir
-from .verdicts import step_agreement
+from .smoketest.suite import smoke
+from .training.config import TrainConfig
+from .training.history import TrainResult, TrainSummary
+from .training.loop import train
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 

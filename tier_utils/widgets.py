@@ -15,15 +15,15 @@ import ipywidgets as widgets
 import torch
 
 from .analysis import AnalysisConfig
-from .bench_config import BenchConfig
-from .fit import FitConfig
-from .models import BUILTIN_MODELS, DEFAULT_MODEL, load_model
-from .precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
+from .benchmark.config import BenchConfig
+from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
+from .core.settings import check_fields, check_switch, setting
+from .model.loading import BUILTIN_MODELS, DEFAULT_MODEL, load_model
+from .planning.planner import FitConfig
 from .presets import Preset, notebook_preset
-from .search import SearchConfig
-from .settings import check_fields, check_switch, setting
-from .smoke import SmokeConfig
-from .train_config import TrainConfig
+from .smoketest.suite import SmokeConfig
+from .training.config import TrainConfig
+from .tuning.study import SearchConfig
 
 MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")

@@ -21,9 +21,9 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from ..errors import describe
-from ..plotting import category_ticks
-from ..results import Check
+from ..core.errors import describe
+from ..core.plotting import category_ticks
+from ..core.results import Check
 from .common import Context, Outcome
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package

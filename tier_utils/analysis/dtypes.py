@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..precision import resolve_precision
-from ..results import Check
+from ..core.precision import resolve_precision
+from ..core.results import Check
 from .common import Context, Outcome, head
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package

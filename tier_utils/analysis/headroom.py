@@ -16,10 +16,10 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from ..budget import gib
-from ..plotting import category_ticks, decade_limits
-from ..precision import native_support, resolve_precision
-from ..results import Check
+from ..core.budget import gib
+from ..core.plotting import category_ticks, decade_limits
+from ..core.precision import native_support, resolve_precision
+from ..core.results import Check
 from .common import Context, Outcome, first_tensor, head
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package

@@ -22,8 +22,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from ..budget import affordable_repeats
-from ..results import Check
+from ..core.budget import affordable_repeats
+from ..core.results import Check
 from .common import Context, Outcome, head_rows
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package

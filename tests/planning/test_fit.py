@@ -1,0 +1,114 @@
+"""The fit planner: its largest batch against a bisection under the same budget, checkpointing, CLI."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from tiny import TINY_ARGS
+
+from tier_utils import TinyGPT
+from tier_utils.cli import main
+from tier_utils.core.budget import FREE_MEMORY_ENV
+from tier_utils.core.measure import SavedTensorMeter, static_memory
+from tier_utils.core.precision import resolve_precision
+from tier_utils.model.adapter import adapt
+from tier_utils.model.step import TrainStep, make_optimizer
+from tier_utils.planning.planner import GPUS, FitConfig, bisect_batch, checkpointed, device_room, fit, static_bytes
+
+T = 64
+MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)
+
+
+def _step_bytes(adapter, precision: str, batch: int) -> int:
+    """A real training step at (batch, T), counted where the planner predicts: static bytes after the step
+    (AdamW's state exists then), activations saved during its forward, the output's gradient."""
+    adapter.model.zero_grad(set_to_none=True)
+    optimizer = make_optimizer(adapter.model, 1e-3, 0.1)
+    step = TrainStep(adapter, resolve_precision(precision, "cpu", warn=False), optimizer)
+    example = adapter.example_batch(batch, T)
+    with SavedTensorMeter(adapter.model) as meter:
+        step([example])
+    output = 4 * batch * T * adapter.vocab_size
+    return sum(static_memory(adapter.model, optimizer).values()) + meter.bytes + output
+
+
+def test_largest_batch_agrees_with_a_bisection_under_the_same_injected_budget(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT(**MODEL)
+    monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")  # a safe share of 60 MiB: batches in the tens
+    result = fit(model, seq_len=T, device="cpu", progress=False)
+    room = device_room(result.budget)
+    assert room == 60 * 2**20
+    table = result.table.set_index(["precision", "checkpointing"])
+    adapter = adapt(model)
+    for precision in ("fp32", "bf16"):
+        planned = table.loc[(precision, "off"), "this_device"]
+        found = bisect_batch(lambda b, p=precision: _step_bytes(adapter, p, b) <= room, 1)
+        assert 10 <= found and abs(planned - found) <= max(1, 0.02 * found), (precision, planned, found)
+        assert table.loc[(precision, "on"), "this_device"] > planned  # checkpointing fits more
+    assert (table.status == "PASS").all()
+    assert (table[f"{next(iter(GPUS))} (predicted)"] > table.this_device).all()  # 15 GB holds more than 60 MiB
+
+
+def test_static_bytes_match_a_real_adamw_step_without_allocating_one():
+    model = TinyGPT(**MODEL)
+    optimizer = make_optimizer(model, 1e-3, 0.1)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    assert static_bytes(model) == static_memory(model, optimizer)
+
+
+def test_checkpointing_wraps_the_repeated_blocks_and_gives_them_back():
+    model = TinyGPT(**MODEL)
+    with checkpointed(model) as blocks:
+        assert len(blocks) == MODEL["n_layer"] and all("forward" in vars(b) for b in blocks)
+        out = model(torch.zeros(2, 8, dtype=torch.long))
+        out.sum().backward()  # the recompute runs
+    assert not any("forward" in vars(b) for b in model.blocks)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpointing_rows(monkeypatch):
+    monkeypatch.setenv(FREE_MEMORY_ENV, "64KiB")
+    plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
+    plain.task, plain.max_len = "causal-lm", 32
+    result = fit(plain, precisions="fp32", device="cpu", progress=False)
+    row = result.table.iloc[0]
+    assert list(result.table.checkpointing) == ["off"]
+    assert row.this_device == 0 and row.status == "WARN" and row.detail.startswith("not even batch 1 fits")
+
+
+def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
+    # seq_len was fit's second positional argument; now it is a FitConfig field like the rest.
+    with pytest.raises(ValueError, match="config must be a FitConfig or a dict, got int"):
+        fit("tiny-gpt", 16)
+    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: seq_len, precisions"):
+        fit("tiny-gpt", d_model=32)
+    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, device="cpu", progress=False)
+    result = fit("tiny-gpt", config, model_kwargs={**MODEL, "n_layer": 1})
+    built = TinyGPT(**{**MODEL, "n_layer": 1})
+    assert result.seq_len == 16 and result.model["parameters"] == sum(p.numel() for p in built.parameters())
+    assert [(c.precision, c.checkpointing) for c in result.configs] == [("fp32", False)]
+
+
+def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
+    code = main(["fit", *TINY_ARGS, "--model-arg", "n_layer=2", "--seq-len", "16", "--precisions", "bf16",
+                 "--no-progress", "--json", str(tmp_path / "fit.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and "predicted" in out and "for the CUDA context" in out
+    data = json.loads((tmp_path / "fit.json").read_text())
+    assert [(r["precision"], r["checkpointing"]) for r in data["table"]] == [
+        ("fp32", "off"), ("fp32", "on"), ("bf16", "off"), ("bf16", "on")]  # fp32, the baseline, always
+    assert data["budget"]["device"] == "cpu" and data["seq_len"] == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_prediction_is_validated_by_bisection():
+    torch.manual_seed(0)
+    result = fit(TinyGPT(d_model=256, n_layer=4, n_head=4, max_len=1024), seq_len=1024, precisions="fp32,bf16",
+                 device="cuda", progress=False)
+    table = result.table
+    assert table.validated.notna().all()
+    for r in table.itertuples():  # predicted within 25 % of what really ran (bench/RESULTS.md: GPT-2-small)
+        assert abs(r.this_device - r.validated) <= 0.25 * r.validated, r

@@ -1,0 +1,92 @@
+"""`BenchConfig` (what `amp_benchmark` measures, and how long) and `Thresholds` (what a precision must show to
+PASS), each setting declared once."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..core.loggers import logger_names
+from ..core.settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, precision_list, setting
+from ..model.compiling import COMPILE_CHOICES, COMPILE_MODES
+
+MEMORY_BASES = ("activations", "total", "peak_allocated")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What a low precision must show against fp32 to PASS.
+
+    memory: which memory the reduction threshold applies to: `activations` (bytes saved for
+    backward in one training step), `total` (weights + gradients + optimizer state + activations)
+    or `peak_allocated` (CUDA only). The other two are still reported in the row's detail.
+    fp32's step is launch-bound (AMP speeds arithmetic, not launches) when a 1-sequence step, nearly
+    all fixed per-step cost, takes more than `max_fixed_share` of it, or its matmul share of the peak
+    is below `min_mfu`.
+    """
+
+    speedup: float = setting(1.5, "fp32 median step time / this precision's, to PASS", flag="min-speedup",
+                             above=0)
+    memory_reduction: float = setting(0.40, "1 - bytes / fp32's bytes, to PASS", flag="min-memory-reduction",
+                                      low=0, below=1)
+    memory: str = setting("activations", "which memory the reduction applies to", choices=MEMORY_BASES)
+    accuracy_diff: float = setting(0.01, "|val accuracy - fp32's| allowed", flag="max-accuracy-diff", above=0)
+    parity_tolerance: float = setting(0.05, "relative band around fp32's training-loss curve", above=0)
+    min_repeats: int = setting(3, "repeats below which a speed PASS/FAIL becomes WARN (the IQR is no estimate)",
+                               low=1)
+    max_fixed_share: float = setting(0.5, "share of fp32's step above which it is launch-bound", above=0, below=1)
+    min_mfu: float = setting(0.05, "fp32 MFU below which its step is launch-bound", above=0, below=1)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+# BenchConfig's fields that say where a run goes and how it shows, not what it measures.
+BENCH_RUN_ONLY = ("progress", "device", "loggers", "log_dir")
+
+
+@dataclass
+class BenchConfig:
+    """What `amp_benchmark` measures, and how long. Every precision starts from the same weights and
+    sees the same batches; speed repeats are interleaved across precisions."""
+
+    precisions: tuple = setting(("fp32", "bf16", "fp16"), "precisions to compare; fp32, the baseline, is always "
+                                                           "included")
+    batch_size: int = setting(8, "sequences per step", low=1)
+    seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
+    untimed_steps: int = setting(3, "untimed steps before each timed repeat", low=0)
+    timed_steps: int = setting(10, "timed optimizer steps per repeat", low=1)
+    repeats: int = setting(5, "repeats per precision, interleaved", low=1)
+    accuracy_steps: int = setting(50, "training steps for accuracy parity (0: skip)", low=0)
+    eval_batches: int = setting(20, "validation batches after each accuracy run", low=1)
+    lr: float = setting(1e-3, "learning rate of every run", above=0)
+    weight_decay: float = setting(0.1, "AdamW weight decay", low=0)
+    grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
+    seed: int = setting(0, "data order and dropout masks, the same for every precision", low=0)
+    force: bool = setting(False, "run precisions this device has no native support for")
+    compile: str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, interleaved)",
+                           choices=tuple(COMPILE_CHOICES))
+    compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
+                                choices=COMPILE_MODES)
+    thresholds: Thresholds = setting(factory=Thresholds)
+    progress: bool = setting(True, PROGRESS_HELP)
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    loggers: tuple = setting((), "experiment loggers: tensorboard, wandb, mlflow (one run holding the table and "
+                                 "the verdicts)", flag="log")
+    log_dir: str | None = setting(None, "logger output (none: runs/logs)")
+
+    def __post_init__(self):
+        self.precisions = precision_list(self.precisions)
+        if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
+            self.compile = "on" if self.compile else "off"
+        self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
+        check_switch(self, "force")
+        check_switch(self, "progress")
+        if not isinstance(self.thresholds, Thresholds):
+            raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")
+        check_fields(self)
+
+    def to_dict(self) -> dict:
+        """The settings a result records: what was measured and how, not where it ran (the result's metadata
+        says), how it showed or where it logged."""
+        return {k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}

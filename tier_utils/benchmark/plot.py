@@ -1,0 +1,72 @@
+"""The AMP benchmark's figure: throughput with IQR bars, stacked memory, loss curves, fp16 loss scale."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..core.plotting import caption, integer_axis, power_of_two_axis
+from .record import MIB
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
+    from matplotlib.figure import Figure
+
+
+def plot_benchmark(result) -> Figure:
+    from matplotlib.figure import Figure
+
+    from ..analysis.common import message_figure
+
+    ran = [r for r in result.records if r.speed is not None]  # neither skipped nor stopped
+    if not ran:
+        stopped = next((r.stopped for r in result.records if r.stopped), "no precision was timed")
+        return message_figure("AMP benchmark: nothing measured", stopped)
+    names = [r.precision + (" compiled" if r.mode == "compiled" else "") for r in ran]
+    curves = [(name, r) for name, r in zip(names, ran) if r.accuracy]
+    scaled = [(name, r) for name, r in curves if r.accuracy["loss_scale"]]
+    # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
+    fig = Figure(figsize=(12, 8) if scaled else (15, 4.5), layout="constrained")
+    axes = fig.subplots(2, 2).ravel() if scaled else fig.subplots(1, 3)
+    ax_speed, ax_mem, ax_loss = axes[:3]
+    device = result.metadata["device_name"]
+    cfg = result.config.settings
+    fig.suptitle(f"AMP benchmark: {result.config.model} on {device} (torch {result.metadata['torch']})")
+
+    tps = [r.speed.tokens_per_s for r in ran]
+    err = [[s.median - s.q1 for s in tps], [s.q3 - s.median for s in tps]]
+    ax_speed.bar(names, [s.median for s in tps], yerr=err, capsize=6, color="tab:blue")
+    ax_speed.set(title=f"throughput, median and IQR of n={cfg.repeats} repeats", ylabel="tokens / s",
+                 xlabel="precision")
+
+    bottom = [0.0] * len(ran)
+    for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
+                       ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
+        heights = [r.memory[key] / MIB for r in ran]
+        ax_mem.bar(names, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax_mem.set(title="memory of one training step (saved-tensor accounting)", ylabel="MiB", xlabel="precision")
+    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
+
+    for name, r in curves:
+        curve = r.accuracy["loss_curve"]
+        ax_loss.plot(range(1, len(curve) + 1), curve, label=name)
+    ax_loss.set(title="training loss, same start and batches", xlabel="applied optimizer update",
+                ylabel="cross-entropy (nats)")
+    if curves:
+        ax_loss.legend()
+    else:
+        ax_loss.text(0.5, 0.5, "no accuracy run (accuracy_steps=0)", ha="center", va="center",
+                     transform=ax_loss.transAxes)
+
+    for name, r in scaled:
+        trace, skipped = r.accuracy["loss_scale"], r.accuracy["skipped_steps"]
+        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
+    if scaled:
+        axes[3].set(title="GradScaler loss scale", ylabel="loss scale",
+                    xlabel="attempted step (a skipped one is retried)")
+        power_of_two_axis(axes[3], [v for _, r in scaled for v in r.accuracy["loss_scale"]])
+        axes[3].legend()
+    for ax in axes[2:]:
+        integer_axis(ax.xaxis)
+    caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
+                 f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
+                 f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads")
+    return fig

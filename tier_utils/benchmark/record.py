@@ -1,0 +1,175 @@
+"""The AMP benchmark's records: per precision x mode the `Plan` a run fills in and the `PrecisionRecord`
+it becomes (one entry of the JSON's "precisions", one row of `.table`) with its `Speed`; per run the
+`BenchRun` (the JSON's "config") with its `BatchFit`."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from ..core.budget import Budget
+from ..core.measure import Stats, probe_summary
+from ..core.precision import Precision
+from ..core.results import run_metadata
+from ..model.compiling import Mode
+from .config import BenchConfig, Thresholds
+from .verdicts import parity, reduction, speedup
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Speed:
+    """One precision x mode's timed repeats and, once compared, its ratios (verdicts.speedup's dicts)."""
+
+    step_ms: Stats  # over the repeats' mean timed steps
+    tokens_per_s: Stats
+    samples_ms: list[float]  # each repeat's mean timed step, in the order they ran
+    timed_steps: int  # per repeat
+    speedup: dict | None = None  # against the baseline; None for the baseline itself
+    speedup_vs_eager: dict | None = None  # against the same precision eager: compiled rows only
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_ms": self.step_ms.to_dict(), "tokens_per_s": self.tokens_per_s.to_dict()}
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """How the fit planner (predicted) sized the benchmark's batch to this device."""
+
+    batch_size_asked: int
+    largest_batch_predicted: dict[str, int]  # precision -> the largest batch a training step fits here
+    room_bytes: float  # what a training step may use here
+    budget: Budget
+    reason: str | None  # why the run's batch is smaller than the one asked; None: it is the one asked
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "budget": self.budget.to_dict()}
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """What a benchmark ran: the model, its data (DataSplits.describe's fields), the settings as run (the
+    batch every compared precision fits, the length capped at the model's) and one step's tokens."""
+
+    model: str
+    task: str
+    parameters: int
+    data: str
+    source: str
+    tokenizer: str
+    validation: str
+    train_examples: int
+    val_examples: int
+    settings: BenchConfig
+    tokens_per_step: int
+    fit: BatchFit
+
+    def to_dict(self) -> dict:
+        """The JSON's "config": the settings' fields flat beside the model's and the data's."""
+        flat = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flat.update(value.to_dict() if f.name == "settings" else {f.name: value})
+        return {**flat, "fit": self.fit.to_dict()}
+
+
+@dataclass
+class Plan:
+    """One precision x mode: how it runs, then what it measured, raw."""
+
+    name: str
+    mode: Mode
+    precision: Precision
+    adapter: object  # what the steps call: the compiled model where compiling worked
+    ran: bool = True
+    forced: bool = False
+    skip_reason: str | None = None  # why it did not run: the detail of its SKIP rows
+    compile: dict | None = None  # CompileInfo.to_dict() once compiled
+    batches: list | None = None  # its own speed batches (the floor step's); None: the shared ones
+    stopped: str | None = None  # why a non-finite loss stopped it
+    memory: dict | None = None
+    probe_size: int | None = None
+    probe_ms: list = field(default_factory=list)
+    step_samples: list = field(default_factory=list)  # mean timed step (ms) of each repeat
+    speed: Speed | None = None
+    accuracy: dict | None = None
+
+
+@dataclass
+class PrecisionRecord:
+    """What one precision x mode measured, with its comparisons against the baseline."""
+
+    precision: str
+    mode: Mode
+    dtype: str
+    native: bool
+    ran: bool
+    forced: bool
+    reason: str  # the precision policy's reason (Precision.reason)
+    compile: dict | None
+    metadata: dict
+    speed: Speed | None = None
+    mfu: dict | None = None
+    memory: dict | None = None
+    accuracy: dict | None = None
+    stopped: str | None = None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "speed": None if self.speed is None else self.speed.to_dict()}
+
+    def table_row(self) -> dict:
+        speed, mfu, mem, acc = self.speed, self.mfu or {}, self.memory or {}, self.accuracy or {}
+        step, tps = (speed.step_ms.to_dict(), speed.tokens_per_s.to_dict()) if speed else ({}, {})
+        sp, vs_eager = (speed.speedup or {}, speed.speedup_vs_eager or {}) if speed else ({}, {})
+        red, par = mem.get("reduction", {}), acc.get("parity") or {}
+        def mib(key):
+            return mem[key] / MIB if mem.get(key) is not None else None
+
+        return {
+            "precision": self.precision, "mode": self.mode, "dtype": self.dtype, "ran": self.ran,
+            "n_repeats": step.get("n"), "step_ms_median": step.get("median"), "step_ms_iqr": step.get("iqr"),
+            "tokens_per_s_median": tps.get("median"), "tokens_per_s_iqr": tps.get("iqr"),
+            "speedup": sp.get("median", 1.0 if self.ran else None),  # ran with no speedup: the baseline
+            "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
+            "speedup_vs_eager": vs_eager.get("median"),
+            "compile_s": (self.compile or {}).get("compile_s"), "achieved_tflops": mfu.get("achieved_tflops"),
+            "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"), "weights_mib": mib("weights_bytes"),
+            "grads_mib": mib("grads_bytes"), "optimizer_state_mib": mib("optimizer_state_bytes"),
+            "activations_mib": mib("activation_bytes"), "total_mib": mib("total_bytes"),
+            "peak_allocated_mib": mib("peak_allocated_bytes"), "peak_reserved_mib": mib("peak_reserved_bytes"),
+            "activation_reduction": red.get("activations"), "total_reduction": red.get("total"),
+            "peak_allocated_reduction": red.get("peak_allocated"),
+            "val_loss": acc.get("val_loss"), "val_accuracy": acc.get("val_accuracy"),
+            "val_accuracy_diff": acc.get("val_accuracy_diff"), "parity_max_rel_dev": par.get("max_rel_dev"),
+            "parity_first_step_out": par.get("first_step_out"), "skipped_steps": acc.get("skipped_steps"),
+            "reason": self.reason,
+        }
+
+
+def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Plan | None = None) -> PrecisionRecord:
+    """`p`'s record: measurements, comparisons with the baseline `base` (fp32 in the first mode) and,
+    compiled, with the same precision `eager`; metadata."""
+    prec = p.precision
+    rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, p.ran, p.forced,
+                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped)
+    if not p.ran or p.stopped:
+        return rec
+    step_ms = p.speed.step_ms
+    vs_eager = p.mode == "compiled" and eager is not None
+    rec.speed = replace(p.speed, speedup=None if p is base else speedup(base.speed.step_ms, step_ms),
+                        speedup_vs_eager=speedup(eager.speed.step_ms, step_ms) if vs_eager else None)
+    achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
+    probe = probe_summary(prec.dtype, p.probe_size, p.probe_ms)
+    # The best probe matmul: a peak is what the device reached, and other load only slows it.
+    peak = probe["tflops"]["max"]
+    rec.mfu = {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak, "probe": probe}
+    mem = rec.memory = dict(p.memory)
+    mem["reduction"] = {"activations": reduction(base.memory["activation_bytes"], mem["activation_bytes"]),
+                        "total": reduction(base.memory["total_bytes"], mem["total_bytes"]),
+                        "peak_allocated": reduction(base.memory["peak_allocated_bytes"], mem["peak_allocated_bytes"])}
+    if p.accuracy is not None:
+        acc = rec.accuracy = dict(p.accuracy)
+        acc["val_loss_diff"] = acc["val_loss"] - base.accuracy["val_loss"]
+        acc["val_accuracy_diff"] = acc["val_accuracy"] - base.accuracy["val_accuracy"]
+        acc["parity"] = parity(base.accuracy["loss_curve"], acc["loss_curve"], t.parity_tolerance)
+    return rec
+

@@ -1,0 +1,308 @@
+"""Model export: ONNX (torch.onnx) or a torch.export program (.pt2), checked against eager.
+
+The model (a copy, on the CPU, in eval mode, cast to the export precision) is wrapped so it takes
+token ids (plus the attention mask for a classifier, whose padding matters) and returns the
+logits tensor, then captured once with torch.export with dynamic batch and sequence axes. ONNX is
+translated from that program. Parity runs the artifact (onnxruntime for ONNX, the reloaded
+ExportedProgram for pt2) and eager on real batches of two shapes that differ from the traced one,
+and times both on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import logging
+import re
+import warnings
+from dataclasses import dataclass, replace
+
+import pandas as pd
+import torch
+
+from ..core.errors import ExportError, describe, one_line
+from ..core.files import atomic_write_bytes, jsonable
+from ..core.measure import StepTimer, summarize
+from ..core.precision import Precision, precision_setting, resolve_precision
+from ..core.results import Check, Result, checks_table, run_metadata
+from ..core.settings import check_fields, merge, setting
+from ..model.adapter import resolve_model
+from ..model.data import make_loader
+
+FORMATS = ("onnx", "pt2")
+SCHEMA = "tier_utils.export/1"
+# max |artifact - eager| / max |eager logits|: PASS up to the first, WARN up to the second, else FAIL.
+# Low precisions get room for different kernels rounding differently.
+REL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (3e-2, 1e-1), "fp16": (5e-3, 5e-2)}
+# Argmax agreement at positions whose eager top-2 margin exceeds the difference (a near-tie may flip).
+AGREEMENT = {"fp32": (1.0, 0.99), "bf16": (0.98, 0.9), "fp16": (0.99, 0.95)}
+
+
+@dataclass
+class ExportConfig:
+    """What `export` writes and how parity times it.
+
+    format: "onnx" (torch.onnx from a torch.export program; needs onnx, onnxscript and onnxruntime)
+        or "pt2" (torch.export.save).
+    precision: the dtype the weights are exported in (fp32, bf16, fp16; auto resolves for the CPU).
+    example: token ids (B, T) or a batch dict to trace with; None: a validation batch of the data.
+    repeats: timed forwards per shape and runner for the latency rows.
+    """
+
+    format: str = setting("onnx", "onnx or pt2")
+    precision: str | Precision = setting("fp32", "the dtype the weights are exported in")
+    example: torch.Tensor | dict | None = setting(None, "token ids (B, T) or a batch dict to trace with")
+    repeats: int = setting(10, "timed forwards per shape and runner", low=1)
+
+    def __post_init__(self):
+        self.format = str(self.format).lower()
+        if self.format not in FORMATS:  # an ExportError, as every export problem is (so no `choices`)
+            raise ExportError(f"unknown export format {self.format!r}; use one of: {', '.join(FORMATS)}")
+        self.precision = precision_setting(self.precision)
+        check_fields(self)
+
+
+class _Logits(torch.nn.Module):
+    """The adapter's call, as a module torch.export can capture: ids (and mask) in, logits out."""
+
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+        self.model = adapter.model  # registered, so the program holds its weights
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.adapter.logits(input_ids, attention_mask)
+
+
+@dataclass(repr=False)
+class ExportResult(Result):
+    """What `export` wrote and how the artifact compares with eager."""
+
+    path: str
+    config: dict
+    metadata: dict
+    checks: list
+    latency: list  # per shape and runner: n, median/IQR ms
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """Parity rows: relative max |Δ| and argmax agreement per batch shape."""
+        return checks_table(self.checks)
+
+    @property
+    def latency_table(self) -> pd.DataFrame:
+        return pd.DataFrame(self.latency)
+
+    def plot(self):
+        from matplotlib.figure import Figure
+
+        lat = self.latency_table
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        ax = fig.subplots()
+        shapes, runners = list(dict.fromkeys(lat["shape"])), list(dict.fromkeys(lat["runner"]))
+        width = 0.8 / len(runners)
+        for i, runner in enumerate(runners):
+            rows = lat[lat["runner"] == runner].set_index("shape").loc[shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], rows["median_ms"], width,
+                   yerr=rows["iqr_ms"] / 2, capsize=3, label=f"{runner} (n={int(rows['n'].iloc[0])})")
+        ax.set_xticks([j + width * (len(runners) - 1) / 2 for j in range(len(shapes))], shapes)
+        ax.set(ylabel="ms per forward (median, IQR bars)", xlabel="batch x tokens",
+               title=f"{self.config['model']} · {self.config['format']} · {self.config['precision']} · "
+                     f"{self.metadata['device_name']}")
+        ax.legend()
+        return fig
+
+    def to_json(self) -> dict:
+        return jsonable({"schema": SCHEMA, "status": self.status, "path": self.path, "config": self.config,
+                         "metadata": self.metadata, "parity": self.table, "latency": self.latency})
+
+
+def export(model, path, data=None, config: ExportConfig | dict | None = None, *, model_kwargs: dict | None = None,
+           **overrides) -> ExportResult:
+    """Export `model` (an nn.Module, adapter or load_model spec, built with `model_kwargs`) to `path` and check
+    it against eager. Batch and sequence axes are dynamic (sequence up to max_len).
+
+    data: None (the bundled corpus) or any form build_datasets takes: the parity batches, and the traced
+        one unless the config gives an example.
+    config / overrides: an ExportConfig (or dict) and/or its field names as keywords.
+    A model torch.export cannot capture raises ExportError naming the construct and where it is.
+    """
+    cfg = merge(ExportConfig, config, overrides, "export")
+    fmt = cfg.format
+    prec = resolve_precision(cfg.precision, "cpu", warn=False)
+    if fmt == "onnx":
+        _require("onnxruntime", "onnxscript", "onnx")
+    source = resolve_model(model, **(model_kwargs or {}))
+    # A copy: the caller's model keeps its device, dtype and mode.
+    adapter = replace(source, model=copy.deepcopy(source.model).to("cpu", prec.dtype).eval())
+    wrapper = _Logits(adapter).eval()
+    keys = ("input_ids", "attention_mask") if adapter.task == "classification" else ("input_ids",)
+    t_trace = min(16, adapter.max_len)
+    shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
+    splits = adapter.datasets(data, max(s[1] for s in shapes))
+    trace = _example(cfg.example, keys) if cfg.example is not None else _batch(splits.val, 2, t_trace, keys)
+    program = _capture(wrapper, trace, adapter, fmt)
+    payload = _serialize(program, trace, keys, fmt, adapter.name)
+    written = atomic_write_bytes(path, payload)
+    runner, skip = _runner(fmt, payload, keys)
+    checks, latency = [], []
+    with torch.inference_mode():
+        for b, t in shapes:
+            batch = _batch(splits.val, b, t, keys)
+            label = f"{b}x{t}"
+            if runner is None:
+                checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
+                                                                                       "argmax agreement")]
+                continue
+            checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.name, label)
+            latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
+    config = {"model": adapter.name, "task": adapter.task, "format": fmt, "precision": prec.name,
+              "precision_reason": prec.reason, "inputs": list(keys), "trace_shape": list(trace[0].shape),
+              "parity_shapes": [f"{b}x{t}" for b, t in shapes], "max_len": adapter.max_len,
+              **splits.describe(), "repeats": cfg.repeats, "bytes": len(payload),
+              "rel_tolerance": REL_TOLERANCE[prec.name], "argmax_agreement": AGREEMENT[prec.name]}
+    metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
+    return ExportResult(str(written), config, metadata, checks, latency)
+
+
+def _require(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ExportError(f"ONNX export needs {', '.join(missing)}: pip install \"tier_utils[export]\"")
+
+
+def _runtime_version(fmt: str) -> str:
+    if fmt == "onnx":
+        import onnxruntime
+
+        return f"onnxruntime {onnxruntime.__version__}"
+    return f"torch.export {torch.__version__}"
+
+
+def _example(example, keys) -> tuple:
+    if isinstance(example, torch.Tensor):
+        example = {"input_ids": example}
+    if not isinstance(example, dict) or "input_ids" not in example:
+        raise ExportError("example must be token ids (B, T) or a batch dict with input_ids")
+    ids = example["input_ids"].long().cpu()
+    if "attention_mask" in keys:
+        return ids, example.get("attention_mask", torch.ones_like(ids)).long().cpu()
+    return (ids,)
+
+
+def _batch(dataset, b: int, t: int, keys) -> tuple:
+    """The first `b` validation examples, cut to `t` tokens."""
+    batch = next(iter(make_loader(dataset, min(b, len(dataset)), shuffle=False)))
+    return tuple(batch[k][:, :t].contiguous() for k in keys)
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause's first line, and the user's code it points at when torch says."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = str(root)
+    where = re.search(r'File "([^"]+)", line (\d+), in (\w+)', text.split("The following call raised this error:")[-1])
+    at = f" at {where.group(1)}:{where.group(2)} in {where.group(3)}()" if where else ""
+    return describe(root, text=text.strip().splitlines()[0] if text.strip() else None) + at
+
+
+@contextlib.contextmanager
+def _quiet():
+    """On failure torch.export prints the partial graph to stderr and logs notes: the one-line error says
+    what matters, so they are held back (on success too: they are notes on torch's internals)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
+def _capture(wrapper, trace: tuple, adapter, fmt: str):
+    from torch.export import Dim
+
+    batch, seq = Dim("batch", max=4096), Dim("seq", max=adapter.max_len)
+    dynamic = tuple({0: batch, 1: seq} for _ in trace)
+    try:
+        with _quiet():
+            return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)
+    except Exception as exc:
+        raise ExportError(f"cannot export {adapter.name} to {fmt}: torch.export stopped on {_reason(exc)}; make "
+                          "that code traceable (no Python branch or .item() on tensor values; torch.cond for a "
+                          "data-dependent branch)") from exc
+
+
+def _serialize(program, trace: tuple, keys, fmt: str, name: str) -> bytes:
+    if fmt == "pt2":
+        buf = io.BytesIO()
+        torch.export.save(program, buf)
+        return buf.getvalue()
+    try:
+        with _quiet():  # and torch.onnx's notes on axis names and decompositions
+            onnx_program = torch.onnx.export(program, trace, input_names=list(keys), output_names=["logits"],
+                                             dynamo=True, verbose=False)
+    except Exception as exc:
+        raise ExportError(f"cannot export {name} to onnx: {_reason(exc)}; that op has no ONNX translation, "
+                          "try format='pt2'") from exc
+    return onnx_program.model_proto.SerializeToString()
+
+
+def _runner(fmt: str, payload: bytes, keys):
+    """A callable batch -> logits tensor for the written artifact, or (None, why) if this runtime can't run it."""
+    if fmt == "pt2":
+        program = torch.export.load(io.BytesIO(payload)).module()
+        return (lambda batch: program(*batch)), None
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    # torch's thread count, and no spinning between runs: spinning threads would starve the eager runs
+    # interleaved with them, and a fair latency comparison uses the same cores.
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        session = ort.InferenceSession(payload, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # e.g. no CPU kernel for bf16 in onnxruntime
+        return None, f"onnxruntime cannot load it on this CPU: {one_line(exc)[:200]}"
+    return (lambda batch: torch.from_numpy(session.run(None, {k: v.numpy() for k, v in zip(keys, batch)})[0])), None
+
+
+def _parity(eager: torch.Tensor, out: torch.Tensor, prec: str, label: str) -> list[Check]:
+    diff = (out - eager).abs()
+    max_abs = diff.max().item()
+    rel = max_abs / max(eager.abs().max().item(), 1e-12)
+    pass_at, warn_at = REL_TOLERANCE[prec]
+    status = "PASS" if rel <= pass_at else "WARN" if rel <= warn_at else "FAIL"
+    checks = [Check(f"logits rel max |Δ| ({label})", status, rel, pass_at,
+                    f"max |Δ| {max_abs:.3g} over {eager.numel():,} logits, relative to max |eager| "
+                    f"(WARN up to {warn_at:g})")]
+    top2 = eager.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > 2 * max_abs  # a near-tie may flip without anything wrong
+    agree = out.argmax(-1) == eager.argmax(-1)
+    n = int(decisive.sum())
+    value = agree[decisive].float().mean().item() if n else 1.0
+    pass_at, warn_at = AGREEMENT[prec]
+    status = "PASS" if value >= pass_at else "WARN" if value >= warn_at else "FAIL"
+    checks.append(Check(f"argmax agreement ({label})", status, value, pass_at,
+                        f"over n={n} of {agree.numel()} positions not tied within 2 x max |Δ|; all positions: "
+                        f"{agree.float().mean().item():.4f} (WARN down to {warn_at:g})"))
+    return checks
+
+
+def _latency(wrapper, runner, batch, label: str, repeats: int, fmt: str) -> list[dict]:
+    """CPU milliseconds per forward, eager and artifact interleaved (drift hits both alike), 2 untimed each."""
+    name = "onnxruntime" if fmt == "onnx" else "torch.export"
+    calls = {"eager": lambda: wrapper(*batch), name: lambda: runner(batch)}
+    for call in calls.values():
+        call(), call()
+    timers = {k: StepTimer("cpu") for k in calls}
+    for _ in range(repeats):
+        for k, call in calls.items():
+            with timers[k].region():
+                call()
+    stats = {k: summarize(timer.milliseconds()) for k, timer in timers.items()}
+    return [{"shape": label, "runner": k, "n": s.n, "median_ms": s.median, "iqr_ms": s.iqr, "min_ms": s.min,
+             "max_ms": s.max} for k, s in stats.items()]

@@ -1,0 +1,356 @@
+"""The one place that knows how to call a model and read it: calling convention, logits,
+task kind, vocab size, max length, number of classes.
+
+Batches everywhere in tier_utils are dicts: `input_ids` (B, T) long, `labels` ((B, T) next
+tokens for a causal LM, (B,) class ids for classification), optional `attention_mask` (B, T).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
+from .data import DataSplits, build_datasets
+from .loading import load_model, source_of
+from .tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
+
+TASKS = ("causal-lm", "classification")
+
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
+_VOCAB_KEYS = ("vocab_size", "n_vocab")
+_PROBE_LEN = 8
+# The length tested when a model has no position table and declares no limit (ALiBi, state-space
+# models): twice the default training window, cheap enough for a smoke test.
+DEFAULT_MAX_LEN = 128
+ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes", "tokenizer")
+# How a forward in the convention of popular GPT training code names its targets: it returns (logits, loss)
+# when given them, and often only the last position's logits without them.
+TARGET_KEYWORDS = ("targets", "labels")
+
+
+@dataclass
+class ModelAdapter:
+    model: nn.Module
+    task: str
+    vocab_size: int
+    max_len: int
+    num_classes: int | None
+    takes_input_ids_kwarg: bool
+    takes_attention_mask: bool
+    takes_inputs_embeds: bool
+    takes_position_ids: bool = False
+    padding_side: str = "right"  # where a padded batch puts its padding: left for decoder LMs
+    max_len_note: str | None = None  # set when max_len is tier_utils' default, not the model's own limit
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the ids every tier feeds: the model's own, or bytes
+    # Set when the forward returns every position's logits only when given targets (the keyword to pass).
+    targets_keyword: str | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def name(self) -> str:
+        return type(self.model).__name__
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):
+        """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
+        to a model that needs targets to return every position; any id works there, zeros are used if none."""
+        kwargs = {}
+        if self.targets_keyword is not None:
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+            kwargs[self.targets_keyword] = (labels if labels is not None
+                                            else torch.zeros(shape, dtype=torch.long, device=self.device))
+        if attention_mask is not None and self.takes_attention_mask:
+            kwargs["attention_mask"] = attention_mask
+            if self.takes_position_ids and self.task == "causal-lm":
+                # Left padding shifts the real tokens; count positions from the first real one, as HF's
+                # generate() does (an all-ones mask gives the default 0..T-1).
+                kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if inputs_embeds is not None:
+            if not self.takes_inputs_embeds:
+                raise AdapterError(f"{self.name}.forward takes no inputs_embeds argument")
+            return self.model(inputs_embeds=inputs_embeds, **kwargs)
+        if self.takes_input_ids_kwarg:
+            return self.model(input_ids=input_ids, **kwargs)
+        return self.model(input_ids, **kwargs)
+
+    def logits(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None) -> torch.Tensor:
+        return extract_logits(self.forward(input_ids, attention_mask, inputs_embeds, labels), self.name)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; for a causal LM, over every position (labels are next tokens)."""
+        if self.task == "causal-lm":
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return F.cross_entropy(logits, labels)
+
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, logits) for a batch dict; call it inside the precision's autocast."""
+        labels = batch["labels"] if self.task == "causal-lm" else None
+        logits = self.logits(batch["input_ids"], batch.get("attention_mask"), labels=labels)
+        return self.loss(logits, batch["labels"]), logits
+
+    def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
+        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
+        return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, seed=seed,
+                              max_len=self.max_len, tokenizer=self.tokenizer)
+
+    def embeddings(self) -> nn.Embedding | None:
+        return input_embedding(self.model)
+
+    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:
+        """A random batch of the right shape and task, on the model's device."""
+        T = min(seq_len or self.max_len, self.max_len)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
+        if self.task == "causal-lm":
+            labels = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
+        else:
+            labels = torch.randint(0, self.num_classes, (batch_size,), generator=g)
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones(batch_size, T, dtype=torch.long)}
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def require_trainable(self) -> list[nn.Parameter]:
+        """The trainable parameters; none is a one-line error before any step is taken."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise AdapterError(f"{self.name} has no trainable parameters (every requires_grad is False); "
+                               "unfreeze some with p.requires_grad_(True) to train or benchmark it")
+        return params
+
+    def fit_length(self, seq_len: int, what: str = "seq_len") -> int:
+        """The rule for every tier: a length past the model's max_len is capped to it, with a warning
+        (callers record the length used). The one place this is decided."""
+        if seq_len <= self.max_len:
+            return seq_len
+        warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",
+                      stacklevel=3)
+        return self.max_len
+
+    def check_forward(self) -> None:
+        """One small forward before a run, so a model that cannot run fails in one line, not mid-loop."""
+        _probe_output(self)
+
+    def summary(self) -> dict:
+        params = list(self.model.parameters())
+        return {"model": self.name, "task": self.task, "parameters": sum(p.numel() for p in params),
+                "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+                "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+                "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
+                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
+                "tokenizer": self.tokenizer.name}
+
+
+def extract_logits(output, model_name: str = "model") -> torch.Tensor:
+    """Logits from a tensor, an HF ModelOutput / dict with `logits`, or a tuple whose first tensor is them."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = None
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        logits = output.get("logits") if hasattr(output, "get") else None
+    elif isinstance(output, (tuple, list)):
+        logits = next((o for o in output if isinstance(o, torch.Tensor)), None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise AdapterError(f"{model_name} returned {type(output).__name__} with no logits; return a tensor, "
+                       "a tuple starting with the logits, or an object with a .logits field")
+
+
+def resolve_model(model, **model_kwargs) -> ModelAdapter:
+    """An adapter for anything a tier accepts: a load_model spec (built with the kwargs; `weights` and
+    `tokenizer` apply to it), an nn.Module (HF included; the kwargs may be adapt's: task, vocab_size, max_len,
+    num_classes, tokenizer, and `weights` to load) or an adapter."""
+    if isinstance(model, ModelAdapter):
+        if model_kwargs:
+            raise ModelSpecError("keyword arguments only apply when building a model from a spec, not to an adapter; "
+                                 "pass them to adapt(model, ...) when you make it")
+        return model
+    if isinstance(model, nn.Module):
+        loading = {k: model_kwargs.pop(k) for k in ("weights", "tokenizer") if k in model_kwargs}
+        other = sorted(set(model_kwargs) - set(ADAPTER_KEYWORDS))
+        if other:
+            raise ModelSpecError(f"{', '.join(other)}: an nn.Module instance is already built, so only "
+                                 f"{', '.join(ADAPTER_KEYWORDS)} apply to it; build it with those arguments yourself")
+        return adapt(load_model(model, **loading), **model_kwargs)
+    return adapt(load_model(model, **model_kwargs))
+
+
+def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len: int | None = None,
+          num_classes: int | None = None, tokenizer=None) -> ModelAdapter:
+    """Work out how to drive `model` (an nn.Module or an adapter, returned as is).
+
+    tokenizer: anything `load_tokenizer` takes; None: the model's own (the one its spec or save_pretrained
+    folder came with), else byte-level. One whose ids exceed the model's vocabulary is refused here."""
+    if isinstance(model, ModelAdapter):
+        return model
+    if not isinstance(model, nn.Module):
+        raise AdapterError(f"expected a torch.nn.Module, got {type(model).__name__}; load it with load_model first")
+    if next(model.parameters(), None) is None:
+        raise AdapterError(f"{type(model).__name__} has no parameters; there is nothing to smoke-test or train")
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise AdapterError(f"{name} is an encoder-decoder model, which tier_utils does not support yet; "
+                           "use a decoder-only LM or an encoder classifier")
+    params = _forward_params(model)
+    takes_kw = "input_ids" in params
+    vocab = (vocab_size or _first_attr((config, model), _VOCAB_KEYS)
+             or getattr(input_embedding(model), "num_embeddings", None))
+    if not vocab:
+        raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
+                           "(smoke/analyze take it as a keyword; for every tier: adapt(model, vocab_size=N))")
+    if task is not None and task not in TASKS:
+        raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
+    declared = _first_attr((config, model), _MAX_LEN_KEYS)
+    usable = _position_rows(model)
+    length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
+    adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
+                           num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
+                           "position_ids" in params)
+    adapter.targets_keyword = _targets_keyword(adapter, params)
+    adapter.task = task or _declared_task(model) or _probe_task(adapter)
+    if length == math.inf:
+        _check_default_length(adapter)
+    if adapter.task == "classification" and adapter.num_classes is None:
+        adapter.num_classes = (getattr(config, "num_labels", None) or getattr(model, "num_classes", None)
+                               or _probe_output(adapter).shape[-1])
+    side = getattr(model, "padding_side", None)
+    adapter.padding_side = side if side in ("left", "right") else "left" if adapter.task == "causal-lm" else "right"
+    adapter.tokenizer = _tokenizer_for(model, tokenizer, adapter.vocab_size)
+    return adapter
+
+
+def _tokenizer_for(model: nn.Module, spec, vocab: int) -> Tokenizer:
+    """The tokenizer given, else the model's own, else bytes; a given or own one must fit the vocabulary
+    (bytes are checked when text is encoded, since synthetic data needs no tokenizer)."""
+    if spec is None:
+        source = source_of(model)
+        if source is not None:
+            spec = source.tokenizer
+        else:  # a transformers model loaded by the user: its folder may hold its tokenizer
+            folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+            spec = folder if folder and is_tokenizer_folder(Path(folder)) else None
+    tok = load_tokenizer(spec)
+    if tok.name != BYTES and tok.vocab_size > vocab:
+        raise AdapterError(f"the tokenizer {tok.name} emits ids up to {tok.vocab_size - 1} but "
+                           f"{type(model).__name__}'s vocabulary has {vocab}; pass the tokenizer the model was "
+                           "trained with (tokenizer=, --tokenizer)")
+    return tok
+
+
+def _targets_keyword(adapter: ModelAdapter, params: set[str]) -> str | None:
+    """A forward that takes targets and, without them, returns fewer positions than it was given (the
+    last-position inference shortcut) gets them on every call."""
+    keyword = next((k for k in TARGET_KEYWORDS if k in params), None)
+    if keyword is None:
+        return None
+    out = _probe_output(adapter)
+    if out.dim() == 3 and out.size(1) < min(_PROBE_LEN, adapter.max_len):
+        return keyword
+    return None
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _first_attr(objs, keys) -> int | None:
+    for obj in objs:
+        for key in keys:
+            value = getattr(obj, key, None) if obj is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding: HF's get_input_embeddings() when it gives one, else the first nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, nn.Embedding):
+            return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _position_rows(model: nn.Module) -> int | None:
+    """How many positions the learned position table serves: its rows less the family's offset (OPT and
+    BART keep `offset` rows in front; RoBERTa-style tables start after the padding row, at padding_idx + 1)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and ("pos" in name.lower() or name.endswith("wpe")):  # GPT-2: wpe
+            offset = getattr(module, "offset", 0)
+            if module.padding_idx is not None:
+                offset += module.padding_idx + 1
+            return module.num_embeddings - (offset if isinstance(offset, int) else 0)
+    return None
+
+
+def _check_default_length(adapter: ModelAdapter) -> None:
+    """No position table and no declared limit: run DEFAULT_MAX_LEN tokens once, so a model with a hidden
+    limit asks for max_len instead of failing every long check."""
+    try:
+        _probe_output(adapter, adapter.max_len)
+    except AdapterError as exc:
+        cause = exc.__cause__ or exc
+        raise AdapterError(f"cannot find {adapter.name}'s maximum sequence length and {adapter.max_len} tokens fail "
+                           f"({describe(cause, limit=None)}); pass max_len=N (smoke/analyze take it as "
+                           "a keyword; for every tier: adapt(model, max_len=N))") from exc
+    adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
+                            f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
+                            "for longer)")
+
+
+def _declared_task(model: nn.Module) -> str | None:
+    declared = getattr(model, "task", None)
+    if declared in TASKS:
+        return declared
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if name.endswith("ForSequenceClassification"):
+        return "classification"
+    return None
+
+
+def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:
+    ids = torch.zeros(1, min(length, adapter.max_len), dtype=torch.long, device=adapter.device)
+    was_training = adapter.model.training
+    adapter.model.eval()
+    try:
+        with torch.inference_mode():
+            return adapter.logits(ids)
+    except AdapterError:
+        raise
+    except Exception as exc:
+        err = ModelForwardError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
+                                f"{describe(exc)}; fix its forward (or its signature: "
+                                "it gets input_ids, and attention_mask if it takes one)")
+        err.model = adapter.summary()  # what smoke/analyze report it under
+        raise err from exc
+    finally:
+        adapter.model.train(was_training)
+
+
+def _probe_task(adapter: ModelAdapter) -> str:
+    """No declared task: a (B, T, V) output means a causal LM, (B, C) a classifier."""
+    out = _probe_output(adapter)
+    if out.dim() == 3:
+        return "causal-lm"
+    if out.dim() == 2:
+        adapter.num_classes = adapter.num_classes or out.size(-1)
+        return "classification"
+    raise AdapterError(f"{adapter.name} returned logits of shape {tuple(out.shape)}; expected (B, T, vocab) "
+                       "or (B, classes); pass task= explicitly")

@@ -1,0 +1,346 @@
+"""Data: the bundled corpus (CPython's own docs), synthetic tokens, user data, and the loader.
+
+Text is turned into ids by the model's tokenizer (byte-level for the built-ins, so they need no
+download). Datasets yield the batch dicts the adapter expects: `input_ids`, `labels`, `attention_mask`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np  # always installed: pandas and matplotlib need it
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ..core.errors import DataError
+from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
+from .userdata import Texts, class_ids, is_user_source, read_source
+
+# Topic groups for the classification set (snippet -> which part of the docs it came from).
+TOPIC_GROUPS = ("statements", "expressions", "types", "runtime")
+_STATEMENTS = {
+    "assert", "assignment", "async", "augassign", "break", "class", "compound", "continue", "del", "else", "for",
+    "function", "global", "if", "import", "nonlocal", "pass", "raise", "return", "try", "while", "with", "yield",
+}
+_EXPRESSIONS = {
+    "atom-identifiers", "atom-literals", "attribute-references", "await", "binary", "bitwise", "booleans", "calls",
+    "comparisons", "conversions", "exprlists", "floating", "formatstrings", "imaginary", "in", "integers", "lambda",
+    "numbers", "operator-summary", "power", "shifting", "slicings", "strings", "subscriptions", "unary",
+}
+_TYPES = {"callable-types", "dict", "lists", "numeric-types", "objects", "sequence-types", "string-methods", "truth"}
+_VAL_EVERY = 5  # within each group, every 5th topic (sorted) is held out for validation
+
+
+def topic_group(topic: str) -> str:
+    if topic in _STATEMENTS:
+        return "statements"
+    if topic in _EXPRESSIONS:
+        return "expressions"
+    if topic in _TYPES or topic.startswith(("types", "bltin-")):
+        return "types"
+    return "runtime"  # data model, execution model, exceptions, naming, ...
+
+
+def corpus_topics() -> dict[str, str]:
+    """CPython's bundled documentation: topic name -> text (~79 topics, ~465 KB)."""
+    from pydoc_data.topics import topics
+    return dict(sorted(topics.items()))
+
+
+def corpus_split() -> tuple[list[str], list[str]]:
+    """(train topics, val topics), split by whole topic within each group so no text leaks."""
+    train, val = [], []
+    for group in TOPIC_GROUPS:
+        members = sorted(t for t in corpus_topics() if topic_group(t) == group)
+        for i, topic in enumerate(members):
+            (val if i % _VAL_EVERY == _VAL_EVERY // 2 else train).append(topic)
+    return train, val
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping causal-LM windows: input_ids = w[:-1], labels = w[1:]."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        n = (len(tokens) - 1) // seq_len
+        if n < 1:
+            raise DataError(f"text of {len(tokens)} tokens is shorter than one window of {seq_len + 1}; "
+                            "give more text or a smaller seq_len")
+        self.tokens, self.seq_len, self.n = tokens, seq_len, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        w = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        return {"input_ids": w[:-1], "labels": w[1:], "attention_mask": torch.ones(self.seq_len, dtype=torch.long)}
+
+
+class Snippets(Dataset):
+    """Classification examples: fixed-length token snippets with a class id (padded, masked)."""
+
+    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int, pad_id: int = 0):
+        if not texts:
+            raise DataError("no classification examples; give at least one (text, label) pair")
+        self.ids = torch.full((len(texts), seq_len), pad_id, dtype=torch.long)
+        self.mask = torch.zeros(len(texts), seq_len, dtype=torch.long)
+        for i, t in enumerate(texts):
+            t = t[:seq_len]
+            self.ids[i, : len(t)] = t
+            self.mask[i, : len(t)] = 1
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+
+
+class TokenRows(Dataset):
+    """One example per row of an (N, seq_len + 1) token tensor: input_ids = row[:-1].
+
+    Causal LM: labels = row[1:]. Classification: labels = the given class ids.
+    """
+
+    def __init__(self, rows: torch.Tensor, class_ids: torch.Tensor | None = None):
+        self.rows, self.class_ids = rows, class_ids
+        self.mask = torch.ones(rows.size(1) - 1, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        labels = row[1:] if self.class_ids is None else self.class_ids[i]
+        return {"input_ids": row[:-1], "labels": labels, "attention_mask": self.mask}
+
+
+def synthetic_tokens(n: int, seq_len: int, vocab_size: int, task: str = "causal-lm",
+                     num_classes: int | None = None, seed: int = 0) -> TokenRows:
+    """Random tokens for speed-only runs (the loss means nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
+    class_ids = torch.randint(0, num_classes or 2, (n,), generator=g) if task == "classification" else None
+    return TokenRows(rows, class_ids)
+
+
+def _snippets(topics: list[str], seq_len: int, tokenizer: Tokenizer) -> Snippets:
+    texts, labels = [], []
+    corpus = corpus_topics()
+    for topic in topics:
+        tokens = tokenizer.encode(corpus[topic])
+        for start in range(0, len(tokens) - seq_len // 2, seq_len):
+            texts.append(tokens[start: start + seq_len])
+            labels.append(TOPIC_GROUPS.index(topic_group(topic)))
+    return Snippets(texts, labels, seq_len, tokenizer.pad_id or 0)
+
+
+@dataclass
+class DataSplits:
+    train: Dataset
+    val: Dataset
+    source: str  # the kind: "corpus", "synthetic", "text", "table", "dataset", "tensors", "datasets"
+    name: str = ""  # what it was, e.g. "text file notes.txt"
+    tokenizer: str = BYTES  # the tokenizer that made the ids
+    validation: str = ""  # how the validation part was made
+    classes: list[str] | None = None  # label names, where the labels were text
+
+    def describe(self) -> dict:
+        """What every result records about its data."""
+        return {"data": self.name or self.source, "source": self.source, "tokenizer": self.tokenizer,
+                "validation": self.validation, "train_examples": len(self.train), "val_examples": len(self.val)}
+
+
+CORPUS_VALIDATION = "whole documentation topics held out (every 5th per topic group), so no text is in both"
+
+
+def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
+                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
+                   max_len: int | None = None, tokenizer: Tokenizer | None = None) -> DataSplits:
+    """Datasets for a task from any supported source.
+
+    data: None (the bundled corpus), "synthetic", a text file, a folder of .txt files, a .csv / .tsv /
+    .jsonl / .parquet table, `hf-dataset:NAME[/CONFIG][:SPLIT]` or a folder `datasets.save_to_disk` wrote
+    (any of these as a path string, or a `DataSource` naming its text and label columns), a list of
+    strings, a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
+    `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
+    tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
+    Validation: the source's own split when it has one; else the last `val_fraction` of the text
+    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
+    Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
+    `max_len`, class ids in [0, num_classes).
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    tokenizer = tokenizer or ByteTokenizer()
+    if isinstance(data, str) and data == "synthetic":
+        n = 512
+        train = synthetic_tokens(n, seq_len, vocab_size, task, num_classes, seed)
+        val = synthetic_tokens(n // 8, seq_len, vocab_size, task, num_classes, seed + 1)
+        return DataSplits(train, val, "synthetic", "synthetic random tokens", "none (random ids)",
+                          "a second random draw")
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Dataset) for d in data):
+        return DataSplits(data[0], data[1], "datasets", "the Datasets given", "as given", "the second Dataset given")
+    if isinstance(data, Dataset):
+        return DataSplits(*_split(data, val_fraction, seed), "dataset", "the Dataset given", "as given",
+                          f"a seeded random {val_fraction:.0%} of its examples")
+    if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor) for d in data)):
+        dataset = _tensor_dataset(data, task, vocab_size, num_classes, max_len)
+        return DataSplits(*_split(dataset, val_fraction, seed), "tensors", "the tensors given", "as given",
+                          f"a seeded random {val_fraction:.0%} of the rows")
+    if data is not None and not is_user_source(data) and not (isinstance(data, list)
+                                                               and all(isinstance(t, str) for t in data)):
+        raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a file or folder path, "
+                        "hf-dataset:NAME, a list of strings, tensors or a Dataset")
+    if tokenizer.vocab_size > vocab_size:
+        fix = (f"build the model with vocab_size>={tokenizer.vocab_size} or pass token tensors"
+               if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
+        raise DataError(f"text is tokenized by {tokenizer.name} (vocab {tokenizer.vocab_size}) but the model's vocab "
+                        f"is {vocab_size}; {fix}")
+    if data is None:
+        return _corpus(task, seq_len, num_classes, tokenizer)
+    if isinstance(data, list):
+        if not "".join(data):
+            raise DataError("data is an empty list of strings; give some text, a text file, 'synthetic' or None")
+        texts = Texts(data, None, None, None, f"{len(data)} strings given")
+    else:
+        texts = read_source(data, labels=task == "classification")
+    if task != "classification":
+        return _windows(texts, seq_len, val_fraction, tokenizer)
+    if texts.train_labels is None:
+        raise DataError("plain text has no labels for classification; give a table with a label column, "
+                        "(input_ids, labels) tensors or a Dataset")
+    return _labelled(texts, seq_len, num_classes, val_fraction, seed, tokenizer)
+
+
+def _corpus(task: str, seq_len: int, num_classes: int | None, tokenizer: Tokenizer) -> DataSplits:
+    train_topics, val_topics = corpus_split()
+    name = f"bundled corpus (CPython docs, {len(train_topics)} + {len(val_topics)} topics)"
+    if task == "classification":
+        if num_classes is not None and num_classes < len(TOPIC_GROUPS):
+            raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
+                            f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
+                            f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
+        return DataSplits(_snippets(train_topics, seq_len, tokenizer), _snippets(val_topics, seq_len, tokenizer),
+                          "corpus", name, tokenizer.name, CORPUS_VALIDATION, list(TOPIC_GROUPS))
+    corpus = corpus_topics()
+    join = "\n\n".join
+    return DataSplits(TokenWindows(tokenizer.encode(join(corpus[t] for t in train_topics)), seq_len),
+                      TokenWindows(tokenizer.encode(join(corpus[t] for t in val_topics)), seq_len), "corpus", name,
+                      tokenizer.name, CORPUS_VALIDATION)
+
+
+def _windows(texts: Texts, seq_len: int, val_fraction: float, tokenizer: Tokenizer) -> DataSplits:
+    """Causal-LM windows: the source's own validation texts, else the last `val_fraction` of the tokens."""
+    kind = "dataset" if texts.val is not None else "text"
+    tokens = tokenizer.encode("\n\n".join(texts.train))
+    if texts.val is not None:
+        train, val, how = tokens, tokenizer.encode("\n\n".join(texts.val)), texts.validation
+    else:
+        cut = int(len(tokens) * (1 - val_fraction))  # contiguous: validation text never seen in training
+        train, val = tokens[:cut], tokens[cut:]
+        how = f"the last {val_fraction:.0%} of the text ({len(val):,} tokens, contiguous, so no window is in both)"
+    if len(train) < seq_len + 1 or len(val) < seq_len + 1:
+        raise DataError(f"{texts.name} is too short: {len(train)} training and {len(val)} validation tokens for "
+                        f"windows of {seq_len + 1}; give more text or a smaller seq_len")
+    return DataSplits(TokenWindows(train, seq_len), TokenWindows(val, seq_len), kind, texts.name, tokenizer.name, how)
+
+
+def _labelled(texts: Texts, seq_len: int, num_classes: int | None, val_fraction: float, seed: int,
+              tokenizer: Tokenizer) -> DataSplits:
+    """One example per row, cut to seq_len; labels as class ids. The source's own validation rows, else a
+    seeded random `val_fraction` of the rows (whole rows, so no example is in both)."""
+    rows = texts.train + (texts.val or [])
+    labels, names = class_ids(texts.train_labels + (texts.val_labels or []), num_classes, texts.name)
+    ids = [tokenizer.encode(t)[:seq_len] for t in rows]
+    if any(len(t) == 0 for t in ids):
+        raise DataError(f"{texts.name} has empty text rows; drop them or fill the text column")
+    data = Snippets(ids, labels.tolist(), seq_len, tokenizer.pad_id or 0)
+    n_train = len(texts.train)
+    if texts.val is not None:
+        train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows)))
+        how = texts.validation
+    else:
+        train, val = _split(data, val_fraction, seed)
+        how = f"a seeded random {val_fraction:.0%} of the rows ({len(val)} rows)"
+    return DataSplits(train, val, "table", texts.name, tokenizer.name, how, names or None)
+
+
+def _check_ids(ids: torch.Tensor, what: str, high: int | None, fix: str) -> None:
+    """Integer ids in [0, high): a float tensor would be truncated to 0s and an id past the
+    table would fail deep inside torch, so both are refused here with the fix."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise DataError(f"{what} must be integer ids, got a {str(ids.dtype).replace('torch.', '')} tensor; "
+                        "tokenize first (e.g. torch.tensor(ids, dtype=torch.long))")
+    if ids.numel() == 0:
+        raise DataError(f"{what} is empty; give at least a few examples")
+    low, top = int(ids.min()), int(ids.max())
+    if low < 0 or (high is not None and top >= high):
+        bad = low if low < 0 else top
+        raise DataError(f"{what} holds {bad}, outside [0, {high}); {fix}")
+
+
+def _tensor_dataset(data, task: str, vocab_size: int, num_classes: int | None, max_len: int | None) -> Dataset:
+    vocab_fix = f"the model's vocab_size is {vocab_size}: re-tokenize or build the model with a larger vocab_size"
+    if task == "causal-lm":
+        if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.size(1) < 2:
+            raise DataError("causal-LM tensors must be one (N, seq_len + 1) long tensor of token ids")
+        _check_ids(data, "the token tensor", vocab_size, vocab_fix)
+        if max_len is not None and data.size(1) - 1 > max_len:
+            raise DataError(f"token rows of {data.size(1)} give inputs of {data.size(1) - 1} tokens, past the model's "
+                            f"max_len={max_len}; cut rows to at most {max_len + 1} tokens")
+        return TokenRows(data.long())
+    if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 2 and data[1].dim() == 1):
+        raise DataError("classification tensors must be an (input_ids (N, T), labels (N,)) pair")
+    ids, labels = data
+    if len(ids) != len(labels):
+        raise DataError(f"{len(ids)} input rows but {len(labels)} labels; give one label per row")
+    _check_ids(ids, "input_ids", vocab_size, vocab_fix)
+    _check_ids(labels, "labels", num_classes, f"the model has {num_classes} classes: use class ids 0..{num_classes - 1}"
+               if num_classes else "use class ids from 0")
+    if max_len is not None and ids.size(1) > max_len:
+        raise DataError(f"input_ids rows of {ids.size(1)} tokens are past the model's max_len={max_len}; "
+                        f"cut them to at most {max_len}")
+    return Snippets(list(ids.long()), labels.tolist(), ids.size(1))
+
+
+def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(ds)
+    n_val = max(1, int(n * val_fraction))
+    if n - n_val < 1:
+        raise DataError(f"{n} examples are too few to split into train and val; give more data")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(ds, order[n_val:]), Subset(ds, order[:n_val])
+
+
+def _seed_worker(worker_id: int) -> None:
+    # Each worker's torch seed derives from the loader's generator; numpy/random follow it.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, device=None, num_workers: int = 0,
+                seed: int = 0, drop_last: bool = False, sampler=None) -> DataLoader:
+    """A DataLoader with the rules that matter for speed and reproducibility.
+
+    pin_memory on CUDA (so `to_device(..., non_blocking=True)` overlaps), persistent workers
+    and prefetch when num_workers > 0, a seeded generator and seeded workers, default collate.
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise DataError(f"num_workers must be >= 0, got {num_workers}")
+    if len(dataset) < batch_size and drop_last:
+        raise DataError(f"batch_size={batch_size} is larger than the dataset ({len(dataset)} examples); "
+                        "use a smaller batch size")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    extra = {"persistent_workers": True, "prefetch_factor": 2} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+                      num_workers=num_workers, pin_memory=cuda, drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(seed), worker_init_fn=_seed_worker, **extra)
+
+
+def to_device(batch: dict, device) -> dict:
+    """Copy a batch dict to `device`; non_blocking pairs with pinned memory on CUDA."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

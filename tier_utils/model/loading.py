@@ -1,0 +1,442 @@
+"""Built-in models and `load_model`, which turns any supported spec into an nn.Module."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.errors import CheckpointError, ModelSpecError, describe, one_line
+from .checkpoint import load_checkpoint
+from .hub import HUB_PREFIX, from_hub
+from .tokenizer import is_tokenizer_folder
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    Uses the fused SDPA kernel for speed; with `keep_attention = True` it computes the
+    weights explicitly and keeps them in `.attention` (B, heads, T, T) for tier-2 analysis.
+    """
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        if d_model % n_head:
+            raise ModelSpecError(f"d_model={d_model} is not divisible by n_head={n_head}; pick sizes that divide")
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.keep_attention = False
+        self.attention: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        if self.keep_attention:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            self.attention = weights.detach()
+            y = F.dropout(weights, p) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _TokenModel(nn.Module):
+    """What both built-ins share: token + learned position embeddings, and HF-style accessors."""
+
+    def __init__(self, vocab_size: int, max_len: int, d_model: int):
+        super().__init__()
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_emb
+
+    def embed(self, input_ids=None, inputs_embeds=None) -> torch.Tensor:
+        """Token (or given) embeddings plus positions; inputs_embeds lets tier 2 perturb embeddings."""
+        x = self.tok_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        T = x.size(1)
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len={self.max_len}; build the model with a larger "
+                             "max_len")
+        return x + self.pos_emb(torch.arange(T, device=x.device))
+
+
+class TinyGPT(_TokenModel):
+    """Decoder-only language model: token + learned position embeddings, causal blocks, LM head.
+
+    Defaults are byte-level (vocab 256) to match the bundled corpus.
+    """
+
+    task = "causal-lm"
+    # It ignores attention_mask (its windows carry no padding), so only right padding, which causal
+    # attention never looks at, leaves its outputs exact; the adapter's padding check reads this.
+    padding_side = "right"
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128,
+                 n_layer: int = 2, n_head: int = 4, dropout: float = 0.0):
+        super().__init__(vocab_size, max_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
+        # attention_mask is accepted for a uniform call signature; causal LM windows carry no padding.
+        x = self.drop(self.embed(input_ids, inputs_embeds))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class TinyEncoder(_TokenModel):
+    """Encoder classifier built on nn.TransformerEncoder: embeddings, encoder, masked mean pool, head."""
+
+    task = "classification"
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128, n_layer: int = 2,
+                 n_head: int = 4, num_classes: int = 4, dropout: float = 0.0):
+        super().__init__(vocab_size, max_len, d_model)
+        self.num_classes = num_classes
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        # enable_nested_tensor=False keeps padded batches on one code path (and quiets a warning).
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+        self.apply(_init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None) -> torch.Tensor:
+        x = self.embed(input_ids, inputs_embeds)
+        pad = None if attention_mask is None else attention_mask == 0
+        x = self.ln_f(self.encoder(x, src_key_padding_mask=pad))
+        keep = torch.ones(x.shape[:2], device=x.device) if attention_mask is None else attention_mask.to(x.dtype)
+        pooled = (x * keep.unsqueeze(-1)).sum(1) / keep.sum(1, keepdim=True).clamp(min=1)
+        return self.head(pooled)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2's init: N(0, 0.02) for linear and embedding weights, zero biases.
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
+DEFAULT_MODEL = "tiny-gpt"
+# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/model/demo.py); fixed sizes, no
+# kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.
+DEMO_MODEL = "tiny-gpt-trained"
+
+# transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
+# The keys a wrapper puts in front of a state dict's names: torch.compile's module and DDP's.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+@dataclass
+class ModelSource:
+    """Where a model came from, kept on the module as `tier_utils_source`: its tokenizer follows it into every
+    tier, and a training checkpoint records it so `load_model(checkpoint)` can rebuild the model."""
+
+    spec: str | None  # None: a module built in Python, which no spec rebuilds
+    kwargs: dict = field(default_factory=dict)
+    tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
+    weights: str | None = None
+
+    def record(self, tokenizer: str | None) -> dict:
+        """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
+
+
+def source_of(model: nn.Module) -> ModelSource | None:
+    return getattr(model, "tier_utils_source", None)
+
+
+def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn.Module:
+    """Turn a spec into an nn.Module.
+
+    Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
+    (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `tiny-gpt-trained` (the shipped trained demo
+    model, tier_utils/model/demo.py; no kwargs); `path/to/file.py:Name` or
+    `package.module:Name` (a class or factory, called with kwargs; the file's folder is importable
+    while it loads); a folder written by `save_pretrained` (transformers' Auto class for the task its
+    config names; `task=` overrides, other kwargs go to from_pretrained); `hf:ORG/NAME` (the same from
+    the hub; needs network); `hf:<ModelClass>` (a transformers model built from a config made of
+    kwargs, random weights); a training checkpoint tier_utils wrote (`runs/x/checkpoints/last.pt`,
+    rebuilt from the spec it records, then its weights loaded).
+    weights: a safetensors file or a torch state dict loaded into the model (missing or unexpected
+    keys are refused in one line).
+    tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
+    the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
+    """
+    model = _build(spec, kwargs)
+    if weights is not None:
+        load_weights(model, weights)
+    if weights is not None or tokenizer is not None:
+        source = source_of(model) or ModelSource(None)
+        model.tier_utils_source = replace(source, weights=str(weights) if weights is not None else source.weights,
+                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer)
+    return model
+
+
+def _build(spec, kwargs: dict) -> nn.Module:
+    if isinstance(spec, nn.Module):
+        if kwargs:
+            raise ModelSpecError("keyword arguments are only used when building a model from a spec, not for an "
+                                 "instance; for task, vocab_size, max_len or num_classes use adapt(model, max_len=N)")
+        return spec
+    if isinstance(spec, Path):
+        spec = str(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"model spec must be a string or an nn.Module, got {type(spec).__name__}")
+    spec = spec.strip()
+    if spec == DEMO_MODEL:
+        from .demo import load_demo  # here, not at the top: demo_model imports this module (TinyGPT)
+        return _sourced(load_demo(**kwargs), spec, kwargs)
+    if spec in BUILTIN_MODELS:
+        return _sourced(_construct(BUILTIN_MODELS[spec], kwargs, spec), spec, kwargs)
+    if spec.startswith(HUB_PREFIX):
+        return _load_hf(spec[len(HUB_PREFIX):], kwargs)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_folder(path, spec, kwargs)
+    if path.is_file():
+        return _load_checkpoint_file(path, kwargs)
+    if ":" not in spec:
+        hint = f"; a hub model is written hf:{spec}" if "/" in spec or spec.islower() else ""
+        raise ModelSpecError(f"unknown model {spec!r} (no such built-in, folder or file{hint}); use a built-in "
+                             f"({', '.join([*BUILTIN_MODELS, DEMO_MODEL])}), a save_pretrained folder, hf:ORG/NAME, "
+                             "path/file.py:Name, package.module:Name or a tier_utils checkpoint")
+    where, _, name = spec.rpartition(":")
+    module = _import_file(where) if where.endswith(".py") else _import_module(where)
+    if not hasattr(module, name):
+        raise ModelSpecError(f"{where} has no attribute {name!r}; check the name after ':'")
+    # Recorded with an absolute path: a checkpoint rebuilds it from any working directory.
+    recorded = f"{Path(where).expanduser().resolve()}:{name}" if where.endswith(".py") else spec
+    return _sourced(_construct(getattr(module, name), kwargs, spec), recorded, kwargs)
+
+
+def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None) -> nn.Module:
+    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer)
+    return model
+
+
+def _import_file(path: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelSpecError(f"model file {path!r} not found; give a path to an existing .py file")
+    mod_name = f"tier_utils_user_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up here
+    folder = str(file.resolve().parent)
+    # The file imports its neighbours (`from model import GPT`) as it would when run from its folder.
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[mod_name]
+        raise ModelSpecError(f"importing {path} raised {describe(exc, limit=None)}; fix the file") from exc
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def _import_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import module {name!r} ({one_line(exc)}); check it is installed or on "
+                             "PYTHONPATH") from exc
+
+
+def _construct(factory, kwargs: dict, spec: str) -> nn.Module:
+    if isinstance(factory, nn.Module):
+        if kwargs:
+            raise ModelSpecError(f"{spec} is a module instance; it takes no keyword arguments")
+        return factory
+    if not callable(factory):
+        raise ModelSpecError(f"{spec} is a {type(factory).__name__}, not a model class or factory")
+    try:
+        model = factory(**kwargs)
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"building {spec} raised {describe(exc, limit=None)}; check its arguments") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelSpecError("Hugging Face models need the transformers package; pip install 'tier_utils[hf]' "
+                             "(or transformers)") from exc
+    return transformers
+
+
+def _load_hf(name: str, kwargs: dict) -> nn.Module:
+    """`hf:<ModelClass>` builds random weights from a config; anything else is a hub id."""
+    transformers = _transformers()
+    cls = getattr(transformers, name, None)
+    if cls is not None and inspect.isclass(cls) and getattr(cls, "config_class", None) is not None:
+        try:
+            model = cls(cls.config_class(**kwargs))
+        except Exception as exc:
+            raise ModelSpecError(f"building hf:{name} raised {describe(exc, limit=None)}; check the config") from exc
+        return _sourced(model, HUB_PREFIX + name, kwargs)
+    if not name or name[0].isupper() and "/" not in name:
+        raise ModelSpecError(f"transformers has no model class {name!r}; e.g. hf:GPT2LMHeadModel, or a hub id "
+                             "such as hf:gpt2")
+    task = kwargs.pop("task", None)
+    config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
+    auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
+    model = from_hub(auto.from_pretrained, name, "model", **kwargs)
+    return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name)
+
+
+def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
+    """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
+    tokenizer."""
+    if not (path / "config.json").is_file():
+        raise ModelSpecError(f"{spec} is a folder with no config.json, so not a save_pretrained model folder; "
+                             "give the folder transformers wrote, or a built-in / file.py:Name spec")
+    transformers = _transformers()
+    task = kwargs.pop("task", None)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
+        model = auto.from_pretrained(path, **kwargs)
+    except ModelSpecError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelSpecError(f"loading the model folder {spec} raised {describe(exc, limit=200)}; check the folder "
+                             "(config.json and model.safetensors or pytorch_model.bin)") from exc
+    path = path.resolve()  # recorded absolute: a checkpoint finds it from any working directory
+    tokenizer = str(path) if is_tokenizer_folder(path) else None
+    if tokenizer is None:
+        warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
+                      "tokenizer it was trained with", stacklevel=4)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer)
+
+
+def _hf_task(config, task: str | None, spec: str) -> str:
+    if task is not None:
+        if task not in AUTO_CLASSES:
+            raise ModelSpecError(f"unknown task {task!r} for {spec}; use one of: {', '.join(AUTO_CLASSES)}")
+        return task
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    return "classification" if architecture.endswith("ForSequenceClassification") else "causal-lm"
+
+
+def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
+    """A training checkpoint tier_utils wrote: rebuilt from the spec it records, its weights loaded."""
+    if path.suffix == ".py":
+        raise ModelSpecError(f"{path} is a Python file; name the model in it: {path}:ClassName")
+    if path.suffix == ".safetensors":
+        raise ModelSpecError(f"{path} holds weights only; give the model's spec and weights={str(path)!r} "
+                             "(--weights)")
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as exc:
+        raise ModelSpecError(f"{path} is not a tier_utils training checkpoint ({one_line(exc)[:120]}); for a plain "
+                             "state dict give the model's spec and --weights FILE") from exc
+    if kwargs:
+        raise ModelSpecError(f"{path} records the arguments its model was built with; give no model arguments")
+    recorded = state.get("source")
+    if not recorded:
+        raise ModelSpecError(f"{path} records no model spec (it was trained from a module built in Python); "
+                             "build that module and load the checkpoint's 'model' weights into it, or give the "
+                             "spec and --weights")
+    source = ModelSource(**recorded)
+    model = _build(source.spec, dict(source.kwargs))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ModelSpecError(f"{path}'s weights do not fit {source.spec} ({one_line(exc)[:160]})") from exc
+    model.tier_utils_source = source  # as trained: its spec, arguments and tokenizer
+    return model
+
+
+def load_weights(model: nn.Module, path) -> None:
+    """Load a safetensors file or a torch state dict (or a training checkpoint's 'model'/'state_dict' entry)
+    into `model`; names a compiled or DDP module gave its weights are matched too."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelSpecError(f"weights file {str(path)!r} not found; give a .safetensors file or a torch state dict")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(file)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelSpecError(f"cannot read weights from {path} ({describe(exc, limit=160)}); give a .safetensors "
+                             "file or a torch state dict saved with torch.save") from exc
+    if isinstance(state, dict):
+        state = next((state[k] for k in ("model", "state_dict") if isinstance(state.get(k), dict)), state)
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelSpecError(f"{path} holds no state dict (a mapping of names to tensors)")
+    state = {_unwrapped(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first says enough
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), one_line(exc))
+        raise ModelSpecError(f"{path} does not fit {type(model).__name__} ({detail[:200]}); give the weights of "
+                             "this architecture (and its arguments)") from exc
+    missing = _untied(model, missing, state)
+    if missing or unexpected:
+        parts = [f"{label} {len(keys)} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise ModelSpecError(f"{path} does not fit {type(model).__name__}: {'; '.join(parts)}; give the weights of "
+                             "this architecture (and its arguments)")
+
+
+def _unwrapped(key: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _untied(model: nn.Module, missing: list[str], loaded: dict) -> list[str]:
+    """Missing keys less those tied to a loaded tensor (an LM head sharing the embedding is saved once)."""
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in loaded if k in own}
+    return [k for k in missing if own[k].data_ptr() not in loaded_ptrs]

@@ -1,0 +1,1 @@
+"""What fits and runs where: the fit planner (`fit`, planner.py) and the device report (`info`, device_info.py)."""

@@ -1,0 +1,81 @@
+"""`info`: the device (with the torch thread count and why), the precision decision with its reason, and a
+model summary."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from ..core.files import jsonable, write_json
+from ..core.precision import (
+    CPU_FLAGS_ENV,
+    Precision,
+    cpu_flags,
+    native_support,
+    precision_setting,
+    resolve_device,
+    resolve_precision,
+)
+from ..core.results import run_metadata
+from ..core.settings import DEVICE_HELP, PRECISION_HELP, check_fields, merge, setting
+from ..model.adapter import resolve_model
+from ..model.loading import DEFAULT_MODEL
+
+
+@dataclass
+class InfoConfig:
+    """The device `info` describes and the precision it decides there."""
+
+    precision: str | Precision = setting("auto", PRECISION_HELP)
+    device: str | torch.device | None = setting(None, DEVICE_HELP)
+
+    def __post_init__(self):
+        self.precision = precision_setting(self.precision)
+        check_fields(self)
+
+
+@dataclass
+class InfoResult:
+    environment: dict
+    precision: dict
+    model: dict
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = [(s, k, v) for s in ("environment", "precision", "model") for k, v in getattr(self, s).items()]
+        return pd.DataFrame(rows, columns=["section", "key", "value"])
+
+    def to_json(self) -> dict:
+        return jsonable({"environment": self.environment, "precision": self.precision, "model": self.model})
+
+    def save_json(self, path):
+        return write_json(path, self.to_json())
+
+    def _repr_html_(self) -> str:
+        return self.table._repr_html_()
+
+
+def info(model=DEFAULT_MODEL, config: InfoConfig | dict | None = None, *, model_kwargs: dict | None = None,
+         **overrides) -> InfoResult:
+    """The device, the precision decided on it and a summary of `model` (a load_model spec is built with
+    `model_kwargs`). config / overrides: an InfoConfig (or dict) and/or its field names as keywords."""
+    cfg = merge(InfoConfig, config, overrides, "info")
+    dev = resolve_device(cfg.device)
+    env = run_metadata(dev)
+    if dev.type == "cuda":
+        cc = torch.cuda.get_device_capability(dev)
+        env["compute_capability"] = f"{cc[0]}.{cc[1]}"
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        env["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
+        if CPU_FLAGS_ENV in os.environ:
+            env["cpu_flags"] += f" (set by {CPU_FLAGS_ENV})"
+    for name in ("bf16", "fp16"):
+        env[f"native_{name}"] = native_support(name, dev)[0]
+    adapter = resolve_model(model, **(model_kwargs or {}))
+    # The environment section names the device once; the precision section says what was decided on it.
+    decided = {k: v for k, v in resolve_precision(cfg.precision, dev).to_dict().items()
+               if k not in ("device", "device_name")}
+    return InfoResult(env, decided, adapter.summary())

@@ -1,0 +1,1 @@
+"""Tier 1: `smoke()` (suite.py), its check groups (checks.py) and its memory grid (memory.py)."""

@@ -1,0 +1,369 @@
+"""Tier 1 check groups, run by `smoke()`: shapes, gradients, stability, init, memory, latency, determinism.
+
+A group is a generator of Check rows taking (adapter, report); it may fill the report's plot data
+(grad_norms, latency, memory, parameters). Rows that can fail independently are wrapped by `_guarded`.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from ..core.budget import affordable_repeats, gib, measure_activations
+from ..core.errors import describe
+from ..core.measure import StepTimer, percentile, summarize
+from ..core.precision import Precision, native_support, resolve_precision
+from ..core.results import Check, failed_check
+from ..model.adapter import ModelAdapter
+from .memory import memory
+
+VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
+LOW_PRECISION_TOL = {"bf16": 5e-2, "fp16": 1e-2}  # max |logits - fp32 logits| / max |fp32 logits|
+PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
+INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
+EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
+# Timed forwards per latency probe: as many as fit LATENCY_BUDGET_S after the warm-up, up to LATENCY_MAX_RUNS;
+# a big model gets fewer (its row says n). A call slower than a tenth of the budget warms up once only.
+LATENCY_WARMUP, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 20, 3.0
+
+
+def _guarded(name: str, fn, *args) -> Check:
+    """One row's isolation: its exception becomes its FAIL row; running out of GPU memory, a WARN (the
+    device's limit, not a bug), its memory released when the row returns."""
+    try:
+        return fn(name, *args)
+    except torch.cuda.OutOfMemoryError as exc:
+        return Check(name, "WARN", None, None, f"ran out of memory: {describe(exc, 240)}")
+    except Exception as exc:
+        return failed_check(name, exc)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _names(names: list[str], k: int = 5) -> str:
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def _rel_dev(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|: scale-free, and stable where single logits are near zero."""
+    x, ref = x.detach().float(), ref.detach().float()
+    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
+    return (b, t, adapter.vocab_size) if adapter.task == "causal-lm" else (b, adapter.num_classes)
+
+
+# --- shapes -------------------------------------------------------------------------------------
+
+def _shapes(adapter: ModelAdapter, report):
+    adapter.model.eval()
+    L = adapter.max_len
+    if adapter.max_len_note:
+        yield Check("shapes: max length (default)", "PASS", L, None, adapter.max_len_note)
+    odd = sorted({n for n in (3, L - 1 - L % 2) if 1 < n < L})
+    cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", 2, L)]
+    cases += [(f"odd batch 3, length {n}", 3, n) for n in odd]
+    for what, b, t in cases:
+        yield _guarded(f"shapes: {what}", _shape_case, adapter, b, t)
+    yield _guarded("shapes: padded batch + attention_mask", _padding_case, adapter)
+
+
+def _shape_case(name: str, adapter: ModelAdapter, b: int, t: int) -> Check:
+    batch = adapter.example_batch(b, t)
+    with torch.no_grad():
+        got = tuple(adapter.logits(batch["input_ids"], batch["attention_mask"]).shape)
+    want = _expected_shape(adapter, b, t)
+    detail = f"input ({b}, {t}) -> logits {got}"
+    if got != want:
+        detail += f"; a {adapter.task} model should give {want}"
+    return Check(name, "PASS" if got == want else "FAIL", str(got), str(want), detail)
+
+
+def _padding_case(name: str, adapter: ModelAdapter) -> Check:
+    if not adapter.takes_attention_mask:
+        return Check(name, "SKIP", None, None, f"{adapter.name}.forward takes no attention_mask")
+    T = min(16, adapter.max_len)
+    keep = max(1, T // 2)
+    batch = adapter.example_batch(2, T, seed=1)
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    # Pad (id 0) on the side the model family pads: left for decoder LMs (batched generation), else right.
+    pad = slice(0, T - keep) if adapter.padding_side == "left" else slice(keep, T)
+    real = slice(T - keep, T) if adapter.padding_side == "left" else slice(0, keep)
+    ids[1, pad], mask[1, pad] = 0, 0
+    with torch.no_grad():
+        padded = adapter.logits(ids, mask)
+        alone = adapter.logits(ids[1:, real], mask[1:, real])
+    if tuple(padded.shape) != _expected_shape(adapter, 2, T):
+        return Check(name, "FAIL", str(tuple(padded.shape)), str(_expected_shape(adapter, 2, T)),
+                     "wrong output shape for a padded batch")
+    row = padded[1, real] if adapter.task == "causal-lm" else padded[1]
+    dev = _rel_dev(row, alone[0])
+    ok = math.isfinite(dev) and dev <= PADDING_TOL
+    detail = (f"row padded {keep}->{T} vs the same {keep} tokens alone: max relative difference {dev:.2g} "
+              f"({adapter.padding_side} padding" + (", position ids from the mask)" if adapter.takes_position_ids
+                                                   and adapter.task == "causal-lm" else ")")
+              + ("" if ok else "; padding changes real tokens' outputs: is attention_mask used?"))
+    return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {PADDING_TOL:g}", detail)
+
+
+# --- gradient flow ------------------------------------------------------------------------------
+
+def _gradients(adapter: ModelAdapter, report):
+    net = adapter.model
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    if not named:
+        yield Check("gradients", "SKIP", None, None, "no trainable parameters")
+        return
+    net.train()
+    net.zero_grad(set_to_none=True)
+    loss, _ = adapter.forward_loss(adapter.example_batch(2, min(adapter.max_len, 32)))
+    loss.backward()
+    value = loss.item()
+    chance = math.log(adapter.vocab_size if adapter.task == "causal-lm" else adapter.num_classes)
+    status = "FAIL" if not math.isfinite(value) else "WARN" if value > 2 * chance else "PASS"
+    yield Check("gradients: loss on random tokens", status, _sig(value), f"finite, <= 2 ln(C) = {2 * chance:.3g}",
+                f"cross-entropy {value:.4g}; a fresh model should be near ln(C) = {chance:.3g}"
+                + ("" if status == "PASS" else "; check the output scale and the init"))
+
+    unused = [n for n, p in named if p.grad is None]
+    yield Check("gradients: every parameter gets one", "FAIL" if unused else "PASS", len(unused), 0,
+                f"no gradient (unused in forward?): {_names(unused)}" if unused
+                else f"all {len(named)} trainable tensors received a gradient")
+    got = [(n, p.grad) for n, p in named if p.grad is not None]
+    bad = [n for n, g in got if not torch.isfinite(g).all()]
+    yield Check("gradients: finite", "FAIL" if bad else "PASS", len(bad), 0,
+                f"NaN/inf gradient in: {_names(bad)}" if bad else "every gradient is finite")
+    zero = [n for n, g in got if n not in bad and not g.any()]
+    if bad:  # a NaN is "non-zero" too: nothing to judge until the gradients are finite
+        yield Check("gradients: non-zero", "FAIL", None, 0,
+                    f"{len(bad)} of {len(got)} gradients are NaN/inf (see 'gradients: finite'); "
+                    f"{len(zero)} of the finite ones are exactly zero")
+    else:
+        yield Check("gradients: non-zero", "WARN" if zero else "PASS", len(zero), 0,
+                    f"exactly zero gradient (fine only behind a deliberately zero-initialised layer): {_names(zero)}"
+                    if zero else "every gradient has a non-zero entry")
+
+    squares: dict[str, float] = {}
+    for n, g in got:
+        layer = n.rpartition(".")[0] or n
+        squares[layer] = squares.get(layer, 0.0) + torch.linalg.vector_norm(g.float()).item() ** 2
+    report.grad_norms = {k: math.sqrt(v) for k, v in squares.items()}
+    broken = [k for k, v in report.grad_norms.items() if not math.isfinite(v)]
+    if broken:  # ratios over the finite layers only would pass a model whose gradients are NaN
+        yield Check("gradients: layer norm ratio", "FAIL", None, None,
+                    f"gradient norm is NaN/inf in {len(broken)} of {len(squares)} layers: {_names(broken)}")
+        return
+    live = {k: v for k, v in report.grad_norms.items() if 0 < v < math.inf}
+    if not live:
+        yield Check("gradients: layer norm ratio", "FAIL", None, None, "no layer has a finite non-zero gradient")
+        return
+    median = sorted(live.values())[len(live) // 2]
+    ratios = {k: v / median for k, v in live.items()}
+    low, high = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+    for label, layer, limit, flagged in (("vanishing", low, f">= {VANISHING:g}", ratios[low] < VANISHING),
+                                         ("exploding", high, f"<= {EXPLODING:g}", ratios[high] > EXPLODING)):
+        yield Check(f"gradients: {label} layers", "FAIL" if flagged else "PASS", _sig(ratios[layer]), limit,
+                    f"{'smallest' if label == 'vanishing' else 'largest'} layer norm / median over {len(live)} "
+                    f"layers: {layer}" + (f" is {label}" if flagged else ""))
+
+
+# --- numerical stability ------------------------------------------------------------------------
+
+def _stability(adapter: ModelAdapter, report):
+    adapter.model.eval()
+    V, L, T = adapter.vocab_size, adapter.max_len, min(adapter.max_len, 16)
+    token = int(torch.randint(V, (1,), generator=torch.Generator().manual_seed(2)))
+    inputs = {f"token id 0 x{T}": torch.zeros(2, T, dtype=torch.long),
+              f"token id {V - 1} x{T}": torch.full((2, T), V - 1),
+              f"token {token} repeated x{T}": torch.full((2, T), token)}
+    for what, ids in inputs.items():
+        yield _guarded(f"stability: {what}", _finite_case, adapter, ids.to(adapter.device))
+    # One random max-length batch serves twice, as a finiteness case and as the fp32 reference the low
+    # precisions are compared with: on a big model each such forward costs seconds.
+    batch = adapter.example_batch(2, L, seed=3)
+    try:
+        with torch.no_grad():
+            ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+    except Exception as exc:  # each row that needed it fails with it
+        ref = exc
+    yield _guarded(f"stability: random, max length {L}", _finite_case, adapter, ref)
+    for low in ("bf16", "fp16"):
+        yield _guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
+                       batch, ref)
+
+
+def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
+    """`ids_or_logits`: input ids to run, or a forward's logits (or the exception it raised) to judge."""
+    if isinstance(ids_or_logits, Exception):
+        raise ids_or_logits
+    if ids_or_logits.is_floating_point():
+        out = ids_or_logits
+    else:
+        with torch.no_grad():
+            out = adapter.logits(ids_or_logits)
+    bad = int((~torch.isfinite(out)).sum())
+    kinds = "NaN" if out.isnan().any() else "inf"
+    return Check(name, "FAIL" if bad else "PASS", bad, 0,
+                 f"{bad} of {out.numel()} logits are {kinds}" if bad else f"all {out.numel()} logits finite")
+
+
+def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, low: str, batch: dict,
+                        ref: torch.Tensor | Exception) -> Check:
+    if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
+        raise ref
+    tol = LOW_PRECISION_TOL[low]
+    native, why = native_support(low, adapter.device)
+    forced = requested.name == low  # asked for by name; auto only ever picks a native one
+    if not native and not forced:
+        return Check(name, "SKIP", None, f"<= {tol:g}", f"{why}; pass precision='{low}' to run it anyway")
+    if not torch.isfinite(ref).all():
+        return Check(name, "FAIL", None, f"<= {tol:g}", "the fp32 logits are already NaN/inf: nothing to compare "
+                                                         f"{low} with (see the stability rows above)")
+    prec = requested if forced else resolve_precision(low, adapter.device, warn=False)
+    with torch.no_grad(), prec.autocast():
+        out = adapter.logits(batch["input_ids"], batch["attention_mask"])
+    if not torch.isfinite(out).all():
+        return Check(name, "FAIL", None, f"<= {tol:g}", f"{low} autocast gives non-finite logits (overflow?)")
+    dev = _rel_dev(out, ref)
+    detail = (f"max |{low} - fp32| / max |fp32| over {tuple(ref.shape)} logits"
+              + ("" if native else " (forced: emulated on this device)")
+              + ("" if dev <= tol else f"; more than {low} rounding explains"))
+    return Check(name, "PASS" if dev <= tol else "WARN", _sig(dev, 3), f"<= {tol:g}", detail)
+
+
+# --- initialisation -----------------------------------------------------------------------------
+
+def _init(adapter: ModelAdapter, report):
+    # A tied tensor (embedding = LM head) has several owners: it is an embedding if any of them is one.
+    owners: dict[int, list[nn.Module]] = {}
+    for m in adapter.model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    rows = []
+    for n, p in adapter.model.named_parameters():
+        w = p.detach().float()
+        tables = [m for m in owners[id(p)] if isinstance(m, nn.Embedding)]
+        embedding = bool(tables)
+        row = {"name": n, "shape": tuple(p.shape), "kind": "embedding" if embedding else "matrix" if w.dim() >= 2
+               else "vector", "mean": w.mean().item(), "std": w.std(correction=0).item(),
+               "finite": bool(torch.isfinite(w).all()), "constant": False, "scale": None, "dead_rows": 0}
+        if w.dim() >= 2 and w.numel() > 1:
+            # 1-d tensors (biases, norm weights) are legitimately constant at init; matrices are not.
+            row["constant"] = bool((w == w.flatten()[0]).all())
+            row["scale"] = row["std"] if embedding else row["std"] * math.sqrt(w[0].numel())
+            dead = (w.flatten(1) == 0).all(1)
+            for table in tables:
+                if table.padding_idx is not None:
+                    dead[table.padding_idx] = False  # the padding row is zero by design
+            row["dead_rows"] = 0 if row["constant"] else int(dead.sum())
+        rows.append(row)
+    report.parameters = pd.DataFrame(rows)
+
+    bad = [r["name"] for r in rows if not r["finite"]]
+    yield Check("init: finite values", "FAIL" if bad else "PASS", len(bad), 0,
+                f"NaN/inf in: {_names(bad)}" if bad else f"all {len(rows)} tensors finite")
+    const = [f"{r['name']} (all {r['mean']:.3g})" for r in rows if r["constant"]]
+    yield Check("init: constant weight matrices", "WARN" if const else "PASS", len(const), 0,
+                f"every entry equal, so units start identical: {_names(const)}" if const
+                else "no constant matrix (constant 1-d biases/norm weights are expected)")
+    scaled = [r for r in rows if r["scale"] is not None and r["finite"] and not r["constant"]]
+    odd = [r["name"] for r in scaled if not (r["kind"] == "embedding" and r["scale"] <= EMBEDDING_STD_MAX)
+           and not (r["kind"] == "matrix" and INIT_GAIN[0] <= r["scale"] <= INIT_GAIN[1])]
+    spread = (f"std*sqrt(fan_in) of {sum(r['kind'] == 'matrix' for r in scaled)} matrices "
+              f"{min((r['scale'] for r in scaled if r['kind'] == 'matrix'), default=0):.3g}-"
+              f"{max((r['scale'] for r in scaled if r['kind'] == 'matrix'), default=0):.3g}")
+    yield Check("init: weight scale", "WARN" if odd else "PASS", len(odd),
+                f"std*sqrt(fan_in) in [{INIT_GAIN[0]:g}, {INIT_GAIN[1]:g}]; embedding std <= {EMBEDDING_STD_MAX:g}",
+                spread + (f"; suspicious: {_names(odd)}" if odd else ""))
+    dead = [f"{r['name']} ({r['dead_rows']} of {r['shape'][0]} rows)" for r in rows if r["dead_rows"]]
+    yield Check("init: dead units (all-zero rows)", "WARN" if dead else "PASS", len(dead), 0,
+                f"all-zero rows: {_names(dead)}" if dead else "no all-zero row in any weight matrix")
+
+
+# --- inference latency --------------------------------------------------------------------------
+
+def _latency(adapter: ModelAdapter, report):
+    report.activation_fit = report.activation_fit or measure_activations(adapter, report.precision,
+                                                                         max(report.seq_lens))
+    adapter.model.eval()
+    for t in report.seq_lens:
+        for b in report.batch_sizes:
+            yield _guarded(f"latency: B={b} T={t} (median ms)", _latency_case, adapter, report, b, t)
+
+
+def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> Check:
+    need = report.activation_fit.transient(b, t) * 2
+    if need > report.budget.limit:  # refused before it allocates
+        return Check(name, "SKIP", None, None, f"not run: B={b}, T={t} predicted {gib(need)} for the output and "
+                                               f"one temporary its size, over the safe share of "
+                                               f"{report.budget.describe()}")
+    batch = adapter.example_batch(b, t)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    timer = StepTimer(adapter.device)
+    with torch.inference_mode(), report.precision.autocast():
+        for _ in range(LATENCY_WARMUP):
+            start = time.perf_counter()
+            adapter.logits(ids, mask)
+            if timer.cuda:
+                torch.cuda.synchronize(adapter.device)
+            call_s = time.perf_counter() - start
+            if call_s * 10 > LATENCY_BUDGET_S:  # a big model: its first call already settled the allocations
+                break
+        n = affordable_repeats(call_s, LATENCY_BUDGET_S, LATENCY_MAX_RUNS)
+        for _ in range(n):
+            with timer.region():
+                adapter.logits(ids, mask)
+    ms = timer.milliseconds()
+    report.latency.append({"batch_size": b, "seq_len": t, "samples_ms": ms})
+    s, p95 = summarize(ms), percentile(ms, 95)
+    budget = f"; n set by the {LATENCY_BUDGET_S:g} s budget" if n < LATENCY_MAX_RUNS else ""
+    return Check(name, "PASS", _sig(s.median), None,
+                 f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}{budget}); "
+                 f"{b * t / (s.median / 1e3):,.0f} tokens/s; {report.precision.name} on "
+                 f"{report.metadata['device_name']}")
+
+
+# --- determinism --------------------------------------------------------------------------------
+
+def _determinism(adapter: ModelAdapter, report):
+    net = adapter.model
+    batch = adapter.example_batch(2, min(adapter.max_len, 32), seed=4)
+    args = (batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        net.eval()
+        first, second = adapter.logits(*args), adapter.logits(*args)
+        net.train()
+        trained = adapter.logits(*args)
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in (first, second, trained))
+    if bad:  # NaN == NaN under equal_nan, and NaN - NaN is no difference: both rows would PASS
+        for check in ("determinism: eval, same input twice", "determinism: train vs eval mode"):
+            yield Check(check, "FAIL", None, None, f"{bad} of {3 * first.numel()} outputs are NaN/inf: "
+                                                   "determinism can't be judged (see the stability rows)")
+        return
+    same = torch.allclose(first, second, rtol=0, atol=0, equal_nan=True)
+    diff = 0.0 if same else _rel_dev(second, first)
+    status = "PASS" if same else "WARN" if diff <= 1e-5 else "FAIL"
+    yield Check("determinism: eval, same input twice", status, _sig(diff), "identical",
+                "bit-identical outputs" if same else
+                f"outputs differ by {diff:.2g} (relative): " + ("non-deterministic kernels" if status == "WARN"
+                                                              else "something random stays on in eval mode"))
+    drop = _rel_dev(trained, first)
+    if drop > 1e-5:
+        detail = f"train-mode outputs differ by {drop:.2g} (relative): dropout or similar is active in training"
+    else:  # a rounding-level difference comes from different kernels (e.g. an eval fast path)
+        detail = f"train and eval mode agree to {drop:.2g} (relative): no active dropout"
+    yield Check("determinism: train vs eval mode", "PASS", _sig(drop), None, detail)
+
+
+CHECK_GROUPS = {"shapes": _shapes, "gradients": _gradients, "stability": _stability, "init": _init,
+                "memory": memory, "latency": _latency, "determinism": _determinism}

@@ -1,0 +1,127 @@
+"""torchrun support for `train()`: process group, DDP wrapping, sharded data order, cross-rank reductions.
+
+Everything is torch.distributed; a plain (non-torchrun) process gets a one-rank `DistEnv` whose
+collectives are no-ops, so the training loop has a single code path.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, Subset
+
+from ..core.precision import resolve_device
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device | None = None  # the device this rank must use; None: the caller decides
+    owns_group: bool = False  # we initialised the process group, so we tear it down
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_sum(tensor) / self.world_size if self.active else tensor
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (on every rank)."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def setup(device=None) -> DistEnv:
+    """Join the torchrun job if there is one: nccl on CUDA (one GPU per local rank), gloo on CPU."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif launched_by_torchrun() and dist.is_available():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        return DistEnv()
+    if world == 1:
+        return DistEnv()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    wants_cuda = resolve_device(device).type == "cuda"
+    if wants_cuda:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None)
+    return DistEnv(rank, world, local_rank, dev, owns)
+
+
+def wrap(module: torch.nn.Module, env: DistEnv):
+    """DistributedDataParallel around `module` (whose weights all ranks already hold), or None on one rank."""
+    if not env.active:
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids)
+
+
+def no_sync_for(ddp):
+    """TrainStep's `no_sync`: skip DDP's gradient all-reduce on accumulation micro-steps."""
+    if ddp is None:
+        return None
+    return lambda accumulating: ddp.no_sync() if accumulating else contextlib.nullcontext()
+
+
+def eval_shard(dataset, env: DistEnv):
+    """This rank's share of a validation set: examples rank, rank + N, ... Every example is scored
+    exactly once across ranks (DistributedSampler would repeat some to even out the shares, and
+    count them twice); shares may differ by one, which is fine: evaluation ends in one all_sum."""
+    if not env.active:
+        return dataset
+    return Subset(dataset, range(env.rank, len(dataset), env.world_size))
+
+
+class ShardedSampler(DistributedSampler):
+    """The training order: a permutation drawn from (seed + epoch), dealt to ranks round-robin.
+
+    One rank sees the permutation in order; N ranks with batch b see together exactly what one
+    rank with batch N*b sees. `start` skips that many of this rank's samples (resume mid-epoch).
+    """
+
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start

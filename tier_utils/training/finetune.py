@@ -1,0 +1,112 @@
+"""Fine-tuning around the training loop: the best evaluation so far (`best.pt`), early stopping with patience,
+and the trained model written back as a `save_pretrained` folder with its tokenizer.
+
+Early stopping follows Lightning's `EarlyStopping(monitor="val_loss", mode="min", min_delta, patience)`: an
+evaluation improves when its loss is below the reference by more than `min_delta`, and only then does the
+reference move; `patience` evaluations in a row without an improvement stop the run. HF's
+`EarlyStoppingCallback` compares with the best loss so far, which moves on every improvement however small,
+so a loss creeping down by less than the threshold each time stops the run although it has fallen by far
+more in all; Lightning's reference lets those steps add up. Both count evaluations, not steps. A NaN/inf
+val loss counts as no improvement (Lightning stops at once; here the patience decides, as for any bad one).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
+from ..model.checkpoint import load_checkpoint
+from ..model.tokenizer import BYTES
+
+
+@dataclass
+class Selection:
+    """The lowest val loss so far (what best.pt holds) and the early-stop count. A checkpoint keeps it, so a
+    resumed run stops, and picks its best, exactly where the uninterrupted one would."""
+
+    patience: int | None = None  # None: never stop early (the count is still kept, for the summary)
+    min_delta: float = 0.0
+    best_loss: float = math.inf
+    best_step: int | None = None
+    reference: float = math.inf  # early stopping's best: moves only on an improvement by more than min_delta
+    reference_step: int | None = None
+    bad_evals: int = 0  # evaluations since the reference last moved
+
+    def update(self, step: int, val_loss: float) -> None:
+        """Record one evaluation; `best_step == step` afterwards when it is the lowest val loss so far."""
+        if val_loss < self.reference - self.min_delta:
+            self.reference, self.reference_step, self.bad_evals = val_loss, step, 0
+        else:
+            self.bad_evals += 1
+        if val_loss < self.best_loss:
+            self.best_loss, self.best_step = val_loss, step
+
+    @property
+    def stop(self) -> bool:
+        return self.patience is not None and self.bad_evals >= self.patience
+
+    def reason(self) -> str:
+        since = f"{self.reference:.4f} (step {self.reference_step})" if self.reference_step is not None else "its start"
+        by = f" by more than {self.min_delta:g}" if self.min_delta else ""
+        return (f"val loss did not improve{by} on {since} for {self.bad_evals} evaluations in a row "
+                f"(patience {self.patience})")
+
+    def summary(self, step: int, total_steps: int, best_path: Path | None) -> dict:
+        """TrainSummary's fields for the best evaluation and an early stop (a run that used all its steps has none)."""
+        stopped, best = self.stop and step < total_steps, self.best_step is not None
+        return {"best_val_loss": self.best_loss if best else None, "best_step": self.best_step,
+                "best_checkpoint": str(best_path) if best and best_path is not None and best_path.is_file() else None,
+                "early_stopped_at_step": step if stopped else None,
+                "early_stop_reason": self.reason() if stopped else None}
+
+    def adopt(self, later: dict | None, step: int) -> None:
+        """Resuming from `step`: a best.pt this run wrote past it (the attempt went on before it died) holds the
+        only copy of those weights, so it stays the best until the replayed steps beat it, and the summary
+        names what the file holds."""
+        if later and (later["best_step"] or 0) > step:
+            self.best_loss, self.best_step = later["best_loss"], later["best_step"]
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("patience", "min_delta")}  # those: the config's
+
+    def load_state_dict(self, state: dict | None) -> None:
+        for key, value in (state or {}).items():  # a checkpoint from before best.pt existed has none
+            setattr(self, key, value)
+
+
+def restore_best(model, selection: Selection, step: int, best_path: Path) -> str:
+    """restore_best at a run's end: best.pt's weights into `model` (unless the last step was the best); says which
+    weights the model now holds."""
+    if selection.best_step is None or selection.best_step == step:
+        return f"final weights (step {step}{', also the best' if selection.best_step == step else ''})"
+    state = load_checkpoint(best_path)
+    if state["step"] != selection.best_step:  # replaced by another run since: never restore the wrong weights
+        raise CheckpointError(f"{best_path} holds step {state['step']}, not this run's best step "
+                              f"{selection.best_step}; drop restore_best or use a checkpoint_dir of its own")
+    model.load_state_dict(state["model"])
+    return f"best weights (step {selection.best_step}, val loss {selection.best_loss:.4f}, from {best_path.name})"
+
+
+def check_save_hf(model, folder) -> None:
+    """Before training: `save_hf` needs a transformers model, since only those have a save_pretrained form."""
+    if folder is not None and not callable(getattr(model, "save_pretrained", None)):
+        raise OutputError(f"save_hf needs a transformers model (one with save_pretrained); {type(model).__name__} "
+                          "is not one: drop save_hf and use the checkpoint (load_model('<checkpoint_dir>/best.pt' or "
+                          "'last.pt')), or load its weights into the transformers class and train that")
+
+
+def save_hf(model, tokenizer, folder, weights: str) -> str:
+    """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,
+    e.g. "final weights (step 60); tokenizer saved"."""
+    folder = Path(folder).expanduser()
+    model.save_pretrained(folder)
+    if tokenizer.name == BYTES:
+        said = "tokenizer: bytes, nothing to save (load_model(folder) feeds byte ids)"
+    else:
+        try:
+            tokenizer.save(folder)
+            said = f"tokenizer {tokenizer.name} saved"
+        except ModelSpecError as exc:
+            said = f"tokenizer not saved ({one_line(exc)})"
+    return f"{weights}; {said}"

@@ -1,0 +1,344 @@
+"""Training history and `TrainResult`.
+
+Per-step loss and grad-norm tensors stay on the device until a log point, where one host transfer
+brings the whole window back, the first non-finite step (if any) is found, and the window becomes
+one `step` row. `eval` rows carry validation metrics, `epoch` rows whole-epoch aggregates.
+`max_memory_mb` (CUDA) is the peak allocated during what a row covers: a step row its window, an
+epoch row its epoch, an eval row the time since the row before it (the evaluation, mostly).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+
+from ..core.files import atomic_write_bytes, jsonable
+from ..core.measure import StepTimer, summarize
+from ..core.plotting import caption, integer_axis, power_of_two_axis, save_png
+from ..core.results import Result
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+HISTORY_COLUMNS = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
+                   "loss_scale", "skipped_steps", "tokens_per_s", "step_time_ms", "max_memory_mb", "gpu_util_pct"]
+MAX_STEP_ROWS = 2000  # step rows are aggregated so a run of any length keeps at most about this many
+NAN = float("nan")
+
+
+def _acc() -> dict:
+    return {"steps": 0, "loss_sum": 0.0, "loss_n": 0, "gn_sum": 0.0, "gn_n": 0, "skipped": 0, "tokens": 0,
+            "time_ms": 0.0, "lr": NAN, "scale": NAN, "peak_mb": NAN}
+
+
+def _mean(total: float, n: int) -> float:
+    return total / n if n else NAN
+
+
+class History:
+    """Rows of a run. `record()` each step; `sync()` at log points; `emit()` / `eval_row()` / `epoch_row()`."""
+
+    def __init__(self, device: torch.device, reduce_mean=None):
+        self.device = device
+        self.reduce_mean = reduce_mean or (lambda t: t)
+        self.rows: list[dict] = []
+        self.timer = StepTimer(device)
+        self.skipped_total = 0
+        self.loss_scale_trace: list[tuple[int, float, float]] = []
+        self._pending: list[tuple] = []  # (step, StepOutput, lr, tokens)
+        self._window, self._epoch = _acc(), _acc()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # peaks count from the start of this run
+
+    def record(self, step: int, out, lr: float, tokens: int) -> None:
+        self._pending.append((step, out, lr, tokens))
+
+    def sync(self) -> tuple[int, float, str] | None:
+        """Bring pending steps to the host (one transfer); (step, value, "loss"|"gradient norm"|"loss scale")
+        of the first diverged one, or None.
+
+        A step diverged when its loss or grad norm is non-finite and no GradScaler skipped it, or
+        when it was skipped and the loss scale collapsed (`StepOutput.scale_collapsed`).
+        Steps before it are kept (skip count and loss-scale trace too); it and the steps after are dropped.
+        """
+        if not self._pending:
+            return None
+        values = torch.stack([torch.stack((o.loss.float(), o.grad_norm.float())) for _, o, _, _ in self._pending])
+        values = self.reduce_mean(values).tolist()
+        pending, self._pending = self._pending, []
+        for (step, out, lr, tokens), (loss, gn) in zip(pending, values):
+            skipped = out.skipped
+            bad = next(((v, q) for v, q in ((loss, "loss"), (gn, "gradient norm")) if not math.isfinite(v)), None)
+            if bad is not None and not skipped:
+                return step, *bad
+            if out.scale_collapsed:
+                return step, out.scale_after, "loss scale"
+            self.skipped_total += bool(skipped)
+            if out.scale_before is not None and out.scale_after != out.scale_before:
+                # Only changes are kept (skips and growths): the trace stays small however long the run.
+                self.loss_scale_trace.append((step, out.scale_before, out.scale_after))
+            for acc in (self._window, self._epoch):
+                acc["steps"] += 1
+                acc["tokens"] += tokens
+                acc["lr"], acc["scale"] = lr, NAN if out.scale_after is None else out.scale_after
+                if skipped:
+                    acc["skipped"] += 1
+                else:
+                    acc["loss_sum"] += loss
+                    acc["loss_n"] += 1
+                    acc["gn_sum"] += gn
+                    acc["gn_n"] += 1
+        return None
+
+    def _fold_peak(self, *accs: dict) -> None:
+        """Read (and reset) the device's peak since the last reading into each accumulator, once each."""
+        peak = _take_peak_mb(self.device)
+        for a in {id(x): x for x in accs}.values():
+            a["peak_mb"] = peak if math.isnan(a["peak_mb"]) else max(a["peak_mb"], peak)
+
+    def close_training_peak(self) -> None:
+        """Call before an evaluation: the training steps' peak goes to their rows, not the evaluation's."""
+        self._fold_peak(self._window, self._epoch)
+
+    def _row(self, kind: str, step: int, epoch: float, acc: dict, metrics: dict | None = None) -> dict:
+        metrics = metrics or {}
+        time_ms = acc["time_ms"]
+        # An evaluation's peak belongs to its own row and its epoch, never to the next step row.
+        self._fold_peak(*((acc, self._epoch) if kind == "eval" else (acc, self._window, self._epoch)))
+        row = {"kind": kind, "step": step, "epoch": epoch, "train_loss": _mean(acc["loss_sum"], acc["loss_n"]),
+               "val_loss": metrics.get("val_loss", NAN), "perplexity": metrics.get("perplexity", NAN),
+               "accuracy": metrics.get("accuracy", NAN), "grad_norm": _mean(acc["gn_sum"], acc["gn_n"]),
+               "lr": acc["lr"], "loss_scale": acc["scale"], "skipped_steps": acc["skipped"],
+               "tokens_per_s": acc["tokens"] / (time_ms / 1e3) if time_ms > 0 else NAN,
+               "step_time_ms": _mean(time_ms, acc["steps"]), "max_memory_mb": acc["peak_mb"],
+               "gpu_util_pct": _gpu_util(self.device)}
+        self.rows.append(row)
+        return row
+
+    def emit(self, step: int, epoch: float) -> dict | None:
+        """Close the window (call `sync()` first) into a `step` row; None if it holds no step."""
+        ms = sum(self.timer.milliseconds())
+        self.timer = StepTimer(self.device)
+        self._window["time_ms"] += ms
+        self._epoch["time_ms"] += ms
+        if not self._window["steps"]:
+            return None
+        row = self._row("step", step, epoch, self._window)
+        self._window = _acc()
+        return row
+
+    def eval_row(self, step: int, epoch: float, metrics: dict, lr: float) -> dict:
+        return self._row("eval", step, epoch, {**_acc(), "lr": lr}, metrics)
+
+    def epoch_row(self, step: int, epoch: float, metrics: dict) -> dict:
+        row = self._row("epoch", step, epoch, self._epoch, metrics)
+        self._epoch = _acc()
+        return row
+
+    def last(self, kind: str) -> dict | None:
+        return next((r for r in reversed(self.rows) if r["kind"] == kind), None)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=HISTORY_COLUMNS)
+
+    def state_dict(self) -> dict:
+        """Plain containers for a checkpoint (call `sync()` first: pending tensors are not saved)."""
+        return {"rows": [dict(r) for r in self.rows], "window": dict(self._window), "epoch": dict(self._epoch),
+                "skipped_total": self.skipped_total, "loss_scale_trace": [list(t) for t in self.loss_scale_trace]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = [dict(r) for r in state["rows"]]
+        self._window, self._epoch = {**_acc(), **state["window"]}, {**_acc(), **state["epoch"]}
+        self.skipped_total = state["skipped_total"]
+        self.loss_scale_trace = [tuple(t) for t in state["loss_scale_trace"]]
+
+
+def _take_peak_mb(device: torch.device) -> float:
+    """Peak allocated MiB since the previous call (or the run's start), then the peak restarts; NaN off CUDA."""
+    if device.type != "cuda":
+        return NAN
+    peak = torch.cuda.max_memory_allocated(device) / 2**20
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def _gpu_util(device: torch.device) -> float:
+    """Utilisation through torch, never by running a monitoring subprocess."""
+    if device.type != "cuda":
+        return NAN
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # needs pynvml / amdsmi; absent is normal
+        return NAN
+
+
+def step_stats(history: pd.DataFrame, column: str) -> dict | None:
+    """Median and spread of a per-step-row figure (n = step rows), or None when there are none."""
+    xs = history.loc[history["kind"] == "step", column].dropna()
+    return summarize(xs).to_dict() if len(xs) else None
+
+
+@dataclass
+class TrainSummary:
+    """A run's figures and metadata (None: not measured yet); `to_dict()` is the JSON's `summary`."""
+
+    model: str
+    task: str
+    parameters: int
+    data: str  # what it trained on, e.g. "text file notes.txt"
+    tokenizer: str  # what turned it into ids
+    validation: str  # how the validation part was made
+    steps: int
+    total_steps: int
+    epochs: float
+    train_loss: float | None
+    val_loss: float | None
+    perplexity: float | None
+    accuracy: float | None
+    val_targets: int | None  # the n behind val_loss and accuracy
+    skipped_steps: int
+    precision: str
+    precision_reason: str
+    device: str
+    device_name: str
+    tokens_per_s: dict | None  # step_stats over the step rows
+    step_time_ms: dict | None
+    optimizer: str
+    compiled: bool
+    compile_s: float | None
+    compile_reason: str
+    global_batch: int
+    world_size: int
+    rank: int
+    resumed_from_step: int | None
+    checkpoint: str | None
+    interrupted: bool
+    diverged_at_step: int | None
+    run_metadata: dict
+    best_val_loss: float | None = None  # the lowest val loss of any evaluation, and its step
+    best_step: int | None = None
+    best_checkpoint: str | None = None  # best.pt, holding best_step's state
+    early_stopped_at_step: int | None = None  # None: ran its steps (or was interrupted / diverged)
+    early_stop_reason: str | None = None
+    weights: str | None = None  # restore_best: which weights the returned model holds
+    hf_folder: str | None = None  # the save_pretrained folder save_hf wrote
+    hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(repr=False)
+class TrainResult(Result):
+    """What `train()` returns (also attached, partial, to `TrainingDiverged.result`)."""
+
+    history: pd.DataFrame
+    summary: TrainSummary
+    model: torch.nn.Module = field(repr=False)
+    skipped_steps: int = 0
+    loss_scale_trace: list = field(default_factory=list)
+    interrupted: bool = False
+    config: TrainConfig | None = None  # as the run used it (seq_len capped to the model's)
+
+    @property
+    def status(self) -> str | None:
+        """Training's only verdict is divergence: FAIL then, else None (a finished run has none)."""
+        return "FAIL" if self.summary.diverged_at_step is not None else None
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The summary to read at a glance, as (metric, value) rows of text; `.summary` and the JSON
+        keep every figure as numbers (quartiles, run metadata, ...)."""
+        s = self.summary
+
+        def fig(v):  # 2,442 rather than 2.442e+03; 0.1235 for small figures
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+        def spread(t, unit):
+            return f"{fig(t['median'])} {unit} median (IQR {fig(t['iqr'])}, n={t['n']} rows)" if t else None
+
+        def number(v, fmt):
+            return None if v is None else format(v, fmt)
+
+        rows = [
+            ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("data", f"{s.data} (tokenizer: {s.tokenizer})"),
+            ("validation", s.validation),
+            ("precision", s.precision),
+            ("precision_reason", s.precision_reason),
+            ("device", s.device_name),
+            ("steps", f"{s.steps} of {s.total_steps}"),
+            ("global_batch", s.global_batch),
+            ("train_loss", number(s.train_loss, ".4f")),
+            ("val_loss", number(s.val_loss, ".4f")),
+            ("perplexity", number(s.perplexity, ".4g")),
+            ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
+            ("best_val_loss", None if s.best_step is None else f"{s.best_val_loss:.4f} at step {s.best_step}"
+                                                               + (f" ({s.best_checkpoint})" * bool(s.best_checkpoint))),
+            ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),
+            ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
+            ("step_time_ms", spread(s.step_time_ms, "ms")),
+            ("optimizer", s.optimizer),
+            ("compile_reason", s.compile_reason),
+            ("compile_s", number(s.compile_s, ".1f")),
+            ("skipped_steps", s.skipped_steps if s.precision == "fp16" else None),
+            ("diverged_at_step", s.diverged_at_step),
+            ("interrupted", True if s.interrupted else None),
+            ("checkpoint", s.checkpoint),
+            ("weights", s.weights),
+            ("save_hf", s.hf_detail and (f"{s.hf_folder}: " if s.hf_folder else "") + s.hf_detail),
+        ]
+        return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
+
+    def headline(self) -> str:
+        return f"TrainResult: {self.summary.model} · {self.summary.precision}"
+
+    def plot(self):
+        from matplotlib.figure import Figure
+
+        h = self.history
+        steps, evals = h[h["kind"] == "step"], h[h["kind"].isin(["eval", "epoch"])]
+        fig = Figure(figsize=(11, 7), layout="constrained")
+        (ax_loss, ax_lr), (ax_gn, ax_last) = fig.subplots(2, 2)
+        line = "o-" if len(steps) <= 60 else "-"  # a short run's every logged point stays visible
+        stride = int(steps["step"].diff().median()) if len(steps) > 1 else 1
+        per_row = "per step" if stride == 1 else f"mean of {stride} steps per point"
+        ax_loss.plot(steps["step"], steps["train_loss"], line, ms=3, label=f"train ({per_row})")
+        ax_loss.plot(evals["step"], evals["val_loss"], "s-", label="validation")
+        ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
+        ax_loss.legend()
+        ax_lr.plot(steps["step"], steps["lr"], line, ms=3)
+        ax_lr.set(title="learning rate (warm-up, then cosine decay)", ylabel="learning rate")
+        ax_gn.plot(steps["step"], steps["grad_norm"], line, ms=3)
+        ax_gn.set(title="gradient norm (before clipping)", ylabel="L2 norm")
+        if steps["loss_scale"].notna().any():
+            ax_last.step(steps["step"], steps["loss_scale"], where="post")
+            power_of_two_axis(ax_last, steps["loss_scale"].dropna())
+            ax_last.set(title=f"fp16 loss scale ({self.skipped_steps} skipped steps)", ylabel="loss scale")
+        else:  # no loss scaler outside fp16: throughput is the next most useful trace
+            ax_last.plot(steps["step"], steps["tokens_per_s"], line, ms=3)
+            ax_last.set(title=f"throughput (no loss scaler in {self.summary.precision})",
+                        ylabel="tokens / s (wall time)")
+        for ax in (ax_loss, ax_lr, ax_gn, ax_last):
+            ax.set_xlabel("optimizer step")
+            integer_axis(ax.xaxis)
+        fig.suptitle(f"{self.summary.model} · {self.summary.precision} · {self.summary.device_name}")
+        if c := self.config:
+            evals = f"every {c.eval_every} steps" if c.eval_every else "at the end"
+            caption(fig, f"linear warm-up for {c.warmup_steps} steps, then cosine decay · validation {evals} "
+                         f"on up to {c.eval_batches or 'all'} batches · global batch "
+                         f"{self.summary.global_batch}")
+        return fig
+
+    def to_csv(self, path):
+        return atomic_write_bytes(path, self.history.to_csv(index=False).encode())
+
+    def save_plot(self, path):
+        return save_png(self.plot(), path)
+
+    def to_json(self) -> dict:
+        return jsonable({"summary": self.summary, "interrupted": self.interrupted, "skipped_steps": self.skipped_steps,
+                         "loss_scale_trace": self.loss_scale_trace, "config": self.config, "history": self.history})

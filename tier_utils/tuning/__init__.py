@@ -1,0 +1,1 @@
+"""Hyperparameter search: `search()` and `SearchConfig` (study.py), an Optuna study around training."""

@@ -111,7 +111,8 @@ def _shown(default) -> str:
 
 def add_settings(parser, cls, names=None, defaults: dict | None = None) -> None:
     """Options for the fields of settings dataclass `cls` (all, or `names`): flag, type, choices and help
-    from the field; the default from the field, or from `defaults` (a verb's own, declared in settings.py)."""
+    from the field; the default from the field, or from `defaults` (a verb's own, read from its config:
+    search's trials)."""
     kinds = typing.get_type_hints(cls)
     for f in fields(cls):
         if names is None or f.name in names:

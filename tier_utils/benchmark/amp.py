@@ -32,7 +32,7 @@ from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import merge
 from ..model.adapter import resolve_model
-from ..model.compiling import Mode, compile_for_training, compile_modes
+from ..model.compiling import COMPILE_CHOICES, Mode, compile_for_training
 from ..model.data import make_loader, to_device
 from ..model.evaluation import evaluate
 from ..model.step import TrainStep, make_optimizer, make_scheduler
@@ -105,7 +105,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     adapter.require_trainable()
     adapter.check_forward()
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
-    modes = compile_modes(cfg.compile)
+    modes = COMPILE_CHOICES[cfg.compile]  # the config checked it is one of them
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
     budget = read_budget(dev)  # before anything of ours is allocated
     cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)

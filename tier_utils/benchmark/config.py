@@ -8,7 +8,7 @@ import torch
 
 from ..core.loggers import logger_names
 from ..core.settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, precision_list, setting
-from ..model.compiling import COMPILE_CHOICES, COMPILE_MODES
+from ..model.compiling import COMPILE_CHOICES, compile_mode_setting
 
 MEMORY_BASES = ("activations", "total", "peak_allocated")
 
@@ -66,8 +66,7 @@ class BenchConfig:
     force: bool = setting(False, "run precisions this device has no native support for")
     compile: str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, interleaved)",
                            choices=tuple(COMPILE_CHOICES))
-    compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
-                                choices=COMPILE_MODES)
+    compile_mode: str = compile_mode_setting()
     thresholds: Thresholds = setting(factory=Thresholds)
     progress: bool = setting(True, PROGRESS_HELP)
     device: str | torch.device | None = setting(None, DEVICE_HELP)

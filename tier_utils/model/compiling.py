@@ -20,6 +20,7 @@ import torch
 from ..core.errors import describe, one_line
 from ..core.precision import Precision
 from ..core.seeding import rng_state, set_rng_state
+from ..core.settings import setting
 from .adapter import ModelAdapter
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
@@ -46,17 +47,10 @@ class CompileInfo:
         return asdict(self)
 
 
-def check_compile_mode(mode: str) -> str:
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    return mode
-
-
-def compile_modes(compile: str) -> list[Mode]:
-    """amp_benchmark's `compile` ("off", "on" or "both") as the modes to run, eager first."""
-    if compile not in COMPILE_CHOICES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
-    return list(COMPILE_CHOICES[compile])
+def compile_mode_setting():
+    """The `compile_mode` field of every config that compiles (training, the benchmark): declared here, once;
+    the config's check_fields refuses a mode torch.compile doesn't have."""
+    return setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs", choices=COMPILE_MODES)
 
 
 def _compile(module: torch.nn.Module, mode: str):
@@ -79,7 +73,6 @@ def compile_for_training(adapter: ModelAdapter, precision: Precision, batch: dic
     The warm-up is one forward + backward on `batch` under the precision's autocast, exactly as a
     training step runs it (shapes, dtypes, train mode), so the steps themselves don't recompile.
     """
-    check_compile_mode(mode)
     module, device = adapter.model, adapter.device
     rng = rng_state()
     buffers = [b.detach().clone() for b in module.buffers()]  # e.g. BatchNorm statistics the warm-up moves

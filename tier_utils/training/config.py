@@ -8,7 +8,7 @@ import torch
 from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, check_switch, setting
-from ..model.compiling import COMPILE_MODES
+from ..model.compiling import compile_mode_setting
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed")
@@ -64,8 +64,7 @@ class TrainConfig:
     # Evaluation stays eager; a model that can't be compiled runs eager with a warning. Not a trajectory
     # setting: checkpoints resume either way.
     compile: bool = setting(False, "torch.compile the training step (compile time reported apart)")
-    compile_mode: str = setting("default", "torch.compile mode; reduce-overhead uses CUDA graphs",
-                                choices=COMPILE_MODES)
+    compile_mode: str = compile_mode_setting()
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)

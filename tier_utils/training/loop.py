@@ -1,9 +1,9 @@
-"""Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, step.py).
+"""Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, model/step.py).
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
 kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
-History rows and `TrainResult` live in history.py, checkpoint I/O in checkpoint.py, DDP helpers
-in distributed.py.
+History rows and `TrainResult` live in history.py, DDP helpers in distributed.py, checkpoint I/O in
+model/checkpoint.py.
 """
 from __future__ import annotations
 

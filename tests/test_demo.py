@@ -46,7 +46,7 @@ def test_demo_model_loads_byte_level_and_its_val_loss_is_well_below_uniform():
 def test_the_shipped_model_is_the_recipe_s_default():
     card = demo_card()
     assert (card["steps"], card["seed"]) == (STEPS, SEED)
-    assert card["model_kwargs"] == MODEL_KWARGS and card["training"]["lr"] == demo_module.RECIPE["lr"]
+    assert card["model_kwargs"] == MODEL_KWARGS and card["training"]["lr"] == demo_module.RECIPE.lr
     assert {"train_loss", "val_loss", "torch", "data"} <= set(card)
 
 

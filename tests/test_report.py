@@ -240,12 +240,12 @@ def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far
     def timed(median, q1, q3):
         fp32.speed = replace(fp32.speed, step_ms=replace(fp32.speed.step_ms, median=median, q1=q1, q3=q3))
 
-    timed(step["median"] / 20, step["q1"] / 25, step["q1"] / 21)  # a load came and went
+    timed(step.median / 20, step.q1 / 25, step.q1 / 21)  # a load came and went
     page = write_report({"train": trained, "amp_benchmark": bench}, tmp_path,
                         metadata={"load_average_1m": 3.1, "cpu_count": 2}).read_text()
     text = re.sub("<[^>]+>", "", page)  # the words, as a reader sees them
     assert "<section id='consistency'>" in page and "step time: train vs amp_benchmark" in text
     assert "20.0x apart" in text and "load 3.1 on 2 cores" in text
     assert pd.read_csv(tmp_path / "consistency.csv")["status"].tolist() == ["WARN"]
-    timed(step["median"], step["q1"], step["q3"])  # the same step timed alike: nothing to say
+    timed(step.median, step.q1, step.q3)  # the same step timed alike: nothing to say
     assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()

@@ -174,3 +174,4 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     assert (edited.train_config().precision, edited.train_config().batch_size, edited.train_config().compile) == \
         ("fp32", 2, True)
     assert edited.bench_config().compile == "both" and edited.smoke_config().batch_sizes == (1, 2)
+    assert edited.search_config().trial.compile is False  # each short trial eager: compiling would cost more

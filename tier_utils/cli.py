@@ -1,6 +1,7 @@
 """`python -m tier_utils <verb>`: argument parsing, exit codes and `--json`; the logic is the API's.
 
-Exit codes: 0 success, 1 a check FAILed, 2 bad input (one line on stderr naming the fix), 130 Ctrl-C.
+Exit codes: 0 success, 1 a check FAILed (or the model's forward raised, or training diverged), 2 bad input (one
+line on stderr naming the fix), 130 Ctrl-C; each error class carries its code (core/errors.py).
 """
 from __future__ import annotations
 
@@ -287,9 +288,8 @@ def _run_export(args) -> tuple[dict, int]:
     result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig),
                     model_kwargs=model_kwargs(args))
     c, m = result.config, result.metadata
-    print(f"exported {c['model']} ({c['task']}) to {result.path} ({c['format']}, {c['precision']}, "
-          f"{c['bytes']:,} bytes; inputs {', '.join(c['inputs'])} with dynamic batch and sequence up to "
-          f"{c['max_len']})")
+    print(f"exported {c.model} ({c.task}) to {result.path} ({c.format}, {c.precision}, {c.bytes:,} bytes; "
+          f"inputs {', '.join(c.inputs)} with dynamic batch and sequence up to {c.max_len})")
     _show(result.table)
     for row in result.latency:
         print(f"latency {row['shape']} {row['runner']}: {row['median_ms']:.3f} ms median (IQR {row['iqr_ms']:.3f}, "

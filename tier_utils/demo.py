@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,22 +34,23 @@ STEPS, SEED = 1200, 0
 # whole window; lr 6e-3 makes near one-hot heads that fix on a few bytes, and a worse val loss.
 # Windows of max_len tokens, so every position row is trained; fp32 on the CPU, so the recipe
 # reruns the same anywhere but for float rounding (AVX2 / AVX-512 / AMX differ).
-RECIPE = {"batch_size": 16, "seq_len": MODEL_KWARGS["max_len"], "lr": 3e-3, "warmup_steps": 20,
-          "eval_every": None, "eval_batches": 5, "precision": "fp32", "device": "cpu"}
+RECIPE = TrainConfig(batch_size=16, seq_len=MODEL_KWARGS["max_len"], lr=3e-3, warmup_steps=20, eval_every=None,
+                     eval_batches=5, precision="fp32", device="cpu", max_steps=STEPS, seed=SEED)
+
 
 def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = True) -> dict:
     """Train the demo model with RECIPE, write `tiny_gpt_trained.safetensors` and its JSON card into
     `out_dir`, and return the card (sizes, seed, steps, data, final train and val loss, torch version).
-    `out_dir=tier_utils.demo.ASSETS` replaces the shipped model."""
+    `out_dir=tier_utils.model.demo.ASSETS` replaces the shipped model."""
     out = writable_dir(out_dir, "out_dir")  # before the minute of training, not after it
-    config = TrainConfig(max_steps=steps, seed=seed, progress=progress, **RECIPE)  # checks steps and seed
+    config = replace(RECIPE, max_steps=steps, seed=seed, progress=progress)  # checks steps and seed
     start = time.perf_counter()
     result = train("tiny-gpt", None, config, model_kwargs=MODEL_KWARGS)
     seconds = time.perf_counter() - start
     model = result.model.eval()
     val_loss, targets = corpus_val_loss(model)
     blob = weights_bytes(model)
-    splits = build_datasets(None, seq_len=RECIPE["seq_len"])
+    splits = build_datasets(None, seq_len=RECIPE.seq_len)
     s = result.summary
     card = {
         "name": DEMO_MODEL, "model": type(model).__name__, "model_kwargs": MODEL_KWARGS,

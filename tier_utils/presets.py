@@ -64,13 +64,16 @@ FAST = Preset(batch_size=4, seq_len=32, analysis_batches=1,
 JOB = Preset(train=TrainConfig(max_steps=60, eval_every=20, eval_batches=10),
              bench=BenchConfig(eval_batches=10))
 
+# The notebooks' lengths: FAST's training and analysis; the benchmark keeps its default warm-up (untimed steps,
+# which a GPU needs before its timings settle) and validation batches, with FAST's short repeats.
+_NOTEBOOK = replace(FAST, bench=BenchConfig(timed_steps=3, repeats=3, accuracy_steps=10))
 # The notebooks' sizes for a fresh built-in model, by device type. On a GPU, large enough that the benchmark
 # measures arithmetic rather than kernel launches (a T4 still runs the tier 3 notebook in under a minute); on a
-# CPU, small enough for seconds, where the benchmark then says it is launch-bound. Both run FAST's lengths.
+# CPU, small enough for seconds, where the benchmark then says it is launch-bound.
 NOTEBOOK = {
-    "cuda": replace(FAST, batch_size=32, seq_len=256,
+    "cuda": replace(_NOTEBOOK, batch_size=32, seq_len=256,
                     model_kwargs={"d_model": 512, "n_layer": 6, "n_head": 8, "max_len": 256}),
-    "cpu": replace(FAST, model_kwargs={"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": FAST.seq_len}),
+    "cpu": replace(_NOTEBOOK, model_kwargs={"d_model": 32, "n_layer": 1, "n_head": 2, "max_len": FAST.seq_len}),
 }
 
 

@@ -146,6 +146,8 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
     rows = []
     for train_result in (r for r in results.values() if isinstance(r, TrainResult)):
         s, c = train_result.summary, train_result.config
+        if c is None:  # a result built without its run's settings: nothing to match a benchmark against
+            continue
         mode = "compiled" if s.compiled else "eager"
         for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
             b = bench.config.settings
@@ -153,7 +155,7 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
             same = (s.model, c.batch_size, c.seq_len) == (bench.config.model, b.batch_size, b.seq_len)
             if rec is None or s.step_time_ms is None or s.world_size != 1 or c.grad_accum_steps != 1 or not same:
                 continue
-            row = step_agreement(s.step_time_ms, rec.speed.step_ms.to_dict(),
+            row = step_agreement(s.step_time_ms, rec.speed.step_ms,
                                  f"{s.model}, {s.precision} {mode}, batch {b.batch_size} x {b.seq_len} tokens", load)
             rows += [row] if row else []
     return rows
@@ -258,14 +260,14 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
     losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
     line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision}, {losses}"
     if t := s.tokens_per_s:
-        line += f" · {t['median']:,.0f} tokens/s median (IQR {t['iqr']:,.0f}, n={t['n']})"
+        line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
     return line + f" · {seconds:.1f} s"
 
 
 @holds_lock("out_dir")  # one run per report folder
-def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision="auto", device=None,
-            fast: bool = False, batch_size: int | None = None, seed: int = 0, progress: bool = True,
-            model_kwargs: dict | None = None) -> AllResult:
+def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
+            device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
+            progress: bool = TrainConfig.progress, model_kwargs: dict | None = None) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
@@ -319,7 +321,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
             results[name] = run()
         except TierError as exc:
             if not isinstance(exc, ModelForwardError):
-                raise  # the user's input, not the model: one line, exit 2, no report
+                raise  # the user's input, not the model: one line, its exit code (2), no report
             results[name] = TierFailure.of(name, exc)
         except Exception as exc:  # the model broke this tier: a FAIL in the report, and the other tiers run
             results[name] = TierFailure.of(name, exc)

@@ -107,8 +107,9 @@ class RunConfig:
         return self._sized().fit_config(**{"device": self.device, **given})
 
     def search_config(self, **given) -> SearchConfig:
-        """A study whose trials train as `train_config()` does; `given` SearchConfig fields on top."""
-        return SearchConfig(trial=self.train_config(), **given)
+        """A study whose trials train as `train_config()` does, but eager: compiling every short trial would cost
+        more than the trial. `given` SearchConfig fields on top."""
+        return SearchConfig(trial=self.train_config(compile=False), **given)
 
     def _sized(self) -> Preset:
         return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)

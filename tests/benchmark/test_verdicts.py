@@ -75,12 +75,12 @@ def test_the_benchmark_says_inconclusive_for_injected_timings_with_a_huge_spread
 
 
 def test_two_tiers_timing_the_same_step_far_apart_are_said_to_disagree():
-    train_ms = _stats(1300, 1428, 1500, n=60).to_dict()
-    bench_ms = _stats(60, 77.5, 90).to_dict()
+    train_ms = _stats(1300, 1428, 1500, n=60)
+    bench_ms = _stats(60, 77.5, 90)
     row = step_agreement(train_ms, bench_ms, "tiny-gpt, fp32 eager, batch 8 x 64 tokens", BUSY)
     assert row.status == "WARN" and row.value == pytest.approx(1428 / 77.5, abs=0.01) and row.threshold == FAR_APART
     assert "18.4x apart" in row.detail and "load 3.1 on 2 cores" in row.detail
     assert "train 1,428 ms" in row.detail and "amp_benchmark 77.5 ms" in row.detail
-    assert step_agreement(_stats(95, 100, 105).to_dict(), _stats(90, 96, 99).to_dict(), "x") is None  # agree
+    assert step_agreement(_stats(95, 100, 105), _stats(90, 96, 99), "x") is None  # agree
     # Far apart medians whose IQRs overlap: the noise covers it, nothing to say.
-    assert step_agreement(_stats(50, 300, 900).to_dict(), _stats(60, 100, 400).to_dict(), "x") is None
+    assert step_agreement(_stats(50, 300, 900), _stats(60, 100, 400), "x") is None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tier_utils.core import precision as P
-from tier_utils.core.precision import canonical_precision, resolve_precision, supported_precisions
+from tier_utils.core.precision import Precision, canonical_precision, resolve_precision, supported_precisions
 
 ALIASES = {
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
@@ -138,3 +138,12 @@ def test_auto_on_the_real_gpu_follows_its_compute_capability():
     x = torch.randn(8, 8, device="cuda")
     with p.autocast():
         assert (x @ x).dtype == p.dtype
+
+
+def test_a_precision_decided_for_another_device_is_decided_again_from_what_was_asked():
+    """auto stays auto: a decision made elsewhere is redone from the request, not from the name it came to."""
+    elsewhere = Precision("auto", "fp16", torch.device("meta"), True, "auto: decided on another device")
+    again = resolve_precision(elsewhere, "cpu")
+    assert again.device == torch.device("cpu") and again.requested == "auto" and again.reason.startswith("auto: ")
+    here = resolve_precision("auto", "cpu")
+    assert resolve_precision(here, torch.device("cpu")) is here  # decided here: kept whole

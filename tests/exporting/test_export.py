@@ -23,13 +23,13 @@ MODELS = {
 def test_export_parity_passes(spec, fmt, tmp_path):
     path = tmp_path / f"model.{fmt}"
     result = export(spec, path, format=fmt, repeats=2, model_kwargs=MODELS[spec])
-    assert path.is_file() and path.stat().st_size == result.config["bytes"]
+    assert path.is_file() and path.stat().st_size == result.config.bytes
     table = result.table
     assert len(table) == 4  # two batch shapes x (relative max |Δ|, argmax agreement)
     assert set(table["status"]) == {"PASS"}, table.to_string()
     assert result.status == "PASS"
     # The parity shapes differ from the traced one in batch and length: the axes really are dynamic.
-    assert result.config["trace_shape"] == [2, 16] and result.config["parity_shapes"] == ["1x8", "4x32"]
+    assert result.config.trace_shape == [2, 16] and result.config.parity_shapes == ["1x8", "4x32"]
     lat = result.latency_table
     assert set(lat["runner"]) == {"eager", "onnxruntime" if fmt == "onnx" else "torch.export"}
     assert (lat["n"] == 2).all() and (lat["median_ms"] > 0).all()
@@ -43,7 +43,7 @@ def test_reloaded_pt2_matches_the_model_and_the_model_is_untouched(tmp_path):
     torch.manual_seed(0)
     model = tiny().train()
     result = export(model, tmp_path / "m.pt2", format="pt2", precision="bf16", repeats=1)
-    assert result.config["precision"] == "bf16" and result.metadata["dtype"] == "bfloat16"
+    assert result.config.precision == "bf16" and result.metadata["dtype"] == "bfloat16"
     assert model.training and model.head.weight.dtype == torch.float32  # a copy was cast and exported
     assert len(result.plot().axes) == 1
     program = torch.export.load(str(tmp_path / "m.pt2")).module()

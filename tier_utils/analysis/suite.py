@@ -19,7 +19,7 @@ from ..core.inputs import select_names, whole_number
 from ..core.precision import Precision, precision_setting, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
-from ..core.settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, merge, setting
+from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..model.adapter import resolve_model
 from ..model.data import make_loader, to_device
 from ..model.demo import provenance_of
@@ -50,12 +50,12 @@ class AnalysisConfig:
     headroom and dtypes always compare fp32, bf16 and fp16."""
 
     analyses: tuple | None = setting(None, f"analyses to run (none: all): {', '.join(ANALYSES)}")
-    precision: str | Precision = setting("auto", PRECISION_HELP)
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    precision: str | Precision = precision_field()
+    device: str | torch.device | None = device_field()
     batch_size: int = setting(8, "sequences per batch", low=1)
     n_batches: int = setting(2, "validation batches to analyse", low=1)
     seq_len: int = setting(64, "tokens per example (capped at the model's max)", low=1)
-    progress: bool = setting(True, PROGRESS_HELP)
+    progress: bool = progress_field()
 
     def __post_init__(self):
         if self.analyses is not None:  # None stays "all", as the CLI's default shows it

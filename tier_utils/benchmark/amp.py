@@ -32,12 +32,12 @@ from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import merge
 from ..model.adapter import resolve_model
-from ..model.compiling import COMPILE_CHOICES, Mode, compile_for_training
+from ..model.compiling import compile_for_training
 from ..model.data import make_loader, to_device
 from ..model.evaluation import evaluate
 from ..model.step import TrainStep, make_optimizer, make_scheduler
 from ..planning.planner import device_room, plan
-from .config import BenchConfig
+from .config import COMPILE_CHOICES, BenchConfig, Mode
 from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
 from .verdicts import launch_bound, record_checks
 
@@ -266,7 +266,7 @@ def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool) -> 
     """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
     compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
     p.adapter, info = compile_for_training(adapter, p.precision, batch, mode)
-    p.compile = info.to_dict()
+    p.compile = info
     if info.compiled:
         return
     if eager_too:

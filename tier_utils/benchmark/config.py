@@ -3,12 +3,18 @@ PASS), each setting declared once."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 
 from ..core.loggers import logger_names
-from ..core.settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, precision_list, setting
-from ..model.compiling import COMPILE_CHOICES, compile_mode_setting
+from ..core.precision import PRECISIONS
+from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
+from ..model.compiling import compile_mode_setting
+
+Mode = Literal["eager", "compiled"]  # how a benchmarked step runs
+# The `compile` setting: the modes each precision runs in, eager first.
+COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}
 
 MEMORY_BASES = ("activations", "total", "peak_allocated")
 
@@ -50,7 +56,7 @@ class BenchConfig:
     """What `amp_benchmark` measures, and how long. Every precision starts from the same weights and
     sees the same batches; speed repeats are interleaved across precisions."""
 
-    precisions: tuple = setting(("fp32", "bf16", "fp16"), "precisions to compare; fp32, the baseline, is always "
+    precisions: tuple = setting(PRECISIONS, "precisions to compare; fp32, the baseline, is always "
                                                            "included")
     batch_size: int = setting(8, "sequences per step", low=1)
     seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
@@ -68,8 +74,8 @@ class BenchConfig:
                            choices=tuple(COMPILE_CHOICES))
     compile_mode: str = compile_mode_setting()
     thresholds: Thresholds = setting(factory=Thresholds)
-    progress: bool = setting(True, PROGRESS_HELP)
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    progress: bool = progress_field()
+    device: str | torch.device | None = device_field()
     loggers: tuple = setting((), "experiment loggers: tensorboard, wandb, mlflow (one run holding the table and "
                                  "the verdicts)", flag="log")
     log_dir: str | None = setting(None, "logger output (none: runs/logs)")

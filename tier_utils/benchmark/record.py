@@ -9,8 +9,8 @@ from ..core.budget import Budget
 from ..core.measure import Stats, probe_summary
 from ..core.precision import Precision
 from ..core.results import run_metadata
-from ..model.compiling import Mode
-from .config import BenchConfig, Thresholds
+from ..model.compiling import CompileInfo
+from .config import BenchConfig, Mode, Thresholds
 from .verdicts import parity, reduction, speedup
 
 MIB = 2**20
@@ -83,7 +83,7 @@ class Plan:
     ran: bool = True
     forced: bool = False
     skip_reason: str | None = None  # why it did not run: the detail of its SKIP rows
-    compile: dict | None = None  # CompileInfo.to_dict() once compiled
+    compile: CompileInfo | None = None  # once compiled (or the reason it could not be)
     batches: list | None = None  # its own speed batches (the floor step's); None: the shared ones
     stopped: str | None = None  # why a non-finite loss stopped it
     memory: dict | None = None
@@ -105,7 +105,7 @@ class PrecisionRecord:
     ran: bool
     forced: bool
     reason: str  # the precision policy's reason (Precision.reason)
-    compile: dict | None
+    compile: CompileInfo | None
     metadata: dict
     speed: Speed | None = None
     mfu: dict | None = None
@@ -131,7 +131,8 @@ class PrecisionRecord:
             "speedup": sp.get("median", 1.0 if self.ran else None),  # ran with no speedup: the baseline
             "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
             "speedup_vs_eager": vs_eager.get("median"),
-            "compile_s": (self.compile or {}).get("compile_s"), "achieved_tflops": mfu.get("achieved_tflops"),
+            "compile_s": self.compile.compile_s if self.compile else None,
+            "achieved_tflops": mfu.get("achieved_tflops"),
             "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"), "weights_mib": mib("weights_bytes"),
             "grads_mib": mib("grads_bytes"), "optimizer_state_mib": mib("optimizer_state_bytes"),
             "activations_mib": mib("activation_bytes"), "total_mib": mib("total_bytes"),

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from ..core.measure import Load, Stats
 from ..core.results import Check
-from ..model.compiling import Mode
-from .config import Thresholds
+from .config import Mode, Thresholds
 
 # The fixed per-step cost's share of fp32's step that leaves room for AMP's arithmetic speedup to show:
 # the batch `launch_bound` suggests, and the one the main job grows to on a GPU, aim at it.
@@ -241,12 +240,12 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     the CPU load the timings ran under, named by a timing verdict too noisy to give."""
     rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
     info, vs_eager = rec.compile, rec.speed and rec.speed.speedup_vs_eager
-    if info is not None and not info["compiled"]:
-        rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info["reason"], rec.precision))
+    if info is not None and not info.compiled:
+        rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info.reason, rec.precision))
     elif vs_eager is not None:
         ms = rec.speed.step_ms
         saved_ms = vs_eager["median"] * ms.median - ms.median  # eager's median step minus this one's
-        rows.insert(0, compile_check(rec.precision, vs_eager, ms.n, info["compile_s"], saved_ms, t, load))
+        rows.insert(0, compile_check(rec.precision, vs_eager, ms.n, info.compile_s, saved_ms, t, load))
     for row in rows:
         row.mode = rec.mode
     return rows
@@ -289,19 +288,19 @@ def _pct(fraction: float) -> str:
 FAR_APART = 2.0  # train's step also fetches its batch and keeps its history: a few per cent, never 2x
 
 
-def step_agreement(train_ms: dict, bench_ms: dict, same: str, load: Load | None = None) -> Check | None:
-    """Did two tiers time the same step alike? `train_ms`, `bench_ms`: step-time stats (median, q1, q3,
-    iqr, n) of training and of the benchmark at the same model, precision and batch, described by `same`.
+def step_agreement(train_ms: Stats, bench_ms: Stats, same: str, load: Load | None = None) -> Check | None:
+    """Did two tiers time the same step alike? `train_ms`, `bench_ms`: step-time stats of training and of the
+    benchmark at the same model, precision and batch, described by `same`.
     A WARN row when their medians lie more than FAR_APART apart and their IQRs don't overlap: the load
     changed between them, and neither figure describes the model alone; None when they agree."""
-    ratio = max(train_ms["median"], bench_ms["median"]) / min(train_ms["median"], bench_ms["median"])
-    overlap = train_ms["q1"] <= bench_ms["q3"] and bench_ms["q1"] <= train_ms["q3"]
+    ratio = max(train_ms.median, bench_ms.median) / min(train_ms.median, bench_ms.median)
+    overlap = train_ms.q1 <= bench_ms.q3 and bench_ms.q1 <= train_ms.q3
     if ratio <= FAR_APART or overlap:
         return None
     busy = f" ({load})" if load is not None else ""
 
     def said(s):
-        return f"{s['median']:,.4g} ms (median, IQR {s['iqr']:,.3g}, n={s['n']})"
+        return f"{s.median:,.4g} ms (median, IQR {s.iqr:,.3g}, n={s.n})"
 
     return Check("step time: train vs amp_benchmark", "WARN", round(ratio, 2), FAR_APART,
                  f"the same step timed {ratio:.1f}x apart: the machine's load changed between the two{busy}; "

@@ -265,18 +265,6 @@ class RunLogger:
             backend.close(status)
 
 
-def open_train_run(cfg, is_main: bool, resumed: bool, info: dict) -> RunLogger:
-    """train()'s RunLogger, its config and `info` (model, precision and reason, device, versions) logged;
-    settings resolved from its TrainConfig; nothing on ranks other than 0."""
-    if not (cfg.loggers and is_main):
-        return RunLogger()
-    run = RunLogger(cfg.loggers, default_log_dir(cfg.log_dir, cfg.checkpoint_dir),
-                    cfg.log_run_name or f"{info['model']}-{info['precision']}-{run_stamp()}", cfg.log_project,
-                    cfg.mlflow_uri, resume=resumed)
-    run.params(cfg.to_dict(), info)
-    return run
-
-
 def run_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
 

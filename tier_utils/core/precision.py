@@ -21,6 +21,7 @@ _ALIASES = {
     "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
 }
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(_DTYPES)  # every precision tier_utils runs, fp32 (the baseline) first
 
 # Ampere (8.0) is the first CUDA generation with bf16 tensor cores; Volta (7.0) the first with fp16 ones.
 _CUDA_BF16_MIN = (8, 0)
@@ -193,9 +194,9 @@ def resolve_precision(requested="auto", device=None, *, warn: bool = True) -> Pr
     A Precision decided for this device comes back as is, so a job resolves once and passes it down."""
     dev = resolve_device(device)
     if isinstance(requested, Precision):
-        if requested.device == dev:
+        if _same_device(requested.device, dev):
             return requested
-        requested = requested.name  # decided for another device: decide that name again here
+        requested = requested.requested  # decided for another device: decide what was asked (auto too) again here
     name = canonical_precision(requested)
     if name == "auto":
         name, reason = _auto(dev)
@@ -211,7 +212,14 @@ def resolve_precision(requested="auto", device=None, *, warn: bool = True) -> Pr
     return Precision(str(requested), name, dev, False, reason)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are one device when 0 is the current one (torch.device compares them unequal)."""
+    def index(d):
+        return d.index if d.index is not None else torch.cuda.current_device() if d.type == "cuda" else 0
+    return a.type == b.type and index(a) == index(b)
+
+
 def supported_precisions(device=None) -> list[str]:
     """fp32 plus the low precisions `device` runs natively (what a widget should offer besides auto)."""
     dev = resolve_device(device)
-    return [n for n in ("fp32", "bf16", "fp16") if native_support(n, dev)[0]]
+    return [n for n in PRECISIONS if native_support(n, dev)[0]]

@@ -45,10 +45,20 @@ def check_fields(config) -> None:
 
 _OPERATORS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}
 
-# The help of the settings most tiers share, so every verb says them alike.
-PRECISION_HELP = "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)"
-DEVICE_HELP = "cpu, cuda or cuda:N (none: cuda if available)"
-PROGRESS_HELP = "progress bars"
+# The settings most tiers have, declared here once: each tier's config takes its field from these, so every verb
+# offers them alike.
+def precision_field():
+    """`precision`: a name (resolved for the device when the tier starts) or a Precision already decided."""
+    return setting("auto", "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)")
+
+
+def device_field():
+    """`device`: None (the GPU when there is one), a name or a torch.device, resolved when the tier starts."""
+    return setting(None, "cpu, cuda or cuda:N (none: cuda if available)")
+
+
+def progress_field():
+    return setting(True, "progress bars")
 
 
 def merge(cls, config, overrides: dict, what: str):
@@ -84,6 +94,3 @@ def precision_list(precisions) -> tuple[str, ...]:
 def check_switch(config, name: str) -> None:
     if not isinstance(getattr(config, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
-
-
-# Settings that shape the trajectory: a checkpoint only resumes a run that agrees on all of them.

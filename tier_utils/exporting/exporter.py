@@ -16,7 +16,7 @@ import io
 import logging
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import pandas as pd
 import torch
@@ -75,12 +75,42 @@ class _Logits(torch.nn.Module):
         return self.adapter.logits(input_ids, attention_mask)
 
 
+@dataclass(frozen=True)
+class ExportRun:
+    """What an export wrote: the model, the format and weight dtype, the inputs and the shapes traced and
+    checked, the parity batches' data (DataSplits.describe's fields), the artifact's size and the tolerances its
+    parity is judged by; `to_dict()` is the JSON's "config"."""
+
+    model: str
+    task: str
+    format: str
+    precision: str
+    precision_reason: str
+    inputs: list
+    trace_shape: list
+    parity_shapes: list
+    max_len: int
+    data: str
+    source: str
+    tokenizer: str
+    validation: str
+    train_examples: int
+    val_examples: int
+    repeats: int
+    bytes: int
+    rel_tolerance: tuple
+    argmax_agreement: tuple
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(repr=False)
 class ExportResult(Result):
     """What `export` wrote and how the artifact compares with eager."""
 
     path: str
-    config: dict
+    config: ExportRun
     metadata: dict
     checks: list
     latency: list  # per shape and runner: n, median/IQR ms
@@ -108,7 +138,7 @@ class ExportResult(Result):
                    yerr=rows["iqr_ms"] / 2, capsize=3, label=f"{runner} (n={int(rows['n'].iloc[0])})")
         ax.set_xticks([j + width * (len(runners) - 1) / 2 for j in range(len(shapes))], shapes)
         ax.set(ylabel="ms per forward (median, IQR bars)", xlabel="batch x tokens",
-               title=f"{self.config['model']} · {self.config['format']} · {self.config['precision']} · "
+               title=f"{self.config.model} · {self.config.format} · {self.config.precision} · "
                      f"{self.metadata['device_name']}")
         ax.legend()
         return fig
@@ -157,11 +187,10 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                 continue
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.name, label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
-    config = {"model": adapter.name, "task": adapter.task, "format": fmt, "precision": prec.name,
-              "precision_reason": prec.reason, "inputs": list(keys), "trace_shape": list(trace[0].shape),
-              "parity_shapes": [f"{b}x{t}" for b, t in shapes], "max_len": adapter.max_len,
-              **splits.describe(), "repeats": cfg.repeats, "bytes": len(payload),
-              "rel_tolerance": REL_TOLERANCE[prec.name], "argmax_agreement": AGREEMENT[prec.name]}
+    config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
+                       trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
+                       max_len=adapter.max_len, **splits.describe(), repeats=cfg.repeats, bytes=len(payload),
+                       rel_tolerance=REL_TOLERANCE[prec.name], argmax_agreement=AGREEMENT[prec.name])
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)
 

@@ -205,7 +205,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
              or getattr(input_embedding(model), "num_embeddings", None))
     if not vocab:
         raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
-                           "(smoke/analyze take it as a keyword; for every tier: adapt(model, vocab_size=N))")
+                           "(model_kwargs={'vocab_size': N} in any tier, or adapt(model, vocab_size=N))")
     if task is not None and task not in TASKS:
         raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
@@ -306,8 +306,8 @@ def _check_default_length(adapter: ModelAdapter) -> None:
     except AdapterError as exc:
         cause = exc.__cause__ or exc
         raise AdapterError(f"cannot find {adapter.name}'s maximum sequence length and {adapter.max_len} tokens fail "
-                           f"({describe(cause, limit=None)}); pass max_len=N (smoke/analyze take it as "
-                           "a keyword; for every tier: adapt(model, max_len=N))") from exc
+                           f"({describe(cause, limit=None)}); pass max_len=N "
+                           "(model_kwargs={'max_len': N} in any tier, or adapt(model, max_len=N))") from exc
     adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
                             f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
                             "for longer)")

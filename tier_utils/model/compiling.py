@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
 
 import torch
 
@@ -24,9 +23,6 @@ from ..core.settings import setting
 from .adapter import ModelAdapter
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
-Mode = Literal["eager", "compiled"]  # how a benchmarked step runs
-# amp_benchmark's `compile` setting: the modes each precision runs in, eager first.
-COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}
 
 
 class CompileFallbackWarning(UserWarning):

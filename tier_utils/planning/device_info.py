@@ -19,7 +19,7 @@ from ..core.precision import (
     resolve_precision,
 )
 from ..core.results import run_metadata
-from ..core.settings import DEVICE_HELP, PRECISION_HELP, check_fields, merge, setting
+from ..core.settings import check_fields, device_field, merge, precision_field
 from ..model.adapter import resolve_model
 from ..model.loading import DEFAULT_MODEL
 
@@ -28,8 +28,8 @@ from ..model.loading import DEFAULT_MODEL
 class InfoConfig:
     """The device `info` describes and the precision it decides there."""
 
-    precision: str | Precision = setting("auto", PRECISION_HELP)
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    precision: str | Precision = precision_field()
+    device: str | torch.device | None = device_field()
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)

@@ -22,11 +22,12 @@ import torch.nn as nn
 from ..core.budget import ActivationFit, Budget, gib, measure_activations, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import native_support, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, native_support, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
-from ..core.settings import DEVICE_HELP, PROGRESS_HELP, check_fields, check_switch, merge, precision_list, setting
+from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..model.adapter import resolve_model
+from ..model.loading import DEFAULT_MODEL
 from ..model.step import TrainStep, make_optimizer
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
@@ -35,7 +36,6 @@ from ..model.step import TrainStep, make_optimizer
 GPUS = {"T4 16 GB": 15360, "L4 24 GB": 23034, "A100 40 GB": 40960, "A100 80 GB": 81920, "H100 80 GB": 81559}
 CUDA_CONTEXT = 512 << 20
 ALLOCATOR_MARGIN = 0.10
-PRECISIONS = ("fp32", "bf16", "fp16")
 VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
                f"{ALLOCATOR_MARGIN:.0%} for the allocator's fragmentation and kernel workspaces")
@@ -49,10 +49,10 @@ class FitConfig:
     seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
     precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16")
     checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    device: str | torch.device | None = device_field()
     validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
                                           "on a GPU only)")
-    progress: bool = setting(True, PROGRESS_HELP)
+    progress: bool = progress_field()
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
@@ -221,7 +221,7 @@ class FitResult(Result):
         return fig
 
 
-def fit(model, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
+def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
         **overrides) -> FitResult:
     """What fits where: for each precision and, with `checkpointing`, each with activation checkpointing, the
     largest training batch at `seq_len` here and predicted on common GPUs. It reads no data.

@@ -22,7 +22,7 @@ from ..core.plotting import category_ticks
 from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, run_metadata
-from ..core.settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, merge, setting
+from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..model.adapter import resolve_model
 from ..model.loading import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
@@ -35,10 +35,10 @@ class SmokeConfig:
     batch_sizes: tuple[int, ...] = setting((1, 4), "batch sizes for memory and latency, e.g. 1,4")
     seq_lens: tuple[int, ...] | None = setting(None, "sequence lengths for memory and latency (none: the model's "
                                                      "max length)")
-    precision: str | Precision = setting("auto", PRECISION_HELP)
+    precision: str | Precision = precision_field()
     checks: tuple | None = setting(None, f"check groups to run (none: all): {', '.join(CHECK_GROUPS)}")
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
-    progress: bool = setting(True, PROGRESS_HELP)
+    device: str | torch.device | None = device_field()
+    progress: bool = progress_field()
 
     def __post_init__(self):
         self.batch_sizes = _positive_ints(self.batch_sizes, "batch_sizes")

@@ -7,7 +7,7 @@ import torch
 
 from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
-from ..core.settings import DEVICE_HELP, PRECISION_HELP, PROGRESS_HELP, check_fields, check_switch, setting
+from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..model.compiling import compile_mode_setting
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
@@ -25,7 +25,7 @@ class TrainConfig:
     """
 
     # A name, resolved for the device when the run starts, or a Precision a caller already decided (kept whole).
-    precision: str | Precision = setting("auto", PRECISION_HELP)
+    precision: str | Precision = precision_field()
     batch_size: int = setting(16, "sequences per step per rank; global batch = batch size x ranks x grad accum",
                               low=1)
     seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
@@ -54,8 +54,8 @@ class TrainConfig:
                                         "step's")
     save_hf: str | None = setting(None, "after training, write a transformers model and its tokenizer to this "
                                         "folder with save_pretrained")
-    progress: bool = setting(True, PROGRESS_HELP)
-    device: str | torch.device | None = setting(None, DEVICE_HELP)
+    progress: bool = progress_field()
+    device: str | torch.device | None = device_field()
     loggers: tuple = setting((), "experiment loggers, rank 0 only: tensorboard, wandb, mlflow", flag="log")
     log_dir: str | None = setting(None, "logger output (none: logs beside the checkpoint folder, else runs/logs)")
     log_project: str = setting("tier_utils", "W&B project / MLflow experiment")

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from ..core.files import atomic_write_bytes, jsonable
-from ..core.measure import StepTimer, summarize
+from ..core.measure import Stats, StepTimer, summarize
 from ..core.plotting import caption, integer_axis, power_of_two_axis, save_png
 from ..core.results import Result
 
@@ -175,10 +175,10 @@ def _gpu_util(device: torch.device) -> float:
         return NAN
 
 
-def step_stats(history: pd.DataFrame, column: str) -> dict | None:
+def step_stats(history: pd.DataFrame, column: str) -> Stats | None:
     """Median and spread of a per-step-row figure (n = step rows), or None when there are none."""
     xs = history.loc[history["kind"] == "step", column].dropna()
-    return summarize(xs).to_dict() if len(xs) else None
+    return summarize(xs) if len(xs) else None
 
 
 @dataclass
@@ -204,8 +204,8 @@ class TrainSummary:
     precision_reason: str
     device: str
     device_name: str
-    tokens_per_s: dict | None  # step_stats over the step rows
-    step_time_ms: dict | None
+    tokens_per_s: Stats | None  # step_stats over the step rows
+    step_time_ms: Stats | None
     optimizer: str
     compiled: bool
     compile_s: float | None
@@ -228,7 +228,8 @@ class TrainSummary:
     hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
+                                   for k in ("tokens_per_s", "step_time_ms")}}
 
 
 @dataclass(repr=False)
@@ -258,7 +259,7 @@ class TrainResult(Result):
             return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
         def spread(t, unit):
-            return f"{fig(t['median'])} {unit} median (IQR {fig(t['iqr'])}, n={t['n']} rows)" if t else None
+            return f"{fig(t.median)} {unit} median (IQR {fig(t.iqr)}, n={t.n} rows)" if t else None
 
         def number(v, fmt):
             return None if v is None else format(v, fmt)

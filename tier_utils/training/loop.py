@@ -20,7 +20,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..core.errors import CheckpointError, DataError, TrainingDiverged
 from ..core.files import run_lock
 from ..core.inputs import writable_dir
-from ..core.loggers import open_train_run
 from ..core.precision import Precision, device_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
@@ -46,6 +45,7 @@ from . import distributed
 from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .tracking import open_train_run
 
 
 @contextlib.contextmanager

@@ -244,9 +244,9 @@ def _run_analyze(args) -> tuple[dict, int]:
     report = analyze(args.model, data_of(args), settings_from(args, AnalysisConfig), model_kwargs=model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
+    read = f"{d.described.data} (tokenizer {d.described.tokenizer})" if d.described else "no data (it did not run)"
     print(f"{report.model['model']} · {report.precision.name} ({report.precision.reason}) · "
-          f"{d['batches']} x {d['batch_size']} x {d['seq_len']} tokens of {d['data']} "
-          f"(tokenizer {d.get('tokenizer', 'none')}) · "
+          f"{d.batches} x {d.batch_size} x {d.seq_len} tokens of {read} · "
           f"{sum(report.seconds.values()):.1f} s · worst status {report.status}")
     return report.to_json(), 1 if report.status == "FAIL" else 0
 

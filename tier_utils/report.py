@@ -296,7 +296,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         # the job fits its window to the model, no warning
         preset, runnable = replace(preset, seq_len=min(preset.seq_len, adapter.max_len)), True
         described = adapter.datasets(data, preset.seq_len, seed).describe()  # bad data fails here, before any tier runs
-        ran_on.update(tokenizer=described["tokenizer"], data=described["data"])
+        ran_on.update(tokenizer=described.tokenizer, data=described.data)
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}

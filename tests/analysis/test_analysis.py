@@ -237,7 +237,7 @@ def test_keywords_are_settings_and_model_kwargs_build_the_model():
         analyze("tiny-gpt", d_model=32)
     config = AnalysisConfig(analyses="robustness", precision="fp32", **{**SMALL, "seq_len": 16})
     report = analyze("tiny-gpt", None, config, model_kwargs={**TINY, "max_len": 16})
-    assert report.model["max_len"] == 16 and report.data["seq_len"] == 16
+    assert report.model["max_len"] == 16 and report.data.seq_len == 16
     assert list(report.outcomes) == ["robustness"]
 
 

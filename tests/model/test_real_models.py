@@ -53,7 +53,7 @@ def test_every_tier_runs_on_the_folder(trained_hf_folder, tmp_path):
     smoke = tu.smoke(spec, batch_sizes=(1, 2), seq_lens=(32,), progress=False, device="cpu")
     assert "FAIL" not in set(smoke.table["status"]), smoke.table
     report = tu.analyze(spec, batch_size=2, n_batches=1, seq_len=32, progress=False, device="cpu")
-    assert report.data["tokenizer"] == str(trained_hf_folder.resolve()) and report.status != "FAIL"
+    assert report.data.described.tokenizer == str(trained_hf_folder.resolve()) and report.status != "FAIL"
     attribution = report.frames["attribution"] if hasattr(report, "frames") else None
     if attribution is not None:  # labels are decoded BPE tokens, not byte guesses
         assert attribution["text"].str.len().max() > 1

@@ -21,7 +21,7 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..model.adapter import resolve_model
-from ..model.data import make_loader, to_device
+from ..model.data import DataDescription, make_loader, to_device
 from ..model.demo import provenance_of
 from ..model.loading import DEFAULT_MODEL
 from . import attention, attribution, dtypes, headroom, robustness
@@ -64,7 +64,8 @@ class AnalysisConfig:
         check_fields(self)
 
 
-def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int, device) -> tuple[list[dict], dict]:
+def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
+                 device) -> tuple[list[dict], DataDescription]:
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
     whole_number(batch_size, "batch_size")
     whole_number(n_batches, "n_batches")
@@ -91,12 +92,26 @@ def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     return outcome, time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class AnalysedBatches:
+    """What tier 2 read: its data (None where the model could not run), and how many batches of what shape."""
+
+    described: DataDescription | None
+    batches: int
+    batch_size: int
+    seq_len: int
+
+    def to_dict(self) -> dict:
+        data = self.described.to_dict() if self.described else {"data": "none", "source": "none"}
+        return {**data, "batches": self.batches, "batch_size": self.batch_size, "seq_len": self.seq_len}
+
+
 class AnalysisReport(Result):
     """Tier-2 findings. `.table`: one row per finding; `.frames`: each analysis' DataFrames;
     `.plot(name)`: one analysis' figure (`.plot()`: an overview); `.to_json()`."""
 
     def __init__(self, outcomes: dict[str, Outcome], seconds: dict[str, float], model: dict, precision: Precision,
-                 data: dict, metadata: dict):
+                 data: AnalysedBatches, metadata: dict):
         self.outcomes, self.seconds = outcomes, seconds
         self.model, self.precision, self.data, self.metadata = model, precision, data, metadata
 
@@ -171,8 +186,8 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
         adapter = resolve_model(model, **(model_kwargs or {}))
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         outcomes = {name: Outcome([Check("error", "FAIL", None, None, f"not run: {exc}")]) for name in names}
-        data_info = {"data": "none", "source": "none", "batches": 0, "batch_size": cfg.batch_size, "seq_len": 0}
-        return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec, data_info,
+        return AnalysisReport(outcomes, dict.fromkeys(names, 0.0), exc.model, prec,
+                              AnalysedBatches(None, 0, cfg.batch_size, 0),
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
     batches, described = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev)
@@ -185,8 +200,7 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
             outcomes[name], seconds[name] = _isolated(name, ctx)
     finally:
         module.train(was_training)
-    data_info = {**described, "batches": len(batches), "batch_size": cfg.batch_size,
-                 "seq_len": int(batches[0]["input_ids"].size(1))}
+    data_info = AnalysedBatches(described, len(batches), cfg.batch_size, int(batches[0]["input_ids"].size(1)))
     provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
     model_info = {**adapter.summary(), **({"provenance": provenance} if provenance else {})}
     return AnalysisReport(outcomes, seconds, model_info, prec, data_info, run_metadata(dev, prec.dtype))

@@ -189,7 +189,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
-                       max_len=adapter.max_len, **splits.describe(), repeats=cfg.repeats, bytes=len(payload),
+                       max_len=adapter.max_len, **splits.describe().to_dict(), repeats=cfg.repeats, bytes=len(payload),
                        rel_tolerance=REL_TOLERANCE[prec.name], argmax_agreement=AGREEMENT[prec.name])
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)

@@ -6,7 +6,7 @@ download). Datasets yield the batch dicts the adapter expects: `input_ids`, `lab
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np  # always installed: pandas and matplotlib need it
 import torch
@@ -135,6 +135,22 @@ def _snippets(topics: list[str], seq_len: int, tokenizer: Tokenizer) -> Snippets
     return Snippets(texts, labels, seq_len, tokenizer.pad_id or 0)
 
 
+@dataclass(frozen=True)
+class DataDescription:
+    """What every result records about its data: what it was, its kind, the tokenizer that made the ids, how
+    the validation part was made, and both parts' sizes; `to_dict()` is how results' JSON says it."""
+
+    data: str
+    source: str
+    tokenizer: str
+    validation: str
+    train_examples: int
+    val_examples: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class DataSplits:
     train: Dataset
@@ -145,10 +161,10 @@ class DataSplits:
     validation: str = ""  # how the validation part was made
     classes: list[str] | None = None  # label names, where the labels were text
 
-    def describe(self) -> dict:
+    def describe(self) -> DataDescription:
         """What every result records about its data."""
-        return {"data": self.name or self.source, "source": self.source, "tokenizer": self.tokenizer,
-                "validation": self.validation, "train_examples": len(self.train), "val_examples": len(self.val)}
+        return DataDescription(self.name or self.source, self.source, self.tokenizer, self.validation,
+                               len(self.train), len(self.val))
 
 
 CORPUS_VALIDATION = "whole documentation topics held out (every 5th per topic group), so no text is in both"

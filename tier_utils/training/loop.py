@@ -395,8 +395,8 @@ class _Run:
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
             model=type(self.adapter.model).__name__, task=self.adapter.task,
-            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data["data"],
-            tokenizer=self.data["tokenizer"], validation=self.data["validation"],
+            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
+            tokenizer=self.data.tokenizer, validation=self.data.validation,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
             train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
             perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,

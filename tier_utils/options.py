@@ -1,0 +1,208 @@
+"""How a setting becomes a command-line option: each settings dataclass field (or, for `all`, a parameter of
+`run_all`) gives its flag, type, choices, default and help; `settings_from` turns the parsed options back into the
+config. The parser says a wrong option in one line, with the nearest real one."""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import fields
+
+from .core.inputs import whole_number
+from .model.loading import DEFAULT_MODEL
+from .training.config import TrainConfig
+
+
+def _optional(convert):
+    """A converter for a setting that may be None: 'none' gives None."""
+    def parse(value: str):
+        return None if value.strip().lower() == "none" else convert(value)
+    parse.__name__ = convert.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def _int_list(value: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; the API checks each is >= 1."""
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 1,4; got {value!r}") from None
+
+
+_int_list.metavar = "N,N"
+
+
+def whole(value: str) -> int:
+    """A whole number >= 1, checked while parsing: for an option whose API checks it only after work began."""
+    try:
+        return whole_number(int(value), "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
+
+
+def _model_arg(value: str) -> tuple[str, object]:
+    key, sep, raw = value.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. d_model=256), got {value!r}")
+    try:
+        return key, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return key, raw  # a bare string such as activation=gelu
+
+
+def _add_option(parser, name: str, default, kind, meta: dict) -> None:
+    """One option: `--name` (or meta's flag), its type from `kind`, its default shown in the help."""
+    flag = "--" + (meta.get("flag") or name).replace("_", "-")
+    text = meta.get("help", "")
+    if kind is bool:
+        if default:
+            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"turn off {text}")
+        else:
+            parser.add_argument(flag, dest=name, action="store_true", help=text)
+        return
+    optional = isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
+    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if optional else kind
+    if base is bool:  # on, off, or None: left to the API (its help says what it then does)
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        return
+    convert = meta.get("type") or _CONVERTERS.get(base) or (base if base in (int, float) else str)
+    metavar = None if meta.get("choices") else (
+        getattr(convert, "metavar", None) or _METAVAR_NAMES.get(name) or _METAVARS.get(base, "TEXT"))
+    parser.add_argument(flag, dest=name, default=default, type=_optional(convert) if optional else convert,
+                        choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
+
+
+# Types a plain int/float/str conversion won't parse (a plain tuple is names: its class splits the string).
+_CONVERTERS = {tuple[int, ...]: _int_list}
+# What a value looks like, by its type (a tuple setting is a list of names)...
+_METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
+# ...or, where the type says too little, by the option's name.
+_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "device": "NAME", "format": "NAME", "mlflow_uri": "URI",
+                  "storage": "URI"}
+
+
+def _with_default(text: str, default) -> str:
+    """The help with its default said once: as given when the text already says it; "(none: X)" read as
+    "(default: X)" when none is the default; else "(default: value)" appended."""
+    if "(default:" in text:
+        return text
+    if default is None and "(none: " in text:
+        return text.replace("(none: ", "(default: ", 1)
+    return f"{text} (default: {_shown(default)})"
+
+
+def _shown(default) -> str:
+    if isinstance(default, (tuple, list)):
+        return ",".join(map(str, default)) or "none"
+    return "none" if default is None else str(default)
+
+
+def add_settings(parser, cls, names=None, defaults: dict | None = None) -> None:
+    """Options for the fields of settings dataclass `cls` (all, or `names`): flag, type, choices and help
+    from the field; the default from the field, or from `defaults` (a verb's own, read from its config:
+    search's trials)."""
+    kinds = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if names is None or f.name in names:
+            default = (defaults or {}).get(f.name, f.default)
+            _add_option(parser, f.name, default, kinds[f.name], f.metadata)
+
+
+def add_parameters(parser, func, helps: dict) -> None:
+    """Options for `func`'s parameters named in `helps` (name -> help, or (help, converter)), their
+    defaults and types read from its signature: the API's default is the CLI's."""
+    params, kinds = inspect.signature(func).parameters, typing.get_type_hints(func)
+    for name, text in helps.items():
+        text, convert = text if isinstance(text, tuple) else (text, None)
+        default = params[name].default
+        _add_option(parser, name, default, kinds.get(name, type(default)), {"help": text, "type": convert})
+
+
+def settings_from(args, cls, **given):
+    """An instance of `cls` from the parsed options that are its fields, and `given`."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
+                  and f.name not in given}, **given)
+
+
+def add_common(parser: argparse.ArgumentParser, settings=TrainConfig, precision: bool = True, device: bool = True,
+               progress: bool = True) -> None:
+    """The options every verb shares: model, model kwargs, device, precision, json, progress; the last three
+    from the fields of `settings`, the verb's settings class.
+
+    precision=False leaves out --precision, for a verb that takes several (bench's --precisions) or has
+    its own default (export); device=False leaves out --device, for a verb that runs on the CPU only;
+    progress=False leaves --no-progress out of the help, for a verb that shows no progress bar.
+    """
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC",
+                        help="built-in name, a save_pretrained folder, hf:ORG/NAME (hub), hf:ModelClass (random "
+                             "weights), path/file.py:Name, package.module:Name or a tier_utils checkpoint "
+                             f"(runs/x/checkpoints/last.pt) (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model-arg", action="append", type=_model_arg, default=[], metavar="KEY=VALUE",
+                        help="keyword argument for building the model (repeatable), e.g. d_model=256")
+    parser.add_argument("--weights", metavar="FILE", help="a .safetensors file or torch state dict to load into "
+                                                          "the model")
+    parser.add_argument("--tokenizer", metavar="SPEC", help="a tokenizer folder, hf:ORG/NAME or 'bytes' (default: "
+                                                            "the model's own; bytes for built-ins)")
+    add_settings(parser, settings, [n for n, on in (("precision", precision), ("device", device),
+                                                     ("progress", progress)) if on])
+    if not progress:  # still accepted, unlisted: scripts (colab_setup.sh) pass it to every verb alike
+        parser.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
+
+
+def model_kwargs(args) -> dict:
+    given = {k: getattr(args, k) for k in ("weights", "tokenizer") if getattr(args, k, None) is not None}
+    return {**dict(args.model_arg), **given}
+
+
+def add_data(parser, data: bool = True) -> None:
+    """--data (unless the verb made its own) and the columns a table or dataset is read from."""
+    if data:
+        parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
+    parser.add_argument("--text-column", metavar="NAME", help="a table's or dataset's text column "
+                                                              "(default: text, sentence, content or document)")
+    parser.add_argument("--label-column", metavar="NAME", help="its label column, for a classifier (default: "
+                                                               "label, labels or class)")
+
+
+def data_of(args):
+    """The data as the API takes it: a path with columns becomes a DataSource."""
+    from .model.userdata import data_source
+
+    return data_source(args.data, args.text_column, args.label_column)
+
+
+class _Help(argparse.HelpFormatter):
+    def _split_lines(self, text, width):
+        # Wrapped between words only: argparse's default splits "hf-dataset:NAME" after its hyphen.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class=_Help, **kwargs):  # the verbs' parsers are Parsers too
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message):
+        # One line, not argparse's usage dump: say what is wrong and where help is.
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports an unknown option from the top parser, which knows no verb's options: hand it to
+        # the verb's parser, whose help lists them, with the nearest real option.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verbs = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction)).choices
+            verb = verbs[parsed.verb]
+            options = [o for a in verb._actions for o in a.option_strings]
+            near = [m for x in extras if x.startswith("-")
+                    for m in difflib.get_close_matches(x.split("=")[0].replace("_", "-"), options, n=1)]
+            verb.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {near[0]}?" if near else ""))
+        return parsed
+
+
+DATA_HELP = ("a text file, a folder of .txt, a .csv/.jsonl/.parquet table, hf-dataset:NAME[/CONFIG][:SPLIT] or "
+             "'synthetic' (default: the bundled corpus)")

@@ -10,7 +10,6 @@ from tiny import TINY_ARGS, tiny
 from tier_utils import TrainConfig, train
 from tier_utils.cli import main
 from tier_utils.core import loggers as lg
-from tier_utils.training.tracking import open_train_run
 
 RUN = dict(precision="fp32", batch_size=4, seq_len=16, max_steps=6, log_every=1, eval_every=3, eval_batches=1,
            checkpoint_every=2, progress=False, device="cpu")
@@ -132,15 +131,6 @@ def test_cli_train_log_bad_name_exits_2_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown logger 'nope'" in err
     assert not out.exists()
-
-
-def test_only_rank_0_logs(tmp_path):
-    cfg = TrainConfig(loggers=("tensorboard",), log_dir=str(tmp_path))
-    info = {"model": "M", "precision": "fp32"}
-    assert not open_train_run(cfg, is_main=False, resumed=False, info=info).backends
-    run = open_train_run(cfg, is_main=True, resumed=False, info=info)
-    assert list(run.backends) == ["tensorboard"] and run.run_name.startswith("M-fp32-")
-    run.close()
 
 
 def test_cli_train_log_writes_tensorboard_under_out(tmp_path, capsys):

@@ -57,9 +57,9 @@ def main(argv=None) -> int:
         for rec in result.records:
             sp = rec.speed and rec.speed.speedup
             if sp:
-                speedups.append(f"d_model={d}: {rec.precision} {sp['median']:.2f}x fp32 "
-                                f"(IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={args.repeats} repeats"
-                                f"{', no measurable difference' if sp['no_measurable_difference'] else ''})")
+                speedups.append(f"d_model={d}: {rec.precision} {sp.median:.2f}x fp32 "
+                                f"(IQR range {sp.low:.2f}-{sp.high:.2f}x, n={args.repeats} repeats"
+                                f"{', no measurable difference' if sp.no_measurable_difference else ''})")
     print("\nspeedup vs fp32 (ratio of median step times):")
     print("\n".join(f"  {line}" for line in speedups))
     if args.json:

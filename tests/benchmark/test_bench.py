@@ -114,7 +114,7 @@ def test_speed_statistics_over_repeats(default_run):
     bf16 = _rec(result, "bf16")
     if bf16.ran:
         fp32 = _rec(result, "fp32").speed.step_ms.median
-        assert bf16.speed.speedup["median"] == pytest.approx(fp32 / bf16.speed.step_ms.median)
+        assert bf16.speed.speedup.median == pytest.approx(fp32 / bf16.speed.step_ms.median)
 
 
 def test_flops_counted_once_including_cpu_attention(default_run):
@@ -332,7 +332,7 @@ def _stats(q1, median, q3, n=5):
 
 def test_overlapping_spread_is_no_measurable_difference():
     sp = speedup(_stats(95, 100, 105), _stats(92, 97, 102))
-    assert sp["no_measurable_difference"]
+    assert sp.no_measurable_difference
     row = speed_check("bf16", sp, 5, Thresholds())
     assert row.status == "FAIL" and "no measurable difference" in row.detail
     assert row.value == pytest.approx(100 / 97, abs=1e-4) and row.precision == "bf16"
@@ -340,8 +340,8 @@ def test_overlapping_spread_is_no_measurable_difference():
 
 def test_clear_speedup_passes_and_spread_across_threshold_warns():
     sp = speedup(_stats(100, 105, 110), _stats(40, 42, 45))
-    assert sp["low"] == pytest.approx(100 / 45) and sp["high"] == pytest.approx(110 / 40)
-    assert not sp["no_measurable_difference"]
+    assert sp.low == pytest.approx(100 / 45) and sp.high == pytest.approx(110 / 40)
+    assert not sp.no_measurable_difference
     assert speed_check("bf16", sp, 5, Thresholds()).status == "PASS"
     assert speed_check("bf16", sp, 5, Thresholds(speedup=3.0)).status == "FAIL"  # high 2.75 < 3
     assert speed_check("bf16", sp, 5, Thresholds(speedup=2.5)).status == "WARN"  # 2.22 < 2.5 <= 2.75

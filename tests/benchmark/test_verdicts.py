@@ -27,7 +27,7 @@ def _stats(q1, median, q3, n=5):
 def test_a_spread_across_both_the_threshold_and_1x_is_inconclusive():
     # As seen on a busy 2-core machine: 0.75x with an IQR range of 0.05-13x says nothing either way.
     sp = speedup(_stats(40, 77.5, 1300), _stats(100, 103, 800))
-    assert sp["low"] < 1 < Thresholds().speedup < sp["high"]
+    assert sp.low < 1 < Thresholds().speedup < sp.high
     row = speed_check("bf16", sp, 5, Thresholds(), load=BUSY)
     assert row.status == "WARN"
     assert row.detail.startswith("inconclusive: the machine was busy (load 3.1 on 2 cores); "
@@ -48,7 +48,7 @@ def test_a_narrow_spread_keeps_its_verdict():
 
 def test_step_times_whose_spread_exceeds_their_median_are_inconclusive():
     noisy = speedup(summarize([10, 11, 12, 60, 70]), summarize([5, 5.5, 6, 6.5, 7]))  # fp32 IQR 49 > median 12
-    assert noisy["spread_over_median"] > 1 and too_wide(noisy, 1.5)
+    assert noisy.spread_over_median > 1 and too_wide(noisy, 1.5)
     assert speed_check("bf16", noisy, 5, Thresholds(), load=BUSY).detail.startswith("inconclusive")
     # compile's threshold is 1.0: a range holding it is "no measurable difference", only noise is inconclusive
     same = speedup(_stats(99, 100, 101), _stats(98, 100, 102))

@@ -11,21 +11,21 @@ from ..core.precision import Precision
 from ..core.results import run_metadata
 from ..model.compiling import CompileInfo
 from .config import BenchConfig, Mode, Thresholds
-from .verdicts import parity, reduction, speedup
+from .verdicts import Speedup, parity, reduction, speedup
 
 MIB = 2**20
 
 
 @dataclass(frozen=True)
 class Speed:
-    """One precision x mode's timed repeats and, once compared, its ratios (verdicts.speedup's dicts)."""
+    """One precision x mode's timed repeats and, once compared, its ratios."""
 
     step_ms: Stats  # over the repeats' mean timed steps
     tokens_per_s: Stats
     samples_ms: list[float]  # each repeat's mean timed step, in the order they ran
     timed_steps: int  # per repeat
-    speedup: dict | None = None  # against the baseline; None for the baseline itself
-    speedup_vs_eager: dict | None = None  # against the same precision eager: compiled rows only
+    speedup: Speedup | None = None  # against the baseline; None for the baseline itself
+    speedup_vs_eager: Speedup | None = None  # against the same precision eager: compiled rows only
 
     def to_dict(self) -> dict:
         return {**asdict(self), "step_ms": self.step_ms.to_dict(), "tokens_per_s": self.tokens_per_s.to_dict()}
@@ -119,7 +119,7 @@ class PrecisionRecord:
     def table_row(self) -> dict:
         speed, mfu, mem, acc = self.speed, self.mfu or {}, self.memory or {}, self.accuracy or {}
         step, tps = (speed.step_ms.to_dict(), speed.tokens_per_s.to_dict()) if speed else ({}, {})
-        sp, vs_eager = (speed.speedup or {}, speed.speedup_vs_eager or {}) if speed else ({}, {})
+        sp, vs_eager = (speed.speedup, speed.speedup_vs_eager) if speed else (None, None)
         red, par = mem.get("reduction", {}), acc.get("parity") or {}
         def mib(key):
             return mem[key] / MIB if mem.get(key) is not None else None
@@ -128,9 +128,9 @@ class PrecisionRecord:
             "precision": self.precision, "mode": self.mode, "dtype": self.dtype, "ran": self.ran,
             "n_repeats": step.get("n"), "step_ms_median": step.get("median"), "step_ms_iqr": step.get("iqr"),
             "tokens_per_s_median": tps.get("median"), "tokens_per_s_iqr": tps.get("iqr"),
-            "speedup": sp.get("median", 1.0 if self.ran else None),  # ran with no speedup: the baseline
-            "speedup_low": sp.get("low"), "speedup_high": sp.get("high"),
-            "speedup_vs_eager": vs_eager.get("median"),
+            "speedup": sp.median if sp else 1.0 if self.ran else None,  # ran with no speedup: the baseline
+            "speedup_low": sp and sp.low, "speedup_high": sp and sp.high,
+            "speedup_vs_eager": vs_eager and vs_eager.median,
             "compile_s": self.compile.compile_s if self.compile else None,
             "achieved_tflops": mfu.get("achieved_tflops"),
             "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"), "weights_mib": mib("weights_bytes"),

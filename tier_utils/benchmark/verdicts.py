@@ -6,7 +6,7 @@ Pure functions of measured numbers, so they are tested without running a model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..core.measure import Load, Stats
 from ..core.results import Check
@@ -26,23 +26,34 @@ class PrecisionCheck(Check):
     mode: Mode = "eager"
 
 
-def speedup(base: Stats, other: Stats) -> dict:
-    """fp32's step time over `other`'s: ratio of medians, and the range the two IQRs allow.
+@dataclass(frozen=True)
+class Speedup:
+    """One step time over another's: the ratio of medians and the range the two IQRs allow (`low`, `high`).
+    `no_measurable_difference`: the two IQRs overlap, so at this noise the steps are indistinguishable.
+    `spread_over_median`: the wider of the two IQRs over its own median (above 1: noise as large as the step)."""
 
-    When the two step-time IQRs overlap the precisions are indistinguishable at this noise level.
-    `spread_over_median`: the wider of the two step-time IQRs over its own median (above 1: noise
-    as large as the step itself).
-    """
-    return {"median": base.median / other.median, "low": base.q1 / other.q3, "high": base.q3 / other.q1,
-            "no_measurable_difference": base.q1 <= other.q3 and other.q1 <= base.q3,
-            "spread_over_median": max(base.iqr / base.median, other.iqr / other.median)}
+    median: float
+    low: float
+    high: float
+    no_measurable_difference: bool
+    spread_over_median: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
-def too_wide(sp: dict, threshold: float) -> bool:
+def speedup(base: Stats, other: Stats) -> Speedup:
+    """`base`'s step time (fp32's, or eager's) over `other`'s."""
+    return Speedup(base.median / other.median, base.q1 / other.q3, base.q3 / other.q1,
+                   base.q1 <= other.q3 and other.q1 <= base.q3,
+                   max(base.iqr / base.median, other.iqr / other.median))
+
+
+def too_wide(sp: Speedup, threshold: float) -> bool:
     """Is the spread too wide to decide anything? Either the ratio's IQR range holds both `threshold`
     and 1.0 (it allows "slower" and "fast enough" alike), or a step time's IQR exceeds its median."""
-    spans = sp["low"] <= min(1.0, threshold) and sp["high"] >= max(1.0, threshold)
-    return spans or sp.get("spread_over_median", 0.0) > 1.0
+    spans = sp.low <= min(1.0, threshold) and sp.high >= max(1.0, threshold)
+    return spans or sp.spread_over_median > 1.0
 
 
 def inconclusive(load: Load | None) -> str:
@@ -102,22 +113,22 @@ def launch_bound(step_ms: float, floor_ms: float, mfu: float | None, batch_size:
             "suggest_batch": suggest, "reason": reason}
 
 
-def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | None = None,
+def speed_check(precision: str, sp: Speedup, n: int, t: Thresholds, bound: dict | None = None,
                 load: Load | None = None) -> PrecisionCheck:
     """`bound`: `launch_bound()`'s diagnosis of fp32's step; a launch-bound size turns a miss into WARN.
     A spread too wide to decide (`too_wide`) gives WARN "inconclusive: ..." naming the CPU `load`."""
-    detail = f"{sp['median']:.2f}x (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats)"
+    detail = f"{sp.median:.2f}x (IQR range {sp.low:.2f}-{sp.high:.2f}x, n={n} repeats)"
     if too_wide(sp, t.speedup):
-        return PrecisionCheck("speedup vs fp32", "WARN", round(sp["median"], 4), t.speedup,
+        return PrecisionCheck("speedup vs fp32", "WARN", round(sp.median, 4), t.speedup,
                               f"{inconclusive(load)}; measured {detail}", precision)
-    if sp["low"] >= t.speedup:
+    if sp.low >= t.speedup:
         status = "PASS"
-    elif sp["high"] < t.speedup:
+    elif sp.high < t.speedup:
         status = "FAIL"
     else:
         status = "WARN"
         detail += f"; {t.speedup}x lies inside the spread"
-    if sp["no_measurable_difference"]:
+    if sp.no_measurable_difference:
         detail += "; no measurable difference from fp32 (step-time IQRs overlap)"
     if n < t.min_repeats and status != "WARN":
         status = "WARN"
@@ -125,7 +136,7 @@ def speed_check(precision: str, sp: dict, n: int, t: Thresholds, bound: dict | N
     if bound is not None and bound["launch_bound"] and status != "PASS":
         status = "WARN"  # the answer is about overhead at this size, not about the precision
         detail = f"launch-bound at this size, {bound['reason']}; measured {detail}"
-    return PrecisionCheck("speedup vs fp32", status, round(sp["median"], 4), t.speedup, detail, precision)
+    return PrecisionCheck("speedup vs fp32", status, round(sp.median, 4), t.speedup, detail, precision)
 
 
 def nonfinite_checks(precision: str, reason: str, t: Thresholds) -> list[PrecisionCheck]:
@@ -197,30 +208,30 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
     return PrecisionCheck(name, "WARN", round(dev, 4), t.parity_tolerance, f"{detail}{scaler}", precision)
 
 
-def compile_check(precision: str, sp: dict, n: int, compile_s: float, saved_ms: float, t: Thresholds,
+def compile_check(precision: str, sp: Speedup, n: int, compile_s: float, saved_ms: float, t: Thresholds,
                   load: Load | None = None) -> PrecisionCheck:
     """Compiled against the same precision eager: PASS when the whole IQR range is faster, FAIL when
     it is all slower; the detail says after how many steps the compile time is paid back.
     A step-time IQR wider than its median gives WARN "inconclusive: ..." (the threshold here is 1.0
     itself, so a range holding it is "no measurable difference", a finding, not noise)."""
-    detail = f"{sp['median']:.2f}x eager (IQR range {sp['low']:.2f}-{sp['high']:.2f}x, n={n} repeats); " \
+    detail = f"{sp.median:.2f}x eager (IQR range {sp.low:.2f}-{sp.high:.2f}x, n={n} repeats); " \
              f"compile {compile_s:.1f} s"
-    if sp.get("spread_over_median", 0.0) > 1.0:
-        return PrecisionCheck("compile speedup vs eager", "WARN", round(sp["median"], 4), 1.0,
+    if sp.spread_over_median > 1.0:
+        return PrecisionCheck("compile speedup vs eager", "WARN", round(sp.median, 4), 1.0,
                               f"{inconclusive(load)}; measured {detail}", precision, "compiled")
-    if sp["low"] > 1:
+    if sp.low > 1:
         status = "PASS"
         detail += f", paid back after {math.ceil(compile_s * 1e3 / saved_ms)} steps at the median step times"
-    elif sp["high"] < 1:
+    elif sp.high < 1:
         status, detail = "FAIL", detail + "; slower than eager"
     else:
         status = "WARN"
-    if sp["no_measurable_difference"]:
+    if sp.no_measurable_difference:
         detail += "; no measurable difference from eager (step-time IQRs overlap)"
     if n < t.min_repeats and status != "WARN":
         status = "WARN"
         detail += f"; only {n} repeat(s), too few to judge noise: use repeats>={t.min_repeats}"
-    return PrecisionCheck("compile speedup vs eager", status, round(sp["median"], 4), 1.0, detail, precision,
+    return PrecisionCheck("compile speedup vs eager", status, round(sp.median, 4), 1.0, detail, precision,
                           "compiled")
 
 
@@ -244,7 +255,7 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info.reason, rec.precision))
     elif vs_eager is not None:
         ms = rec.speed.step_ms
-        saved_ms = vs_eager["median"] * ms.median - ms.median  # eager's median step minus this one's
+        saved_ms = vs_eager.median * ms.median - ms.median  # eager's median step minus this one's
         rows.insert(0, compile_check(rec.precision, vs_eager, ms.n, info.compile_s, saved_ms, t, load))
     for row in rows:
         row.mode = rec.mode

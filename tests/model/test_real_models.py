@@ -59,7 +59,7 @@ def test_every_tier_runs_on_the_folder(trained_hf_folder, tmp_path):
         assert attribution["text"].str.len().max() > 1
     bench = tu.amp_benchmark(spec, None, precisions=("fp32",), batch_size=2, seq_len=32, repeats=1, timed_steps=1,
                              untimed_steps=0, accuracy_steps=1, eval_batches=1, progress=False, device="cpu")
-    assert bench.config.tokenizer == str(trained_hf_folder.resolve())
+    assert bench.config.described.tokenizer == str(trained_hf_folder.resolve())
     exported = tu.export(spec, tmp_path / "m.pt2", format="pt2", repeats=1)
     assert exported.status == "PASS"
 

@@ -188,7 +188,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     verdicts = [c for p, r in zip(plans, records)
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
-    config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], **splits.describe().to_dict(),
+    config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
                       settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}

@@ -3,13 +3,14 @@ it becomes (one entry of the JSON's "precisions", one row of `.table`) with its 
 `BenchRun` (the JSON's "config") with its `BatchFit`."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..core.budget import Budget
 from ..core.measure import Stats, probe_summary
 from ..core.precision import Precision
 from ..core.results import run_metadata
 from ..model.compiling import CompileInfo
+from ..model.data import DataDescription
 from .config import BenchConfig, Mode, Thresholds
 from .verdicts import Speedup, parity, reduction, speedup
 
@@ -47,29 +48,21 @@ class BatchFit:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """What a benchmark ran: the model, its data (DataSplits.describe's fields), the settings as run (the
-    batch every compared precision fits, the length capped at the model's) and one step's tokens."""
+    """What a benchmark ran: the model, its data, the settings as run (the batch every compared precision fits,
+    the length capped at the model's) and one step's tokens."""
 
     model: str
     task: str
     parameters: int
-    data: str
-    source: str
-    tokenizer: str
-    validation: str
-    train_examples: int
-    val_examples: int
+    described: DataDescription
     settings: BenchConfig
     tokens_per_step: int
     fit: BatchFit
 
     def to_dict(self) -> dict:
-        """The JSON's "config": the settings' fields flat beside the model's and the data's."""
-        flat = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            flat.update(value.to_dict() if f.name == "settings" else {f.name: value})
-        return {**flat, "fit": self.fit.to_dict()}
+        """The JSON's "config": the data's and the settings' fields flat beside the model's."""
+        return {"model": self.model, "task": self.task, "parameters": self.parameters, **self.described.to_dict(),
+                **self.settings.to_dict(), "tokens_per_step": self.tokens_per_step, "fit": self.fit.to_dict()}
 
 
 @dataclass

@@ -6,7 +6,7 @@ Pure functions of measured numbers, so they are tested without running a model.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..core.measure import Load, Stats
 from ..core.results import Check
@@ -37,9 +37,6 @@ class Speedup:
     high: float
     no_measurable_difference: bool
     spread_over_median: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def speedup(base: Stats, other: Stats) -> Speedup:

@@ -28,7 +28,7 @@ from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..model.adapter import resolve_model
-from ..model.data import make_loader
+from ..model.data import DataDescription, make_loader
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
@@ -90,19 +90,17 @@ class ExportRun:
     trace_shape: list
     parity_shapes: list
     max_len: int
-    data: str
-    source: str
-    tokenizer: str
-    validation: str
-    train_examples: int
-    val_examples: int
+    described: DataDescription
     repeats: int
     bytes: int
     rel_tolerance: tuple
     argmax_agreement: tuple
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The data's fields flat beside the others, as the JSON has always had them."""
+        d = asdict(self)
+        described = d.pop("described")
+        return {**d, **described}
 
 
 @dataclass(repr=False)
@@ -189,7 +187,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
-                       max_len=adapter.max_len, **splits.describe().to_dict(), repeats=cfg.repeats, bytes=len(payload),
+                       max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
                        rel_tolerance=REL_TOLERANCE[prec.name], argmax_agreement=AGREEMENT[prec.name])
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)

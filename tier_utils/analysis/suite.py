@@ -15,7 +15,7 @@ import torch
 from ..core.budget import read_budget
 from ..core.errors import DataError, ModelForwardError, describe
 from ..core.files import jsonable
-from ..core.inputs import select_names, whole_number
+from ..core.inputs import select_names
 from ..core.precision import Precision, precision_setting, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
@@ -66,9 +66,8 @@ class AnalysisConfig:
 
 def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
                  device) -> tuple[list[dict], DataDescription]:
-    """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None)."""
-    whole_number(batch_size, "batch_size")
-    whole_number(n_batches, "n_batches")
+    """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None);
+    the sizes are AnalysisConfig's, checked there."""
     splits = adapter.datasets(data, adapter.fit_length(seq_len))
     loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]

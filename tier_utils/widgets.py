@@ -40,8 +40,9 @@ def forget_panel_choices() -> None:
 @dataclass
 class RunConfig:
     """What a notebook's run cells read: the model spec and its sizes, the data, precision, batch size, lengths,
-    and whether to torch.compile; `train_config()`, `bench_config()` and `search_config()` hand each tier its own
-    config from them, so a run cell passes one object and copies no setting by hand.
+    and whether to torch.compile; `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`,
+    `fit_config()` and `search_config()` hand each tier its own config from them, so a run cell passes one object
+    and copies no setting by hand.
 
     `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
     (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other

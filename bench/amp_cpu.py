@@ -16,7 +16,7 @@ import torch
 
 from tier_utils.benchmark.amp import amp_benchmark
 from tier_utils.core.files import write_json
-from tier_utils.model.loading import load_model
+from tier_utils.models.loading import load_model
 
 COLUMNS = ["n_repeats", "step_ms_median", "step_ms_iqr", "tokens_per_s_median", "speedup", "speedup_low",
            "speedup_high", "mfu", "peak_tflops", "activations_mib", "total_mib", "activation_reduction",

@@ -24,7 +24,7 @@ import torch
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import Load, choose_threads, load_average, summarize, usable_cores
 from tier_utils.core.results import run_metadata
-from tier_utils.model.loading import load_model
+from tier_utils.models.loading import load_model
 
 # A busy loop that ends itself: the load can't outlive the script, even if it is killed.
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"

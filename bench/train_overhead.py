@@ -27,9 +27,9 @@ from tier_utils.core.files import write_json
 from tier_utils.core.measure import summarize
 from tier_utils.core.precision import SlowPrecisionWarning, device_name, resolve_precision
 from tier_utils.core.results import run_metadata
-from tier_utils.model.data import build_datasets
-from tier_utils.model.loading import load_model
-from tier_utils.model.step import make_optimizer, make_scheduler
+from tier_utils.data.datasets import build_datasets
+from tier_utils.engine.step import make_optimizer, make_scheduler
+from tier_utils.models.loading import load_model
 from tier_utils.training.loop import train
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from tier_utils import load_model, train
-from tier_utils.model.data import corpus_split, corpus_topics
+from tier_utils.data.datasets import corpus_split, corpus_topics
 
 BPE_VOCAB = 1000
 GPT2_SIZES = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)

@@ -17,11 +17,11 @@ import torch.nn as nn
 from tiny import TINY_ARGS, tiny
 
 import tier_utils
+from tier_utils.adapter.adapter import adapt
 from tier_utils.cli import main
 from tier_utils.core.errors import ModelForwardError, TierError
 from tier_utils.core.files import atomic_write_bytes
-from tier_utils.model.adapter import adapt
-from tier_utils.model.checkpoint import load_checkpoint, save_checkpoint
+from tier_utils.models.checkpoint import load_checkpoint, save_checkpoint
 
 MODELS = textwrap.dedent('''
     import torch

@@ -10,17 +10,9 @@ from tiny import TINY
 from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, report
 from tier_utils import demo as demo_module
 from tier_utils.benchmark.config import BenchConfig
-from tier_utils.demo import SEED, STEPS
-from tier_utils.model.demo import (
-    ASSETS,
-    CARD_NAME,
-    MODEL_KWARGS,
-    UNIFORM_LOSS,
-    WEIGHTS_NAME,
-    corpus_val_loss,
-    demo_card,
-)
-from tier_utils.model.loading import DEFAULT_MODEL, DEMO_MODEL
+from tier_utils.demo import SEED, STEPS, UNIFORM_LOSS, corpus_val_loss
+from tier_utils.models.builtins import DEFAULT_MODEL, DEMO_MODEL
+from tier_utils.models.demo import ASSETS, CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, demo_card
 from tier_utils.presets import FAST, JOB, Preset
 from tier_utils.training.config import TrainConfig
 

@@ -227,7 +227,7 @@ def test_main_job_logged_to_a_file_has_short_plain_lines(tmp_path):
 
 def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far_apart(tmp_path):
     from tier_utils.benchmark.amp import amp_benchmark
-    from tier_utils.model.loading import load_model
+    from tier_utils.models.loading import load_model
     from tier_utils.training.loop import train
 
     model = load_model("tiny-gpt", **TINY)

@@ -1,5 +1,6 @@
 """tier_utils: smoke-test (tier 1), analyse (tier 2), train and benchmark mixed precision (tier 3)
 for a PyTorch transformer, from notebooks, the CLI or Python."""
+from .adapter.adapter import ModelAdapter, adapt
 from .analysis import AnalysisConfig, AnalysisReport, analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.config import BenchConfig, Thresholds
@@ -23,13 +24,13 @@ from .core.precision import (
     supported_precisions,
 )
 from .core.results import Check
+from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
+from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from .data.userdata import DataSource
 from .exporting.exporter import ExportConfig, ExportResult, export
-from .model.adapter import ModelAdapter, adapt
-from .model.checkpoint import load_checkpoint
-from .model.data import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
-from .model.loading import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT, load_model, load_weights
-from .model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from .model.userdata import DataSource
+from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
+from .models.checkpoint import load_checkpoint
+from .models.loading import load_model, load_weights
 from .planning.device_info import InfoConfig, InfoResult, info
 from .planning.planner import FitConfig, FitResult, fit
 from .report import AllResult, run_all, write_report

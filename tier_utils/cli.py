@@ -116,7 +116,7 @@ def _run_bench(args) -> tuple[dict, int]:
 
 
 def _run_search(args) -> tuple[dict, int]:
-    from .model.loading import load_model
+    from .models.loading import load_model
     from .tuning.study import search
 
     result = search(load_model(args.model, **model_kwargs(args)), data_of(args),

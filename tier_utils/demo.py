@@ -1,9 +1,10 @@
-"""The recipe that made the shipped demo model (`tier_utils.model.demo`): `train_demo` trains it again, seeded;
+"""The recipe that made the shipped demo model (`tier_utils.models.demo`): `train_demo` trains it again, seeded;
 `python -m tier_utils.demo --out DIR` runs it from the command line."""
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import sys
 import time
 from dataclasses import replace
@@ -11,23 +12,34 @@ from pathlib import Path
 
 import torch
 
+from .adapter.adapter import adapt
 from .core.errors import TierError, one_line
 from .core.files import atomic_write_bytes, write_json
 from .core.inputs import writable_dir
+from .core.precision import resolve_precision
 from .core.results import run_metadata
-from .model.data import build_datasets
-from .model.demo import (
-    CARD_NAME,
-    MODEL_KWARGS,
-    UNIFORM_LOSS,
-    WEIGHTS_NAME,
-    corpus_val_loss,
-    describe_demo,
-    weights_bytes,
-)
-from .model.loading import DEMO_MODEL
+from .data.datasets import BYTE_VOCAB, build_datasets, make_loader
+from .engine.evaluation import evaluate
+from .models.builtins import DEMO_MODEL
+from .models.demo import CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, describe_demo, weights_bytes
 from .training.config import TrainConfig
 from .training.loop import train
+
+EVAL_BATCH = 16
+UNIFORM_LOSS = math.log(BYTE_VOCAB)  # a model that guesses every byte alike
+
+
+def corpus_val_loss(model: torch.nn.Module) -> tuple[float, int]:
+    """Mean cross-entropy (nats per byte) of a byte-level causal LM over the bundled corpus' whole
+    validation split, in fp32 on the model's device, and the number of targets scored."""
+    adapter = adapt(model)
+    splits = adapter.datasets(None, adapter.fit_length(MODEL_KWARGS["max_len"]))
+    loader = make_loader(splits.val, EVAL_BATCH, shuffle=False, device=adapter.device)
+    was_training = model.training
+    metrics = evaluate(adapter, loader, resolve_precision("fp32", adapter.device))
+    model.train(was_training)  # evaluate leaves it in train mode
+    return metrics["val_loss"], metrics["targets"]
+
 
 STEPS, SEED = 1200, 0
 # Sized for about a minute on 2 idle CPU cores. Fewer steps leave layer 0's heads spread over the
@@ -41,7 +53,7 @@ RECIPE = TrainConfig(batch_size=16, seq_len=MODEL_KWARGS["max_len"], lr=3e-3, wa
 def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = True) -> dict:
     """Train the demo model with RECIPE, write `tiny_gpt_trained.safetensors` and its JSON card into
     `out_dir`, and return the card (sizes, seed, steps, data, final train and val loss, torch version).
-    `out_dir=tier_utils.model.demo.ASSETS` replaces the shipped model."""
+    `out_dir=tier_utils.models.demo.ASSETS` replaces the shipped model."""
     out = writable_dir(out_dir, "out_dir")  # before the minute of training, not after it
     config = replace(RECIPE, max_steps=steps, seed=seed, progress=progress)  # checks steps and seed
     start = time.perf_counter()

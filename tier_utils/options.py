@@ -13,7 +13,7 @@ import typing
 from dataclasses import fields
 
 from .core.inputs import whole_number
-from .model.loading import DEFAULT_MODEL
+from .models.builtins import DEFAULT_MODEL
 from .training.config import TrainConfig
 
 
@@ -171,7 +171,7 @@ def add_data(parser, data: bool = True) -> None:
 
 def data_of(args):
     """The data as the API takes it: a path with columns becomes a DataSource."""
-    from .model.userdata import data_source
+    from .data.userdata import data_source
 
     return data_source(args.data, args.text_column, args.label_column)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .adapter.adapter import adapt
 from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.size import MEMORY_FRACTION, fp32_measure, grow_batch
@@ -28,8 +29,8 @@ from .core.measure import Load, cpu_load, load_average
 from .core.plotting import save_png
 from .core.precision import resolve_device, resolve_precision
 from .core.results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
-from .model.adapter import adapt
-from .model.loading import DEFAULT_MODEL, DEMO_MODEL, load_model
+from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
+from .models.loading import load_model
 from .planning.planner import fit
 from .presets import FAST, JOB
 from .smoketest.suite import smoke

@@ -18,7 +18,8 @@ from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
 from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .core.settings import check_fields, check_switch, setting
-from .model.loading import BUILTIN_MODELS, DEFAULT_MODEL, load_model
+from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
+from .models.loading import load_model
 from .planning.planner import FitConfig
 from .presets import Preset, notebook_preset
 from .smoketest.suite import SmokeConfig

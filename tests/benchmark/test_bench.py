@@ -9,6 +9,7 @@ import torch.nn as nn
 from matplotlib.figure import Figure
 from tiny import TINY, TINY_ARGS, tiny
 
+from tier_utils.adapter.adapter import adapt
 from tier_utils.benchmark import amp as bench
 from tier_utils.benchmark.amp import amp_benchmark, interleave
 from tier_utils.benchmark.config import BENCH_RUN_ONLY, BenchConfig
@@ -30,9 +31,8 @@ from tier_utils.core.errors import LoggerError, ModelSpecError
 from tier_utils.core.measure import SavedTensorMeter, Stats
 from tier_utils.core.precision import native_support, resolve_precision
 from tier_utils.core.settings import precision_list
-from tier_utils.model.adapter import adapt
-from tier_utils.model.data import build_datasets
-from tier_utils.model.loading import TinyGPT
+from tier_utils.data.datasets import build_datasets
+from tier_utils.models.builtins import TinyGPT
 
 CPU = torch.device("cpu")
 BF16_NATIVE = native_support("bf16", CPU)[0]

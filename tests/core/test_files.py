@@ -10,7 +10,7 @@ from tier_utils import train
 from tier_utils.cli import main
 from tier_utils.core.errors import RunFolderBusy
 from tier_utils.core.files import LOCK_NAME, atomic_write_bytes, run_lock
-from tier_utils.model.checkpoint import save_checkpoint
+from tier_utils.models.checkpoint import save_checkpoint
 
 RUN = dict(precision="fp32", max_steps=1, batch_size=4, seq_len=16, eval_every=0, eval_batches=1, progress=False,
            device="cpu")

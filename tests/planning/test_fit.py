@@ -7,12 +7,12 @@ import torch.nn as nn
 from tiny import TINY_ARGS
 
 from tier_utils import TinyGPT
+from tier_utils.adapter.adapter import adapt
 from tier_utils.cli import main
 from tier_utils.core.budget import FREE_MEMORY_ENV
 from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
-from tier_utils.model.adapter import adapt
-from tier_utils.model.step import TrainStep, make_optimizer
+from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.planning.planner import GPUS, FitConfig, bisect_batch, checkpointed, device_room, fit, static_bytes
 
 T = 64

@@ -294,7 +294,7 @@ def test_json_plot_and_table_formats(tmp_path):
 
 
 MODEL_FILE = textwrap.dedent('''
-    from tier_utils.model.loading import TinyGPT
+    from tier_utils.models.builtins import TinyGPT
 
     class NaNGPT(TinyGPT):
         def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):

@@ -19,8 +19,8 @@ import torch
 from tiny import TINY_ARGS, tiny
 
 from tier_utils.core.seeding import seed_everything
-from tier_utils.model.checkpoint import load_checkpoint
-from tier_utils.model.data import build_datasets
+from tier_utils.data.datasets import build_datasets
+from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.training.distributed import DistEnv, eval_shard
 from tier_utils.training.loop import train
 
@@ -32,18 +32,18 @@ DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity"
 # starts optimizer step k (after the checkpoint of step k-2 is on disk).
 _WORKER = textwrap.dedent("""
     import os, pathlib, signal, sys
-    import tier_utils.model.checkpoint, tier_utils.core.files, tier_utils.training.history
+    import tier_utils.models.checkpoint, tier_utils.core.files, tier_utils.training.history
     from tier_utils import cli
 
     if int(os.environ["RANK"]) != 0:
         def forbidden(*args, **kwargs):
             raise AssertionError(f"rank {os.environ['RANK']} tried to write a file")
-        for mod in (tier_utils.model.checkpoint, tier_utils.core.files, tier_utils.training.history):
+        for mod in (tier_utils.models.checkpoint, tier_utils.core.files, tier_utils.training.history):
             mod.atomic_write_bytes = forbidden  # checkpoints, metrics.csv, training.png, --json
         pathlib.Path.write_bytes = pathlib.Path.write_text = forbidden
     kill_at = int(os.environ.get("KILL_AT", 0))
     if kill_at:
-        from tier_utils.model.step import TrainStep
+        from tier_utils.engine.step import TrainStep
         real_call, calls = TrainStep.__call__, [0]
 
         def call(self, micro):

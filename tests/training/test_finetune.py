@@ -16,7 +16,7 @@ from tiny import TINY_ARGS, tiny
 import tier_utils as tu
 from tier_utils import cli
 from tier_utils.core.errors import OutputError
-from tier_utils.model.checkpoint import load_checkpoint, save_checkpoint
+from tier_utils.models.checkpoint import load_checkpoint, save_checkpoint
 from tier_utils.training.finetune import Selection
 
 # 36 training rows of random tokens and a high learning rate: the model memorises them, so its val loss (on 4

@@ -23,14 +23,14 @@ import torch.nn as nn
 from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import cli
+from tier_utils.adapter.adapter import adapt
 from tier_utils.core.errors import CheckpointError, TrainingDiverged
 from tier_utils.core.precision import SlowPrecisionWarning, resolve_precision
-from tier_utils.model.adapter import adapt
-from tier_utils.model.checkpoint import load_checkpoint
-from tier_utils.model.data import build_datasets, make_loader
-from tier_utils.model.evaluation import evaluate
-from tier_utils.model.loading import load_model
-from tier_utils.model.step import StepOutput, TrainStep, make_optimizer, make_scheduler
+from tier_utils.data.datasets import build_datasets, make_loader
+from tier_utils.engine.evaluation import evaluate
+from tier_utils.engine.step import StepOutput, TrainStep, make_optimizer, make_scheduler
+from tier_utils.models.checkpoint import load_checkpoint
+from tier_utils.models.loading import load_model
 from tier_utils.training.config import TrainConfig
 from tier_utils.training.history import History, TrainResult
 from tier_utils.training.loop import train
@@ -363,8 +363,8 @@ def test_config_validation_messages():
 
 _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
-    from tier_utils.model.loading import load_model
-    from tier_utils.model.step import TrainStep
+    from tier_utils.models.loading import load_model
+    from tier_utils.engine.step import TrainStep
     from tier_utils.training.loop import train
 
     ckpt_dir, kill_at = sys.argv[1], int(sys.argv[2])

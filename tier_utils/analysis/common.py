@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from ..adapter.adapter import ModelAdapter
 from ..core.budget import Budget
 from ..core.precision import Precision
 from ..core.results import Check
-from ..model.adapter import ModelAdapter
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from ..adapter.adapter import resolve_model
 from ..core.budget import read_budget
 from ..core.errors import DataError, ModelForwardError, describe
 from ..core.files import jsonable
@@ -20,10 +21,9 @@ from ..core.precision import Precision, precision_setting, resolve_device, resol
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
-from ..model.adapter import resolve_model
-from ..model.data import DataDescription, make_loader, to_device
-from ..model.demo import provenance_of
-from ..model.loading import DEFAULT_MODEL
+from ..data.datasets import DataDescription, make_loader, to_device
+from ..models.builtins import DEFAULT_MODEL
+from ..models.demo import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 

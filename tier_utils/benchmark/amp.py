@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 import torch
 
+from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.loggers import log_result_tables, run_stamp
@@ -31,11 +32,10 @@ from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import merge
-from ..model.adapter import resolve_model
-from ..model.compiling import compile_for_training
-from ..model.data import make_loader, to_device
-from ..model.evaluation import evaluate
-from ..model.step import TrainStep, make_optimizer, make_scheduler
+from ..data.datasets import make_loader, to_device
+from ..engine.compiling import compile_for_training
+from ..engine.evaluation import evaluate
+from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..planning.planner import device_room, plan
 from .config import COMPILE_CHOICES, BenchConfig, Mode
 from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record

@@ -10,7 +10,7 @@ import torch
 from ..core.loggers import logger_names
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
-from ..model.compiling import compile_mode_setting
+from ..engine.compiling import compile_mode_setting
 
 Mode = Literal["eager", "compiled"]  # how a benchmarked step runs
 # The `compile` setting: the modes each precision runs in, eager first.

@@ -9,8 +9,8 @@ from ..core.budget import Budget
 from ..core.measure import Stats, probe_summary
 from ..core.precision import Precision
 from ..core.results import run_metadata
-from ..model.compiling import CompileInfo
-from ..model.data import DataDescription
+from ..data.datasets import DataDescription
+from ..engine.compiling import CompileInfo
 from .config import BenchConfig, Mode, Thresholds
 from .verdicts import Speedup, parity, reduction, speedup
 

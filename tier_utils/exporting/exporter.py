@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, replace
 import pandas as pd
 import torch
 
+from ..adapter.adapter import resolve_model
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import StepTimer, summarize
 from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
-from ..model.adapter import resolve_model
-from ..model.data import DataDescription, make_loader
+from ..data.datasets import DataDescription, make_loader
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from ..adapter.adapter import resolve_model
 from ..core.files import jsonable, write_json
 from ..core.precision import (
     CPU_FLAGS_ENV,
@@ -20,8 +21,7 @@ from ..core.precision import (
 )
 from ..core.results import run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field
-from ..model.adapter import resolve_model
-from ..model.loading import DEFAULT_MODEL
+from ..models.builtins import DEFAULT_MODEL
 
 
 @dataclass

@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, gib, measure_activations, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.measure import static_memory
@@ -26,9 +27,8 @@ from ..core.precision import PRECISIONS, native_support, resolve_device, resolve
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
-from ..model.adapter import resolve_model
-from ..model.loading import DEFAULT_MODEL
-from ..model.step import TrainStep, make_optimizer
+from ..engine.step import TrainStep, make_optimizer
+from ..models.builtins import DEFAULT_MODEL
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN

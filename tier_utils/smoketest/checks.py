@@ -12,12 +12,12 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..adapter.adapter import ModelAdapter
 from ..core.budget import affordable_repeats, gib, measure_activations
 from ..core.errors import describe
 from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import Precision, native_support, resolve_precision
 from ..core.results import Check, failed_check
-from ..model.adapter import ModelAdapter
 from .memory import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..adapter.adapter import ModelAdapter
 from ..core.budget import SAFE_SHARE, gib, measure_activations, out_of_memory_note, without_oom
 from ..core.measure import SavedTensorMeter
 from ..core.results import Check
-from ..model.adapter import ModelAdapter
 
 
 def _mib(n: int) -> str:

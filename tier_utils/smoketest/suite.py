@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 import torch
 
+from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, read_budget
 from ..core.errors import ModelForwardError, describe
 from ..core.files import jsonable
@@ -23,8 +24,7 @@ from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
-from ..model.adapter import resolve_model
-from ..model.loading import DEFAULT_MODEL
+from ..models.builtins import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
 
 

@@ -8,7 +8,7 @@ import torch
 from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
-from ..model.compiling import compile_mode_setting
+from ..engine.compiling import compile_mode_setting
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed")

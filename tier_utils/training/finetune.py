@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
-from ..model.checkpoint import load_checkpoint
-from ..model.tokenizer import BYTES
+from ..data.tokenizer import BYTES
+from ..models.checkpoint import load_checkpoint
 
 
 @dataclass

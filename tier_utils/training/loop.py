@@ -17,16 +17,22 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..adapter.adapter import ModelAdapter, resolve_model
 from ..core.errors import CheckpointError, DataError, TrainingDiverged
 from ..core.files import run_lock
+from ..core.hub import HUB_PREFIX
 from ..core.inputs import writable_dir
 from ..core.precision import Precision, device_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.seeding import rng_state, seed_everything, set_rng_state
 from ..core.settings import merge
-from ..model.adapter import ModelAdapter, resolve_model
-from ..model.checkpoint import (
+from ..data.datasets import DataSplits, make_loader, to_device
+from ..data.tokenizer import BYTES
+from ..engine.compiling import compile_for_training
+from ..engine.evaluation import evaluate
+from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
+from ..models.checkpoint import (
     BEST_NAME,
     CHECKPOINT_NAME,
     data_fingerprint,
@@ -34,13 +40,7 @@ from ..model.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ..model.compiling import compile_for_training
-from ..model.data import DataSplits, make_loader, to_device
-from ..model.evaluation import evaluate
-from ..model.hub import HUB_PREFIX
-from ..model.loading import source_of
-from ..model.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
-from ..model.tokenizer import BYTES
+from ..models.loading import source_of
 from . import distributed
 from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from ..adapter.adapter import resolve_model
 from ..core.errors import SearchStorageError, TrainingDiverged, one_line
 from ..core.files import jsonable
 from ..core.plotting import integer_axis
@@ -22,8 +23,7 @@ from ..core.precision import canonical_precision
 from ..core.progress import interactive
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, merge, setting
-from ..model.adapter import resolve_model
-from ..model.loading import DEFAULT_MODEL
+from ..models.builtins import DEFAULT_MODEL
 from ..training.config import TrainConfig
 from ..training.loop import train
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tier_utils import DataError, build_datasets, corpus_split, corpus_topics, make_loader
-from tier_utils.model.data import TOPIC_GROUPS, topic_group
-from tier_utils.model.tokenizer import ByteTokenizer
+from tier_utils.data.datasets import TOPIC_GROUPS, topic_group
+from tier_utils.data.tokenizer import ByteTokenizer
 
 
 def test_corpus_is_real_cpython_docs():
@@ -92,7 +92,7 @@ def test_loader_worker_options():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_loader_pins_memory_and_batches_copy_without_blocking():
-    from tier_utils.model.data import to_device
+    from tier_utils.data.datasets import to_device
     splits = build_datasets(None, task="causal-lm", seq_len=16)
     loader = make_loader(splits.train, batch_size=4, device="cuda")
     batch = next(iter(loader))

@@ -12,7 +12,7 @@ import numpy as np  # always installed: pandas needs it
 import torch
 
 from ..core.errors import ModelSpecError, one_line
-from .hub import HUB_PREFIX, from_hub
+from ..core.hub import HUB_PREFIX, from_hub
 
 BYTE_VOCAB = 256
 BYTES = "bytes"

@@ -7,7 +7,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from ..core.errors import ModelSpecError, one_line
+from .errors import ModelSpecError, one_line
 
 HUB_PREFIX = "hf:"
 

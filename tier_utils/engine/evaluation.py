@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .data import to_device
+from ..data.datasets import to_device
 
 
 def perplexity(loss: float) -> float:

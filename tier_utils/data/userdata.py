@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import DataError, one_line
-from .hub import hub_reachable
+from ..core.hub import hub_reachable
 
 HF_DATASET_PREFIX = "hf-dataset:"
 TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -18,10 +18,10 @@ from tier_utils import cli
 from tier_utils.benchmark import amp as bench
 from tier_utils.benchmark.amp import amp_benchmark
 from tier_utils.benchmark.config import BenchConfig
-from tier_utils.model import compiling
-from tier_utils.model.checkpoint import load_checkpoint
-from tier_utils.model.compiling import CompileFallbackWarning
-from tier_utils.model.step import make_optimizer, optimizer_impl
+from tier_utils.engine import compiling
+from tier_utils.engine.compiling import CompileFallbackWarning
+from tier_utils.engine.step import make_optimizer, optimizer_impl
+from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.training.config import TrainConfig
 from tier_utils.training.loop import train
 

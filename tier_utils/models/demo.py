@@ -9,39 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
 
 from ..core.errors import ModelSpecError, one_line
-from ..core.precision import resolve_precision
-from .adapter import adapt
-from .data import BYTE_VOCAB, make_loader
-from .evaluation import evaluate
-from .loading import DEMO_MODEL, TinyGPT
+from ..data.datasets import BYTE_VOCAB
+from .builtins import DEMO_MODEL, TinyGPT
 
 ASSETS = Path(__file__).parents[1] / "assets"  # tier_utils/assets, the package data
 WEIGHTS_NAME, CARD_NAME = "tiny_gpt_trained.safetensors", "tiny_gpt_trained.json"
 MODEL_KWARGS = {"vocab_size": BYTE_VOCAB, "max_len": 128, "d_model": 128, "n_layer": 2, "n_head": 4, "dropout": 0.0}
-EVAL_BATCH = 16
-UNIFORM_LOSS = math.log(BYTE_VOCAB)  # a model that guesses every byte alike
-
-
-def corpus_val_loss(model: torch.nn.Module) -> tuple[float, int]:
-    """Mean cross-entropy (nats per byte) of a byte-level causal LM over the bundled corpus' whole
-    validation split, in fp32 on the model's device, and the number of targets scored."""
-    adapter = adapt(model)
-    splits = adapter.datasets(None, adapter.fit_length(MODEL_KWARGS["max_len"]))
-    loader = make_loader(splits.val, EVAL_BATCH, shuffle=False, device=adapter.device)
-    was_training = model.training
-    metrics = evaluate(adapter, loader, resolve_precision("fp32", adapter.device))
-    model.train(was_training)  # evaluate leaves it in train mode
-    return metrics["val_loss"], metrics["targets"]
-
-
-
 def weights_bytes(model: torch.nn.Module) -> bytes:
     """The weights as the shipped safetensors file holds them (what the card's hash is taken over)."""
     return save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})

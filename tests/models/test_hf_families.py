@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from tier_utils import AdapterError, adapt, amp_benchmark, analyze, load_model, smoke, train
+from tier_utils.adapter.adapter import DEFAULT_MAX_LEN
 from tier_utils.cli import main
-from tier_utils.model.adapter import DEFAULT_MAX_LEN
 
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 from tier_utils import AdapterError, ModelSpecError, adapt, load_model
-from tier_utils.model.adapter import DEFAULT_MAX_LEN, extract_logits
-from tier_utils.model.loading import TinyEncoder, TinyGPT
+from tier_utils.adapter.adapter import DEFAULT_MAX_LEN, extract_logits
+from tier_utils.models.builtins import TinyEncoder, TinyGPT
 
 HF_GPT2 = dict(n_layer=1, n_head=2, n_embd=32, vocab_size=256, n_positions=64)
 HF_BERT = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64,
@@ -30,7 +30,7 @@ def model_file(tmp_path):
                 return (self.head(self.tok(x).mean(1)),)
 
         def make_gpt(**kw):
-            from tier_utils.model.loading import TinyGPT
+            from tier_utils.models.builtins import TinyGPT
             return TinyGPT(**kw)
 
         def broken():
@@ -61,7 +61,7 @@ def test_file_spec_class_and_factory(model_file):
 
 
 def test_package_module_spec():
-    assert isinstance(load_model("tier_utils.model.loading:TinyEncoder", d_model=32, n_head=2), TinyEncoder)
+    assert isinstance(load_model("tier_utils.models.loading:TinyEncoder", d_model=32, n_head=2), TinyEncoder)
 
 
 def test_hf_specs_build_from_config_without_download():
@@ -77,7 +77,7 @@ def test_hf_specs_build_from_config_without_download():
 
 @pytest.mark.parametrize("spec,message", [
     ("nope.py:Model", "not found"),
-    ("tier_utils.model.loading:Missing", "has no attribute 'Missing'"),
+    ("tier_utils.models.loading:Missing", "has no attribute 'Missing'"),
     ("no_such_pkg_xyz:Model", "cannot import module"),
     ("hf:NoSuchModel", "no model class 'NoSuchModel'"),
     ("gpt-17", "unknown model 'gpt-17'"),

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapter.adapter import ModelAdapter
 from ..core.precision import Precision
-from .adapter import ModelAdapter
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:

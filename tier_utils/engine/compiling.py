@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..adapter.adapter import ModelAdapter
 from ..core.errors import describe, one_line
 from ..core.precision import Precision
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import setting
-from .adapter import ModelAdapter
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes, passed through
 

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
-from .data import DataSplits, build_datasets
-from .loading import load_model, source_of
-from .tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
+from ..data.datasets import DataSplits, build_datasets
+from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
+from ..models.loading import load_model, source_of
 
 TASKS = ("causal-lm", "classification")
 

@@ -563,6 +563,7 @@ def test_the_comparison_runs_at_the_largest_batch_every_precision_fits(monkeypat
     configs = plan(adapt(model), ["fp32", "bf16"], 16)[0]
     need = max(c.step_bytes(2, 16) for c in configs)  # bf16's autocast weight copies may make it the bigger one
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2 * need + 64))  # a safe share (half) that fits batch 2
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # a CPU with native bf16, whatever runs the test
     result = amp_benchmark(model, **{**RUN, "batch_size": 8, "precisions": ("fp32", "bf16")})
     fit, batch = result.config.fit, result.config.settings.batch_size
     assert batch == min(fit.largest_batch_predicted.values()) >= 2 and fit.batch_size_asked == 8
@@ -574,6 +575,7 @@ def test_the_comparison_runs_at_the_largest_batch_every_precision_fits(monkeypat
 
 def test_a_baseline_that_fits_nothing_skips_every_precision_with_the_reason(monkeypatch):
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "64KiB")
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 native, so its own reason is the memory
     result = amp_benchmark(tiny(seed=0), **{**RUN, "precisions": ("fp32", "bf16")})
     assert not any(r.ran for r in result.records)
     rows = result.verdicts

@@ -14,7 +14,6 @@ from .core.errors import (
     TierError,
     TrainingDiverged,
 )
-from .core.measure import decide_threads
 from .core.precision import (
     Precision,
     SlowPrecisionWarning,
@@ -43,10 +42,7 @@ from .tuning.study import SearchConfig, SearchResult, search
 
 __version__ = "0.1.0"
 
-# Torch threads are chosen as the package starts, before any work: one per core other jobs leave free,
-# unless the user chose (OMP_NUM_THREADS, torch.set_num_threads); results say which (`threads_reason`).
-decide_threads()
-
+# Importing changes no global state: each run chooses its torch thread count as it starts (core/threads.py).
 __all__ = [
     # setup: models, data, precision
     "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "load_weights", "ModelAdapter", "adapt",

@@ -15,6 +15,7 @@ from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
 from .core.errors import TierError, one_line
 from .core.files import write_json
 from .core.inputs import writable_dir, writable_file
+from .core.threads import run_threads
 from .options import (
     DATA_HELP,
     Parser,
@@ -155,7 +156,7 @@ def _run_fit(args) -> tuple[dict, int]:
 
 
 def _run_all(args) -> tuple[dict, int]:
-    from .core.measure import machine_load
+    from .core.threads import machine_load
     from .mainjob import run_all
 
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
@@ -308,7 +309,8 @@ def main(argv=None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line
             _check_outputs(args)
-            summary, code = args.run(args)
+            with run_threads():  # chosen once, before the verb's first line: every tier it runs keeps it
+                summary, code = args.run(args)
         if args.json:
             write_json(args.json, summary)
     except TierError as exc:  # each class says its code: 2 for the input, 1 for a finding about the model or run

@@ -25,6 +25,7 @@ from .core.inputs import writable_dir
 from .core.measure import load_average
 from .core.precision import resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, worst_status
+from .core.threads import chooses_threads
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
@@ -134,6 +135,7 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
     return line + f" · {seconds:.1f} s"
 
 
+@chooses_threads  # one thread count for every tier, chosen as the job starts
 @holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,

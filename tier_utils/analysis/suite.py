@@ -21,6 +21,7 @@ from ..core.precision import Precision, precision_setting, resolve_device, resol
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
+from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, make_loader, to_device
 from ..models.builtins import DEFAULT_MODEL
 from ..models.demo import provenance_of
@@ -168,6 +169,7 @@ class AnalysisReport(Result):
                          "errors": errors, "run_metadata": self.metadata})
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None = None, *,
             model_kwargs: dict | None = None, **overrides) -> AnalysisReport:
     """Explain a model: attention patterns, robustness, attribution, precision headroom, per-op dtypes.

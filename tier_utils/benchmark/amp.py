@@ -32,6 +32,7 @@ from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import merge
+from ..core.threads import chooses_threads
 from ..data.datasets import make_loader, to_device
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
@@ -83,6 +84,7 @@ class BenchmarkResult(Result):
                          "verdicts": self.verdicts})
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *, model_kwargs: dict | None = None,
                   **overrides) -> BenchmarkResult:
     """Benchmark mixed precision against fp32 on `model` (an nn.Module, adapter or load_model spec).

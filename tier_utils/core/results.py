@@ -52,8 +52,8 @@ def worst_status(statuses) -> str:
 
 def run_metadata(device=None, dtype=None) -> dict:
     """What every measured figure is stamped with: device name, dtype, torch version, time."""
-    from .measure import threads_note
     from .precision import device_name, resolve_device
+    from .threads import threads_note
 
     dev = resolve_device(device)
     meta = {"device": str(dev), "device_name": device_name(dev), "torch": torch.__version__,

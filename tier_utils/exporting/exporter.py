@@ -28,6 +28,7 @@ from ..core.measure import StepTimer, summarize
 from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
+from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, make_loader
 
 FORMATS = ("onnx", "pt2")
@@ -146,6 +147,7 @@ class ExportResult(Result):
                          "metadata": self.metadata, "parity": self.table, "latency": self.latency})
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def export(model, path, data=None, config: ExportConfig | dict | None = None, *, model_kwargs: dict | None = None,
            **overrides) -> ExportResult:
     """Export `model` (an nn.Module, adapter or load_model spec, built with `model_kwargs`) to `path` and check

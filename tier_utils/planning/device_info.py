@@ -21,6 +21,7 @@ from ..core.precision import (
 )
 from ..core.results import run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field
+from ..core.threads import chooses_threads
 from ..models.builtins import DEFAULT_MODEL
 
 
@@ -57,6 +58,7 @@ class InfoResult:
         return self.table._repr_html_()
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def info(model=DEFAULT_MODEL, config: InfoConfig | dict | None = None, *, model_kwargs: dict | None = None,
          **overrides) -> InfoResult:
     """The device, the precision decided on it and a summary of `model` (a load_model spec is built with

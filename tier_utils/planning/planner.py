@@ -27,6 +27,7 @@ from ..core.precision import PRECISIONS, native_support, resolve_device, resolve
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
+from ..core.threads import chooses_threads
 from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 
@@ -221,6 +222,7 @@ class FitResult(Result):
         return fig
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
         **overrides) -> FitResult:
     """What fits where: for each precision and, with `checkpointing`, each with activation checkpointing, the

@@ -24,6 +24,7 @@ from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
+from ..core.threads import chooses_threads
 from ..models.builtins import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
 
@@ -162,6 +163,7 @@ def _plot_memory(ax, memory: list, model: dict) -> None:
     ax.legend(fontsize=8)
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, model_kwargs: dict | None = None,
           **overrides) -> SmokeReport:
     """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec, built with

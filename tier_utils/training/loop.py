@@ -27,6 +27,7 @@ from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.seeding import rng_state, seed_everything, set_rng_state
 from ..core.settings import merge
+from ..core.threads import chooses_threads, resume_threads
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..data.tokenizer import BYTES
 from ..engine.compiling import compile_for_training
@@ -71,6 +72,7 @@ def _deterministic_algorithms(on: bool, cuda: bool):
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def train(model, data=None, config: TrainConfig | dict | None = None, *, model_kwargs: dict | None = None,
           on_eval=None, **overrides) -> TrainResult:
     """Train `model` and return a `TrainResult` (history, summary, the trained module in train mode).
@@ -312,7 +314,7 @@ class _Run:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
-                "selection": self.selection.state_dict(),
+                "selection": self.selection.state_dict(), "threads": torch.get_num_threads(),
             })
         if last:
             self.last_saved = self.step
@@ -376,6 +378,8 @@ class _Run:
         self._resume_gen = state["loader_generator"]
         self.step = self.last_saved = self.resumed_from = state["step"]
         set_rng_state(state["rng"][self.env.rank])
+        if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now
+            resume_threads(state["threads"], state["step"])
 
     def _finish(self) -> None:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""

@@ -23,6 +23,7 @@ from ..core.precision import canonical_precision
 from ..core.progress import interactive
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, merge, setting
+from ..core.threads import chooses_threads
 from ..models.builtins import DEFAULT_MODEL
 from ..training.config import TrainConfig
 from ..training.loop import train
@@ -184,6 +185,7 @@ class SearchResult(Result):
                          "states": states, "best": best, "trials": self.table, "meta": self.meta})
 
 
+@chooses_threads  # the run's torch thread count, chosen as it starts
 def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = None, *,
            model_kwargs: dict | None = None, space: dict | None = None,
            pruner: optuna.pruners.BasePruner | None = None, sampler: optuna.samplers.BaseSampler | None = None,

@@ -8,8 +8,11 @@ their fields, and the widgets and the main job read the same defaults.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import types
+import typing
 from dataclasses import MISSING, field, fields, replace
 
 from .precision import canonical_precision
@@ -27,20 +30,33 @@ def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices
 
 def check_fields(config) -> None:
     """Each field against its choices (str fields) and bounds: whole numbers for int fields (True and numpy
-    ints refused here, where the message is clear, not deep inside torch later), finite numbers for float ones."""
+    ints refused here, where the message is clear, not deep inside torch later), finite numbers for float ones.
+    The types are the real ones (`typing.get_type_hints`), with or without `from __future__ import annotations`."""
+    kinds = _kinds(type(config))
     for f in fields(config):
-        m, value = f.metadata, getattr(config, f.name)
-        if m.get("choices") and f.type == "str" and value not in m["choices"]:
+        m, value, (kind, optional) = f.metadata, getattr(config, f.name), kinds[f.name]
+        if m.get("choices") and kind is str and not optional and value not in m["choices"]:
             raise ValueError(f"{f.name} must be one of {', '.join(m['choices'])}, got {value!r}")
-        if (m.get("low") is None and m.get("above") is None) or (value is None and "None" in str(f.type)):
+        if (m.get("low") is None and m.get("above") is None) or (value is None and optional):
             continue
-        whole = str(f.type).startswith("int")
+        whole = kind is int
         ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float)) and math.isfinite(value)
         bounds = {">=": m["low"], ">": m["above"], "<": m["below"], "<=": m["high"]}
         bounds = {op: bound for op, bound in bounds.items() if bound is not None}
         if not (ok and all(_OPERATORS[op](value, bound) for op, bound in bounds.items())):
             said = " and ".join(f"{op} {bound}" for op, bound in bounds.items())
             raise ValueError(f"{f.name} must be a {'whole number' if whole else 'number'} {said}, got {value!r}")
+
+
+@functools.cache
+def _kinds(cls) -> dict[str, tuple[object, bool]]:
+    """Each field's type without None, and whether None is allowed (`int | None` -> (int, True))."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        rest = tuple(a for a in args if a is not type(None))
+        kinds[name] = (rest[0] if len(rest) == 1 else rest, len(rest) < len(args))
+    return kinds
 
 
 _OPERATORS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": operator.le}

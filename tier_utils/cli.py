@@ -10,12 +10,21 @@ import inspect
 import sys
 import warnings
 from dataclasses import fields
+from pathlib import Path
 
+import pandas as pd
+
+from .analysis import AnalysisConfig, analyze
+from .benchmark.amp import amp_benchmark
 from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
-from .core.errors import TierError, one_line
-from .core.files import write_json
+from .colab import point_at
+from .core.errors import TierError, TrainingDiverged, one_line
+from .core.files import jsonable, write_json
 from .core.inputs import writable_dir, writable_file
-from .core.threads import run_threads
+from .core.threads import machine_load, run_threads
+from .exporting.exporter import ExportConfig, export
+from .mainjob import run_all
+from .models.loading import load_model
 from .options import (
     DATA_HELP,
     Parser,
@@ -28,22 +37,22 @@ from .options import (
     settings_from,
     whole,
 )
+from .planning.device_info import InfoConfig, info
+from .planning.planner import FitConfig, fit
 from .presets import FAST, JOB
+from .smoketest.suite import SmokeConfig, smoke
 from .training.config import TrainConfig
-from .tuning.study import SearchConfig
+from .training.loop import train
+from .tuning.study import SearchConfig, search
 
 
 def _run_info(args) -> tuple[dict, int]:
-    from .planning.device_info import InfoConfig, info
-
     result = info(args.model, settings_from(args, InfoConfig), model_kwargs=model_kwargs(args))
     _show(result.table)
     return result.to_json(), 0
 
 
 def _run_smoke(args) -> tuple[dict, int]:
-    from .smoketest.suite import SmokeConfig, smoke
-
     report = smoke(args.model, settings_from(args, SmokeConfig), model_kwargs=model_kwargs(args))
     _show(report.table)
     print(report.headline())
@@ -51,12 +60,7 @@ def _run_smoke(args) -> tuple[dict, int]:
 
 
 def _run_train(args) -> tuple[dict, int]:
-    from pathlib import Path
 
-    from .core.errors import TrainingDiverged
-    from .core.files import jsonable
-    from .training.config import TrainConfig
-    from .training.loop import train
 
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
@@ -87,8 +91,6 @@ def _run_train(args) -> tuple[dict, int]:
 
 
 def _run_analyze(args) -> tuple[dict, int]:
-    from .analysis import AnalysisConfig, analyze
-
     report = analyze(args.model, data_of(args), settings_from(args, AnalysisConfig), model_kwargs=model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
@@ -100,8 +102,6 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 
 def _run_bench(args) -> tuple[dict, int]:
-    from .benchmark.amp import amp_benchmark
-
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))  # --device, --no-progress too
     result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
     m, run, s = result.metadata, result.config, result.config.settings
@@ -117,9 +117,6 @@ def _run_bench(args) -> tuple[dict, int]:
 
 
 def _run_search(args) -> tuple[dict, int]:
-    from .models.loading import load_model
-    from .tuning.study import search
-
     result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
                     settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig)))
     _show(result.table)
@@ -131,8 +128,6 @@ def _run_search(args) -> tuple[dict, int]:
 
 
 def _run_export(args) -> tuple[dict, int]:
-    from .exporting.exporter import ExportConfig, export
-
     result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig),
                     model_kwargs=model_kwargs(args))
     c, m = result.config, result.metadata
@@ -147,8 +142,6 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_fit(args) -> tuple[dict, int]:
-    from .planning.planner import FitConfig, fit
-
     result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
     print(result.headline())
     _show(result.overview())
@@ -156,9 +149,6 @@ def _run_fit(args) -> tuple[dict, int]:
 
 
 def _run_all(args) -> tuple[dict, int]:
-    from .core.threads import machine_load
-    from .mainjob import run_all
-
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
@@ -168,8 +158,6 @@ def _run_all(args) -> tuple[dict, int]:
 
 
 def _run_colab(args):
-    from .colab import point_at
-
     changed = point_at(args.repo, args.root)
     print(f"{len(changed)} file(s) now point at {args.repo}: " + ", ".join(str(p) for p in changed)
           if changed else f"already pointing at {args.repo}; nothing changed")
@@ -178,22 +166,13 @@ def _run_colab(args):
 
 def _show(table, index: bool = False) -> None:
     """A table on the terminal: wide, floats to 4 significant digits."""
-    import pandas as pd
-
     with pd.option_context("display.width", 200, "display.max_colwidth", 120, "display.max_rows", 500):
         print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=index))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The verbs, their options generated from the settings dataclasses (and run_all's signature)."""
-    from pathlib import Path
 
-    from .analysis import AnalysisConfig
-    from .exporting.exporter import ExportConfig
-    from .mainjob import run_all
-    from .planning.device_info import InfoConfig
-    from .planning.planner import FitConfig
-    from .smoketest.suite import SmokeConfig
 
     # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.
     prog = "tier-utils" if Path(sys.argv[0]).name == "tier-utils" else "python -m tier_utils"
@@ -289,8 +268,6 @@ def _warning_line(message, category, filename, lineno, file=None, line=None):
 
 def _check_outputs(args) -> None:
     """Every path the verb will write, probed before any model is built: a bad one costs no run."""
-    from pathlib import Path
-
     out = getattr(args, "out", None)
     if out is not None and args.verb == "export":  # export's --out is the artifact file itself
         writable_file(out, "--out", folder_made_by_run=True)

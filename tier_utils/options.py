@@ -7,6 +7,7 @@ import argparse
 import ast
 import difflib
 import inspect
+import json
 import textwrap
 import types
 import typing
@@ -44,14 +45,23 @@ def whole(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
 
 
+_WORDS = {"true": True, "false": False, "none": None}  # as a shell user writes them, in any case
+
+
 def _model_arg(value: str) -> tuple[str, object]:
+    """KEY=VALUE: true/false/none in any case, a Python literal (1e-3, 'x', (1, 2), True), a JSON list
+    ([1, true, null]), else the text itself (activation=gelu)."""
     key, sep, raw = value.partition("=")
     if not sep or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. d_model=256), got {value!r}")
-    try:
-        return key, ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return key, raw  # a bare string such as activation=gelu
+    if raw.strip().lower() in _WORDS:
+        return key, _WORDS[raw.strip().lower()]
+    for parse in (ast.literal_eval, json.loads):
+        try:
+            return key, parse(raw)
+        except (ValueError, SyntaxError):  # json's errors are ValueErrors
+            pass
+    return key, raw
 
 
 def _add_option(parser, name: str, default, kind, meta: dict) -> None:

@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import typing
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,6 +86,7 @@ def _build(spec, kwargs: dict) -> nn.Module:
     if spec == DEMO_MODEL:
         return _sourced(load_demo(**kwargs), spec, kwargs)
     if spec in BUILTIN_MODELS:
+        _check_types(BUILTIN_MODELS[spec], kwargs, spec)
         return _sourced(_construct(BUILTIN_MODELS[spec], kwargs, spec), spec, kwargs)
     if spec.startswith(HUB_PREFIX):
         return _load_hf(spec[len(HUB_PREFIX):], kwargs)
@@ -139,6 +141,25 @@ def _import_module(name: str):
     except ImportError as exc:
         raise ModelSpecError(f"cannot import module {name!r} ({one_line(exc)}); check it is installed or on "
                              "PYTHONPATH") from exc
+
+
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "True or False", str: "a string"}
+
+
+def _check_types(cls, kwargs: dict, spec: str) -> None:
+    """A built-in's arguments against its annotations, so `d_model='abc'` says "d_model takes an int", not what
+    torch says deep inside the constructor."""
+    hints = typing.get_type_hints(cls.__init__)
+    for name, value in kwargs.items():
+        kind = hints.get(name)
+        if kind not in _TYPE_NAMES:
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        else:  # True is an int to Python, not to a user
+            ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+        if not ok:
+            raise ModelSpecError(f"{spec}: {name} takes {_TYPE_NAMES[kind]}, got {value!r}; check its arguments")
 
 
 def _construct(factory, kwargs: dict, spec: str) -> nn.Module:

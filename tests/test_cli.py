@@ -242,3 +242,16 @@ def test_a_wrong_option_points_to_the_verbs_own_help(args, verb, near, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: unrecognized arguments: {' '.join(a for a in args[1:] if a not in ('--out', 'x'))}")
     assert err.endswith(f"{near} (see python -m tier_utils {verb} --help)\n")
+
+
+def test_a_verbs_table_fits_the_terminal_and_the_json_keeps_the_full_text(tmp_path, monkeypatch, capsys):
+    from tiny import TINY_ARGS
+
+    monkeypatch.setenv("COLUMNS", "100")  # the terminal's width, as shutil reads it
+    out = tmp_path / "smoke.json"
+    assert main(["smoke", *TINY_ARGS, "--no-progress", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[:-1]  # then the headline
+    assert len(table) > 10 and max(len(line) for line in table) <= 100 and any("…" in line for line in table)
+    longest = max((c["detail"] for c in json.loads(out.read_text())["checks"]), key=len)
+    assert len(longest) > 100 and longest not in "\n".join(lines)  # cut on the terminal, whole in --json

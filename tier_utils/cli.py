@@ -6,13 +6,13 @@ line on stderr naming the fix), 130 Ctrl-C; each error class carries its code (c
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
+import shutil
 import sys
 import warnings
 from dataclasses import fields
 from pathlib import Path
-
-import pandas as pd
 
 from .analysis import AnalysisConfig, analyze
 from .benchmark.amp import amp_benchmark
@@ -164,10 +164,36 @@ def _run_colab(args):
     return None, 0
 
 
+ELLIPSIS = "…"
+MIN_CELL = 16  # characters a cut cell keeps: less says nothing
+FALLBACK_WIDTH = 120  # where stdout is no terminal (a pipe, a log file): the house's line length
+
+
 def _show(table, index: bool = False) -> None:
-    """A table on the terminal: wide, floats to 4 significant digits."""
-    with pd.option_context("display.width", 200, "display.max_colwidth", 120, "display.max_rows", 500):
-        print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string(index=index))
+    """A table on the terminal: floats to 4 significant digits, as wide as the terminal at most (the longest
+    texts cut with "…"; the full text is in --json and the CSV)."""
+    width = shutil.get_terminal_size((FALLBACK_WIDTH, 24)).columns
+    print(fit_width(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v), width, index))
+
+
+def fit_width(table, width: int, index: bool = False) -> str:
+    """`table` as text no wider than `width`: the column with the longest text cut, again, until it fits or
+    no text is longer than MIN_CELL."""
+    shown = table.copy()
+    while True:
+        text = shown.to_string(index=index)
+        over = max(map(len, text.splitlines()), default=0) - width
+        longest = {i: shown.iloc[:, i].map(lambda v: len(v) if isinstance(v, str) else 0).max()
+                   for i in range(shown.shape[1])}
+        column = max(longest, key=longest.get, default=None)
+        if over <= 0 or column is None or longest[column] <= MIN_CELL:
+            return text
+        keep = max(MIN_CELL, longest[column] - over)
+        shown.iloc[:, column] = shown.iloc[:, column].map(functools.partial(_cut, keep=keep))
+
+
+def _cut(value, keep: int):
+    return value[:keep - 1] + ELLIPSIS if isinstance(value, str) and len(value) > keep else value
 
 
 def build_parser() -> argparse.ArgumentParser:

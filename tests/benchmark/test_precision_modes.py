@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import TINY_ARGS, tiny
 
-from tier_utils import amp_benchmark, train
+from tier_utils import amp_benchmark, fit, train
 from tier_utils.cli import main
 from tier_utils.core import precision as P
 
@@ -147,3 +147,18 @@ def test_a_mode_defined_outside_the_package_trains_and_benchmarks(fp64, seen):
     assert rec.ran and rec.dtype == "float64" and held(seen, "fp64-true")[0] == {torch.float64}
     assert rec.memory["reduction"]["static"] == pytest.approx(-1.0, abs=0.01)  # twice fp32's static bytes
     assert rec.accuracy["parity"]["max_rel_dev"] < 1e-3  # float64 follows fp32's curve
+
+
+def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activations(monkeypatch):
+    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    model = tiny(seed=0)
+    n = sum(p.numel() for p in model.parameters())
+    result = fit(model, precisions=("fp32", "bf16", "bf16-true"), checkpointing=False, seq_len=16, progress=False,
+                 device="cpu")
+    configs = {c.precision: c for c in result.configs}
+    for name, c in configs.items():
+        per_param = sum(P.resolve_precision(name, "cpu").static_bytes_per_param().values())
+        assert c.static == pytest.approx(n * per_param, rel=0.01)  # AdamW's step counters are the 1 %
+    # bf16-true's activations are measured with its weights in bf16: no fp32 copies of them are saved
+    assert configs["bf16-true"].per_sequence(16) < configs["bf16"].per_sequence(16)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # planned in place, given back as it came

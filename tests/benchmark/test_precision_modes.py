@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import TINY_ARGS, tiny
 
-from tier_utils import amp_benchmark, fit, train
+from tier_utils import amp_benchmark, fit, search, train
 from tier_utils.cli import main
 from tier_utils.core import precision as P
 
@@ -162,3 +162,12 @@ def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activation
     # bf16-true's activations are measured with its weights in bf16: no fp32 copies of them are saved
     assert configs["bf16-true"].per_sequence(16) < configs["bf16"].per_sequence(16)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # planned in place, given back as it came
+
+
+def test_search_trials_run_in_the_mode_asked(seen, monkeypatch):
+    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    model = tiny(seed=0).to(torch.bfloat16)  # stored bf16: the bf16 trials still train fp32 master weights
+    search(model, space={"precision": ("choice", ["bf16", "bf16-true"])}, n_trials=2,
+           start_with=[{"precision": "bf16"}, {"precision": "bf16-true"}], **TRAIN)
+    assert held(seen, "bf16") == ({torch.float32}, {torch.float32})
+    assert held(seen, "bf16-true") == ({torch.bfloat16}, {torch.bfloat16})

@@ -32,7 +32,7 @@ class SdpaCausal(nn.Module):
     def forward(self, x, maps=None, path=""):
         q, k, v = self.heads(x)
         if maps is not None:  # the reference: the probabilities written out
-            maps[path] = _softmax(q, k, torch.ones(x.size(1), x.size(1), dtype=torch.bool).tril())
+            maps[path] = _softmax(q, k, torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril())
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).flatten(2))
 
@@ -45,13 +45,13 @@ class SdpaWindowGqa(SdpaCausal):
     def __init__(self):
         super().__init__(n_kv_head=2)
 
-    def mask(self, T):
-        i = torch.arange(T)
+    def mask(self, T, device):
+        i = torch.arange(T, device=device)
         return (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
 
     def forward(self, x, maps=None, path=""):
         q, k, v = self.heads(x)
-        mask = self.mask(x.size(1))
+        mask = self.mask(x.size(1), x.device)
         if maps is not None:
             maps[path] = _softmax(q, k.repeat_interleave(HEADS // self.n_kv_head, dim=1), mask)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -65,7 +65,7 @@ class HandSoftmax(SdpaCausal):
         q, k, v = self.heads(x)
         T = x.size(1)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).tril() == 0, float("-inf"))
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).tril() == 0, float("-inf"))
         att = F.softmax(att, dim=-1)
         if maps is not None:
             maps[path] = att
@@ -101,7 +101,8 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, return_maps=False):
         maps = {} if return_maps else None
-        x = self.transformer.wte(input_ids) + self.transformer.wpe(torch.arange(input_ids.size(1)))
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, maps, f"transformer.h.{i}")
         logits = self.lm_head(x)

@@ -89,7 +89,7 @@ def sdpa_probabilities(rows: int, query, key, value=None, attn_mask=None, dropou
 
 def _with_heads(weights: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, L, S) weights and (B, L, S) visible keys (visible to any head) from (B, [H,] L, S) tensors."""
-    visible = scores >= scores.amax(-1, keepdim=True) - MASK_GAP
+    visible = ~(scores < scores.amax(-1, keepdim=True) - MASK_GAP)  # NaN rows stay visible: they are counted
     if weights.dim() == 3:
         return weights.unsqueeze(1), visible
     return weights, visible.expand(weights.shape).any(1)

@@ -113,9 +113,9 @@ def test_attention_capture_on_transformer_encoder_in_eval_mode(tiny_model):
     assert len(report.frames["attention"]) == TINY["n_head"]
 
 
-@pytest.mark.parametrize("implementation, source, layer", [
-    ("sdpa", "SDPA capture", "bert.encoder.layer.0.attention.self"), ("eager", "HF output_attentions", "layer.0")])
-def test_attention_capture_on_hf_bert_keeps_its_attention_implementation(implementation, source, layer):
+@pytest.mark.parametrize("implementation, source", [("sdpa", "SDPA capture"), ("eager", "HF output_attentions")])
+def test_attention_capture_on_hf_bert_keeps_its_attention_implementation(implementation, source):
+    layer = "bert.encoder.layer.0.attention.self"  # named by module path either way
     pytest.importorskip("transformers")
     model = load_model("hf:BertForSequenceClassification", attn_implementation=implementation, **HF_BERT).eval()
     report = analyze(model, analyses="attention", **SMALL)

@@ -180,6 +180,7 @@ class AttentionCapture:
         self.calls = 0  # maps of this forward so far
         self._names: dict[str, int] = {}
         self._hf = False
+        self.hf_paths: list[str] = []  # HF attention modules, in layer order
 
     def new_forward(self) -> None:
         self.maps.clear()
@@ -212,11 +213,15 @@ class AttentionCapture:
             self.on_map(found)
 
     def collect(self, output) -> None:
+        """An HF output's `attentions`, one per layer, named by the attention modules (`layer_idx`) that
+        made them where the count matches, else `layer.N`."""
         if self._hf:
             attentions = getattr(output, "attentions", None) or ()
-            for i, a in enumerate(attentions):
+            paths = self.hf_paths if len(self.hf_paths) == len(attentions) else [f"layer.{i}" for i in
+                                                                                  range(len(attentions))]
+            for path, a in zip(paths, attentions):
                 if a is not None:
-                    self.add("HF output_attentions", f"layer.{i}", a, None, a.size(0))
+                    self.add("HF output_attentions", path, a, None, a.size(0))
 
 
 def _want_weights(module, args, kwargs):
@@ -282,6 +287,8 @@ def capture_attention(model: nn.Module, seq_len: int = 0, max_map_bytes: int = D
         if hf_implementation(model) == "eager":  # the weights come back in the output; nothing else is needed
             undo.append(_hf_output_attentions(model))
             cap._hf = True
+            cap.hf_paths = [name for name, m in model.named_modules()
+                            if hasattr(m, "layer_idx") and "attention" in type(m).__name__.lower()]
         with contextlib.nullcontext() if cap._hf else _CallCapture(cap, stack):
             yield cap
     finally:

@@ -97,3 +97,27 @@ def test_capture_is_off_outside_the_block_and_leaves_training_untouched():
     model(_ids(2, 8)).sum().backward()  # after the block: nothing captured, gradients as usual
     assert cap.maps == [] and model.lm_head.weight.grad is not None
     assert MAX_LEN >= 16
+
+
+@pytest.mark.parametrize("spec, sizes", [
+    ("hf:GPT2LMHeadModel", dict(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=64)),
+    ("hf:BertForSequenceClassification", dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                              intermediate_size=64, vocab_size=256, max_position_embeddings=64))])
+def test_sdpa_capture_of_a_transformers_model_equals_its_eager_attentions(spec, sizes):
+    pytest.importorskip("transformers")
+    from tier_utils import load_model
+
+    torch.manual_seed(0)
+    model = load_model(spec, attn_implementation="sdpa", **sizes).eval()
+    eager = load_model(spec, attn_implementation="eager", **sizes).eval()
+    eager.load_state_dict(model.state_dict())
+    ids, mask = _ids(2, 10), torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0  # padding: the mask HF builds reaches SDPA as attn_mask
+    with torch.no_grad(), capture_attention(model, seq_len=10) as cap:
+        model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(cap.maps) == len(want) == 2 and cap.source == "SDPA capture"
+    for found, ref in zip(cap.maps, want):
+        torch.testing.assert_close(found.weights[0], ref[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(found.weights[1, :, :7], ref[1, :, :7], atol=1e-5, rtol=0)  # real queries

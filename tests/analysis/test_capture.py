@@ -1,5 +1,6 @@
 """Attention maps from hand-written models, unmodified: SDPA capture, softmax capture, names, bad input."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +122,9 @@ def test_sdpa_capture_of_a_transformers_model_equals_its_eager_attentions(spec, 
     for found, ref in zip(cap.maps, want):
         torch.testing.assert_close(found.weights[0], ref[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(found.weights[1, :, :7], ref[1, :, :7], atol=1e-5, rtol=0)  # real queries
+
+
+def test_the_docs_example_model_file_gives_maps_by_module_path():
+    example = Path(__file__).parents[2] / "docs" / "examples" / "hand_written_gpt.py"
+    report = analyze(f"{example}:HandWrittenGPT", analyses="attention", **SMALL)
+    assert list(report.frames["attention"].layer.unique()) == ["h.0.attn", "h.1.attn"]

@@ -230,7 +230,10 @@ def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[st
     if report.budget is not None and need > report.budget.limit:
         return f"not re-checked: a copy with optimizer state needs {gib(need)}, over {report.budget.describe()}"
     twin = copy.copy(adapter)
-    twin.model = copy.deepcopy(adapter.model)
+    try:
+        twin.model = copy.deepcopy(adapter.model)
+    except Exception as exc:  # noqa: BLE001 - a model that can't be copied is not re-checked, not failed
+        return f"not re-checked: the model could not be copied ({describe(exc, 120)})"
     _backward(twin, batch)
     torch.optim.Adam([p for p in twin.model.parameters() if p.requires_grad], lr=RECHECK_LR).step()
     _, got = _backward(twin, batch)

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from styles import GPT, HandSoftmax
 from tiny import TINY
 
 from tier_utils import TinyGPT, adapt, analyze, load_model
@@ -79,7 +80,7 @@ def test_table_and_frame_columns_are_exact(gpt_report):
     assert list(f["dtypes"].columns) == ["autocast", "op", "dtype", "count"]
 
 
-def test_attention_on_builtin_gpt_scores_every_head_and_restores_the_flag(gpt_report):
+def test_attention_on_builtin_gpt_scores_every_head_and_leaves_no_hook(gpt_report):
     model, report = gpt_report
     heads = report.frames["attention"]
     assert len(heads) == TINY["n_layer"] * TINY["n_head"]
@@ -87,8 +88,8 @@ def test_attention_on_builtin_gpt_scores_every_head_and_restores_the_flag(gpt_re
     # each query row's mass over distances sums to 1
     per_head = report.frames["attention_distance"].groupby(["layer", "head"]).weight.sum()
     assert per_head.to_numpy() == pytest.approx(1.0, abs=1e-4)
-    attn = model.blocks[0].attn
-    assert attn.keep_attention is False and attn.attention is None
+    assert list(heads.layer.unique()) == ["blocks.0.attn"]  # its SDPA call, named by module path
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert model.training  # left in the mode it came in (a fresh module trains)
 
 
@@ -101,8 +102,8 @@ def test_attention_capture_on_transformer_encoder_in_eval_mode(tiny_model):
         with capture_attention(model) as cap:
             captured = model(ids)
     assert cap.source == "nn.MultiheadAttention hooks"
-    assert [name for name, _ in cap.maps] == ["encoder.layers.0.self_attn"]
-    weights = cap.maps[0][1]
+    assert [m.name for m in cap.maps] == ["encoder.layers.0.self_attn"]
+    weights = cap.maps[0].weights
     assert weights.shape == (3, TINY["n_head"], 10, 10)
     assert weights.sum(-1) == pytest.approx(torch.ones(3, 2, 10), abs=1e-5)
     assert torch.allclose(plain, captured, atol=1e-5)  # capturing does not change the model's output
@@ -112,15 +113,16 @@ def test_attention_capture_on_transformer_encoder_in_eval_mode(tiny_model):
     assert len(report.frames["attention"]) == TINY["n_head"]
 
 
-def test_attention_capture_on_hf_bert_restores_its_attention_implementation():
+@pytest.mark.parametrize("implementation, source", [("sdpa", "SDPA capture"), ("eager", "HF output_attentions")])
+def test_attention_capture_on_hf_bert_keeps_its_attention_implementation(implementation, source):
+    layer = "bert.encoder.layer.0.attention.self"  # named by module path either way
     pytest.importorskip("transformers")
-    model = load_model("hf:BertForSequenceClassification", **HF_BERT).eval()
-    before = model.config._attn_implementation
+    model = load_model("hf:BertForSequenceClassification", attn_implementation=implementation, **HF_BERT).eval()
     report = analyze(model, analyses="attention", **SMALL)
     heads = report.frames["attention"]
-    assert list(heads["head"]) == [0, 1] and (heads.rows > 0).all()
-    assert "HF output_attentions" in report.table.detail.iloc[0]
-    assert model.config._attn_implementation == before and model.config.output_attentions is False
+    assert list(heads["head"]) == [0, 1] and (heads.rows > 0).all() and list(heads.layer.unique()) == [layer]
+    assert f"captured via {source}," in report.table.detail.iloc[0]
+    assert model.config._attn_implementation == implementation and model.config.output_attentions is False
 
 
 def test_model_without_attention_is_skipped_with_a_reason():
@@ -153,9 +155,9 @@ def test_headroom_calls_a_healthy_model_fp16_safe(gpt_report):
     assert (drift.bf16_rel_dev.dropna() < 0.05).all() and (drift.bf16_rel_dev.dropna() > 0).any()
 
 
-def test_dtype_report_follows_cpu_bf16_autocast_rules(tiny_model):
-    model = tiny_model(TinyGPT, seed=0).eval()
-    model.blocks[0].attn.keep_attention = True  # the explicit q @ k^T path, so bmm shows up
+def test_dtype_report_follows_cpu_bf16_autocast_rules():
+    torch.manual_seed(0)
+    model = GPT(HandSoftmax).eval()  # the explicit q @ k^T path, so bmm shows up
     df = op_dtypes(_ctx(model), _ctx(model).batches[0], "bf16")
     dtypes = df.groupby("op").dtype.agg(set)
     for matmul in ("addmm", "mm", "bmm"):  # on autocast's lower-precision list
@@ -169,8 +171,7 @@ def test_dtype_report_follows_cpu_bf16_autocast_rules(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dtype_report_on_cuda_keeps_softmax_in_fp32():
-    model = TinyGPT(**TINY).cuda().eval()
-    model.blocks[0].attn.keep_attention = True
+    model = GPT(HandSoftmax).cuda().eval()
     adapter = adapt(model)
     batches, _ = suite.real_batches(adapter, None, 2, 1, 16, "cuda")
     df = op_dtypes(Context(adapter, batches, resolve_precision("fp32", "cuda")), batches[0], "fp16")

@@ -61,7 +61,7 @@ def test_file_spec_class_and_factory(model_file):
 
 
 def test_package_module_spec():
-    assert isinstance(load_model("tier_utils.models.loading:TinyEncoder", d_model=32, n_head=2), TinyEncoder)
+    assert isinstance(load_model("tier_utils.models.builtins:TinyEncoder", d_model=32, n_head=2), TinyEncoder)
 
 
 def test_hf_specs_build_from_config_without_download():

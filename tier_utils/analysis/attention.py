@@ -1,17 +1,7 @@
-"""Attention patterns: capture per-head maps without patching any class, then score each head.
-
-Three ways in, all undone on exit:
-- modules that expose their weights (`keep_attention` flag + `.attention`, as the built-in TinyGPT):
-  the flag is set on those instances only;
-- `nn.MultiheadAttention` (inside `nn.TransformerEncoder` too): per-instance hooks ask for per-head
-  weights (`need_weights=True, average_attn_weights=False`) and read them;
-- Hugging Face models: eager attention where the family can switch, `output_attentions=True` passed to
-  the forward, read from the output.
-"""
+"""Attention patterns: per-head maps captured from the unmodified model (analysis/capture.py), then
+each head scored: entropy, top weight, distance profile, and how alike a layer's heads are."""
 from __future__ import annotations
 
-import contextlib
-import inspect
 import itertools
 import math
 from functools import partial
@@ -24,6 +14,7 @@ import torch.nn as nn
 from ..core.errors import describe
 from ..core.plotting import category_ticks
 from ..core.results import Check
+from .capture import DEFAULT_MAP_BYTES, AttentionCapture, AttentionMap, capture_attention, hf_implementation
 from .common import Context, Outcome
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
@@ -32,86 +23,6 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 ONE_HOT_MAX = 0.9  # mean top weight at or above this: the head looks at one token (near one-hot)
 UNIFORM_ENTROPY = 0.97  # mean entropy / log(#keys) at or above this: the head averages (near uniform)
 SAME_HEADS_TV = 0.05  # mean total-variation distance between a layer's heads below this: they all do the same
-_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
-
-
-class AttentionCapture:
-    """Collects (layer name, (B, heads, T_query, T_key) weights) for each forward, in call order."""
-
-    def __init__(self):
-        self.maps: list[tuple[str, torch.Tensor]] = []
-        self.source: str | None = None
-        self.needs_grad = False  # MHA: keep TransformerEncoderLayer off its fused path (it skips the hooks)
-        self._hf = False
-
-    def collect(self, output) -> None:
-        if self._hf:
-            attentions = getattr(output, "attentions", None) or ()
-            self.maps += [(f"layer.{i}", a.detach()) for i, a in enumerate(attentions) if a is not None]
-
-
-def _want_weights(module, args, kwargs):
-    kwargs = {**kwargs, **dict(zip(_MHA_ARGS[3:], args[3:]))}
-    kwargs.update(need_weights=True, average_attn_weights=False)
-    return args[:3], kwargs
-
-
-def _keep_mha(maps, name, module, args, output):
-    if isinstance(output, tuple) and len(output) > 1 and output[1] is not None:
-        maps.append((name, output[1].detach()))
-
-
-def _keep_exposed(maps, name, module, args, output):
-    if module.attention is not None:
-        maps.append((name, module.attention.detach()))
-
-
-def _restore_exposed(module, flag, attention) -> None:
-    module.keep_attention, module.attention = flag, attention  # our maps are dropped: they can be large
-
-
-def _hf_output_attentions(model: nn.Module):
-    """Switch an HF model to eager attention and ask for the weights; return the undo.
-
-    Asked for twice: through the config (what a wrapper around an HF model passes on) where the config
-    accepts it, and as a forward keyword where the forward takes one (Falcon refuses the config flag under
-    SDPA yet honours the keyword). A family that can't switch implementation at run time keeps its own
-    and returns the weights, or none (then SKIP).
-    """
-    config = model.config
-    old_impl, old_flag = getattr(config, "_attn_implementation", None), config.output_attentions
-    setter = getattr(model, "set_attn_implementation", None)
-    # Asked first, so families that can't switch don't log a warning on every analysis.
-    switchable = getattr(model, "_can_set_attn_implementation", lambda: True)()
-
-    def set_impl(name):
-        if callable(setter):
-            setter(name)
-        else:  # older transformers read the config at call time
-            config._attn_implementation = name
-
-    switched = old_impl not in (None, "eager") and switchable
-    if switched:
-        set_impl("eager")  # SDPA/flash kernels never materialise the weights
-    try:
-        config.output_attentions = True
-    except ValueError:  # refused under this implementation; the keyword below still asks
-        pass
-    params = inspect.signature(model.forward).parameters.values()
-    hook = None
-    if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
-        hook = model.register_forward_pre_hook(
-            lambda module, args, kwargs: (args, {**kwargs, "output_attentions": True}), with_kwargs=True)
-
-    def undo():
-        if hook is not None:
-            hook.remove()
-        config.output_attentions = old_flag
-        if switched:
-            set_impl(old_impl)
-
-    return undo
 
 
 def _has_attention(model: nn.Module) -> bool:
@@ -120,32 +31,34 @@ def _has_attention(model: nn.Module) -> bool:
                for key in ("attn", "attention"))
 
 
-@contextlib.contextmanager
-def capture_attention(model: nn.Module):
-    """Install per-instance capture on `model`; yields an AttentionCapture (`.source` None: nothing to capture)."""
-    cap, undo, sources = AttentionCapture(), [], set()
-    try:
-        for name, module in model.named_modules():
-            if isinstance(module, nn.MultiheadAttention):
-                undo.append(module.register_forward_pre_hook(_want_weights, with_kwargs=True).remove)
-                undo.append(module.register_forward_hook(partial(_keep_mha, cap.maps, name)).remove)
-                sources.add("nn.MultiheadAttention hooks")
-                cap.needs_grad = True
-            elif isinstance(getattr(module, "keep_attention", None), bool) and hasattr(module, "attention"):
-                undo.append(partial(_restore_exposed, module, module.keep_attention, module.attention))
-                module.keep_attention = True
-                undo.append(module.register_forward_hook(partial(_keep_exposed, cap.maps, name)).remove)
-                sources.add("keep_attention modules")
-        config = getattr(model, "config", None)
-        if not sources and config is not None and hasattr(config, "output_attentions"):
-            undo.append(_hf_output_attentions(model))
-            cap._hf = True
-            sources.add("HF output_attentions")
-        cap.source = ", ".join(sorted(sources)) or None
-        yield cap
-    finally:
-        for fn in reversed(undo):
-            fn()
+def _fallback(model: nn.Module) -> str:
+    """How to run the model's attention through SDPA or eager code instead of its fused kernel, if it says."""
+    impl = hf_implementation(model)
+    if impl is not None:
+        return "; build it with attn_implementation='sdpa' (or 'eager') to see them"
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if "flash" in attr.lower() and value is True:
+                return f"; its fallback: set {name or 'model'}.{attr} = False for the analysis"
+    return "; the model has no switch to SDPA or eager attention that tier 2 could find"
+
+
+def _no_maps(ctx: Context, cap: AttentionCapture) -> Check:
+    """The SKIP row for a forward that produced no attention weights, with the reason."""
+    model, name = ctx.adapter.model, ctx.adapter.name
+    impl = hf_implementation(model)
+    if cap.kernels:
+        why = (f"its attention runs in {', '.join(sorted(cap.kernels))}, a kernel outside SDPA that never forms the "
+               f"weights{_fallback(model)}")
+    elif impl not in (None, "eager", "sdpa"):
+        why = f"it runs attn_implementation={impl!r}, a kernel outside SDPA{_fallback(model)}"
+    elif _has_attention(model):
+        why = "a fused kernel bypassed them, or a wrapper dropped them"
+    else:
+        why = "it has no attention layers (e.g. a state-space model)"
+    return Check("attention maps", "SKIP", None, None,
+                 f"{name} exposes no attention weights (no SDPA call, no softmax over (T, T) scores, no "
+                 f"nn.MultiheadAttention, no HF output_attentions): {why}")
 
 
 def _allowed(mask: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -196,16 +109,29 @@ def _classify(entropy: float, max_weight: float) -> str:
     return "ok"
 
 
+def _score(stats: _HeadStats, example: dict | None, mask: torch.Tensor, causal: bool, found: AttentionMap) -> None:
+    """Add one captured map to the statistics (and to the example maps on the first batch)."""
+    weights = found.weights
+    if weights.dim() != 4 or weights.shape[-2:] != (mask.size(1), mask.size(1)):
+        return  # cross-attention or an unexpected layout: not a self-attention map
+    mask = mask[:weights.size(0)]
+    padding = mask[:, None, :] & mask[:, :, None]
+    allowed = _allowed(mask, causal) if found.allowed is None else found.allowed & padding
+    stats.add(found.name, weights, allowed)
+    if example is not None and found.name not in example:
+        n = int(mask[0].sum())
+        example[found.name] = weights[0, :, :n, :n].float().cpu()
+
+
 def run(ctx: Context) -> Outcome:
     model, causal = ctx.adapter.model, ctx.adapter.task == "causal-lm"
     stats, example = _HeadStats(), {}
-    with capture_attention(model) as cap:
-        if cap.source is None:
-            return Outcome([Check("attention maps", "SKIP", None, None,
-                                  f"{ctx.adapter.name} exposes no attention weights: no nn.MultiheadAttention, no "
-                                  "module with keep_attention/.attention, no HF output_attentions")])
+    seq_len = int(ctx.batches[0]["input_ids"].size(1))
+    limit = ctx.budget.probe_limit if ctx.budget else DEFAULT_MAP_BYTES
+    with capture_attention(model, seq_len, limit) as cap:
         for i, batch in enumerate(ctx.batches):
-            cap.maps.clear()
+            cap.new_forward()
+            cap.on_map = partial(_score, stats, example if i == 0 else None, ctx.mask(batch), causal)
             grad = torch.enable_grad() if cap.needs_grad else torch.no_grad()
             try:
                 with grad, ctx.precision.autocast():
@@ -216,30 +142,26 @@ def run(ctx: Context) -> Outcome:
                 # The tool's request, not the model, failed: say so rather than FAIL a healthy model.
                 return Outcome([Check("attention maps", "SKIP", None, None,
                                       f"{ctx.adapter.name} refused output_attentions=True "
-                                      f"({describe(exc, limit=200)}); build it with attn_implementation='eager'")])
+                                      f"({describe(exc, limit=200)}); build it with attn_implementation='sdpa'")])
             cap.collect(out)
             del out
-            if not cap.maps:
-                why = ("a fused kernel bypassed them, or a wrapper dropped them" if _has_attention(model)
-                       else f"{ctx.adapter.name} has no attention layers (e.g. a state-space model)")
-                return Outcome([Check("attention maps", "SKIP", None, None,
-                                      f"{cap.source} installed but the forward produced no attention weights: {why}")])
-            mask = ctx.mask(batch)
-            allowed = _allowed(mask, causal)
-            for name, weights in cap.maps:
-                if weights.dim() != 4 or weights.shape[-2:] != allowed.shape[-2:]:
-                    continue  # cross-attention or an unexpected layout: not a self-attention map
-                stats.add(name, weights, allowed)
-                if i == 0 and name not in example:
-                    n = int(mask[0].sum())
-                    example[name] = weights[0, :, :n, :n].float().cpu()
+            if not cap.calls:
+                return Outcome([_no_maps(ctx, cap)])
     if not stats.sums:
         return Outcome([Check("attention maps", "SKIP", None, None,
                               f"{cap.source}: no (B, heads, T, T) self-attention maps were captured")])
-    return _outcome(stats, example, cap.source, len(ctx.batches))
+    return _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
 
 
-def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> Outcome:
+def _size(cap: AttentionCapture, limit: int) -> str:
+    """What the captured maps held: sequences kept per batch and the largest map, against the budget."""
+    kept = min(rows for rows, _ in cap.rows.values())
+    batch = max(total for _, total in cap.rows.values())
+    return (f"maps of {kept} of {batch} sequences per batch, largest {cap.largest / 2**20:.2f} MiB, "
+            f"sized to {limit / 2**20:.3g} MiB per map")
+
+
+def _outcome(stats: _HeadStats, example: dict, captured: str) -> Outcome:
     heads, layers, profile_rows = [], [], []
     for li, (name, s) in enumerate(stats.sums.items()):
         n = s["rows"].clamp_min(1)
@@ -266,7 +188,7 @@ def _outcome(stats: _HeadStats, example: dict, source: str, n_batches: int) -> O
     checks = [Check("collapsed heads", "WARN" if len(bad) else "PASS", f"{len(bad)}/{n_heads}",
                     f"max_weight >= {ONE_HOT_MAX} or entropy >= {UNIFORM_ENTROPY}",
                     (f"{named}{more}" if len(bad) else "every head attends selectively")
-                    + f" (captured via {source}, {n_batches} batches)")]
+                    + f" (captured via {captured})")]
     bad_layers = layers_df[layers_df.collapsed]
     all_uniform = heads_df.groupby("layer").pattern.agg(lambda p: bool((p == "uniform").all()))
     untrained = bool(all_uniform[bad_layers.layer].all())  # every collapsed layer is uniform in every head
@@ -335,7 +257,7 @@ def panel(ax, outcome: Outcome) -> None:
     image = ax.imshow(grid.to_numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(grid.shape[1]), grid.columns)
     category_ticks(ax, list(df.drop_duplicates("layer_index").layer), axis="y")
-    ax.set(xlabel="head", ylabel="layer", title="attention entropy / log(keys) (1 = uniform)")
+    ax.set(xlabel="head", ylabel="module path", title="attention entropy / log(keys) (1 = uniform)")
     ax.figure.colorbar(image, ax=ax, shrink=0.8, label="normalised entropy")
     if grid.to_numpy().min() >= UNIFORM_ENTROPY:  # one flat block reads as a broken plot without this
         ax.text(0.5, 0.5, "near 1 everywhere: uniform attention,\nexpected before training", ha="center",

@@ -1,8 +1,6 @@
 """The built-in networks (tiny-gpt, tiny-encoder) and the names of the built-in specs."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -11,11 +9,7 @@ from ..core.errors import ModelSpecError
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention.
-
-    Uses the fused SDPA kernel for speed; with `keep_attention = True` it computes the
-    weights explicitly and keeps them in `.attention` (B, heads, T, T) for tier-2 analysis.
-    """
+    """Multi-head causal self-attention through SDPA (tier 2 reads its maps from the SDPA call)."""
 
     def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
@@ -25,22 +19,13 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
-        self.keep_attention = False
-        self.attention: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        if self.keep_attention:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            self.attention = weights.detach()
-            y = F.dropout(weights, p) @ v
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

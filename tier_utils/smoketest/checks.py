@@ -5,8 +5,11 @@ A group is a generator of Check rows taking (adapter, report); it may fill the r
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
+import traceback
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -14,7 +17,7 @@ import torch.nn as nn
 
 from ..adapter.adapter import ModelAdapter
 from ..core.budget import affordable_repeats, gib, measure_activations
-from ..core.errors import describe
+from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import Precision, native_support, resolve_precision
 from ..core.results import Check, failed_check
@@ -25,6 +28,13 @@ LOW_PRECISION_TOL = {"bf16": 5e-2, "fp16": 1e-2}  # max |logits - fp32 logits| /
 PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
 INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
 EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
+RECHECK_LR = 1e-3  # the one Adam step that lets gradients reach what sits behind zero-initialised weights
+# Output projections of residual branches (GPT-2 c_proj, Llama o_proj/down_proj, BERT/T5 naming): all-zero is
+# the zero-init residual scheme when the projection also writes the residual stream's width.
+RESIDUAL_OUTPUTS = ("proj", "o_proj", "out_proj", "down_proj", "fc2", "w2", "wo", "dense", "to_out", "out")
+# An AssertionError/ValueError raised here is the tool's or torch's, never the model's own limit.
+_NOT_THE_MODEL = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])
+_MODEL_CODE = Path(__file__).resolve().parents[1] / "models"  # the built-in networks are models too
 # Timed forwards per latency probe: as many as fit LATENCY_BUDGET_S after the warm-up, up to LATENCY_MAX_RUNS;
 # a big model gets fewer (its row says n). A call slower than a tenth of the budget warms up once only.
 LATENCY_WARMUP, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 20, 3.0
@@ -78,11 +88,30 @@ def _shapes(adapter: ModelAdapter, report):
     yield _guarded("shapes: padded batch + attention_mask", _padding_case, adapter)
 
 
+def _own_limit(exc: BaseException) -> str | None:
+    """The model refusing a shape with its own `assert` or ValueError, quoted with where it says so; None
+    when torch or this tool raised it (a crash inside a layer stays a FAIL)."""
+    if not isinstance(exc, (AssertionError, ValueError)) or exc.__traceback__ is None:
+        return None
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    where = Path(frame.filename).resolve()
+    if any(where.is_relative_to(root) for root in _NOT_THE_MODEL) and not where.is_relative_to(_MODEL_CODE):
+        return None
+    message = one_line(exc) or (frame.line or "").strip()  # a bare `assert T > 1` says it in its source line
+    return f"{message} ({type(exc).__name__} at {where.name}:{frame.lineno})"
+
+
 def _shape_case(name: str, adapter: ModelAdapter, b: int, t: int) -> Check:
     batch = adapter.example_batch(b, t)
-    with torch.no_grad():
-        got = tuple(adapter.logits(batch["input_ids"], batch["attention_mask"]).shape)
     want = _expected_shape(adapter, b, t)
+    try:
+        with torch.no_grad():
+            got = tuple(adapter.logits(batch["input_ids"], batch["attention_mask"]).shape)
+    except (AssertionError, ValueError) as exc:
+        limit = _own_limit(exc)
+        if limit is None:
+            raise
+        return Check(name, "WARN", "refused", str(want), f"input ({b}, {t}): the model's own limit: {limit}")
     detail = f"input ({b}, {t}) -> logits {got}"
     if got != want:
         detail += f"; a {adapter.task} model should give {want}"
@@ -124,11 +153,8 @@ def _gradients(adapter: ModelAdapter, report):
     if not named:
         yield Check("gradients", "SKIP", None, None, "no trainable parameters")
         return
-    net.train()
-    net.zero_grad(set_to_none=True)
-    loss, _ = adapter.forward_loss(adapter.example_batch(2, min(adapter.max_len, 32)))
-    loss.backward()
-    value = loss.item()
+    batch = adapter.example_batch(2, min(adapter.max_len, 32))
+    value, got = _backward(adapter, batch)
     chance = math.log(adapter.vocab_size if adapter.task == "causal-lm" else adapter.num_classes)
     status = "FAIL" if not math.isfinite(value) else "WARN" if value > 2 * chance else "PASS"
     yield Check("gradients: loss on random tokens", status, _sig(value), f"finite, <= 2 ln(C) = {2 * chance:.3g}",
@@ -139,42 +165,119 @@ def _gradients(adapter: ModelAdapter, report):
     yield Check("gradients: every parameter gets one", "FAIL" if unused else "PASS", len(unused), 0,
                 f"no gradient (unused in forward?): {_names(unused)}" if unused
                 else f"all {len(named)} trainable tensors received a gradient")
-    got = [(n, p.grad) for n, p in named if p.grad is not None]
     bad = [n for n, g in got if not torch.isfinite(g).all()]
     yield Check("gradients: finite", "FAIL" if bad else "PASS", len(bad), 0,
                 f"NaN/inf gradient in: {_names(bad)}" if bad else "every gradient is finite")
     zero = [n for n, g in got if n not in bad and not g.any()]
+    report.grad_norms = _layer_norms(got)
     if bad:  # a NaN is "non-zero" too: nothing to judge until the gradients are finite
         yield Check("gradients: non-zero", "FAIL", None, 0,
                     f"{len(bad)} of {len(got)} gradients are NaN/inf (see 'gradients: finite'); "
                     f"{len(zero)} of the finite ones are exactly zero")
-    else:
-        yield Check("gradients: non-zero", "WARN" if zero else "PASS", len(zero), 0,
-                    f"exactly zero gradient (fine only behind a deliberately zero-initialised layer): {_names(zero)}"
-                    if zero else "every gradient has a non-zero entry")
+        broken = [k for k, v in report.grad_norms.items() if not math.isfinite(v)]
+        yield Check("gradients: layer norm ratio", "FAIL", None, None,  # ratios over finite layers would pass
+                    f"gradient norm is NaN/inf in {len(broken)} of {len(report.grad_norms)} layers: {_names(broken)}")
+        return
+    ratios = _ratios(got, matrices=True)
+    zero_init = [n for n, p in named if not n.endswith("bias") and not p.detach().any()]
+    again = None
+    if zero_init and (zero or min(ratios.values(), default=1.0) < VANISHING):
+        again = _after_one_step(adapter, batch, report)
+    yield _zero_row(zero, len(got), zero_init, again)
+    yield from _ratio_rows(ratios, _ratios(got, matrices=False), again)
+    small = [(n, torch.linalg.vector_norm(g.float()).item()) for n, g in got if g.dim() < 2]
+    least = min((item for item in small if item[1] > 0), key=lambda item: item[1], default=None)  # zeros: above
+    yield Check("gradients: scalars and 1-d tensors", "PASS", len(small), None,
+                f"{len(small)} gates, norm weights and biases judged apart from the layers' matrices"
+                + (f"; smallest gradient norm {least[1]:.3g} ({least[0]}): a small one is no vanishing layer"
+                   if least else ""))
 
+
+def _backward(adapter: ModelAdapter, batch: dict) -> tuple[float, list[tuple[str, torch.Tensor]]]:
+    """One training-mode forward and backward from zeroed gradients: the loss, and (name, grad) per tensor."""
+    net = adapter.model
+    net.train()
+    net.zero_grad(set_to_none=True)
+    loss, _ = adapter.forward_loss(batch)
+    loss.backward()
+    return loss.item(), [(n, p.grad) for n, p in net.named_parameters() if p.requires_grad and p.grad is not None]
+
+
+def _layer_norms(got) -> dict[str, float]:
+    """Gradient norm per module path, over the given tensors."""
     squares: dict[str, float] = {}
     for n, g in got:
         layer = n.rpartition(".")[0] or n
         squares[layer] = squares.get(layer, 0.0) + torch.linalg.vector_norm(g.float()).item() ** 2
-    report.grad_norms = {k: math.sqrt(v) for k, v in squares.items()}
-    broken = [k for k, v in report.grad_norms.items() if not math.isfinite(v)]
-    if broken:  # ratios over the finite layers only would pass a model whose gradients are NaN
-        yield Check("gradients: layer norm ratio", "FAIL", None, None,
-                    f"gradient norm is NaN/inf in {len(broken)} of {len(squares)} layers: {_names(broken)}")
-        return
-    live = {k: v for k, v in report.grad_norms.items() if 0 < v < math.inf}
-    if not live:
+    return {k: math.sqrt(v) for k, v in squares.items()}
+
+
+def _ratios(got, matrices: bool) -> dict[str, float]:
+    """Each layer's gradient norm / the median layer's; layers with a zero norm left out (the non-zero row
+    judges them). matrices: over weight matrices only, as vanishing is judged (a gate's tiny gradient is
+    no vanishing layer); exploding is judged over every tensor."""
+    live = {k: v for k, v in _layer_norms([(n, g) for n, g in got if g.dim() >= 2 or not matrices]).items()
+            if 0 < v < math.inf}
+    median = sorted(live.values())[len(live) // 2] if live else 1.0
+    return {k: v / median for k, v in live.items()}
+
+
+def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[str], dict] | str:
+    """Zero and layer-ratio pictures after one optimizer step on a copy of the model (the model itself is
+    untouched), or why it was not taken: what sits behind zero-initialised weights gets a gradient only then."""
+    params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
+    need = 4 * params  # the copy, its gradients and Adam's two moments
+    if report.budget is not None and need > report.budget.limit:
+        return f"not re-checked: a copy with optimizer state needs {gib(need)}, over {report.budget.describe()}"
+    twin = copy.copy(adapter)
+    try:
+        twin.model = copy.deepcopy(adapter.model)
+    except Exception as exc:  # noqa: BLE001 - a model that can't be copied is not re-checked, not failed
+        return f"not re-checked: the model could not be copied ({describe(exc, 120)})"
+    _backward(twin, batch)
+    torch.optim.Adam([p for p in twin.model.parameters() if p.requires_grad], lr=RECHECK_LR).step()
+    _, got = _backward(twin, batch)
+    return [n for n, g in got if not g.any()], _ratios(got, matrices=True)
+
+
+def _zero_row(zero: list[str], total: int, zero_init: list[str], again) -> Check:
+    name, step = "gradients: non-zero", f"one optimizer step on a copy (Adam, lr {RECHECK_LR:g})"
+    if not zero:
+        return Check(name, "PASS", 0, 0, "every gradient has a non-zero entry")
+    if again is None:
+        return Check(name, "WARN", len(zero), 0, "exactly zero gradient (fine only behind a deliberately "
+                                                  f"zero-initialised layer): {_names(zero)}")
+    at_init = (f"{len(zero)} of {total} tensors get exactly zero gradient at init ({_names(zero, 3)}), behind "
+               f"zero-initialised weights ({_names(zero_init, 3)})")
+    if isinstance(again, str):
+        return Check(name, "WARN", len(zero), 0, f"{at_init}; {again}")
+    still = again[0]
+    if still:
+        return Check(name, "FAIL", len(still), "0 after one step",
+                     f"{at_init}; still exactly zero after {step}: {_names(still)}")
+    return Check(name, "PASS", len(zero), "0 after one step",
+                 f"{at_init}: the zero-init residual scheme; after {step} every gradient flows")
+
+
+def _ratio_rows(matrices: dict[str, float], every: dict[str, float], again):
+    if not every:
         yield Check("gradients: layer norm ratio", "FAIL", None, None, "no layer has a finite non-zero gradient")
         return
-    median = sorted(live.values())[len(live) // 2]
-    ratios = {k: v / median for k, v in live.items()}
-    low, high = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
-    for label, layer, limit, flagged in (("vanishing", low, f">= {VANISHING:g}", ratios[low] < VANISHING),
-                                         ("exploding", high, f"<= {EXPLODING:g}", ratios[high] > EXPLODING)):
-        yield Check(f"gradients: {label} layers", "FAIL" if flagged else "PASS", _sig(ratios[layer]), limit,
-                    f"{'smallest' if label == 'vanishing' else 'largest'} layer norm / median over {len(live)} "
-                    f"layers: {layer}" + (f" is {label}" if flagged else ""))
+    matrices = matrices or every  # a model of 1-d tensors only
+    low, high = min(matrices, key=matrices.get), max(every, key=every.get)
+    for label, ratios, layer, limit in (("vanishing", matrices, low, f">= {VANISHING:g}"),
+                                        ("exploding", every, high, f"<= {EXPLODING:g}")):
+        flagged = ratios[layer] < VANISHING if label == "vanishing" else ratios[layer] > EXPLODING
+        detail = (f"smallest matrix-gradient norm / median over {len(ratios)} layers" if label == "vanishing"
+                  else f"largest gradient norm / median over {len(ratios)} layers") + f": {layer}" \
+            + (f" is {label}" if flagged else "")
+        status = "FAIL" if flagged else "PASS"
+        if flagged and label == "vanishing" and isinstance(again, tuple) and again[1]:
+            after = min(again[1].values())
+            status = "FAIL" if after < VANISHING else "PASS"
+            detail += (f" at init, behind zero-initialised weights; after one optimizer step on a copy the smallest "
+                       f"ratio is {after:.3g}" + (": still vanishing" if status == "FAIL" else ": it flows"))
+        yield Check(f"gradients: {label} layers", status, _sig(ratios[layer]), limit, detail)
 
 
 # --- numerical stability ------------------------------------------------------------------------
@@ -272,10 +375,7 @@ def _init(adapter: ModelAdapter, report):
     bad = [r["name"] for r in rows if not r["finite"]]
     yield Check("init: finite values", "FAIL" if bad else "PASS", len(bad), 0,
                 f"NaN/inf in: {_names(bad)}" if bad else f"all {len(rows)} tensors finite")
-    const = [f"{r['name']} (all {r['mean']:.3g})" for r in rows if r["constant"]]
-    yield Check("init: constant weight matrices", "WARN" if const else "PASS", len(const), 0,
-                f"every entry equal, so units start identical: {_names(const)}" if const
-                else "no constant matrix (constant 1-d biases/norm weights are expected)")
+    yield _constant_row(rows, adapter.model)
     scaled = [r for r in rows if r["scale"] is not None and r["finite"] and not r["constant"]]
     odd = [r["name"] for r in scaled if not (r["kind"] == "embedding" and r["scale"] <= EMBEDDING_STD_MAX)
            and not (r["kind"] == "matrix" and INIT_GAIN[0] <= r["scale"] <= INIT_GAIN[1])]
@@ -288,6 +388,22 @@ def _init(adapter: ModelAdapter, report):
     dead = [f"{r['name']} ({r['dead_rows']} of {r['shape'][0]} rows)" for r in rows if r["dead_rows"]]
     yield Check("init: dead units (all-zero rows)", "WARN" if dead else "PASS", len(dead), 0,
                 f"all-zero rows: {_names(dead)}" if dead else "no all-zero row in any weight matrix")
+
+
+def _constant_row(rows: list[dict], model: nn.Module) -> Check:
+    """Constant matrices WARN, except all-zero output projections of residual branches: the zero-init
+    residual scheme (each block starts as the identity), named as such."""
+    width = {m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)}
+    scheme = [r["name"] for r in rows if r["constant"] and r["mean"] == 0 and r["kind"] == "matrix"
+              and r["shape"][0] in width and r["name"].rpartition(".")[0].endswith(RESIDUAL_OUTPUTS)]
+    const = [f"{r['name']} (all {r['mean']:.3g})" for r in rows if r["constant"] and r["name"] not in scheme]
+    known = (f"{len(scheme)} all-zero residual output projections ({_names(scheme, 3)}): the zero-init residual "
+             "scheme") if scheme else ""
+    if const:
+        return Check("init: constant weight matrices", "WARN", len(const), 0,
+                     f"every entry equal, so units start identical: {_names(const)}" + (f"; {known}" if known else ""))
+    return Check("init: constant weight matrices", "PASS", 0, 0,
+                 known or "no constant matrix (constant 1-d biases/norm weights are expected)")
 
 
 # --- inference latency --------------------------------------------------------------------------

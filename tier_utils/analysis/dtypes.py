@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.precision import resolve_precision
 from ..core.results import Check
-from .common import Context, Outcome, head
+from .common import Context, Outcome, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -61,6 +61,10 @@ def _summary(df: pd.DataFrame, dtype: str, limit: int = 6) -> str:
 
 
 def run(ctx: Context) -> Outcome:
+    return on_fp32_weights(ctx, _run)
+
+
+def _run(ctx: Context) -> Outcome:
     frames, checks = [], []
     dtype_names = {"bf16": "bfloat16", "fp16": "float16"}
     # Which dtype an op computes in does not depend on the batch's size: one short sequence shows it, in a

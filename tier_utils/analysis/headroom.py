@@ -20,7 +20,7 @@ from ..core.budget import gib
 from ..core.plotting import category_ticks, decade_limits
 from ..core.precision import native_support, resolve_precision
 from ..core.results import Check
-from .common import Context, Outcome, first_tensor, head
+from .common import Context, Outcome, first_tensor, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -98,6 +98,10 @@ def _deviation(ref: list[torch.Tensor], low: list[torch.Tensor]) -> tuple[float,
 
 
 def run(ctx: Context) -> Outcome:
+    return on_fp32_weights(ctx, _run)
+
+
+def _run(ctx: Context) -> Outcome:
     model = ctx.adapter.model
     stats = _RangeStats()
     out_nonfinite = 0  # the model's own output, which may be computed outside every leaf module

@@ -111,3 +111,11 @@ def fp32_reference(model: nn.Module, stored: torch.dtype | None) -> str:
         return "fp32"
     origin = f"{dtype_name(stored)}-stored" if stored == held else f"{dtype_name(held)}"
     return f"an fp32 copy of the {origin} weights"
+
+
+def as_loaded(stored: torch.dtype | None, held: torch.dtype | None) -> str:
+    """What smoke and analysis say of the weights they run: stored, and held as loaded (no master copy)."""
+    stored_s, held_s = dtype_name(stored) or "in an unrecorded dtype", dtype_name(held)
+    if held is None or stored == held:
+        return f"weights stored {stored_s}, run as loaded ({held_s or stored_s})"
+    return f"weights stored {stored_s}, held {held_s} (loaded into {held_s} parameters), run as held"

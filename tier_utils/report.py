@@ -31,6 +31,7 @@ from .core.precision import resolve_device, resolve_precision
 from .core.results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, checks_table, run_metadata, worst_status
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
+from .models.stored_dtype import dtype_name
 from .planning.planner import fit
 from .presets import FAST, JOB
 from .smoketest.suite import smoke
@@ -212,7 +213,8 @@ class AllResult(Result):
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
         if "tokenizer" in m:
-            lines.append(f"{m['model']} · tokenizer {m['tokenizer']} · data: {m['data']}")
+            lines.append(f"{m['model']} · weights stored {m['stored_dtype']} · tokenizer {m['tokenizer']} · "
+                         f"data: {m['data']}")
         r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
         lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
         if "smoke" in r:
@@ -236,6 +238,7 @@ class AllResult(Result):
             if run.fit.reason:
                 size += f"; {run.fit.reason}"
             lines.append(size)
+            lines.append(_bench_weights(r["amp_benchmark"]))
         lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, _load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")
@@ -259,10 +262,16 @@ def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: 
 
 def _train_line(s: TrainSummary, seconds: float) -> str:
     losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
-    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision}, {losses}"
+    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
     if t := s.tokens_per_s:
         line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
     return line + f" · {seconds:.1f} s"
+
+
+def _bench_weights(bench: BenchmarkResult) -> str:
+    """What each benchmarked precision held the weights in (measured in its run), after the stored dtype."""
+    held = [f"{r.precision} {r.mode}: {r.memory['weights_dtype']}" for r in bench.records if r.memory]
+    return f"  weights stored {bench.metadata['stored_dtype']}, held in the runs as " + (", ".join(held) or "none ran")
 
 
 @holds_lock("out_dir")  # one run per report folder
@@ -297,7 +306,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         # the job fits its window to the model, no warning
         preset, runnable = replace(preset, seq_len=min(preset.seq_len, adapter.max_len)), True
         described = adapter.datasets(data, preset.seq_len, seed).describe()  # bad data fails here, before any tier runs
-        ran_on.update(tokenizer=described.tokenizer, data=described.data)
+        ran_on.update(tokenizer=described.tokenizer, data=described.data, stored_dtype=dtype_name(adapter.stored_dtype))
     except ModelForwardError:
         runnable = False  # smoke and analyze report it as FAIL rows; training and the benchmark can't run
     sizing = {}

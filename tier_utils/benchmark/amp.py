@@ -36,6 +36,7 @@ from ..data.datasets import make_loader, to_device
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
+from ..models.stored_dtype import dtype_name
 from ..planning.planner import device_room, plan
 from .config import COMPILE_CHOICES, BenchConfig, Mode
 from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
@@ -191,7 +192,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
                       settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "load_average_1m": load_average()}
+                "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
     if cfg.loggers:
         log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
@@ -313,6 +314,7 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     mem["activation_bytes"] = meter.bytes
     mem["total_bytes"] = sum(mem.values())
     mem["steps_measured"] = 1  # saved-tensor accounting is an exact count, not a sample
+    mem["weights_dtype"] = dtype_name(adapter.weights_dtype)  # what this precision's steps held the weights in
     mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
     if cuda:
         torch.cuda.synchronize(dev)

@@ -41,6 +41,7 @@ from ..models.checkpoint import (
     save_checkpoint,
 )
 from ..models.loading import source_of
+from ..models.stored_dtype import dtype_name
 from . import distributed
 from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
@@ -130,6 +131,7 @@ class _Run:
         self.compile_info = self._compile(splits) if cfg.compile else None
         self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
             "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            "weights": self.precision.describe_weights(self.adapter.stored_dtype),
             **run_metadata(self.device, self.precision.dtype)})
 
     def _build(self, model, model_kwargs: dict) -> ModelAdapter:
@@ -414,6 +416,8 @@ class _Run:
             **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
             hf_folder=cfg.save_hf if self.saved_hf else None,
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            stored_dtype=dtype_name(self.adapter.stored_dtype), master_dtype=dtype_name(self.adapter.weights_dtype),
+            weights_detail=self.precision.describe_weights(self.adapter.stored_dtype),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg)

@@ -23,11 +23,10 @@ from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
-from .core.precision import resolve_device, resolve_precision
+from .core.precision import dtype_name, resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, worst_status
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
-from .models.stored_dtype import dtype_name
 from .planning.planner import fit
 from .presets import FAST, JOB, Preset
 from .report import write_report

@@ -132,3 +132,98 @@ def test_analysis_compares_on_an_fp32_copy_and_names_it(opt_fp16):
     assert table.detail.str.endswith("(on an fp32 copy of the fp16-stored weights)").all()
     assert report.model["stored_dtype"] == report.model["weights_dtype"] == "fp16"
     assert parameters_dtype(model) == torch.float16
+
+
+# --- train, the benchmark, all: master weights the precision decides, stated ----------------------------------
+
+TRAIN = dict(batch_size=4, seq_len=16, eval_batches=1, warmup_steps=1, progress=False, device="cpu")
+
+
+def test_train_holds_fp32_master_weights_and_says_so(llama_bf16, tmp_path):
+    from tier_utils import train
+
+    result = train(loaded(llama_bf16), None, precision="fp32", max_steps=2, checkpoint_dir=tmp_path / "ckpt", **TRAIN)
+    s = result.summary
+    assert (s.stored_dtype, s.master_dtype) == ("bf16", "fp32")
+    assert parameters_dtype(result.model) == torch.float32
+    assert s.weights_detail.startswith("weights stored bf16 → fp32")
+    assert result.table.set_index("metric").loc["weights_dtype", "value"] == s.weights_detail
+    saved = json.loads(json.dumps(result.to_json()))["summary"]
+    assert (saved["stored_dtype"], saved["master_dtype"]) == ("bf16", "fp32")
+    # The run's checkpoint holds fp32 master weights, and loads back in fp32: not rounded to the folder's bf16.
+    again = loaded(str(tmp_path / "ckpt" / "last.pt"))
+    assert adapt(again).stored_dtype == parameters_dtype(again) == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), result.model.parameters()))
+
+
+def test_cli_train_fp16_on_fp16_stored_weights_runs_without_the_unscale_error(opt_fp16, tmp_path):
+    from tier_utils import cli
+
+    out = tmp_path / "s.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 emulated on this CPU; no tokenizer in the folder
+        code = cli.main(["train", "--model", opt_fp16, "--precision", "fp16", "--max-steps", "2", "--batch-size",
+                         "4", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--out", str(tmp_path / "run"),
+                         "--json", str(out)])
+    assert code == 0  # GradScaler's "Attempting to unscale FP16 gradients" would be a crash here
+    summary = json.loads(out.read_text())  # the CLI writes the summary itself
+    assert (summary["stored_dtype"], summary["master_dtype"]) == ("fp16", "fp32")
+    assert summary["weights_detail"] == "weights stored fp16 → fp32 master weights, fp16 autocast"
+    assert summary["train_loss"] is not None
+
+
+def _spy_on_forward_contexts(monkeypatch, model, names):
+    """Each named precision's forward context records the parameters' dtypes and the autocast it opens:
+    read inside the run, through the strategy object."""
+    from tier_utils.core.precision import resolve_precision
+
+    seen = []
+    for cls in {type(resolve_precision(n, "cpu", warn=False)) for n in names}:
+        def forward_context(self, original=cls.forward_context):
+            context = original(self)
+            autocast = context.fast_dtype if isinstance(context, torch.autocast) else None
+            seen.append((self.name, parameters_dtype(model), autocast))
+            return context
+        monkeypatch.setattr(cls, "forward_context", forward_context)
+    return seen
+
+
+@pytest.mark.parametrize("fixture, stored", [("llama_bf16", "bf16"), ("opt_fp16", "fp16")])
+def test_bench_fp32_row_runs_fp32_weights_and_bf16_row_fp32_masters_under_autocast(fixture, stored, request,
+                                                                                     monkeypatch):
+    from tier_utils import amp_benchmark
+
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")
+    model = loaded(request.getfixturevalue(fixture))
+    seen = _spy_on_forward_contexts(monkeypatch, model, ("fp32", "bf16"))
+    result = amp_benchmark(model, precisions=("fp32", "bf16"), batch_size=2, seq_len=16, untimed_steps=0,
+                           timed_steps=1, repeats=1, accuracy_steps=1, eval_batches=1, progress=False, device="cpu")
+    assert {(name, held, autocast) for name, held, autocast in seen} == {
+        ("fp32", torch.float32, None), ("bf16", torch.float32, torch.bfloat16)}
+    rows = result.table.set_index("precision")
+    assert list(rows.weights_dtype) == ["fp32", "fp32"]
+    assert rows.loc["fp32", "weights"].startswith(f"weights stored {stored} → fp32")
+    assert rows.loc["bf16", "weights"] == f"weights stored {stored} → fp32 master weights, bf16 autocast"
+    assert result.metadata["stored_dtype"] == stored
+    saved = json.loads(json.dumps(result.to_json()))
+    assert saved["metadata"]["stored_dtype"] == stored and saved["precisions"][1]["weights"] == rows.loc["bf16",
+                                                                                                         "weights"]
+
+
+def test_all_names_stored_and_master_dtype_in_summary_page_and_json(llama_bf16, tmp_path, capsys):
+    from tier_utils import cli
+
+    out, summary = tmp_path / "report", tmp_path / "all.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = cli.main(["all", "--model", llama_bf16, "--out", str(out), "--fast", "--precision", "fp32",
+                         "--no-progress", "--json", str(summary)])
+    assert code in (0, 1), capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "LlamaForCausalLM · weights stored bf16" in printed
+    assert "fp32 (weights stored bf16 → fp32" in printed  # the train line
+    assert "weights stored bf16, held in the runs as fp32 eager: fp32" in printed
+    assert json.loads(summary.read_text())["run_metadata"]["stored_dtype"] == "bf16"
+    assert json.loads((out / "train.json").read_text())["summary"]["master_dtype"] == "fp32"
+    assert "stored_dtype: bf16" in (out / "index.html").read_text()
+    assert "weights stored bf16, run as loaded (bf16)" in (out / "smoke.csv").read_text()

@@ -17,10 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
+from ..core.precision import dtype_name
 from ..data.datasets import DataSplits, build_datasets
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
-from ..models.stored_dtype import dtype_name, parameters_dtype
+from ..models.stored_dtype import parameters_dtype
 
 TASKS = ("causal-lm", "classification")
 
@@ -153,8 +154,9 @@ class ModelAdapter:
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
                 "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
-                "tokenizer": self.tokenizer.name, "stored_dtype": dtype_name(self.stored_dtype),
-                "weights_dtype": dtype_name(self.weights_dtype)}
+                "tokenizer": self.tokenizer.name, **{key: dtype and dtype_name(dtype) for key, dtype in
+                                                    (("stored_dtype", self.stored_dtype),
+                                                     ("weights_dtype", self.weights_dtype))}}
 
 
 def extract_logits(output, model_name: str = "model") -> torch.Tensor:

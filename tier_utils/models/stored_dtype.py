@@ -8,7 +8,6 @@ training run (`Precision.convert_module`). Every result names both.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections import Counter
 from pathlib import Path
@@ -16,18 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-# The short names results use; precision names use the same ones.
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+from ..core.precision import dtype_name, kept_dtypes
+
 # safetensors' header names of the floating dtypes (its integer and bool tensors say nothing of the weights).
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                 "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """bf16 / fp16 / fp32 for the usual dtypes, torch's own name for any other; None stays None."""
-    if dtype is None:
-        return None
-    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def _dominant(counts: Counter) -> torch.dtype | None:
@@ -90,18 +82,10 @@ def folder_dtype(folder: Path, config) -> torch.dtype | None:
 @contextlib.contextmanager
 def fp32_copy(model: nn.Module):
     """The model with every floating parameter and buffer in fp32 for the block: the comparison rows' fp32
-    reference for weights stored in bf16/fp16. The tensors held before come back afterwards, bit for bit (each
-    keeps its own dtype: an fp32 buffer such as a rotary table is never rounded)."""
-    held = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if tensor.is_floating_point() and tensor.dtype != torch.float32 and id(tensor) not in held:
-            held[id(tensor)] = (tensor, tensor.data)
-            tensor.data = tensor.data.float()
-    try:
-        yield model
-    finally:
-        for tensor, data in held.values():
-            tensor.data = data
+    reference for weights stored in bf16/fp16. Each tensor is back in its own dtype afterwards, bit for bit
+    (bf16/fp16 -> fp32 -> back is exact; an fp32 buffer such as a rotary table never leaves fp32)."""
+    with kept_dtypes(model):
+        yield model.float()
 
 
 def fp32_reference(model: nn.Module, stored: torch.dtype | None) -> str:
@@ -115,7 +99,8 @@ def fp32_reference(model: nn.Module, stored: torch.dtype | None) -> str:
 
 def as_loaded(stored: torch.dtype | None, held: torch.dtype | None) -> str:
     """What smoke and analysis say of the weights they run: stored, and held as loaded (no master copy)."""
-    stored_s, held_s = dtype_name(stored) or "in an unrecorded dtype", dtype_name(held)
+    stored_s = dtype_name(stored) if stored is not None else "in an unrecorded dtype"
     if held is None or stored == held:
-        return f"weights stored {stored_s}, run as loaded ({held_s or stored_s})"
+        return f"weights stored {stored_s}, run as loaded ({dtype_name(held) if held is not None else stored_s})"
+    held_s = dtype_name(held)
     return f"weights stored {stored_s}, held {held_s} (loaded into {held_s} parameters), run as held"

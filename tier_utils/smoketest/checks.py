@@ -16,9 +16,9 @@ from ..adapter.adapter import ModelAdapter
 from ..core.budget import affordable_repeats, gib, measure_activations
 from ..core.errors import describe
 from ..core.measure import StepTimer, percentile, summarize
-from ..core.precision import Precision, native_support, resolve_precision
+from ..core.precision import Precision, dtype_name, native_support, resolve_precision
 from ..core.results import Check, failed_check
-from ..models.stored_dtype import as_loaded, dtype_name, fp32_copy, fp32_reference
+from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's

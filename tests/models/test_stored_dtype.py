@@ -53,6 +53,21 @@ def test_a_folder_loads_as_stored_and_records_it(fixture, dtype, request):
     assert summary["stored_dtype"] == summary["weights_dtype"] == {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
+def test_a_hub_id_records_its_configs_dtype_and_loads_in_it(llama_bf16, monkeypatch):
+    from tier_utils.models import loading
+
+    asked = []
+
+    def from_hub(load, hub_id, what, **kwargs):  # the hub, played by the folder: no network in tests
+        asked.append(kwargs)
+        return load(llama_bf16, **kwargs)
+
+    monkeypatch.setattr(loading, "from_hub", from_hub)
+    model = loaded("hf:org/tiny-llama")
+    assert asked[-1] == {"dtype": torch.bfloat16}  # decided here, from the config: never transformers' default
+    assert model.tier_utils_source.stored_dtype == parameters_dtype(model) == torch.bfloat16
+
+
 def test_a_dtype_the_user_passes_wins_and_the_stored_one_is_still_recorded(llama_bf16):
     model = loaded(llama_bf16, dtype=torch.float32)
     assert parameters_dtype(model) == torch.float32

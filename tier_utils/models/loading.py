@@ -66,6 +66,8 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
     keys are refused in one line).
     tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
     the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
+    The dtype the weights are stored in is recorded (`model.tier_utils_source.stored_dtype`) and a folder or hub
+    model is loaded in it (`dtype=` in kwargs overrides); a training run's precision decides its master weights.
     """
     model = _build(spec, kwargs)
     stored = load_weights(model, weights) if weights is not None else None

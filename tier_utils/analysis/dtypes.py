@@ -3,7 +3,8 @@
 A TorchDispatchMode sits below autocast, so it sees each op after autocast's casts, with the dtype
 the op really computed in. Forward + loss run, as in a training step (the backward follows the
 forward's dtypes). View ops (reshape, transpose, detach...) compute nothing and are left out;
-`_to_copy` rows are the casts autocast inserted.
+`_to_copy` rows are the casts autocast inserted. Weights held in bf16/fp16 are recorded on an fp32 copy (what a
+mixed-precision training step runs), and the rows say so.
 """
 from __future__ import annotations
 

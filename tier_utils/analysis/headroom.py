@@ -5,7 +5,8 @@ against fp16's largest finite value (65504) and the share of non-zero values bel
 smallest normal (6.1e-5, where fp16 loses precision and later flushes to zero). The first batch
 is then run again under bf16 and under fp16 autocast and each layer's output is compared with
 its fp32 output (relative L2 deviation; errors accumulate along the network, as in training): all of
-its sequences, or as many as the probe budget holds, or one where a low precision is emulated.
+its sequences, or as many as the probe budget holds, or one where a low precision is emulated. Weights held in
+bf16/fp16 are measured as an fp32 copy of the same values, and the rows say so.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from ..core.precision import dtype_name, kept_dtypes
 
 # safetensors' header names of the floating dtypes (its integer and bool tensors say nothing of the weights).
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def _dominant(counts: Counter) -> torch.dtype | None:

@@ -23,7 +23,7 @@ from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
-from .core.precision import resolve_device, resolve_precision
+from .core.precision import dtype_name, resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, worst_status
 from .core.threads import chooses_threads
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
@@ -82,7 +82,8 @@ class AllResult(Result):
                  + (f" · machine busy: load {m['load_average_1m']:.1f} on {m['cpu_count']} cores, "
                     "so the timings below are slower than on an idle machine" if busy else "")]
         if "tokenizer" in m:
-            lines.append(f"{m['model']} · tokenizer {m['tokenizer']} · data: {m['data']}")
+            lines.append(f"{m['model']} · weights stored {m['stored_dtype']} · tokenizer {m['tokenizer']} · "
+                         f"data: {m['data']}")
         r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
         lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
         if "smoke" in r:
@@ -105,7 +106,7 @@ class AllResult(Result):
                 size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
             if run.fit.reason:
                 size += f"; {run.fit.reason}"
-            lines.append(size)
+            lines += [size, _bench_weights(r["amp_benchmark"])]
         lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, recorded_load(m))]
         lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
                      f"· report: {self.index}")
@@ -127,9 +128,15 @@ def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: 
     return [head] + [f"  {line}  {d}" for line, d in zip(lines, details)]
 
 
+def _bench_weights(bench: BenchmarkResult) -> str:
+    """What each benchmarked precision held the weights in (measured in its run), after the stored dtype."""
+    held = [f"{r.precision} {r.mode}: {r.memory['weights_dtype']}" for r in bench.records if r.memory]
+    return f"  weights stored {bench.metadata['stored_dtype']}, held in the runs as " + (", ".join(held) or "none ran")
+
+
 def _train_line(s: TrainSummary, seconds: float) -> str:
     losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
-    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision}, {losses}"
+    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
     if t := s.tokens_per_s:
         line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
     return line + f" · {seconds:.1f} s"
@@ -203,7 +210,8 @@ def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
         described = adapter.datasets(data, preset.seq_len, seed).describe()
     except ModelForwardError:
         return preset, ran_on
-    return preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data}
+    return preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data,
+                    "stored_dtype": dtype_name(adapter.stored_dtype)}
 
 
 def _attempt(name: str, run) -> tuple:

@@ -238,14 +238,15 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "compile_mode", "thresholds", "fit"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
-    assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
+    assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m",
+            "stored_dtype"} <= set(doc["metadata"])
     assert set(doc["flops"]) == {"per_step", "by_op"}
     assert set(doc["overhead"]) == {"floor_step_ms", "floor_shape", "launch_bound", "fixed_share", "mfu", "step_ms",
                                     "floor_ms", "suggest_batch", "reason"}
     assert doc["overhead"]["floor_shape"] == [1, 8] and doc["overhead"]["floor_step_ms"]["n"] == RUN["repeats"]
     rec = doc["precisions"][1]
     assert set(rec) == {"precision", "mode", "dtype", "native", "ran", "forced", "reason", "compile", "metadata",
-                        "speed", "mfu", "memory", "accuracy", "stopped"}
+                        "speed", "mfu", "memory", "accuracy", "stopped", "weights"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
@@ -255,7 +256,7 @@ def test_json_schema_exact_keys(forced_fp16):
     assert set(rec["mfu"]["probe"]) == {"dtype", "size", "tflops"}
     assert set(rec["memory"]) == {"weights_bytes", "grads_bytes", "optimizer_state_bytes", "activation_bytes",
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
-                                  "reduction"}
+                                  "weights_dtype", "reduction"}
     assert set(rec["memory"]["reduction"]) == {"static", "activations", "total", "peak_allocated"}
     assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets",
                                     "diverged_at", "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff",

@@ -17,9 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
+from ..core.precision import dtype_name
 from ..data.datasets import DataSplits, build_datasets
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
+from ..models.stored_dtype import parameters_dtype
 
 TASKS = ("causal-lm", "classification")
 
@@ -51,6 +53,9 @@ class ModelAdapter:
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the ids every tier feeds: the model's own, or bytes
     # Set when the forward returns every position's logits only when given targets (the keyword to pass).
     targets_keyword: str | None = None
+    # What the weights are stored in (the loader's record; a module built in Python: its parameters' dtype when
+    # adapted). Every tier reads it here; `weights_dtype` is what they are held in now.
+    stored_dtype: torch.dtype | None = None
 
     @property
     def device(self) -> torch.device:
@@ -59,6 +64,10 @@ class ModelAdapter:
     @property
     def name(self) -> str:
         return type(self.model).__name__
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        return parameters_dtype(self.model)
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):
         """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
@@ -145,7 +154,9 @@ class ModelAdapter:
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
                 "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
-                "tokenizer": self.tokenizer.name}
+                "tokenizer": self.tokenizer.name, **{key: dtype and dtype_name(dtype) for key, dtype in
+                                                    (("stored_dtype", self.stored_dtype),
+                                                     ("weights_dtype", self.weights_dtype))}}
 
 
 def extract_logits(output, model_name: str = "model") -> torch.Tensor:
@@ -224,6 +235,8 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     side = getattr(model, "padding_side", None)
     adapter.padding_side = side if side in ("left", "right") else "left" if adapter.task == "causal-lm" else "right"
     adapter.tokenizer = _tokenizer_for(model, tokenizer, adapter.vocab_size)
+    source = source_of(model)
+    adapter.stored_dtype = source.stored_dtype if source and source.stored_dtype else parameters_dtype(model)
     return adapter
 
 

@@ -11,6 +11,7 @@ from ..adapter.adapter import ModelAdapter
 from ..core.budget import Budget
 from ..core.precision import Precision
 from ..core.results import Check
+from ..models.stored_dtype import fp32_copy, fp32_reference
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -42,6 +43,18 @@ class Outcome:
     @property
     def ran(self) -> bool:
         return bool(self.frames)
+
+
+def on_fp32_weights(ctx: Context, run) -> Outcome:
+    """`run(ctx)` with the model's weights in fp32: the precision comparisons' reference is fp32, and weights
+    stored (and run) in bf16/fp16 are compared as an fp32 copy, which each row then names."""
+    reference = fp32_reference(ctx.adapter.model, ctx.adapter.stored_dtype)
+    with fp32_copy(ctx.adapter.model):
+        outcome = run(ctx)
+    if reference != "fp32":
+        for check in outcome.checks:
+            check.detail += f" (on {reference})"
+    return outcome
 
 
 def head(batch: dict, rows: int, tokens: int | None = None) -> dict:

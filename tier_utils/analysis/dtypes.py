@@ -3,7 +3,8 @@
 A TorchDispatchMode sits below autocast, so it sees each op after autocast's casts, with the dtype
 the op really computed in. Forward + loss run, as in a training step (the backward follows the
 forward's dtypes). View ops (reshape, transpose, detach...) compute nothing and are left out;
-`_to_copy` rows are the casts autocast inserted.
+`_to_copy` rows are the casts autocast inserted. Weights held in bf16/fp16 are recorded on an fp32 copy (what a
+mixed-precision training step runs), and the rows say so.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.precision import resolve_precision
 from ..core.results import Check
-from .common import Context, Outcome, head
+from .common import Context, Outcome, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -61,6 +62,10 @@ def _summary(df: pd.DataFrame, dtype: str, limit: int = 6) -> str:
 
 
 def run(ctx: Context) -> Outcome:
+    return on_fp32_weights(ctx, _run)
+
+
+def _run(ctx: Context) -> Outcome:
     frames, checks = [], []
     dtype_names = {"bf16": "bfloat16", "fp16": "float16"}
     # Which dtype an op computes in does not depend on the batch's size: one short sequence shows it, in a

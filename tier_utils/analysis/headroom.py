@@ -5,7 +5,8 @@ against fp16's largest finite value (65504) and the share of non-zero values bel
 smallest normal (6.1e-5, where fp16 loses precision and later flushes to zero). The first batch
 is then run again under bf16 and under fp16 autocast and each layer's output is compared with
 its fp32 output (relative L2 deviation; errors accumulate along the network, as in training): all of
-its sequences, or as many as the probe budget holds, or one where a low precision is emulated.
+its sequences, or as many as the probe budget holds, or one where a low precision is emulated. Weights held in
+bf16/fp16 are measured as an fp32 copy of the same values, and the rows say so.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..core.budget import gib
 from ..core.plotting import category_ticks, decade_limits
 from ..core.precision import native_support, resolve_precision
 from ..core.results import Check
-from .common import Context, Outcome, first_tensor, head
+from .common import Context, Outcome, first_tensor, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -98,6 +99,10 @@ def _deviation(ref: list[torch.Tensor], low: list[torch.Tensor]) -> tuple[float,
 
 
 def run(ctx: Context) -> Outcome:
+    return on_fp32_weights(ctx, _run)
+
+
+def _run(ctx: Context) -> Outcome:
     model = ctx.adapter.model
     stats = _RangeStats()
     out_nonfinite = 0  # the model's own output, which may be computed outside every leaf module

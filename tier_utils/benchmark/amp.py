@@ -27,7 +27,7 @@ from ..core.measure import (
     static_memory,
     summarize,
 )
-from ..core.precision import kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
@@ -203,7 +203,7 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
     config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
                       settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "load_average_1m": load_average()}
+                "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
     if cfg.loggers:
         log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
@@ -328,6 +328,7 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     mem["activation_bytes"] = meter.bytes
     mem["total_bytes"] = sum(mem.values())
     mem["steps_measured"] = 1  # saved-tensor accounting is an exact count, not a sample
+    mem["weights_dtype"] = dtype_name(adapter.weights_dtype)  # what this precision's steps held the weights in
     mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
     if cuda:
         torch.cuda.synchronize(dev)

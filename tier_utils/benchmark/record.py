@@ -105,6 +105,7 @@ class PrecisionRecord:
     memory: dict | None = None
     accuracy: dict | None = None
     stopped: str | None = None
+    weights: str | None = None  # the precision's statement: stored dtype -> what this row holds the weights in
 
     def to_dict(self) -> dict:
         return {**asdict(self), "speed": None if self.speed is None else self.speed.to_dict()}
@@ -137,7 +138,7 @@ class PrecisionRecord:
             "val_accuracy_diff": acc.get("val_accuracy_diff"), "parity_max_rel_dev": par.get("max_rel_dev"),
             "parity_first_step_out": par.get("first_step_out"), "skipped_steps": acc.get("skipped_steps"),
             "rounded_away_share": acc.get("rounded_away_share"),
-            "reason": self.reason,
+            "weights_dtype": mem.get("weights_dtype"), "weights": self.weights, "reason": self.reason,
         }
 
 
@@ -146,7 +147,8 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
     compiled, with the same precision `eager`; metadata."""
     prec = p.precision
     rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, p.ran, p.forced,
-                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped)
+                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped,
+                          weights=prec.describe_weights(p.adapter.stored_dtype))
     if not p.ran or p.stopped:
         return rec
     step_ms = p.speed.step_ms

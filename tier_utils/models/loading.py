@@ -19,6 +19,7 @@ from ..data.tokenizer import is_tokenizer_folder
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
 from .checkpoint import load_checkpoint
 from .demo import load_demo
+from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, safetensors_dtype, tensors_dtype
 
 # transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
@@ -35,6 +36,11 @@ class ModelSource:
     kwargs: dict = field(default_factory=dict)
     tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
     weights: str | None = None
+    # The dtype the weights are stored in (stored_dtype.py): the config's or the safetensors header's for a folder,
+    # the tensors' for a checkpoint or --weights file, the parameters' for a module built here. The model is
+    # loaded in it; a training run's precision decides its master weights. A checkpoint does not keep it: its
+    # own tensors say it.
+    stored_dtype: torch.dtype | None = None
 
     def record(self, tokenizer: str | None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
@@ -61,14 +67,16 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
     keys are refused in one line).
     tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
     the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
+    The dtype the weights are stored in is recorded (`model.tier_utils_source.stored_dtype`) and a folder or hub
+    model is loaded in it (`dtype=` in kwargs overrides); a training run's precision decides its master weights.
     """
     model = _build(spec, kwargs)
-    if weights is not None:
-        load_weights(model, weights)
+    stored = load_weights(model, weights) if weights is not None else None
     if weights is not None or tokenizer is not None:
-        source = source_of(model) or ModelSource(None)
+        source = source_of(model) or ModelSource(None, stored_dtype=parameters_dtype(model))
         model.tier_utils_source = replace(source, weights=str(weights) if weights is not None else source.weights,
-                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer)
+                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
+                                          stored_dtype=stored or source.stored_dtype)
     return model
 
 
@@ -109,8 +117,10 @@ def _build(spec, kwargs: dict) -> nn.Module:
     return _sourced(_construct(getattr(module, name), kwargs, spec), recorded, kwargs)
 
 
-def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None) -> nn.Module:
-    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer)
+def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None,
+             stored: torch.dtype | None = None) -> nn.Module:
+    """`stored`: what the spec's files say the weights are stored in; None: the parameters' dtype as built."""
+    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model))
     return model
 
 
@@ -205,8 +215,10 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
     task = kwargs.pop("task", None)
     config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
     auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
-    model = from_hub(auto.from_pretrained, name, "model", **kwargs)
-    return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name)
+    stored = config_dtype(config)  # the header would need the weights' download: the config says it
+    model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
+    return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name,
+                    stored)
 
 
 def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
@@ -220,7 +232,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(path)
         auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
-        model = auto.from_pretrained(path, **kwargs)
+        stored = folder_dtype(path, config)
+        model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
     except ModelSpecError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:
@@ -231,7 +244,16 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     if tokenizer is None:
         warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
                       "tokenizer it was trained with", stacklevel=4)
-    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored)
+
+
+def _load_dtype(kwargs: dict, stored: torch.dtype | None) -> dict:
+    """from_pretrained's arguments with the load dtype decided here: as stored (smoke and analysis run the model as
+    loaded; a training run's precision upcasts it to its master weights). "auto" where no config or header says
+    (transformers then reads the weights'); a dtype the user passed wins."""
+    if "dtype" in kwargs or "torch_dtype" in kwargs:
+        return kwargs
+    return {**kwargs, "dtype": stored or "auto"}
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:
@@ -262,19 +284,31 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"{path} records no model spec (it was trained from a module built in Python); "
                              "build that module and load the checkpoint's 'model' weights into it, or give the "
                              "spec and --weights")
-    source = ModelSource(**recorded)
-    model = _build(source.spec, dict(source.kwargs))
+    model = _build(recorded["spec"], dict(recorded["kwargs"]))
+    _held_as_saved(model, state["model"])
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
-        raise ModelSpecError(f"{path}'s weights do not fit {source.spec} ({one_line(exc)[:160]})") from exc
-    model.tier_utils_source = source  # as trained: its spec, arguments and tokenizer
+        raise ModelSpecError(f"{path}'s weights do not fit {recorded['spec']} ({one_line(exc)[:160]})") from exc
+    # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).
+    model.tier_utils_source = ModelSource(**recorded, stored_dtype=tensors_dtype(state["model"].values()))
     return model
 
 
-def load_weights(model: nn.Module, path) -> None:
+def _held_as_saved(model: nn.Module, state: dict) -> None:
+    """Each parameter in the dtype the checkpoint holds it in, before its values are copied in: fp32 master
+    weights trained from a bf16-stored folder must not be rounded back to the folder's bf16."""
+    for name, param in model.named_parameters():
+        saved = state.get(name)
+        if isinstance(saved, torch.Tensor) and saved.is_floating_point() and saved.dtype != param.dtype:
+            param.data = param.data.to(saved.dtype)
+
+
+def load_weights(model: nn.Module, path) -> torch.dtype | None:
     """Load a safetensors file or a torch state dict (or a training checkpoint's 'model'/'state_dict' entry)
-    into `model`; names a compiled or DDP module gave its weights are matched too."""
+    into `model`; names a compiled or DDP module gave its weights are matched too. The values are copied into
+    the model's parameters, which keep their dtype. Returns the dtype the file stores them in (a safetensors
+    file's header says it)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ModelSpecError(f"weights file {str(path)!r} not found; give a .safetensors file or a torch state dict")
@@ -305,6 +339,7 @@ def load_weights(model: nn.Module, path) -> None:
                  for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         raise ModelSpecError(f"{path} does not fit {type(model).__name__}: {'; '.join(parts)}; give the weights of "
                              "this architecture (and its arguments)")
+    return safetensors_dtype(file) if file.suffix == ".safetensors" else tensors_dtype(state.values())
 
 
 def _unwrapped(key: str) -> str:

@@ -19,8 +19,9 @@ from ..adapter.adapter import ModelAdapter
 from ..core.budget import affordable_repeats, gib, measure_activations
 from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
-from ..core.precision import Precision, native_support, resolve_precision
+from ..core.precision import Precision, dtype_name, native_support, resolve_precision
 from ..core.results import Check, failed_check
+from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
@@ -300,9 +301,19 @@ def _stability(adapter: ModelAdapter, report):
     except Exception as exc:  # each row that needed it fails with it
         ref = exc
     yield _guarded(f"stability: random, max length {L}", _finite_case, adapter, ref)
-    for low in ("bf16", "fp16"):
-        yield _guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
-                       batch, ref)
+    # The model runs as loaded; the comparison's reference is fp32, so weights held in bf16/fp16 are compared
+    # as an fp32 copy (low precision autocast on fp32 weights: what a mixed precision training step runs).
+    reference = fp32_reference(adapter.model, adapter.stored_dtype)
+    with fp32_copy(adapter.model):
+        if reference != "fp32" and not isinstance(ref, Exception):
+            try:
+                with torch.no_grad():
+                    ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+            except Exception as exc:
+                ref = exc
+        rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
+                         batch, ref, reference) for low in ("bf16", "fp16")]
+    yield from rows
 
 
 def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
@@ -321,7 +332,7 @@ def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
 
 
 def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, low: str, batch: dict,
-                        ref: torch.Tensor | Exception) -> Check:
+                        ref: torch.Tensor | Exception, reference: str = "fp32") -> Check:
     if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
         raise ref
     tol = LOW_PRECISION_TOL[low]
@@ -339,6 +350,7 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
         return Check(name, "FAIL", None, f"<= {tol:g}", f"{low} autocast gives non-finite logits (overflow?)")
     dev = _rel_dev(out, ref)
     detail = (f"max |{low} - fp32| / max |fp32| over {tuple(ref.shape)} logits"
+              + ("" if reference == "fp32" else f", {low} autocast and fp32 on {reference}")
               + ("" if native else " (forced: emulated on this device)")
               + ("" if dev <= tol else f"; more than {low} rounding explains"))
     return Check(name, "PASS" if dev <= tol else "WARN", _sig(dev, 3), f"<= {tol:g}", detail)
@@ -371,6 +383,7 @@ def _init(adapter: ModelAdapter, report):
             row["dead_rows"] = 0 if row["constant"] else int(dead.sum())
         rows.append(row)
     report.parameters = pd.DataFrame(rows)
+    yield _weights_dtype(adapter)
 
     bad = [r["name"] for r in rows if not r["finite"]]
     yield Check("init: finite values", "FAIL" if bad else "PASS", len(bad), 0,
@@ -404,6 +417,15 @@ def _constant_row(rows: list[dict], model: nn.Module) -> Check:
                      f"every entry equal, so units start identical: {_names(const)}" + (f"; {known}" if known else ""))
     return Check("init: constant weight matrices", "PASS", 0, 0,
                  known or "no constant matrix (constant 1-d biases/norm weights are expected)")
+
+
+def _weights_dtype(adapter: ModelAdapter) -> Check:
+    """The weights' stored dtype and what smoke runs them in (a statement, never a failure)."""
+    held = adapter.weights_dtype
+    reference = fp32_reference(adapter.model, adapter.stored_dtype)
+    compared = "" if reference == "fp32" else f"; the bf16/fp16 stability rows compare with {reference}"
+    return Check("init: weights dtype", "PASS", dtype_name(held), None,
+                 as_loaded(adapter.stored_dtype, held) + compared)
 
 
 # --- inference latency --------------------------------------------------------------------------

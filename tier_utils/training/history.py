@@ -226,6 +226,9 @@ class TrainSummary:
     weights: str | None = None  # restore_best: which weights the returned model holds
     hf_folder: str | None = None  # the save_pretrained folder save_hf wrote
     hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
+    stored_dtype: str | None = None  # what the loaded weights were stored in (the loader's record)
+    master_dtype: str | None = None  # what the run held them in: the parameters' dtype, read at the end
+    weights_detail: str | None = None  # the precision's statement: "weights stored bf16 → fp32 master weights, ..."
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -270,6 +273,7 @@ class TrainResult(Result):
             ("validation", s.validation),
             ("precision", s.precision),
             ("precision_reason", s.precision_reason),
+            ("weights_dtype", s.weights_detail),
             ("device", s.device_name),
             ("steps", f"{s.steps} of {s.total_steps}"),
             ("global_batch", s.global_batch),

@@ -22,7 +22,7 @@ from ..core.errors import CheckpointError, DataError, TrainingDiverged
 from ..core.files import run_lock
 from ..core.hub import HUB_PREFIX
 from ..core.inputs import writable_dir
-from ..core.precision import Precision, device_name, resolve_device, resolve_precision
+from ..core.precision import Precision, device_name, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.seeding import rng_state, seed_everything, set_rng_state
@@ -133,6 +133,7 @@ class _Run:
         self.compile_info = self._compile(splits) if cfg.compile else None
         self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
             "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            "weights": self.precision.describe_weights(self.adapter.stored_dtype),
             **run_metadata(self.device, self.precision.dtype)})
 
     def _build(self, model, model_kwargs: dict) -> ModelAdapter:
@@ -420,6 +421,8 @@ class _Run:
             **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
             hf_folder=cfg.save_hf if self.saved_hf else None,
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            stored_dtype=dtype_name(self.adapter.stored_dtype), master_dtype=dtype_name(self.adapter.weights_dtype),
+            weights_detail=self.precision.describe_weights(self.adapter.stored_dtype),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg)

@@ -112,3 +112,127 @@ def test_a_model_without_repeated_blocks_is_refused():
     plain.task, plain.max_len = "causal-lm", 32
     with pytest.raises(NoRepeatedBlocks, match="drop activation_checkpointing"):
         train(plain, None, max_steps=1, activation_checkpointing=True, **RUN)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--activation-checkpointing", "--model-arg", "n_layer=1"], "has none; drop activation_checkpointing"),
+    (["--lora", "r=0"], "r must be a whole number >= 1"),
+    (["--lora", "r=4,targets=q_proj"], "matches no linear layer of TinyGPT; its linear layers: attn.qkv, attn.proj"),
+    (["--merge"], "give lora and save_hf too"),
+])
+def test_cli_bad_memory_settings_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, args, needle):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--max-steps", "1", "--model-arg", "d_model=32", "--model-arg",
+                 "n_head=2", "--device", "cpu", "--no-progress", "--json", str(tmp_path / "s.json"), *args]) \
+        if args[0] != "--lora" or "=0" not in args[1] else None
+    if code is None:  # argparse's own error: a SystemExit
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--out", str(out), *args])
+        code = exc.value.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("warning")]
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not out.exists() and not (tmp_path / "s.json").exists()
+
+
+# -- LoRA ---------------------------------------------------------------------------------------------------------
+def test_lora_settings_parse_and_refuse():
+    assert LoraSettings.parse("r=4,alpha=8,targets=q_proj,v_proj") == LoraSettings(4, 8.0, 0.0, ("q_proj", "v_proj"))
+    assert lora_setting(8) == LoraSettings(r=8, alpha=16) and lora_setting(0) is None and lora_setting("off") is None
+    for bad in ("r=0", "r=4,beta=2", "alpha=-1", "dropout=1"):
+        with pytest.raises(LoraError):
+            lora_setting(bad)
+
+
+@pytest.mark.parametrize("spec,kwargs", [("tiny-gpt", TWO), ("hf:LlamaForCausalLM", dict(LLAMA, vocab_size=256))])
+def test_lora_static_bytes_are_those_of_the_wrapped_model(spec, kwargs):
+    model = load_model(spec, **kwargs)
+    settings = LoraSettings(r=4, alpha=8)
+    predicted = lora_static_bytes(model, settings)
+    wrapped = apply_lora(model, settings)
+    assert predicted == static_bytes(wrapped)
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in wrapped.parameters() if p.requires_grad)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny Llama with its own BPE tokenizer (trained on the bundled corpus), as save_pretrained writes it."""
+    from real import bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("llama")
+    tokenizer = bpe_tokenizer()
+    torch.manual_seed(0)
+    load_model("hf:LlamaForCausalLM", vocab_size=len(tokenizer), **LLAMA).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+LORA_RUN = dict(batch_size=4, seq_len=32, eval_every=3, eval_batches=1, progress=False, device="cpu",
+                precision="fp32", lora=LoraSettings(r=4, alpha=8), seed=1)
+
+
+def test_lora_on_a_tiny_llama_trains_a_small_share_and_checkpoints_only_the_adapters(llama_folder, tmp_path):
+    full = train(str(llama_folder), None, max_steps=2, checkpoint_dir=tmp_path / "full",
+                 **{**LORA_RUN, "lora": None})
+    lora = train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "lora", lr=1e-2, **LORA_RUN)
+    info = lora.summary.lora
+    assert info["trainable_share"] < 0.05 and info["base_dtype"] == "float32" and info["adapter_dtype"] == "float32"
+    assert "self_attn.q_proj" in info["targets"] and "mlp.down_proj" in info["targets"]
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(llama_folder).state_dict()
+    after = lora.model.get_base_model().state_dict()
+    base = {k.replace(".base_layer", ""): v for k, v in after.items() if "lora_" not in k}
+    assert base.keys() == before.keys() and all(torch.equal(base[k], before[k]) for k in before)  # frozen
+    assert any(p.abs().sum() > 0 for n, p in lora.model.named_parameters() if "lora_B" in n)  # B starts at 0
+    size = {name: (tmp_path / name / "last.pt").stat().st_size for name in ("full", "lora")}
+    assert size["lora"] < 0.10 * size["full"], size
+    assert set(load_checkpoint(tmp_path / "lora" / "last.pt")["model"]) == {
+        n.replace(".default", "") for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert full.summary.lora is None
+
+
+def test_lora_resume_is_exact(llama_folder, tmp_path):
+    whole = train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "whole", **LORA_RUN)
+
+    def stop(step, metrics):
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):  # dies at its first evaluation (step 3), after step 2's save
+        train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "cut", checkpoint_every=2,
+              on_eval=stop, **LORA_RUN)
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["step"] == 2
+    resumed = train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "cut", resume=True, **LORA_RUN)
+    assert resumed.summary.resumed_from_step == 2
+    final = [load_checkpoint(tmp_path / name / "last.pt")["model"] for name in ("whole", "cut")]
+    assert final[0].keys() == final[1].keys()
+    for name, tensor in final[0].items():
+        assert torch.equal(tensor, final[1][name]), name
+    assert _losses(whole)[-3:] == _losses(resumed)[-3:]
+
+
+def test_lora_save_hf_is_peft_format_and_merge_loads_in_plain_transformers(llama_folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = dict(max_steps=3, lr=1e-2, **{**LORA_RUN, "eval_every": 0})
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    trained = train(str(llama_folder), None, save_hf=str(adapter_dir), **run).model.eval()
+    assert (adapter_dir / "adapter_config.json").is_file() and not (adapter_dir / "config.json").exists()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(llama_folder)
+        loaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        again = load_model(str(adapter_dir)).eval()  # load_model reads the adapter folder: base + adapter
+        torch.testing.assert_close(again(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert main(["train", "--model", str(llama_folder), "--out", str(tmp_path / "run"), "--max-steps", "3",
+                 "--lr", "1e-2", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
+                 "--seed", "1", "--precision", "fp32", "--device", "cpu", "--lora", "r=4,alpha=8", "--save-hf",
+                 str(merged_dir), "--merge", "--no-progress"]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 
@@ -35,9 +36,11 @@ from ..core.settings import merge
 from ..data.datasets import make_loader, to_device
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
+from ..engine.lora import apply_lora, describe_lora, unload
+from ..engine.memory import checkpointing_on, kept_inputs, memory_context, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..planning.planner import device_room, plan
-from .config import COMPILE_CHOICES, BenchConfig, Mode
+from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig, Mode
 from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
 from .verdicts import launch_bound, record_checks
 
@@ -100,6 +103,17 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     cfg = merge(BenchConfig, config, overrides, "benchmark")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
+    if cfg.activation_checkpointing:
+        require_blocks(adapter.model)
+    if cfg.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
+        adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+    try:
+        return _benchmark(adapter, data, cfg, dev)
+    finally:
+        unload(adapter.model)
+
+
+def _benchmark(adapter, data, cfg: BenchConfig, dev: torch.device) -> BenchmarkResult:
     was_training = adapter.model.training
     adapter.model.to(dev).train()
     adapter.require_trainable()
@@ -107,6 +121,9 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
     modes = COMPILE_CHOICES[cfg.compile]  # the config checked it is one of them
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
+    if cfg.activation_checkpointing:  # each precision again, eager, with checkpointing: its cost and saving
+        plans += [replace(_plan(name, CHECKPOINTED, dev, cfg.force, adapter), checkpointing=True)
+                  for name in cfg.precisions]
     budget = read_budget(dev)  # before anything of ours is allocated
     cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)
     splits = adapter.datasets(data, seq_len)
@@ -189,7 +206,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
     config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
-                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
+                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing,
+                      lora=describe_lora(adapter.model))
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
@@ -242,9 +260,11 @@ def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int,
 
 
 def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
-    """fn(*args); a CUDA out-of-memory instead SKIPs plan `p` with the size and the free memory (every plan,
-    when `p` is fp32's: no baseline) and returns None, its memory released."""
-    got, error = without_oom(fn, *args)
+    """fn(*args), with activation checkpointing for a checkpointing plan; a CUDA out-of-memory instead SKIPs plan
+    `p` with the size and the free memory (every plan, when `p` is fp32's: no baseline) and returns None, its
+    memory released."""
+    with memory_context(p.adapter.model, p.checkpointing):
+        got, error = without_oom(fn, *args)
     if error is None:
         return got
     why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, seq_len, budget)} ({error[:120]})"
@@ -307,7 +327,9 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    with SavedTensorMeter(adapter.model) as meter:
+    # Checkpointing keeps each block's inputs outside autograd's saved tensors: counted too.
+    with SavedTensorMeter(adapter.model) as meter, kept_inputs(adapter.model, meter) if checkpointing_on(
+            adapter.model) else contextlib.nullcontext():
         loss = step([batches[1 % len(batches)]]).loss
     mem = static_memory(adapter.model, step.optimizer)
     mem["activation_bytes"] = meter.bytes

@@ -78,24 +78,41 @@ def disable_checkpointing(model: nn.Module) -> None:
         block.__dict__.pop("forward", None)
 
 
+def checkpointing_on(model: nn.Module) -> bool:
+    """Whether `model`'s blocks are checkpointed now (by enable_checkpointing)."""
+    switch = _hf_switch(model, True)
+    if switch is not None:
+        base = getattr(model, "get_base_model", lambda: model)()
+        flag = getattr(base, "is_activation_checkpointing", None)  # transformers 5's name
+        return bool(base.is_gradient_checkpointing if flag is None else flag)
+    return any("forward" in vars(b) for b in repeated_blocks(model))
+
+
 @contextlib.contextmanager
-def checkpointed(model: nn.Module, meter=None):
-    """Activation checkpointing on `model`'s repeated blocks for the block. `meter` (a SavedTensorMeter) is told
-    about each block's floating-point inputs: checkpointing keeps them for the recompute, outside autograd's
-    saved tensors."""
-    enable_checkpointing(model)
-    hooks = []
-    if meter is not None:
-        def keep_inputs(_module, args, kwargs):
-            for a in (*args, *kwargs.values()):
-                if torch.is_tensor(a) and a.is_floating_point():
-                    meter.add(a)
-        hooks = [b.register_forward_pre_hook(keep_inputs, with_kwargs=True) for b in repeated_blocks(model)]
+def kept_inputs(model: nn.Module, meter):
+    """For the block, `meter` (a SavedTensorMeter) is told about each block's floating-point inputs, which
+    checkpointing keeps for the recompute outside autograd's saved tensors."""
+    def keep(_module, args, kwargs):
+        for a in (*args, *kwargs.values()):
+            if torch.is_tensor(a) and a.is_floating_point():
+                meter.add(a)
+    hooks = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in repeated_blocks(model)]
     try:
-        yield repeated_blocks(model)
+        yield
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, meter=None):
+    """Activation checkpointing on `model`'s repeated blocks for the block; `meter`, if given, counts what it
+    keeps (kept_inputs)."""
+    enable_checkpointing(model)
+    try:
+        with kept_inputs(model, meter) if meter is not None else contextlib.nullcontext():
+            yield repeated_blocks(model)
+    finally:
         disable_checkpointing(model)
 
 

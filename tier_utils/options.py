@@ -85,7 +85,7 @@ def _lora_arg(value: str) -> LoraSettings | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_lora_arg.metavar = "r=N,alpha=X"
+_lora_arg.metavar = "SPEC"
 
 # Types a plain int/float/str conversion won't parse (a plain tuple is names: its class splits the string).
 _CONVERTERS = {tuple[int, ...]: _int_list, LoraSettings: _lora_arg}

@@ -191,6 +191,10 @@ def test_lora_on_a_tiny_llama_trains_a_small_share_and_checkpoints_only_the_adap
     assert set(load_checkpoint(tmp_path / "lora" / "last.pt")["model"]) == {
         n.replace(".default", "") for n, p in lora.model.named_parameters() if p.requires_grad}
     assert full.summary.lora is None
+    again = load_model(str(tmp_path / "lora" / "last.pt")).eval()  # the base its spec rebuilds, with the adapters
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, lora.model.eval()(input_ids=ids).logits)
 
 
 def test_lora_resume_is_exact(llama_folder, tmp_path):
@@ -236,3 +240,49 @@ def test_lora_save_hf_is_peft_format_and_merge_loads_in_plain_transformers(llama
         merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
         assert not any("lora" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- the benchmark and search ---------------------------------------------------------------------------------------
+BENCH = dict(batch_size=4, seq_len=32, untimed_steps=1, timed_steps=2, repeats=2, accuracy_steps=3, eval_batches=1,
+             progress=False, device="cpu")
+
+
+def test_bench_measures_checkpointing_against_the_same_precision_without_it():
+    from tier_utils import amp_benchmark
+
+    result = amp_benchmark(TinyGPT(**TWO, dropout=0.1), precisions="fp32", activation_checkpointing=True, **BENCH)
+    plain, ck = result.records
+    assert (plain.mode, plain.checkpointing, ck.mode, ck.checkpointing) == ("eager", False, "eager+checkpointing", True)
+    assert ck.memory["activation_bytes"] < plain.memory["activation_bytes"]
+    assert ck.vs_without["activation_bytes_without"] == plain.memory["activation_bytes"]
+    assert ck.vs_without["step_time_ratio"] == pytest.approx(ck.speed.step_ms.median / plain.speed.step_ms.median)
+    assert ck.accuracy["loss_curve"] == pytest.approx(plain.accuracy["loss_curve"], rel=1e-6)
+    row = result.verdicts.set_index(["mode", "check"]).loc[("eager+checkpointing", "activation checkpointing")]
+    assert row.status == "PASS" and "without checkpointing" in row.detail and "same precision" in row.detail
+    assert list(result.table.checkpointing) == ["off", "on"]
+
+
+def test_bench_trains_lora_in_every_precision_row_and_gives_the_model_back(monkeypatch):
+    from tier_utils import amp_benchmark
+
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 native here, whatever this CPU has
+    model = TinyGPT(**TWO)
+    names = [n for n, _ in model.named_parameters()]
+    result = amp_benchmark(model, precisions="fp32,bf16", lora="r=4,alpha=8", **BENCH)
+    assert [r.precision for r in result.records if r.ran] == ["fp32", "bf16"]
+    info = result.to_json()["config"]["lora_detail"]
+    assert info["r"] == 4 and info["trainable_share"] < 0.1 and info["base_dtype"] == "float32"
+    trainable = info["trainable_parameters"]
+    for r in result.records:  # optimizer state for the adapters only: AdamW's two fp32 states and a step count
+        assert r.memory["optimizer_state_bytes"] == 8 * trainable + 4 * 16
+    assert [n for n, _ in model.named_parameters()] == names  # unloaded: the caller's module as it was
+
+
+def test_search_trials_run_in_the_memory_modes():
+    from tier_utils.tuning.study import search
+
+    result = search(TinyGPT(**TWO), n_trials=1, max_steps=2, eval_every=1, eval_batches=1, batch_size=4, seq_len=32,
+                    device="cpu", precision="fp32", activation_checkpointing=True, lora=4, space={"lr": ("log", 1e-3,
+                                                                                                       1e-2)})
+    assert result.best_config.lora == LoraSettings(r=4, alpha=8) and result.best_config.activation_checkpointing
+    assert len(result.table) == 1 and result.table.state.iloc[0] == "COMPLETE"

@@ -187,6 +187,15 @@ def describe_lora(model: nn.Module) -> dict | None:
                       f"{','.join(sorted(adapters))}"}
 
 
+def lora_record(model: nn.Module) -> dict | None:
+    """The peft LoraConfig fields that wrap the base again as in training (load_model of a LoRA checkpoint)."""
+    if not is_lora(model):
+        return None
+    c = model.peft_config["default"]
+    return {"r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
+            "target_modules": sorted(c.target_modules)}
+
+
 def model_state(model: nn.Module) -> dict:
     """What a training checkpoint keeps of `model`: with LoRA its adapters only, else its whole state dict."""
     return _peft().get_peft_model_state_dict(model) if is_lora(model) else model.state_dict()

@@ -34,10 +34,12 @@ class ModelSource:
     kwargs: dict = field(default_factory=dict)
     tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
     weights: str | None = None
+    lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
 
-    def record(self, tokenizer: str | None) -> dict:
+    def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
-        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights,
+                "lora": lora}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:
@@ -265,7 +267,16 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
     source = ModelSource(**recorded)
     model = _build(source.spec, dict(source.kwargs))
     try:
-        model.load_state_dict(state["model"])
+        if source.lora:  # the adapters over the base the spec rebuilds, as peft wrapped it in training
+            import peft
+
+            if not hasattr(model, "peft_config"):  # a spec that is an adapter folder carries them already
+                model = peft.get_peft_model(model, peft.LoraConfig(**source.lora))
+            unfit = peft.set_peft_model_state_dict(model, state["model"]).unexpected_keys
+            if unfit:
+                raise RuntimeError(f"unexpected adapter keys {', '.join(unfit[:3])}")
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ModelSpecError(f"{path}'s weights do not fit {source.spec} ({one_line(exc)[:160]})") from exc
     model.tier_utils_source = source  # as trained: its spec, arguments and tokenizer

@@ -70,10 +70,10 @@ class TrainConfig:
     # LoRA does, and a resume checks it.
     activation_checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their "
                                                     "activations are recomputed in backward, not kept")
-    lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base, e.g. r=8,alpha=16"
-                                              "[,targets=q_proj,v_proj] (none: every weight trains)")
-    merge: bool = setting(False, "with lora and save_hf: write the merged model (adapters folded in, plain "
-                                 "transformers loads it), not peft's adapter folder")
+    lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base: r=N,alpha=X[,dropout=X]"
+                                              "[,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight trains)")
+    merge: bool = setting(False, "with LoRA and a transformers folder to save: write the merged model (adapters "
+                                 "folded in, plain transformers loads it), not peft's adapter folder")
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)

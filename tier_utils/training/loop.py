@@ -31,7 +31,7 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..data.tokenizer import BYTES
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
-from ..engine.lora import apply_lora, describe_lora, load_model_state, model_state
+from ..engine.lora import apply_lora, describe_lora, load_model_state, lora_record, model_state
 from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from ..models.checkpoint import (
@@ -343,7 +343,7 @@ class _Run:
             if not folder.is_dir():
                 tokenizer.save(folder)
             name = str(folder.resolve())
-        return source.record(None if name == BYTES else name)
+        return source.record(None if name == BYTES else name, lora_record(self.adapter.model))
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""

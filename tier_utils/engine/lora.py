@@ -187,6 +187,17 @@ def describe_lora(model: nn.Module) -> dict | None:
                       f"{','.join(sorted(adapters))}"}
 
 
+def convert_for(precision, model: nn.Module) -> nn.Module:
+    """`precision.convert_module(model)`, except that a LoRA model's adapters stay in fp32: over a true mode's
+    bf16/fp16 base too (peft casts their input to fp32 and their output back)."""
+    precision.convert_module(model)
+    if is_lora(model):
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return model
+
+
 def lora_record(model: nn.Module) -> dict | None:
     """The peft LoraConfig fields that wrap the base again as in training (load_model of a LoRA checkpoint)."""
     if not is_lora(model):

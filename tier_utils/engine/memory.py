@@ -15,11 +15,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..core.errors import TierError
-
-
-class NoRepeatedBlocks(TierError, ValueError):
-    """Activation checkpointing was asked for a model with no repeated blocks to checkpoint."""
+from ..core.errors import NoRepeatedBlocks
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

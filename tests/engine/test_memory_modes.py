@@ -144,7 +144,9 @@ def test_lora_settings_parse_and_refuse():
             lora_setting(bad)
 
 
-@pytest.mark.parametrize("spec,kwargs", [("tiny-gpt", TWO), ("hf:LlamaForCausalLM", dict(LLAMA, vocab_size=256))])
+@pytest.mark.parametrize("spec,kwargs", [("tiny-gpt", TWO), ("hf:LlamaForCausalLM", dict(LLAMA, vocab_size=256)),
+                                         ("hf:GPT2LMHeadModel", dict(vocab_size=256, n_embd=32, n_layer=2, n_head=2,
+                                                                     n_positions=32))])  # Conv1D, not nn.Linear
 def test_lora_static_bytes_are_those_of_the_wrapped_model(spec, kwargs):
     model = load_model(spec, **kwargs)
     settings = LoraSettings(r=4, alpha=8)

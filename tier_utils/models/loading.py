@@ -41,10 +41,12 @@ class ModelSource:
     # loaded in it; a training run's precision decides its master weights. A checkpoint does not keep it: its
     # own tensors say it.
     stored_dtype: torch.dtype | None = None
+    lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
 
-    def record(self, tokenizer: str | None) -> dict:
+    def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
-        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights,
+                "lora": lora}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:
@@ -223,7 +225,9 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
 
 def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
-    tokenizer."""
+    tokenizer. A peft adapter folder gives its base (which its adapter_config.json names) with the adapter."""
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        return _load_adapter_folder(path, spec, kwargs)
     if not (path / "config.json").is_file():
         raise ModelSpecError(f"{spec} is a folder with no config.json, so not a save_pretrained model folder; "
                              "give the folder transformers wrote, or a built-in / file.py:Name spec")
@@ -254,6 +258,25 @@ def _load_dtype(kwargs: dict, stored: torch.dtype | None) -> dict:
     if "dtype" in kwargs or "torch_dtype" in kwargs:
         return kwargs
     return {**kwargs, "dtype": stored or "auto"}
+
+
+def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
+    """peft's adapter folder: the base model its adapter_config.json names (any load_model spec), with the
+    adapter loaded by PeftModel.from_pretrained, trainable; the folder's tokenizer, else the base's."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ModelSpecError(f"{spec} is a LoRA adapter folder; reading it needs peft: pip install "
+                             "'tier_utils[lora]' (or peft)") from exc
+    base_spec = peft.PeftConfig.from_pretrained(path).base_model_name_or_path
+    if not base_spec:
+        raise ModelSpecError(f"{spec}/adapter_config.json names no base model (base_model_name_or_path); set it to "
+                             "the base's folder or spec")
+    base = _build(base_spec, kwargs)
+    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True)
+    path = path.resolve()
+    tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
+    return _sourced(model, str(path), {}, tokenizer)
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:
@@ -287,7 +310,16 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
     model = _build(recorded["spec"], dict(recorded["kwargs"]))
     _held_as_saved(model, state["model"])
     try:
-        model.load_state_dict(state["model"])
+        if source.lora:  # the adapters over the base the spec rebuilds, as peft wrapped it in training
+            import peft
+
+            if not hasattr(model, "peft_config"):  # a spec that is an adapter folder carries them already
+                model = peft.get_peft_model(model, peft.LoraConfig(**source.lora))
+            unfit = peft.set_peft_model_state_dict(model, state["model"]).unexpected_keys
+            if unfit:
+                raise RuntimeError(f"unexpected adapter keys {', '.join(unfit[:3])}")
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ModelSpecError(f"{path}'s weights do not fit {recorded['spec']} ({one_line(exc)[:160]})") from exc
     # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).

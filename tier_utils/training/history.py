@@ -229,6 +229,8 @@ class TrainSummary:
     stored_dtype: str | None = None  # what the loaded weights were stored in (the loader's record)
     master_dtype: str | None = None  # what the run held them in: the parameters' dtype, read at the end
     weights_detail: str | None = None  # the precision's statement: "weights stored bf16 → fp32 master weights, ..."
+    activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
+    lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -287,6 +289,8 @@ class TrainResult(Result):
             ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
+            ("activation_checkpointing", s.activation_checkpointing),
+            ("lora", s.lora and s.lora["detail"]),
             ("compile_reason", s.compile_reason),
             ("compile_s", number(s.compile_s, ".1f")),
             ("skipped_steps", s.skipped_steps),

@@ -307,6 +307,8 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"{path} records no model spec (it was trained from a module built in Python); "
                              "build that module and load the checkpoint's 'model' weights into it, or give the "
                              "spec and --weights")
+    # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).
+    source = ModelSource(**recorded, stored_dtype=tensors_dtype(state["model"].values()))
     model = _build(recorded["spec"], dict(recorded["kwargs"]))
     _held_as_saved(model, state["model"])
     try:
@@ -322,8 +324,7 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
             model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ModelSpecError(f"{path}'s weights do not fit {recorded['spec']} ({one_line(exc)[:160]})") from exc
-    # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).
-    model.tier_utils_source = ModelSource(**recorded, stored_dtype=tensors_dtype(state["model"].values()))
+    model.tier_utils_source = source
     return model
 
 

@@ -1,6 +1,14 @@
 """Fixtures shared by the test files; the sizes behind them live in tiny.py."""
+import os
+
 import pytest
+import torch
 from tiny import TINY, tiny
+
+# One torch thread count for the whole suite (torch's own, unless the caller fixed one): runs compared across
+# processes share it, and the suite's hundreds of runs don't each sample the machine for 0.2 s to choose.
+# tests/core/test_threads.py and the resume test in tests/training/test_repeatability.py clear it to test the choice.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import textwrap
 import warnings
 
 import torch
+from test_train import _KILL_SCRIPT, RESUME_CONFIG, token_rows
 from tiny import TINY, tiny
 
 from tier_utils.core.measure import usable_cores
 from tier_utils.core.seeding import seed_everything
 from tier_utils.core.threads import THREAD_ENV
 from tier_utils.models.checkpoint import load_checkpoint
-from tier_utils.models.loading import load_model
 from tier_utils.training.loop import train
 
 
@@ -46,35 +46,24 @@ def test_ten_identical_deterministic_bf16_runs_are_bitwise_equal():
     assert torch.equal(initial(0), initial(0)) and not torch.equal(initial(0), initial(1))
 
 
+# test_train's kill script, with two things first: in the first process the machine looks idle, and the run
+# prints its thread count and the reason when it finishes.
 _KILLED_RUN = textwrap.dedent("""
-    import os, signal, sys, torch
+    import sys
+    import tier_utils.training.loop as loop
     from tier_utils.core import threads
     from tier_utils.core.measure import usable_cores
-    from tier_utils.engine.step import TrainStep
-    from tier_utils.models.loading import load_model
-    from tier_utils.training.loop import train
 
-    ckpt_dir, kill_at, idle = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "idle"
-    if idle:  # this process starts on an idle machine; the next one samples the real, busy one
+    if sys.argv[3] == "idle":  # this process starts on an idle machine; the next one samples the real, busy one
         threads.others_busy = lambda: threads.Busy(0.0, usable_cores())
-    real_call, calls = TrainStep.__call__, [0]
+    real_train = loop.train
 
-    def call(self, micro):
-        calls[0] += 1
-        if calls[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run, no cleanup
-        return real_call(self, micro)
+    def train(*args, **kwargs):
+        meta = real_train(*args, **kwargs).summary.run_metadata
+        print(meta["threads"], meta["threads_reason"], sep="|")
 
-    TrainStep.__call__ = call
-    data = torch.randint(0, 256, (80, 17), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)
-    meta = train(model, data, **CONFIG, checkpoint_dir=ckpt_dir, resume=True).summary.run_metadata
-    print(meta["threads"], meta["threads_reason"], sep="|")
-""")
-# 9 steps per epoch, so the 14 steps cross an epoch; dropout makes the RNG state matter.
-_CONFIG = dict(precision="fp32", batch_size=8, seq_len=16, max_steps=14, checkpoint_every=2, log_every=3,
-               eval_every=4, eval_batches=1, deterministic=True, progress=False, seed=5, device="cpu")
+    loop.train = train
+""") + _KILL_SCRIPT
 # A CPU-bound process that ends itself, so it can't outlive the test.
 _SPIN = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -84,7 +73,8 @@ def test_a_run_killed_and_resumed_beside_a_busy_process_is_bitwise_the_uninterru
     while a CPU-bound process runs (fewer free cores) and still continues on the checkpoint's count.
     (The count changes the last bits: 1 and 2 threads end apart on this run.)"""
     script, ckpt = tmp_path / "run.py", tmp_path / "ckpt"
-    script.write_text(_KILLED_RUN.replace("**CONFIG", f"**{_CONFIG!r}"))
+    config = {**RESUME_CONFIG, "device": "cpu"}
+    script.write_text(_KILLED_RUN.replace("**CONFIG", f"**{config!r}"))
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
     kill_at = random.Random().randint(2, 13)
     killed = subprocess.run([sys.executable, str(script), str(ckpt), str(kill_at), "idle"], capture_output=True,
@@ -107,10 +97,7 @@ def test_a_run_killed_and_resumed_beside_a_busy_process_is_bitwise_the_uninterru
     before = torch.get_num_threads()
     torch.set_num_threads(chosen)
     try:
-        data = torch.randint(0, 256, (80, 17), generator=torch.Generator().manual_seed(1))
-        torch.manual_seed(0)
-        model = load_model("tiny-gpt", d_model=32, n_layer=1, n_head=2, max_len=32, dropout=0.1)
-        whole = train(model, data, **_CONFIG, checkpoint_dir=tmp_path / "whole")
+        whole = train(tiny(seed=0, dropout=0.1), token_rows(), **config, checkpoint_dir=tmp_path / "whole")
     finally:
         torch.set_num_threads(before)
     final = load_checkpoint(ckpt / "last.pt")

@@ -185,6 +185,28 @@ class SearchResult(Result):
                          "states": states, "best": best, "trials": self.table, "meta": self.meta})
 
 
+def _open_study(study_cfg: SearchConfig, pruner, sampler) -> optuna.Study:
+    """The study to add trials to: new, or continued from `storage` (a bad URL or a maximizing study: one line)."""
+    import optuna
+
+    optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
+    try:
+        study = optuna.create_study(
+            study_name=study_cfg.study_name, storage=study_cfg.storage, direction="minimize", load_if_exists=True,
+            pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+            sampler=sampler or optuna.samplers.TPESampler(seed=study_cfg.sampler_seed),
+        )
+    except Exception as exc:  # SQLAlchemy/Optuna raise many types for a bad URL or an unreadable file
+        if study_cfg.storage is None:
+            raise
+        raise SearchStorageError(f"cannot open study storage {study_cfg.storage!r} ({one_line(exc)}); "
+                                 "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
+    if study.direction != optuna.study.StudyDirection.MINIMIZE:
+        raise SearchStorageError(f"study {study_cfg.study_name!r} in {study_cfg.storage} maximizes; a search "
+                                 "minimizes validation loss, so give a new study_name")
+    return study
+
+
 @chooses_threads  # the run's torch thread count, chosen as it starts
 def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = None, *,
            model_kwargs: dict | None = None, space: dict | None = None,
@@ -208,21 +230,7 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
     adapter.require_trainable()
     adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
     initial = adapter.model
-    optuna.logging.set_verbosity(logging.WARNING)  # our table says what each trial did
-    try:
-        study = optuna.create_study(
-            study_name=study_cfg.study_name, storage=study_cfg.storage, direction="minimize", load_if_exists=True,
-            pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
-            sampler=sampler or optuna.samplers.TPESampler(seed=study_cfg.sampler_seed),
-        )
-    except Exception as exc:  # SQLAlchemy/Optuna raise many types for a bad URL or an unreadable file
-        if study_cfg.storage is None:
-            raise
-        raise SearchStorageError(f"cannot open study storage {study_cfg.storage!r} ({one_line(exc)}); "
-                                 "use e.g. sqlite:///runs/study.db in a folder that exists") from exc
-    if study.direction != optuna.study.StudyDirection.MINIMIZE:
-        raise SearchStorageError(f"study {study_cfg.study_name!r} in {study_cfg.storage} maximizes; a search "
-                                 "minimizes validation loss, so give a new study_name")
+    study = _open_study(study_cfg, pruner, sampler)
     done = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
     for params in start_with or ():
         study.enqueue_trial(params, skip_if_exists=True)

@@ -36,7 +36,7 @@ def test_cell_order_setup_parameters_widgets_then_short_run_cells(name):
     cells = code_cells(nb)
     assert "colab_setup.sh" in cells[0].source and "google.colab" in cells[0].source
     assert cells[1].metadata.get("tags") == ["parameters"]
-    assert "config_panel(cfg)" in cells[2].source
+    assert "config_panel(cfg, tier=" in cells[2].source
     for cell in cells:
         assert "clear_output" not in cell.source
         assert len(cell.source.splitlines()) <= 15, cell.source  # logic belongs in the package

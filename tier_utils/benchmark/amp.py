@@ -116,7 +116,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     start = copy.deepcopy(adapter.model.state_dict())
     for p in plans:
         if p.ran and p.mode == "compiled":
-            _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes)
+            _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes,
+                          progress=cfg.progress)
     ran = [p for p in plans if p.ran]
     base = plans[0]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
@@ -262,10 +263,10 @@ def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
     return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
 
 
-def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool) -> None:
+def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool, progress: bool) -> None:
     """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
     compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
-    p.adapter, info = compile_for_training(adapter, p.precision, batch, mode)
+    p.adapter, info = compile_for_training(adapter, p.precision, batch, mode, progress)
     p.compile = info
     if info.compiled:
         return

@@ -6,6 +6,7 @@ import importlib.util
 import inspect
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -188,6 +189,20 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
     return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name)
 
 
+@contextmanager
+def _no_loading_bar(transformers):
+    """transformers' "Loading weights" bar off while a local folder loads (it takes no time, and in a notebook
+    each bar is a widget left behind in the cell); its setting is the user's again afterwards."""
+    logging = transformers.utils.logging
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+
+
 def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
     tokenizer."""
@@ -199,7 +214,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(path)
         auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
-        model = auto.from_pretrained(path, **kwargs)
+        with _no_loading_bar(transformers):
+            model = auto.from_pretrained(path, **kwargs)
     except ModelSpecError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:

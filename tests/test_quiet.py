@@ -40,3 +40,20 @@ def test_tiers_2_and_3_on_a_transformers_folder_print_only_their_own_lines(train
         foreign = [line for line in run.stderr.splitlines()
                    if line.strip() and not line.startswith((f"{verb}:", "warning:", "tier_utils"))]
         assert foreign == [], (verb, foreign)
+
+
+def test_the_adapter_gives_a_transformers_model_the_mask_it_knows(monkeypatch):
+    """An unpadded window's mask is all ones: transformers gets it rather than warning, on every call, that the
+    ids may be padded (it checks for its pad id at the ends)."""
+    import torch
+    import transformers
+
+    from tier_utils import adapt, load_model
+
+    seen = []
+    monkeypatch.setattr(transformers.PreTrainedModel, "warn_if_padding_and_no_attention_mask",
+                        lambda self, ids, mask: seen.append(mask))
+    model = load_model("hf:GPT2LMHeadModel", vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                       pad_token_id=3)
+    adapt(model).logits(torch.full((2, 8), 3))
+    assert seen and all(mask is not None and bool(mask.all()) for mask in seen)

@@ -156,7 +156,7 @@ def _run_fit(args) -> tuple[dict, int]:
 
 def _run_all(args) -> tuple[dict, int]:
     from .core.measure import machine_load
-    from .report import run_all
+    from .mainjob import run_all
 
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
@@ -189,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .analysis import AnalysisConfig
     from .exporting.exporter import ExportConfig
+    from .mainjob import run_all
     from .planning.device_info import InfoConfig
     from .planning.planner import FitConfig
-    from .report import run_all
     from .smoketest.suite import SmokeConfig
 
     # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.

@@ -23,7 +23,7 @@ def _fresh_kernel():
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 8  # 5 boxes, the sizes, 2 lines of text
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 10  # 7 boxes, the sizes, 2 lines of text
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
     preset = NOTEBOOK[tier_utils.resolve_device().type]  # None = sized for the device
@@ -45,12 +45,12 @@ def test_the_panel_takes_any_model_spec_and_a_data_choice(tmp_path):
         tier_utils.widgets.forget_panel_choices()
 
 
-def test_on_a_t4_the_choices_are_fp32_and_fp16_and_auto_says_fp16():
+def test_on_a_t4_the_choices_are_fp32_and_the_fp16_modes_and_auto_says_fp16():
     fake_t4 = mock.patch.multiple(torch.cuda, is_available=lambda: True, get_device_capability=lambda d=None: (7, 5),
                                   get_device_name=lambda d=None: "Tesla T4")
     with fake_t4:
         panel = config_panel(RunConfig(device="cuda"))
-    assert list(panel.precision_select.options) == ["auto", "fp32", "fp16"]
+    assert list(panel.precision_select.options) == ["auto", "fp32", "fp16", "fp16-true"]  # no bf16(-true) on a T4
     assert "Tesla T4" in panel.decision.value and "GradScaler" in panel.decision.value
 
 
@@ -160,7 +160,7 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     the notebooks run is declared a second time, in RunConfig or in a run cell."""
     shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(RunConfig)}
     sized = {"batch_size", "seq_len", "max_steps"}  # None in RunConfig: the device preset's
-    assert shared - sized == {"precision", "device", "seed", "compile"}
+    assert shared - sized == {"precision", "device", "seed", "compile", "activation_checkpointing", "lora"}
     for name in shared - sized:
         assert getattr(RunConfig, name) == getattr(TrainConfig, name), name
     cfg, preset = RunConfig(device="cpu"), NOTEBOOK["cpu"]
@@ -205,7 +205,21 @@ def test_each_tier_shows_only_the_boxes_it_reads():
     shown = {tier: config_panel(RunConfig(), tier=tier).children for tier in ("smoke", "analysis", "train")}
     panel = config_panel(RunConfig(), tier="smoke")
     assert panel.data_input not in panel.children and panel.compile_box not in panel.children
-    assert len(shown["smoke"]) + 1 == len(shown["analysis"]) and len(shown["train"]) == 8
+    assert len(shown["smoke"]) + 1 == len(shown["analysis"]) and len(shown["train"]) == 10
     assert all(p.model_select.layout.width == "100%" for p in [panel])  # a path fits
     with pytest.raises(ValueError, match="tier must be one of smoke, analysis, train"):
         config_panel(RunConfig(), tier="tier1")
+
+
+def test_the_memory_modes_fill_the_configs_train_the_benchmark_and_the_search_read():
+    cfg = RunConfig(device="cpu")
+    panel = config_panel(cfg, tier="train")
+    assert panel.checkpointing_box in panel.children and panel.lora_input.value == 0
+    panel.checkpointing_box.value = True
+    panel.lora_input.value = 4
+    assert cfg.activation_checkpointing is True and cfg.lora.r == 4
+    for made in (cfg.train_config(), cfg.bench_config(), cfg.search_config().trial):
+        assert made.activation_checkpointing is True and made.lora.r == 4
+    panel.lora_input.value = 0
+    assert cfg.lora is None and cfg.train_config().lora is None
+    assert panel.checkpointing_box not in config_panel(RunConfig(), tier="analysis").children

@@ -25,6 +25,7 @@ from .core.inputs import writable_dir
 from .core.measure import load_average
 from .core.precision import resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
+from .engine.lora import LoraSettings
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
@@ -136,13 +137,16 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
 @holds_lock("out_dir")  # one run per report folder
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
-            progress: bool = TrainConfig.progress, model_kwargs: dict | None = None) -> AllResult:
+            progress: bool = TrainConfig.progress, model_kwargs: dict | None = None,
+            activation_checkpointing: bool = TrainConfig.activation_checkpointing,
+            lora: LoraSettings | None = TrainConfig.lora) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy), except that with the default model and no model_kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
-    Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's. Training
+    Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's.
+    activation_checkpointing, lora: the memory modes training and the benchmark run in (docs/precision.md). Training
     that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
     analysis FAIL rows and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
     (the CLI exits 130) and writes no report.
@@ -160,13 +164,14 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     preset, ran_on = _fit_to_model(base, data, preset, seed)
+    memory = {"activation_checkpointing": activation_checkpointing, "lora": lora}  # train's and the benchmark's
     steps = {
         "smoke": lambda: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
         "analysis": lambda: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
                                                                             progress=progress)),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, preset.train_config(precision=prec, device=dev, seed=seed,
-                                                                               progress=progress)),
+                                                                               progress=progress, **memory)),
         # predictions only
         "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
     }
@@ -178,7 +183,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     bench_size = None
     if "data" in ran_on:
         outcome, seconds["amp_benchmark"] = _attempt("amp_benchmark", lambda: _benchmark(base, data, preset, dev,
-                                                                                          progress))
+                                                                                          progress, memory))
         results["amp_benchmark"], bench_size = outcome if isinstance(outcome, tuple) else (outcome, None)
     # The 1-minute load average covers the benchmark: above the core count, other jobs slowed the timings.
     meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
@@ -218,11 +223,13 @@ def _attempt(name: str, run) -> tuple:
     return outcome, time.perf_counter() - start
 
 
-def _benchmark(model, data, preset: Preset, dev, progress: bool) -> tuple[BenchmarkResult, dict | None]:
+def _benchmark(model, data, preset: Preset, dev, progress: bool,
+               memory: dict) -> tuple[BenchmarkResult, dict | None]:
     """The AMP benchmark at its batch (`_grown_batch` on a GPU), and that batch's choice (None: the preset's)."""
     grown = _grown_batch(model, dev, preset.batch_size, preset.seq_len)
     size = grown["batch_size"] if grown else preset.batch_size
-    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress)), grown
+    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress,
+                                                           **memory)), grown
 
 
 def _grown_batch(model, dev, batch_size: int, seq_len: int) -> dict | None:

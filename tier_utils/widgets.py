@@ -18,6 +18,7 @@ from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
 from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .core.settings import check_fields, check_switch, setting
+from .engine.lora import LoraSettings, lora_setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
 from .models.loading import load_model
 from .planning.planner import FitConfig
@@ -27,7 +28,7 @@ from .training.config import TrainConfig
 from .tuning.study import SearchConfig
 
 MAX_BATCH_SIZE = 4096
-PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "activation_checkpointing", "lora")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -61,6 +62,10 @@ class RunConfig:
     device: str | None = TrainConfig.device
     seed: int = TrainConfig.seed
     compile: bool = TrainConfig.compile
+    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
+    # "r=8,alpha=16" string or LoraSettings.
+    activation_checkpointing: bool = TrainConfig.activation_checkpointing
+    lora: LoraSettings | int | str | None = TrainConfig.lora
 
     def __post_init__(self):
         preset = self.preset
@@ -72,6 +77,8 @@ class RunConfig:
                 setattr(self, name, value)
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
+        check_switch(self, "activation_checkpointing")
+        self.lora = lora_setting(self.lora)
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
 
     def __setattr__(self, name, value):
@@ -110,13 +117,13 @@ class RunConfig:
         """Training at this config's shape, precision, steps, device, seed and compile choice, with the preset's
         evaluation lengths; `given` TrainConfig fields (e.g. checkpoint_dir) on top."""
         return self._sized().train_config(**{**self._decided(), "max_steps": self.max_steps, "seed": self.seed,
-                                             "compile": self.compile, **given})
+                                             "compile": self.compile, **self._memory(), **given})
 
     def bench_config(self, **given) -> BenchConfig:
         """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
         precision runs eager and compiled, interleaved, so the table compares the two. `given` on top."""
         return self._sized().bench_config(**{"device": self.device, "compile": "both" if self.compile else "off",
-                                             **given})
+                                             **self._memory(), **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at this config's length and device; `given` on top."""
@@ -130,6 +137,9 @@ class RunConfig:
     def _sized(self) -> Preset:
         return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)
 
+    def _memory(self) -> dict:
+        return {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
+
     def _decided(self) -> dict:
         return {"precision": self.precision, "device": self.device}
 
@@ -140,7 +150,7 @@ class RunConfig:
 # The boxes each tier's run cells read; None: every box.
 TIER_BOXES = {"smoke": ("model", "precision", "batch_size"),
               "analysis": ("model", "data", "precision", "batch_size"),
-              "train": ("model", "data", "precision", "batch_size", "compile")}
+              "train": PANEL_FIELDS}
 _SIZES = ("d_model", "n_layer", "n_head")  # a built-in's size boxes (its max_len follows the sequence length)
 
 
@@ -153,7 +163,8 @@ def _path_box(description: str, value: str, options: list, placeholder: str, sty
 
 
 class ConfigPanel(widgets.VBox):
-    """Model, sizes, data, precision, batch-size and compile controls bound to a RunConfig (see `config_panel`)."""
+    """Model, sizes, data, precision, batch size, compile and memory-mode controls bound to a RunConfig (see
+    `config_panel`)."""
 
     def __init__(self, config: RunConfig, models=None, tier: str | None = None):
         if tier is not None and tier not in TIER_BOXES:
@@ -185,11 +196,18 @@ class ConfigPanel(widgets.VBox):
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
         self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
+        # The memory modes: what train, the benchmark and the search run with (docs/precision.md).
+        self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
+                                                  description="activation checkpointing")
+        self.lora_input = widgets.BoundedIntText(value=config.lora.r if config.lora else 0, min=0, max=4096,
+                                                 description="LoRA rank (0: off)",
+                                                 style={"description_width": "initial"})
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
         self._show_sizes()
         boxes = {"model": self.model_select, "data": self.data_input, "precision": self.precision_select,
-                 "batch_size": self.batch_size_input, "compile": self.compile_box}
+                 "batch_size": self.batch_size_input, "compile": self.compile_box,
+                 "activation_checkpointing": self.checkpointing_box, "lora": self.lora_input}
         for name, widget in boxes.items():
             widget.observe(self._set(name), names="value")
         for widget in self.size_inputs.values():
@@ -207,6 +225,8 @@ class ConfigPanel(widgets.VBox):
     def _set(self, attribute: str):
         def write(change):
             value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
+            if attribute == "lora":
+                value = lora_setting(value)  # a rank; 0: off
             if attribute == "model" and value is None:
                 return  # a box being retyped: nothing to build yet
             setattr(self.config, attribute, value)
@@ -257,8 +277,9 @@ class ConfigPanel(widgets.VBox):
 
 def config_panel(config: RunConfig, models=None, tier: str | None = None) -> ConfigPanel:
     """A widget box editing `config` in place: model (a built-in, or any spec typed in; a built-in's sizes show
-    under it), data (empty: the bundled corpus), precision (auto + what the device runs natively), batch size,
-    torch.compile on/off. `tier` ("smoke", "analysis", "train") shows only the boxes that tier's cells read.
+    under it), data (empty: the bundled corpus), precision (auto + the modes the device runs natively, from
+    `supported_precisions`), batch size, torch.compile on/off, and the memory modes: activation checkpointing
+    on/off and a LoRA rank (0: off). `tier` ("smoke", "analysis", "train") shows only the boxes that tier's cells read.
     `models` overrides the model choices offered. Choices the user made in an earlier panel of this kernel
     are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models, tier)

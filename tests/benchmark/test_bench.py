@@ -53,7 +53,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def default_run():
-    """fp32, bf16, fp16 without force; records the order the timed repeats ran in."""
+    """The default precisions (the mixed and the true modes) without force; records the order the timed repeats
+    ran in."""
     model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order = []
@@ -82,9 +83,10 @@ def _rec(result, name):
 
 def test_precisions_run_or_skip_by_native_support(default_run):
     result = default_run[0]
-    assert [r.precision for r in result.records] == ["fp32", "bf16", "fp16"]
+    assert [r.precision for r in result.records] == ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]
     assert _rec(result, "fp32").ran
-    assert _rec(result, "bf16").ran == BF16_NATIVE
+    assert _rec(result, "bf16").ran == _rec(result, "bf16-true").ran == BF16_NATIVE
+    assert _rec(result, "fp16-true").ran == FP16_NATIVE
     fp16 = _rec(result, "fp16")
     assert fp16.ran == FP16_NATIVE
     if not FP16_NATIVE:
@@ -233,7 +235,8 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "train_examples", "val_examples", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
-                                  "compile_mode", "thresholds", "fit"}
+                                  "compile_mode", "thresholds", "fit", "activation_checkpointing", "lora",
+                                  "lora_detail"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m"} <= set(doc["metadata"])
@@ -243,7 +246,7 @@ def test_json_schema_exact_keys(forced_fp16):
     assert doc["overhead"]["floor_shape"] == [1, 8] and doc["overhead"]["floor_step_ms"]["n"] == RUN["repeats"]
     rec = doc["precisions"][1]
     assert set(rec) == {"precision", "mode", "dtype", "native", "ran", "forced", "reason", "compile", "metadata",
-                        "speed", "mfu", "memory", "accuracy", "stopped"}
+                        "speed", "mfu", "memory", "accuracy", "stopped", "checkpointing", "vs_without"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}
@@ -254,10 +257,10 @@ def test_json_schema_exact_keys(forced_fp16):
     assert set(rec["memory"]) == {"weights_bytes", "grads_bytes", "optimizer_state_bytes", "activation_bytes",
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
                                   "reduction"}
-    assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
+    assert set(rec["memory"]["reduction"]) == {"static", "activations", "total", "peak_allocated"}
     assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets",
                                     "diverged_at", "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff",
-                                    "val_accuracy_diff", "parity"}
+                                    "val_accuracy_diff", "parity", "rounded_away_share", "updates_counted"}
     assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "trailing_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "mode", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
@@ -265,9 +268,10 @@ def test_json_schema_exact_keys(forced_fp16):
 
 def test_table_one_row_per_precision(default_run):
     table = default_run[0].table
-    assert list(table.precision) == ["fp32", "bf16", "fp16"]
+    assert list(table.precision) == ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]
     assert {"step_ms_median", "step_ms_iqr", "tokens_per_s_median", "speedup", "mfu", "activations_mib",
-            "total_mib", "val_loss", "val_accuracy", "parity_max_rel_dev"} <= set(table.columns)
+            "total_mib", "static_reduction", "val_loss", "val_accuracy", "parity_max_rel_dev",
+            "rounded_away_share"} <= set(table.columns)
     assert table.loc[0, "speedup"] == 1.0
 
 

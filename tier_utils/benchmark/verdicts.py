@@ -177,9 +177,11 @@ def accuracy_check(precision: str, diff: float | None, diverged: str | None, t: 
 
 
 def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
-                 skipped: int | None = None, scales: list | None = None) -> PrecisionCheck:
+                 skipped: int | None = None, scales: list | None = None, rounded: float | None = None
+                 ) -> PrecisionCheck:
     """Curves compare applied optimizer updates (a skipped fp16 step is retried, not counted as one);
-    `skipped` and the loss-scale trace `scales` (fp16 only) are reported beside the deviation."""
+    `skipped` and the loss-scale trace `scales` (fp16 only), and the share of non-zero updates the stored
+    dtype `rounded` away, are reported beside the deviation."""
     name = "loss-curve parity"
     if diverged is not None:
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance, f"training diverged {diverged}", precision)
@@ -189,6 +191,8 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
         trace = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
         scaler = (f"; {skipped} skipped step(s), each retried on the same batch" if skipped else "; no skipped step")
         scaler += trace
+    if rounded is not None:
+        scaler += f"; {rounded:.1%} of non-zero parameter updates rounded away by the weights' dtype"
     if dev is None or not math.isfinite(dev):
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance,
                               f"a loss became NaN/inf within the {steps} applied updates compared{scaler}", precision)
@@ -248,7 +252,11 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     the CPU load the timings ran under, named by a timing verdict too noisy to give."""
     rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
     info, vs_eager = rec.compile, rec.speed and rec.speed.speedup_vs_eager
-    if info is not None and not info.compiled:
+    if rec.checkpointing:
+        if rec.vs_without is not None:
+            rows.insert(0, checkpointing_check(rec.precision, rec.vs_without, rec.speed.speedup_vs_eager,
+                                               rec.speed.step_ms.n))
+    elif info is not None and not info.compiled:
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info.reason, rec.precision))
     elif vs_eager is not None:
         ms = rec.speed.step_ms
@@ -257,6 +265,18 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     for row in rows:
         row.mode = rec.mode
     return rows
+
+
+def checkpointing_check(precision: str, vs: dict, sp: Speedup, n: int) -> PrecisionCheck:
+    """Activation checkpointing against the same precision without it: what it saves (activation bytes, PASS
+    when they fall) and what it costs (step time, the recompute)."""
+    cost = "no measurable difference in step time" if sp.no_measurable_difference else \
+        f"step time x{1 / sp.median:.2f} (IQR range x{1 / sp.high:.2f}-x{1 / sp.low:.2f}, n={n} repeats)"
+    detail = (f"activations {vs['activation_bytes'] / 2**20:.2f} MiB vs {vs['activation_bytes_without'] / 2**20:.2f} "
+              f"MiB without checkpointing ({_pct(vs['activation_reduction'])}); {cost}, same precision")
+    status = "PASS" if vs["activation_reduction"] > 0 else "WARN"
+    return PrecisionCheck("activation checkpointing", status, round(vs["activation_reduction"], 4), 0.0, detail,
+                          precision, "eager+checkpointing")
 
 
 def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
@@ -282,7 +302,8 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
         acc = rec.accuracy
         diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
         rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
-                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"])]
+                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"],
+                              acc.get("rounded_away_share"))]
     for row in rows:
         row.detail += forced
     return rows

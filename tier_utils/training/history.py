@@ -199,7 +199,7 @@ class TrainSummary:
     perplexity: float | None
     accuracy: float | None
     val_targets: int | None  # the n behind val_loss and accuracy
-    skipped_steps: int
+    skipped_steps: int | None  # steps a GradScaler skipped (None: the precision has none)
     precision: str
     precision_reason: str
     device: str
@@ -226,6 +226,8 @@ class TrainSummary:
     weights: str | None = None  # restore_best: which weights the returned model holds
     hf_folder: str | None = None  # the save_pretrained folder save_hf wrote
     hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
+    activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
+    lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -283,9 +285,11 @@ class TrainResult(Result):
             ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
+            ("activation_checkpointing", s.activation_checkpointing),
+            ("lora", s.lora and s.lora["detail"]),
             ("compile_reason", s.compile_reason),
             ("compile_s", number(s.compile_s, ".1f")),
-            ("skipped_steps", s.skipped_steps if s.precision == "fp16" else None),
+            ("skipped_steps", s.skipped_steps),
             ("diverged_at_step", s.diverged_at_step),
             ("interrupted", True if s.interrupted else None),
             ("checkpoint", s.checkpoint),

@@ -1,4 +1,4 @@
-"""Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, model/step.py).
+"""Tier 3 training engine: `train()` around the shared precision-correct optimizer step (`TrainStep`, engine/step.py).
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
 kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
@@ -31,6 +31,8 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..data.tokenizer import BYTES
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
+from ..engine.lora import apply_lora, convert_for, describe_lora, load_model_state, lora_record, model_state
+from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from ..models.checkpoint import (
     BEST_NAME,
@@ -117,6 +119,7 @@ class _Run:
         self.cfg, self.on_eval, self.env, self.device = cfg, on_eval, env, device
         # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
         self.precision: Precision = resolve_precision(cfg.precision, device)
+        self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
         self.adapter = self._build(model, model_kwargs)
         splits = self._datasets(data)
         self._loaders(splits)
@@ -133,11 +136,19 @@ class _Run:
             **run_metadata(self.device, self.precision.dtype)})
 
     def _build(self, model, model_kwargs: dict) -> ModelAdapter:
-        """The model on the device in train mode, checked: trainable, and its forward runs."""
+        """The model on the device in train mode, in the precision's weight dtype (fp32 master weights for the
+        mixed modes, whatever dtype the checkpoint was stored in), checked: trainable, and its forward runs."""
         seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
         adapter = resolve_model(model, **model_kwargs)
-        check_save_hf(adapter.model, self.cfg.save_hf)  # a model with no save_pretrained form: refused before any step
-        adapter.model.to(self.device).train()
+        cfg = self.cfg
+        if cfg.activation_checkpointing:
+            require_blocks(adapter.model)  # before LoRA changes a caller's module
+        if cfg.lora is not None:
+            adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+        check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
+        convert_for(self.precision, adapter.model.to(self.device)).train()
+        # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
+        self.checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
         adapter.require_trainable()
         adapter.check_forward()
         return adapter
@@ -173,7 +184,7 @@ class _Run:
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
         cfg = self.cfg
-        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay)
+        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay, self.precision.adamw_eps)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
@@ -222,6 +233,8 @@ class _Run:
         finally:
             self.bar.close()
             self.adapter.model.train()
+            if self.checkpointing:
+                disable_checkpointing(self.adapter.model)  # the returned model runs as it came
         return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
@@ -309,8 +322,8 @@ class _Run:
                 "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "precision": self.precision.name,
-                "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
+                "model": model_state(self.adapter.model), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
                 "selection": self.selection.state_dict(),
@@ -333,7 +346,7 @@ class _Run:
             if not folder.is_dir():
                 tokenizer.save(folder)
             name = str(folder.resolve())
-        return source.record(None if name == BYTES else name)
+        return source.record(None if name == BYTES else name, lora_record(self.adapter.model))
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
@@ -342,8 +355,8 @@ class _Run:
 
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved = state["config"]
-        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
+        saved, now = state["config"], self.cfg.to_dict()
+        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != now[k]]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
         if state["world_size"] != self.env.world_size:
@@ -361,14 +374,13 @@ class _Run:
                                   f"{describe_data(self.data_info)}; resume with the same data or use a new "
                                   "checkpoint_dir")
         try:
-            self.adapter.model.load_state_dict(state["model"])
+            load_model_state(self.adapter.model, state["model"])
         except RuntimeError as exc:
             raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
                                   f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.step_fn.scaler.is_enabled():
-            self.step_fn.scaler.load_state_dict(state["scaler"])
+        self.step_fn.stepper.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
         later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
@@ -385,7 +397,8 @@ class _Run:
             self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
             self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
         if self.cfg.save_hf is not None and self.env.is_main:
-            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights)
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights,
+                                    self.cfg.merge)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -395,13 +408,14 @@ class _Run:
         cfg, env, info = self.cfg, self.env, self.compile_info
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
-            model=type(self.adapter.model).__name__, task=self.adapter.task,
+            model=self.adapter.name, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
             tokenizer=self.data.tokenizer, validation=self.data.validation,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
             train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
             perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
-            skipped_steps=self.hist.skipped_total, precision=self.precision.name,
+            skipped_steps=self.hist.skipped_total if self.precision.needs_scaler else None,
+            precision=self.precision.name,
             precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
@@ -415,6 +429,7 @@ class _Run:
             **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
             hf_folder=cfg.save_hf if self.saved_hf else None,
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            activation_checkpointing=self.checkpointing, lora=describe_lora(self.adapter.model),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg)

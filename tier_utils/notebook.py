@@ -42,7 +42,9 @@ def about(cfg, *results) -> str:
     """The facts of the run as lines, from `results` (one or more, as the run recorded them): model (its spec
     and where it lives), tokenizer, data and how validation was split, and for a training run its first logged
     loss against ln(V), a uniform guess over the vocabulary."""
-    facts = [_facts(r) for r in results]
+    facts = [_facts(r) for r in results if isinstance(r, TrainResult) or isinstance(getattr(r, "model", None), dict)]
+    if not facts:
+        raise ValueError("about() needs a smoke, analysis or training result: the others record no model")
     model, tokenizer, _ = facts[0]
     lines = [f"model: {_where(cfg)} → {model}", f"tokenizer: {tokenizer}"]
     lines += [f"data: {data}" for data in dict.fromkeys(d for _, _, d in facts if d)][:1]

@@ -31,8 +31,9 @@ def is_empty(value) -> bool:
 
 
 def round_to_spread(frame: pd.DataFrame) -> pd.DataFrame:
-    """Each median and its IQR rounded to the IQR's second significant digit (a 0.105047 ± 0.0043 ms median
-    reads 0.1050): more digits would be noise. Rows without a spread keep their figures."""
+    """Each median, its IQR and the figures in the same unit (min_ms, p95_ms beside median_ms) rounded to the
+    IQR's second significant digit (a 0.105047 ± 0.0043 ms median reads 0.105): more digits would be noise.
+    Rows without a spread keep their figures."""
     out = frame.copy()
     for middle, spread in _SPREADS:
         for column in [c for c in frame.columns if middle in str(c)]:
@@ -40,8 +41,10 @@ def round_to_spread(frame: pd.DataFrame) -> pd.DataFrame:
             if twin not in frame.columns:
                 continue
             digits = [_decimals(s) for s in frame[twin]]
-            out[column] = [v if d is None or is_empty(v) else round(v, d) for v, d in zip(frame[column], digits)]
-            out[twin] = [s if d is None or is_empty(s) else round(s, d) for s, d in zip(frame[twin], digits)]
+            unit = str(column).split(middle, 1)[1]  # "_ms"
+            for same in [c for c in frame.columns if unit and str(c).endswith(unit)] or [column, twin]:
+                out[same] = [v if d is None or not isinstance(v, float) or is_empty(v) else round(v, d)
+                             for v, d in zip(frame[same], digits)]
     return out
 
 

@@ -317,7 +317,8 @@ def test_a_users_folder_and_text_file_typed_into_the_panel_reach_every_cell(lab,
     browser.get(f"{url}/lab/tree/{name}?token={token}")
     _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle", 60, "the notebook's kernel")
     browser.execute_script(_RUN_CELL, FIRST_RUN[name], "notebook:run-all-above")
-    _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-combobox input"), 90, "the config panel")
+    _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-text input[list]"), 90,
+          "the config panel")  # its model box: a combobox, a text input with a datalist
     labels = {e.text for e in browser.find_elements(By.CSS_SELECTOR, ".widget-inline-hbox > label")}
     assert ("data" in labels) == (name != "tier1_smoke.ipynb")  # each panel shows only the boxes its tier reads
 
@@ -327,7 +328,8 @@ def test_a_users_folder_and_text_file_typed_into_the_panel_reach_every_cell(lab,
     errors = [o for _, _, outs in cells for o in outs if o["output_type"] == "error"]
     assert len(errors) == 1 and len(errors[0]["traceback"]) == 1, errors
     assert "/no/such/model" in errors[0]["traceback"][0] and "Traceback" not in errors[0]["traceback"][0]
-    shown = browser.find_element(By.CSS_SELECTOR, "[data-mime-type='application/vnd.jupyter.stderr']")
+    cell = browser.execute_script(_CELL_NODE, FIRST_RUN[name])
+    shown = cell.find_element(By.CSS_SELECTOR, "[data-mime-type='application/vnd.jupyter.stderr']")
     assert len([line for line in shown.text.splitlines() if line.strip()]) == 1, shown.text
 
     _type(browser, "model", str(model))

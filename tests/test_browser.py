@@ -1,6 +1,7 @@
-"""tier3_training.ipynb in JupyterLab, driven by a real headless Chromium: change the precision and
-batch-size widgets, Run All twice, and read the rendered results table: the panel's values reach the
-run both times (the parameters cell's defaults don't replace them).
+"""The notebooks in JupyterLab, driven by a real headless Chromium, as a user meets them: a transformers folder
+and a text file typed into each notebook's panel reach every cell below (the summary names them), a path that
+doesn't exist is one error line, and in tier3_training.ipynb the precision and batch-size widgets reach the run
+through two Run Alls (the parameters cell's defaults don't replace them).
 
 Needs Debian's `chromium` and `chromium-driver` (skipped only when /usr/bin/chromium is missing).
 Screenshots: test-artifacts/tier3_training_widgets.png (the panel after the change) and
@@ -123,6 +124,12 @@ def _wait(driver, condition, timeout, what):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+def _box(driver, label: str):
+    """The input of the panel's box labelled `label` (ipywidgets' inline box: a label, then the input)."""
+    return driver.find_element(By.XPATH, f"//div[contains(@class, 'widget-inline-hbox')]"
+                                         f"[./label[normalize-space()='{label}']]//input")
+
+
 def _results_table(cell) -> dict:
     """The rendered DataFrame of a cell's output as {metric: value}."""
     rows = {}
@@ -144,7 +151,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
     panel = _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 60,
                   "the config panel")
     precision_select = Select(panel[0])  # the model and data boxes are comboboxes (text inputs)
-    batch_input = browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']")
+    batch_input = _box(browser, "batch size")
     assert precision_select.first_selected_option.text == "auto" and batch_input.get_attribute("value") == "4"
 
     # An explicit precision other than what auto picks here, so the run must say "<name> requested".
@@ -172,8 +179,7 @@ def test_widgets_set_in_the_browser_reach_the_training_run(lab, browser):
               and browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown select"), 300, "Run All to finish")
         precision_select = Select(browser.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
         assert precision_select.first_selected_option.text == choice, run
-        assert browser.find_element(By.CSS_SELECTOR, ".widget-inline-hbox input[type='number']"
-                                    ).get_attribute("value") == str(NEW_BATCH_SIZE), run
+        assert _box(browser, "batch size").get_attribute("value") == str(NEW_BATCH_SIZE), run
     shown = cell.find_element(By.XPATH, ".//tr[td[text()='precision']]")
     browser.execute_script("arguments[0].scrollIntoView()", shown)  # precision ... global_batch in view
     browser.save_screenshot(str(ARTIFACTS / "tier3_training_browser.png"))
@@ -255,3 +261,94 @@ def test_report_tables_at_1280px_break_no_word_and_the_benchmark_fits(browser, m
     assert widths["amp_benchmark"], "the benchmark section shows a table"
     for table, box in widths["amp_benchmark"]:
         assert table <= box <= view, f"a benchmark table is {table} px wide in a {box} px box, {view} px window"
+
+
+_OUTPUTS = _NOTEBOOK + """
+return nb.content.widgets.filter(c => c.model.type === 'code')
+  .map(c => [c.model.sharedModel.getSource(), c.model.executionCount, c.model.outputs.toJSON()]);
+"""
+# The cell each notebook's first tier runs in: Run All Above it shows the panel without running a tier.
+FIRST_RUN = {"tier1_smoke.ipynb": "tier_utils.smoke(", "tier2_analysis.ipynb": "tier_utils.analyze(",
+             "tier3_training.ipynb": "tier_utils.train("}
+
+
+def _type(driver, label: str, text: str) -> None:
+    box = _box(driver, label)
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(text, Keys.ENTER)  # the box takes a path on Enter, not at each keystroke
+
+
+def _run_all(driver, timeout: float) -> list:
+    """Run All from cleared outputs; the code cells' (source, execution count, outputs) once it stopped: every
+    cell ran, or one raised (Run All stops there)."""
+    driver.execute_script(_NOTEBOOK + "window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs');")
+    driver.execute_script(_NOTEBOOK + "window.jupyterapp.commands.execute('notebook:run-all-cells');")
+
+    def stopped():
+        if driver.execute_script(_KERNEL_IDLE) != "idle":
+            return None
+        cells = driver.execute_script(_OUTPUTS)
+        failed = any(o["output_type"] == "error" for _, _, outs in cells for o in outs)
+        return cells if failed or cells[-1][1] is not None else None
+    time.sleep(2)  # the kernel turns busy
+    return _wait(driver, stopped, timeout, "Run All to finish")
+
+
+def _streams(cells) -> str:
+    return "".join(o.get("text", "") for _, _, outs in cells for o in outs if o["output_type"] == "stream")
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory, trained_hf_folder):
+    """What a user brings: a trained GPT-2 folder with its own BPE tokenizer, and a text file."""
+    root = tmp_path_factory.mktemp("user")
+    model = shutil.copytree(trained_hf_folder, root / "my-gpt2")
+    text = root / "notes.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog; the dog sleeps on in the sun. " * 400)
+    return model, text
+
+
+@pytest.mark.slow  # each notebook runs twice from a browser: minutes on 2 cores
+@pytest.mark.parametrize("name", list(FIRST_RUN))
+def test_a_users_folder_and_text_file_typed_into_the_panel_reach_every_cell(lab, browser, user_files, name):
+    ARTIFACTS.mkdir(exist_ok=True)
+    model, text = user_files
+    url, token = lab
+    browser.get(f"{url}/lab/tree/{name}?token={token}")
+    _wait(browser, lambda: browser.execute_script(_KERNEL_IDLE) == "idle", 60, "the notebook's kernel")
+    browser.execute_script(_RUN_CELL, FIRST_RUN[name], "notebook:run-all-above")
+    _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-text input[list]"), 90,
+          "the config panel")  # its model box: a combobox, a text input with a datalist
+    labels = {e.text for e in browser.find_elements(By.CSS_SELECTOR, ".widget-inline-hbox > label")}
+    assert ("data" in labels) == (name != "tier1_smoke.ipynb")  # each panel shows only the boxes its tier reads
+
+    # A path that doesn't exist: Run All stops at the first cell that builds the model, with one line.
+    _type(browser, "model", "/no/such/model")
+    cells = _run_all(browser, 300)
+    errors = [o for _, _, outs in cells for o in outs if o["output_type"] == "error"]
+    assert errors[0]["ename"] == "ModelSpecError" and len(errors[0]["traceback"]) == 1, errors
+    assert "/no/such/model" in errors[0]["traceback"][0] and "Traceback" not in errors[0]["traceback"][0]
+    # Run All stops there: ipykernel aborts the cells queued behind an error. On a busy machine a request may
+    # reach the kernel after its abort window closed; that cell then runs and finds no result (NameError).
+    assert all(e["ename"] == "NameError" for e in errors[1:]), errors
+    cell = browser.execute_script(_CELL_NODE, FIRST_RUN[name])
+    shown = cell.find_element(By.CSS_SELECTOR, "[data-mime-type='application/vnd.jupyter.stderr']")
+    assert len([line for line in shown.text.splitlines() if line.strip()]) == 1, shown.text
+
+    _type(browser, "model", str(model))
+    if "data" in labels:
+        _type(browser, "data", str(text))
+    browser.save_screenshot(str(ARTIFACTS / f"{Path(name).stem}_panel.png"))
+    cells = _run_all(browser, 900)
+    browser.save_screenshot(str(ARTIFACTS / f"{Path(name).stem}_run_all.png"))
+    assert [o for _, _, outs in cells for o in outs if o["output_type"] == "error"] == []
+    assert all(count is not None for _, count, _ in cells)  # every cell ran
+    for noise in ("attention_mask", "Loading weights", "Traceback"):  # nothing a user can't act on
+        assert noise not in _streams(cells), noise
+    source, _, outputs = cells[-1]
+    assert source.startswith("summary(")
+    summary = "".join(o.get("data", {}).get("text/plain", "") for o in outputs)
+    assert f"model: {model}" in summary and f"tokenizer: {model}" in summary, summary
+    assert "model checks: " in summary and " · benchmark verdicts: " in summary
+    if "data" in labels:
+        assert "data: text file notes.txt" in summary, summary

@@ -36,7 +36,7 @@ def test_cell_order_setup_parameters_widgets_then_short_run_cells(name):
     cells = code_cells(nb)
     assert "colab_setup.sh" in cells[0].source and "google.colab" in cells[0].source
     assert cells[1].metadata.get("tags") == ["parameters"]
-    assert "config_panel(cfg)" in cells[2].source
+    assert "config_panel(cfg, tier=" in cells[2].source
     for cell in cells:
         assert "clear_output" not in cell.source
         assert len(cell.source.splitlines()) <= 15, cell.source  # logic belongs in the package
@@ -99,3 +99,25 @@ def test_run_cells_pass_the_panels_configs_and_copy_no_setting_by_hand(name):
             text = ast.unparse(arg)
             assert not text.startswith("cfg.") or text in ("cfg.data", "cfg.build_model()") \
                 or re.fullmatch(r"cfg\.\w+_config\(.*\)", text), (name, ast.unparse(call))
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_first_cell_says_run_all_and_the_last_sums_up(name):
+    """A freshly opened notebook shows no panel (its state isn't saved where JupyterLab draws it): the first cell
+    says what to do. The last cell shows what ran, the verdict line and the files written."""
+    nb = load(name)
+    assert "Run All" in nb.cells[0].source and "panel appears" in nb.cells[0].source
+    last = code_cells(nb)[-1]
+    assert last.source.startswith("summary(cfg, {") and "runs/tier" in last.source
+    shown = "".join(o.get("data", {}).get("text/plain", "") for o in last.outputs)
+    assert "model checks: " in shown and " · benchmark verdicts: " in shown and "index.html" in shown
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_no_markdown_states_the_default_runs_facts(name):
+    """Facts about the model or data are printed from the run (tier_utils.notebook.about), not written for the
+    default model: a user's GPT-2 folder does not start at ln(256) or train on CPython's docs."""
+    text = "\n".join(c.source for c in load(name).cells if c.cell_type == "markdown")
+    for stale in ("ln(256)", "5.5", "CPython's docs", "validation split of the bundled corpus"):
+        assert stale not in text, stale
+    assert any("print(about(cfg," in c.source for c in code_cells(load(name)))

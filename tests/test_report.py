@@ -122,3 +122,15 @@ def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far
     assert pd.read_csv(tmp_path / "consistency.csv")["status"].tolist() == ["WARN"]
     timed(step.median, step.q1, step.q3)  # the same step timed alike: nothing to say
     assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()
+
+
+def test_the_page_opens_with_the_verdict_line(tmp_path):
+    """The CLI's "model checks: … · benchmark verdicts: …" line at the top: a FAILing benchmark on a CPU does not
+    read as a broken model."""
+    page = write_report({"smoke": Fake(["PASS"]), "train": Fake(["PASS", "WARN"]), "amp_benchmark": Fake(["FAIL"])},
+                        tmp_path).read_text()
+    first = re.search(r"<h1>.*?</h1>\s*<p class='verdict'>(.*?)</p>", page, re.S)
+    assert first and first.group(1) == "model checks: WARN · benchmark verdicts: FAIL"
+    assert page.index("class='verdict'") < page.index("<section")
+    only = write_report({"smoke": Fake(["PASS"])}, tmp_path / "b").read_text()
+    assert "model checks: PASS · benchmark verdicts: not run" in only

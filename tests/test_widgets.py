@@ -23,7 +23,7 @@ def _fresh_kernel():
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 7
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 10  # 7 boxes, the sizes, 2 lines of text
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
     preset = NOTEBOOK[tier_utils.resolve_device().type]  # None = sized for the device
@@ -175,3 +175,51 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
         ("fp32", 2, True)
     assert edited.bench_config().compile == "both" and edited.smoke_config().batch_sizes == (1, 2)
     assert edited.search_config().trial.compile is False  # each short trial eager: compiling would cost more
+
+
+def test_a_models_sizes_and_tokenizer_go_with_it_in_code_and_in_the_panel(tmp_path):
+    """tiny-gpt's sizes handed to a save_pretrained folder's from_pretrained crash it: a new model starts from its
+    own keyword arguments (none for a folder) and its own tokenizer, whether set in code or in the panel."""
+    cfg = RunConfig(model_kwargs={"d_model": 64, "n_layer": 1, "n_head": 2}, tokenizer="bytes", device="cpu")
+    cfg.model = str(tmp_path)
+    assert (cfg.model_kwargs, cfg.tokenizer) == ({}, None)
+    cfg.model = "tiny-gpt"
+    assert cfg.model_kwargs == NOTEBOOK["cpu"].model_kwargs
+    cfg.model_kwargs = {"d_model": 16}
+    cfg.model = "tiny-gpt"  # the same model: its sizes stay
+    assert cfg.model_kwargs == {"d_model": 16}
+
+    panel = config_panel(RunConfig(device="cpu"), tier="smoke")
+    assert panel.sizes.layout.display is None and panel.size_inputs["d_model"].value == 32
+    panel.size_inputs["d_model"].value = 48
+    assert panel.config.model_kwargs["d_model"] == 48
+    panel.model_select.value = str(tmp_path)
+    assert panel.config.model_kwargs == {} and panel.sizes.layout.display == "none"
+    # Run All: the parameters cell says tiny-gpt with its sizes; the panel's folder keeps no tiny-gpt size.
+    again = RunConfig(model_kwargs={"d_model": 64}, device="cpu")
+    config_panel(again)
+    assert (again.model, again.model_kwargs) == (str(tmp_path), {})
+
+
+def test_each_tier_shows_only_the_boxes_it_reads():
+    shown = {tier: config_panel(RunConfig(), tier=tier).children for tier in ("smoke", "analysis", "train")}
+    panel = config_panel(RunConfig(), tier="smoke")
+    assert panel.data_input not in panel.children and panel.compile_box not in panel.children
+    assert len(shown["smoke"]) + 1 == len(shown["analysis"]) and len(shown["train"]) == 10
+    assert all(p.model_select.layout.width == "100%" for p in [panel])  # a path fits
+    with pytest.raises(ValueError, match="tier must be one of smoke, analysis, train"):
+        config_panel(RunConfig(), tier="tier1")
+
+
+def test_the_memory_modes_fill_the_configs_train_the_benchmark_and_the_search_read():
+    cfg = RunConfig(device="cpu")
+    panel = config_panel(cfg, tier="train")
+    assert panel.checkpointing_box in panel.children and panel.lora_input.value == 0
+    panel.checkpointing_box.value = True
+    panel.lora_input.value = 4
+    assert cfg.activation_checkpointing is True and cfg.lora.r == 4
+    for made in (cfg.train_config(), cfg.bench_config(), cfg.search_config().trial):
+        assert made.activation_checkpointing is True and made.lora.r == 4
+    panel.lora_input.value = 0
+    assert cfg.lora is None and cfg.train_config().lora is None
+    assert panel.checkpointing_box not in config_panel(RunConfig(), tier="analysis").children

@@ -13,6 +13,7 @@ from .core.errors import (
     ModelSpecError,
     TierError,
     TrainingDiverged,
+    debug,
 )
 from .core.precision import (
     Precision,
@@ -62,5 +63,5 @@ __all__ = [
     # the main job
     "AllResult", "run_all", "write_report",
     # errors
-    "TierError", "AdapterError", "DataError", "ModelSpecError",
+    "TierError", "AdapterError", "DataError", "ModelSpecError", "debug",
 ]

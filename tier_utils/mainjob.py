@@ -24,7 +24,7 @@ from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
 from .core.precision import dtype_name, resolve_device, resolve_precision
-from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, worst_status
+from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
 from .core.threads import chooses_threads
 from .engine.lora import LoraSettings
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
@@ -109,8 +109,7 @@ class AllResult(Result):
                 size += f"; {run.fit.reason}"
             lines += [size, _bench_weights(r["amp_benchmark"])]
         lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, recorded_load(m))]
-        lines.append(f"model checks: {self.model_status} · benchmark verdicts: {self.statuses.get('amp_benchmark')} "
-                     f"· report: {self.index}")
+        lines.append(f"{verdict_line(self.statuses)} · report: {self.index}")
         return "\n".join(lines)
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pandas as pd
 
 from .benchmark.consistency import consistency, recorded_load
+from .core.display import STATUS_STYLE, verdict_columns
 from .core.files import atomic_write_bytes, write_json
 from .core.plotting import save_png
-from .core.results import CHECK_COLUMNS, STATUSES, checks_table, run_metadata
+from .core.results import STATUSES, checks_table, run_metadata, verdict_line
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -29,7 +30,8 @@ table{border-collapse:collapse;font-size:13px}
 th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:break-word}
 th{background:#f3f3f3;position:sticky;top:0}
 img{max-width:100%;height:auto;border:1px solid #eee}.meta{color:#666;font-size:13px;overflow-wrap:break-word}
-.w{white-space:nowrap}.PASS{color:#176f2c}.WARN{color:#9a6700}.FAIL{color:#b42318;font-weight:bold}.SKIP{color:#666}"""
+.w{white-space:nowrap}.verdict{font-size:17px;font-weight:bold}""" + "".join(
+    f".{status}{{{css}}}" for status, css in STATUS_STYLE.items())  # the notebooks' colours
 _LONG = 20  # characters: a token this long may break after its separators
 _AFTER_SEPARATORS = re.compile(r"(?<=[_./,:=-])")
 _PLAIN = re.compile(r"[(\[]*[\w']*[)\]:;,.!?%]*")  # no line-break opportunity inside
@@ -72,6 +74,7 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
+            f"<p class='verdict'>{verdict_line({n: r.status for n, r in results.items()})}</p>\n"
             f"<p class='meta'>{meta_line}</p>\n<p>{' · '.join(nav)}</p>\n" + "\n".join(sections)
             + "\n</body></html>\n")
     return atomic_write_bytes(out / "index.html", page.encode())
@@ -97,9 +100,7 @@ def _for_page(table: pd.DataFrame) -> pd.DataFrame:
     """The table as the page shows it: a verdict table's columns naming the row (left of `check`) and its
     verdict columns, no column that is empty throughout, every cell as escaped HTML. The statuses are the
     table's own: the page, `.table` and the CLI read alike."""
-    columns = list(table.columns)
-    if {"check", "status"} <= set(columns):
-        columns = columns[:columns.index("check")] + [c for c in CHECK_COLUMNS if c in columns]
+    columns = verdict_columns(table)
     shown = table[columns].astype(object).where(table[columns].notna(), None).map(_cell)
     return shown.loc[:, [c for c in shown.columns if (shown[c] != "").any()]]
 

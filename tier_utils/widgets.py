@@ -9,7 +9,7 @@ Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import ipywidgets as widgets
 import torch
@@ -28,7 +28,7 @@ from .training.config import TrainConfig
 from .tuning.study import SearchConfig
 
 MAX_BATCH_SIZE = 4096
-PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "activation_checkpointing", "lora")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -48,7 +48,8 @@ class RunConfig:
 
     `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
     (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other
-    defaults are the tiers' own."""
+    defaults are the tiers' own. `model_kwargs` and `tokenizer` belong to the model they were set for: setting
+    `model` later resets them to the new model's own (`own_kwargs()`; the model's own tokenizer)."""
 
     model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
     model_kwargs: dict | None = None
@@ -69,7 +70,7 @@ class RunConfig:
     def __post_init__(self):
         preset = self.preset
         if self.model_kwargs is None:
-            self.model_kwargs = dict(preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
+            self.model_kwargs = self.own_kwargs()
         for name, value in (("batch_size", preset.batch_size), ("seq_len", preset.seq_len),
                             ("max_steps", preset.train.max_steps)):
             if getattr(self, name) is None:
@@ -79,6 +80,19 @@ class RunConfig:
         check_switch(self, "activation_checkpointing")
         self.lora = lora_setting(self.lora)
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
+
+    def __setattr__(self, name, value):
+        # A model's keyword arguments and tokenizer belong to the model they were set for (tiny-gpt's d_model means
+        # nothing to a GPT-2 folder's from_pretrained): a new model starts from its own, its own tokenizer included.
+        changed = name == "model" and "model" in self.__dict__ and value != self.model
+        super().__setattr__(name, value)
+        if changed:
+            super().__setattr__("model_kwargs", self.own_kwargs())
+            super().__setattr__("tokenizer", None)
+
+    def own_kwargs(self) -> dict:
+        """The model's own keyword arguments: the device preset's sizes for a built-in, none for any other spec."""
+        return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
 
     @property
     def preset(self) -> Preset:
@@ -133,11 +147,31 @@ class RunConfig:
         return asdict(self)
 
 
-class ConfigPanel(widgets.VBox):
-    """Model, precision, batch-size and compile controls bound to a RunConfig (see `config_panel`)."""
+# The boxes each tier's run cells read; None: every box.
+TIER_BOXES = {"smoke": ("model", "precision", "batch_size"),
+              "analysis": ("model", "data", "precision", "batch_size"),
+              "train": PANEL_FIELDS}
+_SIZES = ("d_model", "n_layer", "n_head")  # a built-in's size boxes (its max_len follows the sequence length)
 
-    def __init__(self, config: RunConfig, models=None):
-        kept = {k: v for k, v in _user_choices.items() if getattr(config, k) != v}
+
+def _path_box(description: str, value: str, options: list, placeholder: str, style: dict) -> widgets.Combobox:
+    """A box wide enough for a path; it takes what was typed on Enter or on leaving it, not at every keystroke
+    (a half-typed path is no spec)."""
+    return widgets.Combobox(options=options, value=value, description=description, placeholder=placeholder,
+                            ensure_option=False, continuous_update=False, style=style,
+                            layout=widgets.Layout(width="100%", max_width="760px"))
+
+
+class ConfigPanel(widgets.VBox):
+    """Model, sizes, data, precision, batch size, compile and memory-mode controls bound to a RunConfig (see
+    `config_panel`)."""
+
+    def __init__(self, config: RunConfig, models=None, tier: str | None = None):
+        if tier is not None and tier not in TIER_BOXES:
+            raise ValueError(f"tier must be one of {', '.join(TIER_BOXES)} (or None: every box), got {tier!r}")
+        order = [f.name for f in fields(RunConfig)]  # the model first: setting it resets its kwargs
+        kept = {k: v for k, v in sorted(_user_choices.items(), key=lambda kv: order.index(kv[0]))
+                if getattr(config, k) != v}
         for name, value in kept.items():
             setattr(config, name, value)
         self.config = config
@@ -150,39 +184,81 @@ class ConfigPanel(widgets.VBox):
             precisions.append(current)  # e.g. fp16 forced on a CPU: shown, not silently replaced
         style = {"description_width": "90px"}
         # A combobox: pick a built-in or type any spec (a folder, hf:ORG/NAME, runs/x/checkpoints/last.pt).
-        self.model_select = widgets.Combobox(options=names, value=config.model, description="model", style=style,
-                                             ensure_option=False, placeholder="built-in, folder, hf:ORG/NAME, .pt")
-        self.data_input = widgets.Combobox(options=["synthetic"], value=config.data or "", description="data",
-                                           style=style, ensure_option=False,
-                                           placeholder="bundled corpus; or a file, folder, hf-dataset:NAME")
+        self.model_select = _path_box("model", config.model, names, "built-in, save_pretrained folder, "
+                                      "hf:ORG/NAME, runs/x/checkpoints/last.pt", style)
+        self.size_inputs = {k: widgets.BoundedIntText(value=1, min=1, max=1 << 16, description=k, style=style,
+                                                      layout=widgets.Layout(width="190px")) for k in _SIZES}
+        self.sizes = widgets.HBox(list(self.size_inputs.values()))
+        self.data_input = _path_box("data", config.data or "", ["synthetic"],
+                                    "empty: the bundled corpus; or a file, folder, hf-dataset:NAME", style)
         self.precision_select = widgets.Dropdown(options=precisions, value=current, description="precision",
                                                  style=style)
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
         self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
+        # The memory modes: what train, the benchmark and the search run with (docs/precision.md).
+        self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
+                                                  description="activation checkpointing")
+        self.lora_input = widgets.BoundedIntText(value=config.lora.r if config.lora else 0, min=0, max=4096,
+                                                 description="LoRA rank (0: off)",
+                                                 style={"description_width": "initial"})
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
-        for name, widget in zip(PANEL_FIELDS, (self.model_select, self.data_input, self.precision_select,
-                                                  self.batch_size_input, self.compile_box)):
+        self._show_sizes()
+        boxes = {"model": self.model_select, "data": self.data_input, "precision": self.precision_select,
+                 "batch_size": self.batch_size_input, "compile": self.compile_box,
+                 "activation_checkpointing": self.checkpointing_box, "lora": self.lora_input}
+        for name, widget in boxes.items():
             widget.observe(self._set(name), names="value")
+        for widget in self.size_inputs.values():
+            widget.observe(self._set_size, names="value")
         self._show_decision()
         if kept:
             shown = ", ".join(f"{k}={v}" for k, v in kept.items())
             self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
                       "<code>tier_utils.widgets.forget_panel_choices()</code> drops it")
-        super().__init__([self.model_select, self.data_input, self.precision_select, self.batch_size_input,
-                          self.compile_box, self.decision, self.status])
+        shown = TIER_BOXES[tier] if tier else PANEL_FIELDS
+        rows = [boxes[n] for n in shown]
+        rows.insert(1, self.sizes)  # under the model box it belongs to
+        super().__init__(rows + [self.decision, self.status])
 
     def _set(self, attribute: str):
         def write(change):
             value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
+            if attribute == "lora":
+                value = lora_setting(value)  # a rank; 0: off
+            if attribute == "model" and value is None:
+                return  # a box being retyped: nothing to build yet
             setattr(self.config, attribute, value)
             _user_choices[attribute] = value
-            self._show_decision()
-            self._say(f"{attribute} is now {html.escape(str(change['new']))}: outputs below are from the old "
-                      "settings; re-run from the cell after this panel (Run ▸ Run Selected Cell and All Below)")
+            if attribute == "model":  # its sizes and tokenizer went with the old model
+                _user_choices.pop("model_kwargs", None)
+                self._show_sizes()
+            self._changed(attribute, change["new"])
         return write
 
+    def _set_size(self, change):
+        if self._filling:
+            return
+        self.config.model_kwargs = {**self.config.model_kwargs, change["owner"].description: change["new"]}
+        _user_choices["model_kwargs"] = dict(self.config.model_kwargs)
+        self._changed(change["owner"].description, change["new"])
+
+    def _changed(self, name: str, value) -> None:
+        self._show_decision()
+        self._say(f"{name} is now {html.escape(str(value))}: outputs below are from the old "
+                  "settings; re-run from the cell after this panel (Run ▸ Run Selected Cell and All Below)")
+
+    def _show_sizes(self) -> None:
+        """The size boxes for a built-in, filled with its sizes; hidden for any other spec (no known sizes)."""
+        builtin = self.config.model in BUILTIN_MODELS
+        self.sizes.layout.display = None if builtin else "none"
+        self._filling = True  # filling the boxes is not the user setting a size
+        try:
+            for key, box in self.size_inputs.items():
+                box.value = self.config.model_kwargs.get(key) or self.config.preset.model_kwargs[key]
+        finally:
+            self._filling = False
     def _say(self, text: str) -> None:
         self.status.value = f"<small><b>{text}</b></small>"
 
@@ -199,9 +275,11 @@ class ConfigPanel(widgets.VBox):
         return f"settings: model {c.model} · precision {c.precision} → {ran} · batch size {c.batch_size}"
 
 
-def config_panel(config: RunConfig, models=None) -> ConfigPanel:
-    """A widget box editing `config` in place: model (a built-in, or any spec typed in), data (empty: the
-    bundled corpus), precision (auto + what the device runs natively), batch size, torch.compile on/off.
+def config_panel(config: RunConfig, models=None, tier: str | None = None) -> ConfigPanel:
+    """A widget box editing `config` in place: model (a built-in, or any spec typed in; a built-in's sizes show
+    under it), data (empty: the bundled corpus), precision (auto + the modes the device runs natively, from
+    `supported_precisions`), batch size, torch.compile on/off, and the memory modes: activation checkpointing
+    on/off and a LoRA rank (0: off). `tier` ("smoke", "analysis", "train") shows only the boxes that tier's cells read.
     `models` overrides the model choices offered. Choices the user made in an earlier panel of this kernel
     are applied to `config` first (see `forget_panel_choices`)."""
-    return ConfigPanel(config, models)
+    return ConfigPanel(config, models, tier)

@@ -31,7 +31,7 @@ def test_export_parity_passes(spec, fmt, tmp_path):
     # The parity shapes differ from the traced one in batch and length: the axes really are dynamic.
     assert result.config.trace_shape == [2, 16] and result.config.parity_shapes == ["1x8", "4x32"]
     lat = result.latency_table
-    assert set(lat["runner"]) == {"eager", "onnxruntime" if fmt == "onnx" else "torch.export"}
+    assert set(lat.index.get_level_values("runner")) == {"eager", "onnxruntime" if fmt == "onnx" else "torch.export"}
     assert (lat["n"] == 2).all() and (lat["median_ms"] > 0).all()
     summary = result.to_json()
     assert summary["metadata"]["dtype"] == "float32" and summary["metadata"]["torch"] == torch.__version__

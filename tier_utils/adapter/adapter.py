@@ -56,6 +56,9 @@ class ModelAdapter:
     # What the weights are stored in (the loader's record; a module built in Python: its parameters' dtype when
     # adapted). Every tier reads it here; `weights_dtype` is what they are held in now.
     stored_dtype: torch.dtype | None = None
+    # transformers warns about possible padding on every unmasked call; our windows are unpadded, so such a model
+    # gets the mask we know (all ones) instead of a warning its user can't act on.
+    fills_mask: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +82,9 @@ class ModelAdapter:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             kwargs[self.targets_keyword] = (labels if labels is not None
                                             else torch.zeros(shape, dtype=torch.long, device=self.device))
-        if attention_mask is not None and self.takes_attention_mask:
+        if attention_mask is None and self.fills_mask and input_ids is not None:
+            kwargs["attention_mask"] = torch.ones_like(input_ids)  # default positions: no position_ids needed
+        elif attention_mask is not None and self.takes_attention_mask:
             kwargs["attention_mask"] = attention_mask
             if self.takes_position_ids and self.task == "causal-lm":
                 # Left padding shifts the real tokens; count positions from the first real one, as HF's
@@ -227,6 +232,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)
+    adapter.fills_mask = adapter.takes_attention_mask and hasattr(model, "warn_if_padding_and_no_attention_mask")
     adapter.targets_keyword = _targets_keyword(adapter, params)
     adapter.task = task or _declared_task(model) or _probe_task(adapter)
     if length == math.inf:

@@ -17,6 +17,7 @@ from ..core.budget import read_budget
 from ..core.errors import DataError, ModelForwardError, describe
 from ..core.files import jsonable
 from ..core.inputs import select_names
+from ..core.plotting import readable_legends
 from ..core.precision import Precision, precision_setting, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, run_metadata
@@ -157,6 +158,7 @@ class AnalysisReport(Result):
                 ax.text(0.5, 0.5, self._why_not(outcome)[:160], ha="center", va="center", wrap=True, fontsize=8)
         for ax in axes[len(names):]:
             fig.delaxes(ax)  # no blank panels in the grid's last row
+        readable_legends(fig)
         name = self.model.get("provenance", {}).get("name", self.model["model"])
         fig.suptitle(f"{name} · {self.precision.name} on {self.metadata['device_name']} · "
                      f"worst status {self.status}")

@@ -140,7 +140,8 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
     start = copy.deepcopy(convert_for(base.precision, adapter.model).state_dict())  # fp32: every run's start
     for p in plans:
         if p.ran and p.mode == "compiled":
-            _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes)
+            _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes,
+                          progress=cfg.progress)
     ran = [p for p in plans if p.ran]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
     short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
@@ -290,11 +291,11 @@ def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
     return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
 
 
-def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool) -> None:
+def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool, progress: bool) -> None:
     """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
     compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
     convert_for(p.precision, adapter.model)  # compiled for the weight dtype it will run with
-    p.adapter, info = compile_for_training(adapter, p.precision, batch, mode)
+    p.adapter, info = compile_for_training(adapter, p.precision, batch, mode, progress)
     p.compile = info
     if info.compiled:
         return

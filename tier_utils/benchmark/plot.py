@@ -20,6 +20,7 @@ def plot_benchmark(result) -> Figure:
         stopped = next((r.stopped for r in result.records if r.stopped), "no precision was timed")
         return message_figure("AMP benchmark: nothing measured", stopped)
     names = [r.precision + ("" if r.mode == "eager" else f" {r.mode}") for r in ran]
+    ticks = [r.precision + ("" if r.mode == "eager" else f"\n{r.mode}") for r in ran]  # bar labels, on two lines
     curves = [(name, r) for name, r in zip(names, ran) if r.accuracy]
     scaled = [(name, r) for name, r in curves if r.accuracy["loss_scale"]]
     # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
@@ -32,7 +33,7 @@ def plot_benchmark(result) -> Figure:
 
     tps = [r.speed.tokens_per_s for r in ran]
     err = [[s.median - s.q1 for s in tps], [s.q3 - s.median for s in tps]]
-    ax_speed.bar(names, [s.median for s in tps], yerr=err, capsize=6, color="tab:blue")
+    ax_speed.bar(ticks, [s.median for s in tps], yerr=err, capsize=6, color="tab:blue")
     ax_speed.set(title=f"throughput, median and IQR of n={cfg.repeats} repeats", ylabel="tokens / s",
                  xlabel="precision")
 
@@ -40,7 +41,7 @@ def plot_benchmark(result) -> Figure:
     for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
                        ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
         heights = [r.memory[key] / MIB for r in ran]
-        ax_mem.bar(names, heights, bottom=bottom, label=label)
+        ax_mem.bar(ticks, heights, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_mem.set(title="memory of one training step (saved-tensor accounting)", ylabel="MiB", xlabel="precision")
     ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them

@@ -1,11 +1,33 @@
 """Every error tier_utils raises on purpose, and the exit code the CLI gives it. Each message is one line that
 says what to change."""
+import os
+
+_debug: list[bool] = []  # debug(on) sets it; empty: the TIER_UTILS_DEBUG environment variable decides
+
+
+def debug(on: bool | None = True) -> None:
+    """Show a TierError's full traceback in a notebook (as `TIER_UTILS_DEBUG=1` does) instead of its one line;
+    False: the one line whatever the environment says; None: the environment variable decides again."""
+    _debug[:] = [] if on is None else [bool(on)]
+
+
+def debugging() -> bool:
+    return _debug[0] if _debug else os.environ.get("TIER_UTILS_DEBUG", "").strip() not in ("", "0")
 
 
 class TierError(Exception):
     """Base class: the CLI prints the message on one line and exits with `exit_code`."""
 
     exit_code = 2  # the input (a setting, a path, the data) is wrong: change it and run again
+
+    @property
+    def _render_traceback_(self):
+        """What IPython shows for this error: the CLI's one red line, which says the fix; transformers' internals
+        above it would only bury it. With `debug()` on, no such method: IPython prints the whole traceback."""
+        if debugging():
+            raise AttributeError("_render_traceback_")
+        return lambda: [f"\x1b[1;31merror: {one_line(self)}\x1b[0m  \x1b[2m({type(self).__name__}; "
+                        "tier_utils.debug() shows the traceback)\x1b[0m"]
 
 
 class ModelSpecError(TierError, ValueError):

@@ -74,3 +74,13 @@ def save_png(fig, path) -> Path:
     import matplotlib.pyplot as plt
     plt.close(fig)
     return written
+
+
+def readable_legends(fig, size: float = 9) -> None:
+    """Every legend of `fig` at `size` points: a grid of small panels drawn for their own figures uses 7-point
+    legends, unreadable once a notebook scales the grid to its width."""
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            for text in [*legend.get_texts(), legend.get_title()]:
+                text.set_fontsize(size)

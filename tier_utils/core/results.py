@@ -50,6 +50,17 @@ def worst_status(statuses) -> str:
     return next((s for s in ("FAIL", "WARN", "PASS") if s in statuses), "SKIP")
 
 
+BENCHMARK = "amp_benchmark"  # the result name whose verdicts judge the device's precisions, not the model
+
+
+def verdict_line(statuses: dict) -> str:
+    """"model checks: PASS · benchmark verdicts: FAIL": the model's own checks apart from the benchmark's, whose
+    targets (a 1.5x bf16 speedup) a CPU seldom reaches; `statuses` by result name (None: no verdicts)."""
+    model = [s for name, s in statuses.items() if s and name != BENCHMARK]
+    return (f"model checks: {worst_status(model) if model else 'none run'} · "
+            f"benchmark verdicts: {statuses.get(BENCHMARK) or 'not run'}")
+
+
 def run_metadata(device=None, dtype=None) -> dict:
     """What every measured figure is stamped with: device name, dtype, torch version, time."""
     from .precision import device_name, resolve_device
@@ -96,7 +107,10 @@ class Result(ABC):
         return f"{head}\n{self.overview().to_string(index=False, float_format=_short, max_colwidth=200)}"
 
     def _repr_html_(self) -> str:
-        return self.overview().to_html(index=False, float_format=_short)  # the row numbers carry nothing
+        """A notebook shows the overview as a person reads it (core/display.py); `.table` is the full frame."""
+        from .display import html_table  # display reads this module's columns and statuses
+
+        return html_table(self.overview(), self.headline() if hasattr(self, "headline") else None)
 
 
 @dataclass(repr=False)

@@ -19,6 +19,7 @@ import torch
 from ..adapter.adapter import ModelAdapter
 from ..core.errors import describe, one_line
 from ..core.precision import Precision
+from ..core.progress import progress_bar
 from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import setting
 
@@ -63,12 +64,22 @@ def _graph_breaks() -> int | None:
 
 
 def compile_for_training(adapter: ModelAdapter, precision: Precision, batch: dict,
-                         mode: str) -> tuple[ModelAdapter, CompileInfo]:
+                         mode: str, progress: bool = False) -> tuple[ModelAdapter, CompileInfo]:
     """(the adapter a TrainStep should call, CompileInfo).
 
     The warm-up is one forward + backward on `batch` under the precision's autocast, exactly as a
     training step runs it (shapes, dtypes, train mode), so the steps themselves don't recompile.
+    `progress`: a progress line says what the pause is (compiling takes seconds to minutes, and nothing
+    else moves meanwhile).
     """
+    with progress_bar(total=1, enabled=progress, unit="warm-up",
+                      desc=f"torch.compile {precision.name} (the first step compiles)") as bar:
+        compiled = _warm_up(adapter, precision, batch, mode)
+        bar.update(1)
+    return compiled
+
+
+def _warm_up(adapter: ModelAdapter, precision: Precision, batch: dict, mode: str) -> tuple[ModelAdapter, CompileInfo]:
     module, device = adapter.model, adapter.device
     rng = rng_state()
     buffers = [b.detach().clone() for b in module.buffers()]  # e.g. BatchNorm statistics the warm-up moves

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from ..adapter.adapter import resolve_model
+from ..core.display import round_to_spread
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import StepTimer, summarize
@@ -122,12 +123,14 @@ class ExportResult(Result):
 
     @property
     def latency_table(self) -> pd.DataFrame:
-        return pd.DataFrame(self.latency)
+        """Per batch shape and runner (the index), n and the milliseconds rounded to their spread; `.latency`
+        keeps them whole."""
+        return round_to_spread(pd.DataFrame(self.latency)).set_index(["shape", "runner"])
 
     def plot(self):
         from matplotlib.figure import Figure
 
-        lat = self.latency_table
+        lat = pd.DataFrame(self.latency)
         fig = Figure(figsize=(7, 4), layout="constrained")
         ax = fig.subplots()
         shapes, runners = list(dict.fromkeys(lat["shape"])), list(dict.fromkeys(lat["runner"]))

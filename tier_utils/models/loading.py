@@ -7,6 +7,7 @@ import inspect
 import sys
 import typing
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -223,6 +224,20 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
                     stored)
 
 
+@contextmanager
+def _no_loading_bar(transformers):
+    """transformers' "Loading weights" bar off while a local folder loads (it takes no time, and in a notebook
+    each bar is a widget left behind in the cell); its setting is the user's again afterwards."""
+    logging = transformers.utils.logging
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+
+
 def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
     tokenizer. A peft adapter folder gives its base (which its adapter_config.json names) with the adapter."""
@@ -237,7 +252,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(path)
         auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
         stored = folder_dtype(path, config)
-        model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
+        with _no_loading_bar(transformers):
+            model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
     except ModelSpecError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:

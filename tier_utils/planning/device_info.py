@@ -9,6 +9,7 @@ import pandas as pd
 import torch
 
 from ..adapter.adapter import resolve_model
+from ..core.display import html_table
 from ..core.files import jsonable, write_json
 from ..core.precision import (
     CPU_FLAGS_ENV,
@@ -55,7 +56,7 @@ class InfoResult:
         return write_json(path, self.to_json())
 
     def _repr_html_(self) -> str:
-        return self.table._repr_html_()
+        return html_table(self.table.set_index(["section", "key"]))  # as every result shows: blanks, rounding
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts

@@ -158,7 +158,8 @@ class FitResult(Result):
                 f"({MARGIN_NOTE})")
 
     def overview(self) -> pd.DataFrame:
-        return self.table.drop(columns=["detail"])
+        """One row per precision and checkpointing choice, indexed by them; the details are in `.table`."""
+        return self.table.drop(columns=["detail"]).set_index(["precision", "checkpointing"])
 
     def summary_line(self) -> str:
         """One line for `all`'s summary: the largest batch here per precision, and on a T4 (predicted)."""

@@ -15,6 +15,7 @@ import torch
 
 from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, read_budget
+from ..core.display import round_to_spread
 from ..core.errors import ModelForwardError, describe
 from ..core.files import jsonable
 from ..core.inputs import select_names, whole_number
@@ -83,6 +84,11 @@ class SmokeReport(Result):
 
     @property
     def latency_table(self) -> pd.DataFrame:
+        """Per batch size and sequence length (the index), milliseconds rounded to their spread; the JSON keeps
+        them whole."""
+        return round_to_spread(self._latency()).set_index(["batch_size", "seq_len"])
+
+    def _latency(self) -> pd.DataFrame:
         rows = []
         for r in self.latency:
             s = summarize(r["samples_ms"])
@@ -101,7 +107,7 @@ class SmokeReport(Result):
         return jsonable({"passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
                          "model": self.model, "precision": self.precision.to_dict(), "run_metadata": self.metadata,
                          "batch_sizes": self.batch_sizes, "seq_lens": self.seq_lens, "seconds": self.seconds,
-                         "grad_norms": self.grad_norms, "latency": self.latency_table,
+                         "grad_norms": self.grad_norms, "latency": self._latency(),
                          "latency_samples_ms": self.latency, "memory": self.memory,
                          "budget": self.budget.to_dict() if self.budget else None,
                          "activation_fit": asdict(self.activation_fit) if self.activation_fit else None,

@@ -209,7 +209,8 @@ class _Run:
         """The step calls the compiled model; evaluation and checkpoints use the eager one."""
         shaped = next(iter(make_loader(splits.train, self.cfg.batch_size, shuffle=False, device=self.device)))
         self.step_fn.adapter, info = compile_for_training(self.step_fn.adapter, self.precision,
-                                                          to_device(shaped, self.device), self.cfg.compile_mode)
+                                                          to_device(shaped, self.device), self.cfg.compile_mode,
+                                                          self.cfg.progress and self.env.is_main)
         return info
 
     # -- the loop -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, fields, replace
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from ..adapter.adapter import resolve_model
+from ..core.display import html_table
 from ..core.errors import SearchStorageError, TrainingDiverged, one_line
 from ..core.files import jsonable
 from ..core.plotting import integer_axis
@@ -121,6 +123,18 @@ def _suggest(trial: optuna.Trial, space: dict) -> dict:
     return params
 
 
+def _changes_html(base: TrainConfig, best: TrainConfig) -> str:
+    changed = [(f.name, getattr(base, f.name), getattr(best, f.name)) for f in dataclasses.fields(best)
+               if getattr(base, f.name) != getattr(best, f.name)]
+    table = pd.DataFrame([(name, _setting(new)) for name, _, new in changed], columns=["setting", "best trial"])
+    return html_table(table, f"TrainConfig: the trial config with the {len(changed)} setting(s) the search "
+                             "changed; train(model, config=study.best_config) runs it")
+
+
+def _setting(value):
+    return f"{value:.3g}" if isinstance(value, float) else value
+
+
 class SearchResult(Result):
     def __init__(self, study: optuna.Study, base_config: TrainConfig, meta: dict):
         self.study, self.base_config, self.meta = study, base_config, meta
@@ -144,7 +158,11 @@ class SearchResult(Result):
         completed = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         if not completed:
             raise ValueError("no trial completed yet; run more trials or widen the search space")
-        return dataclasses.replace(self.base_config, **self.study.best_params)
+        config = dataclasses.replace(self.base_config, **self.study.best_params)
+        # A notebook shows it as what the search changed, not as one long TrainConfig(...) line; a partial of a
+        # module function, so the config still pickles (torchrun, spawn).
+        config._repr_html_ = functools.partial(_changes_html, self.base_config, config)
+        return config
 
     def plot(self, kind: str = "history"):
         """kind="history": val loss per trial and best so far; kind="importances": fANOVA importances."""

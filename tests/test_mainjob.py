@@ -37,7 +37,7 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
         assert f"src='{tier}.png'" in (out / "index.html").read_text()
     assert "amp_benchmark_verdicts.csv" in (out / "index.html").read_text()
     verdicts = pd.read_csv(out / "amp_benchmark_verdicts.csv")
-    assert set(verdicts["precision"]) == {"fp32", "bf16", "fp16"}
+    assert set(verdicts["precision"]) == set(BenchConfig().precisions)  # every mode the benchmark compares, by default
     assert data["tiers"][4]["status"] in verdicts["status"].tolist()
     train = json.loads((out / "train.json").read_text())
     assert train["summary"]["steps"] == TINY_SIZES.train.max_steps and train["summary"]["global_batch"] == 4

@@ -48,6 +48,18 @@ def _hf_switch(model: nn.Module, on: bool):
                                                                               None)
 
 
+def _use_cache(model: nn.Module, restore: bool) -> None:
+    """transformers fills a KV cache no training step reads, and warns that it is incompatible with checkpointing,
+    while its config's use_cache is on: off while checkpointing, the user's value back after."""
+    config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+    if config is None:
+        return
+    if restore:
+        config.use_cache = vars(model).pop("tier_utils_use_cache", config.use_cache)
+    elif getattr(config, "use_cache", False):
+        model.tier_utils_use_cache, config.use_cache = True, False
+
+
 def enable_checkpointing(model: nn.Module) -> str:
     """Turn activation checkpointing on for `model`'s repeated blocks (NoRepeatedBlocks if it has none);
     returns how, for the result's words. `disable_checkpointing` turns it off."""
@@ -56,6 +68,7 @@ def enable_checkpointing(model: nn.Module) -> str:
     if switch is not None:
         prefix = switch.__name__.split("_")[0]  # activation_checkpointing_kwargs or gradient_checkpointing_kwargs
         switch(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
+        _use_cache(model, False)
         return f"{n} blocks, transformers' {switch.__name__} (non-reentrant)"
     blocks = repeated_blocks(model)
     for block in blocks:
@@ -69,6 +82,7 @@ def disable_checkpointing(model: nn.Module) -> None:
     switch = _hf_switch(model, False)
     if switch is not None:
         switch()
+        _use_cache(model, True)
         return
     for block in repeated_blocks(model):
         block.__dict__.pop("forward", None)

@@ -75,7 +75,7 @@ def _run_train(args) -> tuple[dict, int]:
         args.json = None
         return jsonable(s), code
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
-    files += [f for f in (s.checkpoint, s.best_checkpoint, s.hf_folder) if f]
+    files += [f for f in (s.checkpoint, s.best_checkpoint, s.consolidated, s.hf_folder) if f]
     print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
     _show(result.table)  # the summary as the notebook shows it
     print("wrote: " + ", ".join(str(f) for f in files))

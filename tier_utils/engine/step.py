@@ -104,6 +104,8 @@ class TrainStep:
         self.scaler.unscale_(self.optimizer)
         # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP's sharded gradients: their global norm, replicated
+            grad_norm = grad_norm.full_tensor()
         # fp16's two reads of the scale are host syncs, paid only to know a skip: a skipped step must not
         # advance the LR schedule.
         tracking = self.scaler.is_enabled() and self.track_scale

@@ -27,6 +27,7 @@ from ..core.precision import PRECISIONS, native_support, resolve_device, resolve
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
+from ..engine.memory import repeated_blocks
 from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 
@@ -60,15 +61,6 @@ class FitConfig:
         if self.validate is not None:
             check_switch(self, "validate")
         check_fields(self)
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer's blocks: the longest nn.ModuleList whose children all have one type."""
-    best: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > max(1, len(best)) and len({type(c) for c in m}) == 1:
-            best = list(m)
-    return best
 
 
 @contextlib.contextmanager

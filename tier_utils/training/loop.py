@@ -1,9 +1,9 @@
 """Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, model/step.py).
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
-kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
-History rows and `TrainResult` live in history.py, DDP helpers in distributed.py, checkpoint I/O in
-model/checkpoint.py.
+kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP or FSDP2).
+History rows and `TrainResult` live in history.py, the distributed strategy in engine/distributed.py and
+engine/sharding.py, checkpoint I/O in models/checkpoint.py (single files) and models/sharded.py (FSDP's folders).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..core.seeding import rng_state, seed_everything, set_rng_state
 from ..core.settings import merge
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..data.tokenizer import BYTES
+from ..engine import distributed, sharding
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
@@ -41,7 +42,7 @@ from ..models.checkpoint import (
     save_checkpoint,
 )
 from ..models.loading import source_of
-from . import distributed
+from ..models.sharded import full_model_state, load_sharded, read_trainer, save_sharded
 from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
@@ -93,16 +94,16 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = merge(TrainConfig, config, overrides, "training")
-    if cfg.checkpoint_dir is not None:
-        writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
-    if cfg.save_hf is not None:
-        writable_dir(cfg.save_hf, "save_hf")
-    env = distributed.setup(cfg.device)
-    device = env.device or resolve_device(cfg.device)
-    # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
-    locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
-        else contextlib.nullcontext()
+    env = distributed.setup(cfg.device, cfg.strategy)  # fsdp without torchrun: refused before anything is written
     try:
+        if cfg.checkpoint_dir is not None:
+            writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
+        if cfg.save_hf is not None:
+            writable_dir(cfg.save_hf, "save_hf")
+        device = env.device or resolve_device(cfg.device)
+        # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
+        locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
+            else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
     finally:
@@ -118,18 +119,22 @@ class _Run:
         # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
         self.precision: Precision = resolve_precision(cfg.precision, device)
         self.adapter = self._build(model, model_kwargs)
+        self.model_name = self.adapter.name  # the model's own class: fully_shard subclasses it as FSDP<name>
+        # FSDP shards the weights in place before the optimizer is built on them.
+        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward) \
+            if env.sharded else None
         splits = self._datasets(data)
         self._loaders(splits)
         self._optimization()
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
-        self.weights = self.saved_hf = None  # what the returned model holds, and what save_hf wrote (end of run)
+        self.weights = self.saved_hf = self.consolidated = None  # the model's weights, what save_hf wrote (at the end)
         self.step_fn = self._step()
         self._resume()  # it restores the RNG states: only the compile below (which puts them back) follows
         self.compile_info = self._compile(splits) if cfg.compile else None
         self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
-            "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            "model": self.model_name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             **run_metadata(self.device, self.precision.dtype)})
 
     def _build(self, model, model_kwargs: dict) -> ModelAdapter:
@@ -158,8 +163,9 @@ class _Run:
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
         self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
-        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
-        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
+        names = (CHECKPOINT_NAME, BEST_NAME) if not self.env.sharded else ("last", "best")  # FSDP: DCP folders
+        self.ckpt_path = Path(cfg.checkpoint_dir) / names[0] if cfg.checkpoint_dir is not None else None
+        self.best_path = self.ckpt_path.with_name(names[1]) if self.ckpt_path is not None else None
         self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
         return splits
 
@@ -169,6 +175,9 @@ class _Run:
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
         self.val_loader = make_loader(distributed.eval_shard(splits.val, self.env), cfg.batch_size, shuffle=False,
                                       device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
+        # FSDP: every rank runs the same number of evaluation forwards (each gathers weights with the others).
+        self.eval_forwards = self.env.all_max(min(len(self.val_loader), cfg.eval_batches or len(self.val_loader))) \
+            if self.env.sharded else None
 
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
@@ -178,7 +187,10 @@ class _Run:
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
     def _step(self) -> TrainStep:
-        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation)."""
+        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation), or
+        on the FSDP-sharded model."""
+        if self.sharding is not None:
+            return sharding.train_step(self.adapter, self.precision, self.optimizer, self.scheduler, self.cfg.grad_clip)
         ddp = distributed.wrap(self.adapter.model, self.env)
         return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
                          self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
@@ -186,7 +198,7 @@ class _Run:
     def _resume(self) -> None:
         if not self.cfg.resume:
             return
-        if self.ckpt_path.is_file():
+        if self.ckpt_path.exists():
             self._load()
         elif self.env.is_main:
             warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
@@ -291,7 +303,8 @@ class _Run:
     def _evaluate(self) -> dict:
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
         self.hist.close_training_peak()
-        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
+        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum,
+                           self.eval_forwards)
         self.val_targets = metrics["targets"]
         self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
@@ -302,20 +315,31 @@ class _Run:
         if not (last or best):
             return
         self._check(self.hist.sync())  # never write a diverged state
+        trainer = self._trainer_state()
+        paths = [self.ckpt_path] * last + [self.best_path] * best
+        if self.env.sharded:  # every rank writes its shard
+            save_sharded(paths, self.adapter.model, self.optimizer, trainer, self.env)
+        elif self.env.is_main:
+            save_checkpoint(paths, {**trainer, "model": self.adapter.model.state_dict(),
+                                    "optimizer": self.optimizer.state_dict()})
+        if last:
+            self.last_saved = self.step
+
+    def _trainer_state(self) -> dict:
+        """Everything a checkpoint holds but the weights and optimizer state (every rank calls it)."""
         rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
-        if self.env.is_main:
-            save_checkpoint([self.ckpt_path] * last + [self.best_path] * best, {
-                "step": self.step, "epoch": self.step // self.steps_per_epoch,
+        return {"step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
-                "world_size": self.env.world_size, "precision": self.precision.name,
-                "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "world_size": self.env.world_size, "strategy": self.env.strategy,
+                "global_batch": self.global_batch, "precision": self.precision.name,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
-                "selection": self.selection.state_dict(),
-            })
-        if last:
-            self.last_saved = self.step
+                "selection": self.selection.state_dict()}
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum_steps * self.env.world_size
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -339,18 +363,32 @@ class _Run:
         at_boundary = self.step % self.steps_per_epoch == 0
         return self.loader.generator.get_state() if at_boundary else self.epoch_gen
 
+    def _consolidate(self, full: dict, weights: str) -> None:
+        """A sharded run's last.pt: the unsharded weights, in the single-file format load_model reads (no
+        optimizer state: a resume reads the sharded last/)."""
+        trainer = self._trainer_state()
+        if self.env.is_main:
+            self.consolidated = self.ckpt_path.with_name(CHECKPOINT_NAME)
+            save_checkpoint(self.consolidated, {**trainer, "model": full, "optimizer": None, "consolidated": weights})
+
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved = state["config"]
-        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
+        saved, sharded = state["config"], state.get("strategy") == "fsdp"
+        # DCP reshards a sharded checkpoint: another world size resumes it if the global batch is the same.
+        fields = [k for k in TRAJECTORY_FIELDS if not (sharded and k == "batch_size")]
+        differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != getattr(self.cfg, k)]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
-        if state["world_size"] != self.env.world_size:
+        if sharded != self.env.sharded:
+            differ.append(f"strategy={state.get('strategy', 'ddp')!r}")
+        elif sharded and state["global_batch"] != self.global_batch:
+            differ.append(f"global batch {state['global_batch']}")
+        elif not sharded and state["world_size"] != self.env.world_size:
             differ.append(f"world size {state['world_size']}")
         return differ
 
     def _load(self) -> None:
-        state = load_checkpoint(self.ckpt_path)
+        state = self._read(self.ckpt_path)
         differ = self._differences(state)
         if differ:
             raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
@@ -359,32 +397,44 @@ class _Run:
             raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
                                   f"{describe_data(self.data_info)}; resume with the same data or use a new "
                                   "checkpoint_dir")
-        try:
-            self.adapter.model.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
-                                  f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.env.sharded:
+            load_sharded(self.ckpt_path, self.adapter.model, self.optimizer)
+        else:
+            try:
+                self.adapter.model.load_state_dict(state["model"])
+            except RuntimeError as exc:
+                raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
+                                      f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.step_fn.scaler.is_enabled():
             self.step_fn.scaler.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
-        later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
+        later = self._read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights
         if later and not self._differences(later) and later["data"] == self.data_info:
             self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
         self._resume_gen = state["loader_generator"]
         self.step = self.last_saved = self.resumed_from = state["step"]
-        set_rng_state(state["rng"][self.env.rank])
+        set_rng_state(state["rng"][self.env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
+
+    def _read(self, path: Path, mmap: bool = False) -> dict:
+        """A checkpoint's state: last.pt / best.pt, or a sharded folder's trainer state (no weights)."""
+        return read_trainer(path, mmap) if self.env.sharded else load_checkpoint(path, mmap=mmap)
 
     def _finish(self) -> None:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
         weights = f"final weights (step {self.step})"
         if self.cfg.restore_best:
             self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
-            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
+            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path,
+                                                  self.env.sharded)
+        full = full_model_state(self.adapter.model) if self.env.sharded and (
+            self.cfg.save_hf or self.cfg.consolidate) else None  # gathered by every rank, onto rank 0
+        if self.cfg.consolidate:
+            self._consolidate(full, weights)
         if self.cfg.save_hf is not None and self.env.is_main:
-            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights)
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights, full)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -394,7 +444,7 @@ class _Run:
         cfg, env, info = self.cfg, self.env, self.compile_info
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
-            model=type(self.adapter.model).__name__, task=self.adapter.task,
+            model=self.model_name, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
             tokenizer=self.data.tokenizer, validation=self.data.validation,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
@@ -406,7 +456,9 @@ class _Run:
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",
-            global_batch=cfg.batch_size * cfg.grad_accum_steps * env.world_size, world_size=env.world_size,
+            global_batch=self.global_batch, world_size=env.world_size, strategy=env.strategy,
+            sharding=self.sharding and self.sharding.describe(), param_bytes_per_rank=sharding.param_bytes(
+                self.adapter.model), consolidated=self.consolidated and str(self.consolidated),
             rank=env.rank, resumed_from_step=self.resumed_from,
             checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
             interrupted=interrupted, diverged_at_step=diverged_at,

@@ -154,6 +154,17 @@ def _run_fit(args) -> tuple[dict, int]:
     return result.to_json(), 0
 
 
+def _run_ranks(args) -> tuple[dict, int]:
+    from .planning.ranks import RanksConfig, plan_ranks
+
+    result = plan_ranks(args.model, settings_from(args, RanksConfig), model_kwargs=model_kwargs(args))
+    print(result.headline())
+    _show(result.overview())
+    print("smallest N that trains (batch 1 per rank):")
+    _show(result.smallest())
+    return result.to_json(), 0
+
+
 def _run_all(args) -> tuple[dict, int]:
     from .core.measure import machine_load
     from .report import run_all
@@ -191,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .exporting.exporter import ExportConfig
     from .planning.device_info import InfoConfig
     from .planning.planner import FitConfig
+    from .planning.ranks import RanksConfig
     from .report import run_all
     from .smoketest.suite import SmokeConfig
 
@@ -256,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, FitConfig, precision=False)
     add_settings(p, FitConfig, ("seq_len", "precisions", "checkpointing", "validate"))
     p.set_defaults(run=_run_fit)
+
+    p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "
+                                       "rank here and predicted for 2/4/8 T4/L4/A100/H100, the smallest N per mode")
+    add_common(p, RanksConfig)
+    add_settings(p, RanksConfig, ("seq_len", "ranks"))
+    p.set_defaults(run=_run_ranks)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
                                      "with an HTML report")

@@ -32,6 +32,7 @@ from .core.results import CHECK_COLUMNS, STATUSES, Check, Result, TierFailure, c
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
+from .planning.ranks import plan_ranks
 from .presets import FAST, JOB
 from .smoketest.suite import smoke
 from .training.config import TrainConfig
@@ -227,6 +228,8 @@ class AllResult(Result):
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
         if "fit" in r:
             lines.append(r["fit"].summary_line())
+        if "ranks" in r:
+            lines.append(r["ranks"].summary_line())
         if "amp_benchmark" in r:
             v, run = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
@@ -310,11 +313,12 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                                                                progress=progress)),
         # predictions only
         "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
+        "ranks": lambda: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
         "amp_benchmark": lambda: amp_benchmark(base, data, preset.bench_config(batch_size=_bench_batch(
             base, dev, preset.batch_size, preset.seq_len, sizing), device=dev, progress=progress)),
     }
     if not runnable:
-        del steps["train"], steps["fit"], steps["amp_benchmark"]
+        del steps["train"], steps["fit"], steps["ranks"], steps["amp_benchmark"]
     results, statuses, seconds = {}, {}, {}
     for name, run in steps.items():
         start = time.perf_counter()

@@ -161,3 +161,16 @@ class ShardedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples - self.start
+
+
+def refuse_sharded(model, verb: str) -> None:
+    """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on an
+    FSDP-sharded module (its weights are DTensor shards)."""
+    module = getattr(model, "model", model)  # an adapter's module, or the module itself
+    sharded = isinstance(module, torch.nn.Module) and any(hasattr(p, "device_mesh") for p in module.parameters())
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if sharded or world > 1:
+        where = "an FSDP-sharded model" if sharded else f"{world} torchrun ranks"
+        raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
+                          f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
+                          "--strategy fsdp --consolidate)")

@@ -73,7 +73,7 @@ class TrainConfig:
                             choices=STRATEGIES)
     reshard_after_forward: bool = setting(True, "fsdp: free each block's gathered weights after its forward (less "
                                                 "memory; backward gathers them again)")
-    consolidate: bool = setting(False, "fsdp: at the end, also write one unsharded last.pt (rank 0) that load_model "
+    consolidate: bool = setting(False, "fsdp: at the end, also write one unsharded last.pt (rank 0) that --model "
                                        "and every tier read")
 
     def __post_init__(self):

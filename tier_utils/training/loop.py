@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,32 +17,23 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..adapter.adapter import ModelAdapter, resolve_model
-from ..core.errors import CheckpointError, DataError, TrainingDiverged
+from ..core.errors import DataError, TrainingDiverged
 from ..core.files import run_lock
-from ..core.hub import HUB_PREFIX
 from ..core.inputs import writable_dir
 from ..core.precision import Precision, device_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
-from ..core.seeding import rng_state, seed_everything, set_rng_state
+from ..core.seeding import seed_everything
 from ..core.settings import merge
 from ..data.datasets import DataSplits, make_loader, to_device
-from ..data.tokenizer import BYTES
 from ..engine import distributed, sharding
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
-from ..models.checkpoint import (
-    BEST_NAME,
-    CHECKPOINT_NAME,
-    data_fingerprint,
-    describe_data,
-    load_checkpoint,
-    save_checkpoint,
-)
-from ..models.loading import source_of
-from ..models.sharded import full_model_state, load_sharded, read_trainer, save_sharded
-from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
+from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
+from ..models.sharded import full_model_state
+from .checkpointing import RunCheckpoints
+from .config import FINE_LOG_STEPS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .tracking import open_train_run
@@ -110,7 +100,7 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         env.close()
 
 
-class _Run:
+class _Run(RunCheckpoints):
     """One call of train(): the state the loop, evaluation and checkpoints share, set up in the order below."""
 
     def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
@@ -194,14 +184,6 @@ class _Run:
         ddp = distributed.wrap(self.adapter.model, self.env)
         return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
                          self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
-
-    def _resume(self) -> None:
-        if not self.cfg.resume:
-            return
-        if self.ckpt_path.exists():
-            self._load()
-        elif self.env.is_main:
-            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
 
     def _compile(self, splits: DataSplits):
         """The step calls the compiled model; evaluation and checkpoints use the eager one."""
@@ -308,119 +290,6 @@ class _Run:
         self.val_targets = metrics["targets"]
         self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _save(self, last: bool = True, best: bool = False) -> None:
-        """Write last.pt and/or best.pt (one state, the same bytes; best.pt: this step has the lowest val loss)."""
-        if not (last or best):
-            return
-        self._check(self.hist.sync())  # never write a diverged state
-        trainer = self._trainer_state()
-        paths = [self.ckpt_path] * last + [self.best_path] * best
-        if self.env.sharded:  # every rank writes its shard
-            save_sharded(paths, self.adapter.model, self.optimizer, trainer, self.env)
-        elif self.env.is_main:
-            save_checkpoint(paths, {**trainer, "model": self.adapter.model.state_dict(),
-                                    "optimizer": self.optimizer.state_dict()})
-        if last:
-            self.last_saved = self.step
-
-    def _trainer_state(self) -> dict:
-        """Everything a checkpoint holds but the weights and optimizer state (every rank calls it)."""
-        rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
-        return {"step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
-                "world_size": self.env.world_size, "strategy": self.env.strategy,
-                "global_batch": self.global_batch, "precision": self.precision.name,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
-                "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
-                "selection": self.selection.state_dict()}
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.cfg.grad_accum_steps * self.env.world_size
-
-    def _source(self) -> dict | None:
-        """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
-        fed it. None for a module built in Python, which no spec can rebuild."""
-        source = source_of(self.adapter.model)
-        if source is None or source.spec is None:
-            return None
-        tokenizer = self.adapter.tokenizer
-        name = tokenizer.name
-        if name != BYTES and not (name.startswith(HUB_PREFIX) or Path(name).is_dir()):
-            # A tokenizer made in memory has no folder or hub id to load it from: keep its files beside the
-            # checkpoints, so load_model(checkpoint) finds the same ids.
-            folder = self.ckpt_path.parent / "tokenizer"
-            if not folder.is_dir():
-                tokenizer.save(folder)
-            name = str(folder.resolve())
-        return source.record(None if name == BYTES else name)
-
-    def _epoch_start_generator(self) -> torch.Tensor:
-        """The loader generator's state at the start of the epoch a resume re-enters."""
-        at_boundary = self.step % self.steps_per_epoch == 0
-        return self.loader.generator.get_state() if at_boundary else self.epoch_gen
-
-    def _consolidate(self, full: dict, weights: str) -> None:
-        """A sharded run's last.pt: the unsharded weights, in the single-file format load_model reads (no
-        optimizer state: a resume reads the sharded last/)."""
-        trainer = self._trainer_state()
-        if self.env.is_main:
-            self.consolidated = self.ckpt_path.with_name(CHECKPOINT_NAME)
-            save_checkpoint(self.consolidated, {**trainer, "model": full, "optimizer": None, "consolidated": weights})
-
-    def _differences(self, state: dict) -> list[str]:
-        """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved, sharded = state["config"], state.get("strategy") == "fsdp"
-        # DCP reshards a sharded checkpoint: another world size resumes it if the global batch is the same.
-        fields = [k for k in TRAJECTORY_FIELDS if not (sharded and k == "batch_size")]
-        differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != getattr(self.cfg, k)]
-        if state["precision"] != self.precision.name:
-            differ.append(f"precision={state['precision']!r}")
-        if sharded != self.env.sharded:
-            differ.append(f"strategy={state.get('strategy', 'ddp')!r}")
-        elif sharded and state["global_batch"] != self.global_batch:
-            differ.append(f"global batch {state['global_batch']}")
-        elif not sharded and state["world_size"] != self.env.world_size:
-            differ.append(f"world size {state['world_size']}")
-        return differ
-
-    def _load(self) -> None:
-        state = self._read(self.ckpt_path)
-        differ = self._differences(state)
-        if differ:
-            raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
-                                  "settings or use a new checkpoint_dir")
-        if state.get("data") != self.data_info:
-            raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
-                                  f"{describe_data(self.data_info)}; resume with the same data or use a new "
-                                  "checkpoint_dir")
-        if self.env.sharded:
-            load_sharded(self.ckpt_path, self.adapter.model, self.optimizer)
-        else:
-            try:
-                self.adapter.model.load_state_dict(state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
-                                      f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.step_fn.scaler.is_enabled():
-            self.step_fn.scaler.load_state_dict(state["scaler"])
-        self.hist.load_state_dict(state["history"])
-        self.selection.load_state_dict(state.get("selection"))
-        later = self._read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights
-        if later and not self._differences(later) and later["data"] == self.data_info:
-            self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
-        self._resume_gen = state["loader_generator"]
-        self.step = self.last_saved = self.resumed_from = state["step"]
-        set_rng_state(state["rng"][self.env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
-
-    def _read(self, path: Path, mmap: bool = False) -> dict:
-        """A checkpoint's state: last.pt / best.pt, or a sharded folder's trainer state (no weights)."""
-        return read_trainer(path, mmap) if self.env.sharded else load_checkpoint(path, mmap=mmap)
 
     def _finish(self) -> None:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""

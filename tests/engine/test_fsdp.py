@@ -204,13 +204,38 @@ def test_fsdp_without_torchrun_says_how_to_launch(tmp_path, capsys, runs):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torchrun" in err[0]
     assert not (tmp_path / "no").exists()  # nothing written
+    assert load_checkpoint(runs["whole"] / "checkpoints" / "last.pt")["consolidated"]
 
 
-def test_a_missing_shard_is_named(runs, tmp_path):
-    folder = tmp_path / "last"
-    shutil.copytree(runs["whole"] / "checkpoints" / "last", folder)
+def test_a_missing_shard_is_named_in_one_line_and_nothing_is_written(runs, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs["whole"], run)
+    folder = run / "checkpoints" / "last"
     check_complete(folder)
     (folder / "__1_0.distcp").unlink()
     with pytest.raises(CheckpointError, match=r"missing shard __1_0\.distcp \(1 of 2 missing\)"):
         read_trainer(folder)
-    assert load_checkpoint(runs["whole"] / "checkpoints" / "last.pt")["consolidated"]
+    # A resume on it, as torchrun's one rank (its environment set here: a gloo group of one, in this process).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    assert cli.main(_args(run, runs["text"], 1, "--precision", "fp32", "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing shard __1_0.distcp" in err[0]
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_analysis_refuses_to_run_sharded_in_one_line(monkeypatch, capsys):
+    from tier_utils import analyze
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets them
+    with pytest.raises(LaunchError, match="analyze does not run sharded"):
+        analyze("tiny-gpt", model_kwargs=SIZES, device="cpu", progress=False)
+    assert cli.main(["analyze", "--model", "tiny-gpt", *SIZE_ARGS, "--device", "cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoints/last.pt" in err[0]

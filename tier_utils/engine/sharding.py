@@ -3,9 +3,10 @@
 `fully_shard` goes on each repeated block (memory.repeated_blocks), then on the root, over the run's explicit
 1-D device mesh (gloo on CPU ranks, nccl with one GPU per rank): each rank keeps 1/N of every weight, gradient
 and AdamW state, and a block's full weights exist only while it runs. The decided precision becomes FSDP's
-MixedPrecisionPolicy (the mixed modes: weights all-gathered in the compute dtype, gradients reduced in fp32;
-fp32: no cast). fp16 steps through torch's ShardedGradScaler, whose inf check is agreed across ranks, and
-`clip_grad_norm_` clips the sharded (DTensor) gradients by their global norm.
+MixedPrecisionPolicy (Precision.mixed_precision_policy: the mixed modes gather weights in the compute dtype and
+reduce gradients in fp32; fp32 and the true modes cast nothing). fp16 steps through torch's ShardedGradScaler,
+whose inf check is agreed across ranks, and `clip_grad_norm_` clips the sharded (DTensor) gradients by their
+global norm.
 """
 from __future__ import annotations
 
@@ -15,18 +16,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ..core.precision import Precision
+from ..core.precision_steppers import ScalerStepper
 from .memory import repeated_blocks
 from .step import TrainStep
-
-
-def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
-    """FSDP's casts for a decided precision: mixed modes gather weights in the compute dtype and reduce
-    gradients in fp32 (fp32 master weights stay sharded); fp32 casts nothing."""
-    if precision.dtype == torch.float32:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
 
 
 def describe_policy(policy: MixedPrecisionPolicy) -> str:
@@ -57,7 +52,7 @@ def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forwa
     """`fully_shard` per repeated block, then on the root, in place (the module's weights become DTensors).
     Call it before building the optimizer, which must hold the sharded parameters."""
     mesh = env.mesh()
-    policy = mixed_precision_policy(precision)
+    policy = precision.mixed_precision_policy()
     blocks = repeated_blocks(model)
     block_type = type(blocks[0]).__name__ if blocks else None  # before fully_shard renames it FSDP<name>
     for block in blocks:
@@ -85,10 +80,8 @@ def train_step(adapter, precision: Precision, optimizer, scheduler, grad_clip) -
     model = adapter.model
     step = TrainStep(adapter, precision, optimizer, scheduler, grad_clip,
                      no_sync=lambda accumulating: _gradient_sync(model, not accumulating))
-    if step.scaler.is_enabled():
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        step.scaler = ShardedGradScaler(adapter.device.type)
+    if isinstance(step.stepper, ScalerStepper):  # fp16 mixed: a GradScaler whose inf check every rank agrees on
+        step.stepper.scaler = ShardedGradScaler(adapter.device.type)
     return step
 
 

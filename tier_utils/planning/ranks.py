@@ -90,10 +90,10 @@ def rank_plan(adapter, precision, length: int) -> RankPlan:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    mixed = precision.dtype != torch.float32
-    gathered = 2 * precision.dtype.itemsize + (4 if mixed else 0)  # weight + gradient (+ fp32 reduce copy)
+    cast = precision.param_dtype != precision.compute_dtype  # a mixed mode: FSDP casts, reduces in fp32
+    gathered = 2 * precision.compute_dtype.itemsize + (4 if cast else 0)  # weight + gradient (+ fp32 reduce copy)
     (config,), _ = plan(adapter, [precision.name], length)
-    return RankPlan(static_bytes(model), root, block, gathered, config.fit, length)
+    return RankPlan(static_bytes(model, precision), root, block, gathered, config.fit, length)
 
 
 @dataclass(repr=False)

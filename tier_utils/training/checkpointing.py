@@ -55,7 +55,7 @@ class RunCheckpoints:
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "strategy": self.env.strategy,
                 "global_batch": self.global_batch, "precision": self.precision.name,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
                 "selection": self.selection.state_dict()}
@@ -130,8 +130,7 @@ class RunCheckpoints:
                                       f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.step_fn.scaler.is_enabled():
-            self.step_fn.scaler.load_state_dict(state["scaler"])
+        self.step_fn.stepper.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
         later = self._read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tier_utils import cli, load_model
 from tier_utils.core.errors import CheckpointError, LaunchError
+from tier_utils.core.files import LOCK_NAME
 from tier_utils.core.seeding import seed_everything
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.models.sharded import check_complete, read_trainer
@@ -222,11 +223,15 @@ def test_a_missing_shard_is_named_in_one_line_and_nothing_is_written(runs, tmp_p
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
-    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    def files():  # every file and its time, but the run lock's (it holds the pid of the run that last held it)
+        return sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")
+                      if p.is_file() and p.name != LOCK_NAME)
+
+    before = files()
     assert cli.main(_args(run, runs["text"], 1, "--precision", "fp32", "--resume")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "missing shard __1_0.distcp" in err[0]
-    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+    assert len(err) == 1 and "missing shard __1_0.distcp" in err[0], err
+    assert files() == before
 
 
 def test_analysis_refuses_to_run_sharded_in_one_line(monkeypatch, capsys):
@@ -239,3 +244,14 @@ def test_analysis_refuses_to_run_sharded_in_one_line(monkeypatch, capsys):
     assert cli.main(["analyze", "--model", "tiny-gpt", *SIZE_ARGS, "--device", "cpu", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoints/last.pt" in err[0]
+
+
+@pytest.mark.parametrize("name, param_dtype, reduce_dtype", [
+    ("fp32", None, None), ("bf16", torch.bfloat16, torch.float32), ("fp16", torch.float16, torch.float32),
+    ("bf16-true", None, None)])
+def test_each_precision_is_one_mixed_precision_policy(name, param_dtype, reduce_dtype, monkeypatch):
+    from tier_utils import resolve_precision
+
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16-true decided as native, whatever this CPU
+    policy = resolve_precision(name, "cpu", warn=False).mixed_precision_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)

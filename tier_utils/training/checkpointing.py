@@ -15,6 +15,7 @@ from ..core.errors import CheckpointError
 from ..core.hub import HUB_PREFIX
 from ..core.seeding import rng_state, set_rng_state
 from ..data.tokenizer import BYTES
+from ..engine.lora import load_model_state, lora_record, model_state
 from ..models.checkpoint import CHECKPOINT_NAME, describe_data, load_checkpoint, save_checkpoint
 from ..models.loading import source_of
 from ..models.sharded import load_sharded, read_trainer, save_sharded
@@ -43,7 +44,7 @@ class RunCheckpoints:
         if self.env.sharded:  # every rank writes its shard
             save_sharded(paths, self.adapter.model, self.optimizer, trainer, self.env)
         elif self.env.is_main:
-            save_checkpoint(paths, {**trainer, "model": self.adapter.model.state_dict(),
+            save_checkpoint(paths, {**trainer, "model": model_state(self.adapter.model),
                                     "optimizer": self.optimizer.state_dict()})
         if last:
             self.last_saved = self.step
@@ -79,7 +80,7 @@ class RunCheckpoints:
             if not folder.is_dir():
                 tokenizer.save(folder)
             name = str(folder.resolve())
-        return source.record(None if name == BYTES else name)
+        return source.record(None if name == BYTES else name, lora_record(self.adapter.model))
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
@@ -96,10 +97,10 @@ class RunCheckpoints:
 
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved, sharded = state["config"], state.get("strategy") == "fsdp"
+        saved, now, sharded = state["config"], self.cfg.to_dict(), state.get("strategy") == "fsdp"
         # DCP reshards a sharded checkpoint: another world size resumes it if the global batch is the same.
         fields = [k for k in TRAJECTORY_FIELDS if not (sharded and k == "batch_size")]
-        differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != getattr(self.cfg, k)]
+        differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != now[k]]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
         if sharded != self.env.sharded:
@@ -124,7 +125,7 @@ class RunCheckpoints:
             load_sharded(self.ckpt_path, self.adapter.model, self.optimizer)
         else:
             try:
-                self.adapter.model.load_state_dict(state["model"])
+                load_model_state(self.adapter.model, state["model"])
             except RuntimeError as exc:
                 raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
                                       f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc

@@ -29,6 +29,8 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed, sharding
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
+from ..engine.lora import apply_lora, convert_for, describe_lora
+from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
 from ..models.sharded import full_model_state
@@ -133,8 +135,15 @@ class _Run(RunCheckpoints):
         mixed modes, whatever dtype the checkpoint was stored in), checked: trainable, and its forward runs."""
         seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
         adapter = resolve_model(model, **model_kwargs)
-        check_save_hf(adapter.model, self.cfg.save_hf)  # a model with no save_pretrained form: refused before any step
-        self.precision.convert_module(adapter.model.to(self.device)).train()
+        cfg = self.cfg
+        if cfg.activation_checkpointing:
+            require_blocks(adapter.model)  # before LoRA changes a caller's module
+        if cfg.lora is not None:
+            adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+        check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
+        convert_for(self.precision, adapter.model.to(self.device)).train()
+        # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
+        self.checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
         adapter.require_trainable()
         adapter.check_forward()
         return adapter
@@ -217,6 +226,8 @@ class _Run(RunCheckpoints):
         finally:
             self.bar.close()
             self.adapter.model.train()
+            if self.checkpointing:
+                disable_checkpointing(self.adapter.model)  # the returned model runs as it came
         return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
@@ -305,7 +316,8 @@ class _Run(RunCheckpoints):
         if self.cfg.consolidate:
             self._consolidate(full, weights)
         if self.cfg.save_hf is not None and self.env.is_main:
-            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights, full)
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights,
+                                    self.cfg.merge, full)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -338,6 +350,7 @@ class _Run(RunCheckpoints):
             **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
             hf_folder=cfg.save_hf if self.saved_hf else None,
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            activation_checkpointing=self.checkpointing, lora=describe_lora(self.adapter.model),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg)

@@ -185,15 +185,16 @@ def test_two_nodes_meet_through_the_rendezvous(tmp_path, runs):
         port = s.getsockname()[1]
     launcher = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t33"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo"}
+    # With activation checkpointing too: the recompute gives the same values, block by block under FSDP.
     target = ["-m", "tier_utils", *_args(tmp_path / "nodes", runs["text"], 2, "--precision", "fp32", "--json",
-                                         str(tmp_path / "n.json"))]
+                                         str(tmp_path / "n.json"), "--activation-checkpointing")]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", "1", *target]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outputs = [n.communicate(timeout=240) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     summary = json.loads((tmp_path / "n.json").read_text())
-    assert summary["world_size"] == 2 and summary["strategy"] == "fsdp"
+    assert summary["world_size"] == 2 and summary["strategy"] == "fsdp" and summary["activation_checkpointing"]
     assert _steps(pd.read_csv(tmp_path / "nodes" / "metrics.csv")) == pytest.approx(
         _steps(pd.read_csv(runs["whole"] / "metrics.csv")), rel=1e-5)
 

@@ -8,10 +8,13 @@ Each strategy is one `train()` under `torchrun --nproc_per_node 2` on the bundle
 its IQR over the step rows (the first steps, warm-up, included in n). Run it under the machine's heavy lock:
 
     flock /work/heavy.lock python bench/fsdp_cpu.py [--batch-size 1] [--seq-len 128] [--steps 6] [--json out.json]
+
+`--model-arg n_layer=2` (repeatable) changes the config, e.g. for a quick check of the script itself.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import resource
@@ -36,7 +39,8 @@ def rank_main(args) -> None:
     from tier_utils.training.loop import train
 
     before = _rss()
-    result = train(SPEC, None, strategy=args.strategy, precision="fp32", device="cpu", batch_size=args.batch_size,
+    result = train(SPEC, None, model_kwargs=_kwargs(args), strategy=args.strategy, precision="fp32", device="cpu",
+                   batch_size=args.batch_size,
                    seq_len=args.seq_len, max_steps=args.steps, warmup_steps=0, log_every=1, eval_every=0,
                    eval_batches=1, deterministic=False, progress=False)
     s = result.summary
@@ -48,12 +52,17 @@ def rank_main(args) -> None:
     Path(args.out, f"rank{s.rank}.json").write_text(json.dumps(out))
 
 
+def _kwargs(args) -> dict:
+    return {k: ast.literal_eval(v) for k, _, v in (a.partition("=") for a in args.model_arg)}
+
+
 def launch(strategy: str, args, folder: Path) -> list[dict]:
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            "--rank-worker", "--strategy", strategy, "--out", str(folder), "--batch-size", str(args.batch_size),
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+           *(x for a in args.model_arg for x in ("--model-arg", a))]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
         sys.exit(f"{strategy} run failed:\n{run.stderr[-3000:]}")
@@ -63,7 +72,8 @@ def launch(strategy: str, args, folder: Path) -> list[dict]:
 def predicted(args) -> dict:
     from tier_utils.planning.ranks import plan_ranks
 
-    plan = plan_ranks(SPEC, seq_len=args.seq_len, precision="fp32", device="cpu", ranks=(2,), progress=False).plan
+    plan = plan_ranks(SPEC, model_kwargs=_kwargs(args), seq_len=args.seq_len, precision="fp32", device="cpu",
+                      ranks=(2,), progress=False).plan
     return {mode: plan.step_bytes(mode, 2, args.batch_size) for mode in ("ddp", "fsdp")}
 
 
@@ -73,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", help="write the table here")
+    ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="a GPT2Config field")
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--strategy", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -30,6 +30,11 @@ def test_ddp_holds_everything_per_rank_and_fsdp_a_shard_plus_the_units_in_flight
         assert t.loc[("ddp", n), "static_per_rank_gib"] * 2**30 == whole + grads
         assert t.loc[("fsdp", n), "static_per_rank_gib"] * 2**30 == pytest.approx(whole / n, abs=1)
         assert t.loc[("fsdp", n), "in_flight_gib"] * 2**30 == (p.root_params + 2 * block) * 8
+        # foreach AdamW's temporary (one copy of the weights it steps) is the optimizer step's own peak
+        weights = 4 * sum(q.numel() for q in model.parameters())
+        assert t.loc[("fsdp", n), "optimizer_step_gib"] * 2**30 == -(-weights // n)
+        backward = p.in_flight("fsdp", n) + p.fit.k + 2 * p.per_sequence()
+        assert p.step_bytes("fsdp", n, 2) == int(-(-whole // n) + max(backward, -(-weights // n)))
     # CPU ranks share this machine's RAM: more of them leave each a smaller batch
     assert t.loc[("ddp", 4), "this_device"] < t.loc[("ddp", 1), "this_device"]
     mixed = plan_ranks(model, seq_len=32, precision="bf16", device="cpu", ranks=(2,), progress=False)

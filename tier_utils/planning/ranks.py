@@ -9,7 +9,9 @@ Per rank, at batch B and length T (S: the static bytes of the fit planner, weigh
   whole forward and backward) and two blocks (the one running and the one prefetched), each with its gathered
   weights and unsharded gradients in the MixedPrecisionPolicy's dtype (mixed modes: plus the fp32 copy the
   gradients are reduced in), plus the activations of its B sequences.
-Activations are the fit planner's measured fit (planner.plan), the same for both modes. N CPU ranks on one
+Activations are the fit planner's measured fit (planner.plan), the same for both modes. The optimizer step is a
+second peak: backward's activations and gathered units are gone by then, but foreach AdamW holds one temporary
+the size of the weights it steps (the rank's shard under FSDP); a rank's peak is the larger phase. N CPU ranks on one
 machine share its RAM, so here each rank gets 1/N of it; a GPU rank has its card. Every figure but this
 device's free memory is predicted, and says so.
 """
@@ -71,16 +73,25 @@ class RankPlan:
             return 0
         return (self.root_params + BLOCKS_IN_FLIGHT * self.block_params) * self.gathered_bytes
 
+    def optimizer_transient(self, mode: str, n: int) -> int:
+        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
+        this rank steps."""
+        return self.static["weights_bytes"] if mode == "ddp" else -(-self.static["weights_bytes"] // n)
+
     def per_sequence(self) -> float:
         return self.fit.per_sequence(self.length) + self.fit.output_per_token * self.length
 
     def step_bytes(self, mode: str, n: int, batch: int) -> int:
-        """Predicted bytes one rank holds during a training step at `batch` sequences per rank."""
-        return int(self.static_per_rank(mode, n) + self.in_flight(mode, n) + self.fit.k + batch * self.per_sequence())
+        """Predicted peak bytes of one rank during a training step at `batch` sequences per rank: its static
+        state plus the larger of backward's (units in flight, activations) and the optimizer step's transient."""
+        backward = self.in_flight(mode, n) + self.fit.k + batch * self.per_sequence()
+        return int(self.static_per_rank(mode, n) + max(backward, self.optimizer_transient(mode, n)))
 
     def largest_batch(self, mode: str, n: int, room: float) -> int:
-        fixed = self.static_per_rank(mode, n) + self.in_flight(mode, n) + self.fit.k
-        return max(0, int((room - fixed) // self.per_sequence()))
+        static = self.static_per_rank(mode, n)
+        if static + self.optimizer_transient(mode, n) > room:
+            return 0
+        return max(0, int((room - static - self.in_flight(mode, n) - self.fit.k) // self.per_sequence()))
 
 
 def rank_plan(adapter, precision, length: int) -> RankPlan:
@@ -116,7 +127,9 @@ class RanksResult(Result):
             for n in self.ranks:
                 here = p.largest_batch(mode, n, self._here(n))
                 row = {"mode": mode, "ranks": n, "static_per_rank_gib": p.static_per_rank(mode, n) / 2**30,
-                       "in_flight_gib": p.in_flight(mode, n) / 2**30, "per_sample_gib": p.per_sequence() / 2**30,
+                       "in_flight_gib": p.in_flight(mode, n) / 2**30,
+                       "optimizer_step_gib": p.optimizer_transient(mode, n) / 2**30,
+                       "per_sample_gib": p.per_sequence() / 2**30,
                        "this_device": here}
                 row.update({f"{name} (predicted)": p.largest_batch(mode, n, gpu_room(mib))
                             for name, mib in GPUS.items()})

@@ -15,13 +15,9 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from ..core.errors import TierError
+from ..core.errors import LoraError
 from ..core.settings import check_fields, setting
 from .memory import repeated_blocks
-
-
-class LoraError(TierError, ValueError):
-    """LoRA was asked wrongly: a bad setting, a target that matches no layer, peft missing."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ its IQR over the step rows (the first steps, warm-up, included in n). Run it und
 
     flock /work/heavy.lock python bench/fsdp_cpu.py [--batch-size 1] [--seq-len 128] [--steps 6] [--json out.json]
 
-`--model-arg n_layer=2` (repeatable) changes the config, e.g. for a quick check of the script itself.
+`--model-arg n_layer=2` (repeatable) changes the config, e.g. for a quick check of the script itself. With
+glibc's default (dynamic) mmap threshold, FSDP's freed per-unit buffers stay resident; run it with
+`MALLOC_MMAP_THRESHOLD_=65536` (the ranks inherit it) to see what the tensors themselves need (bench/RESULTS.md).
 """
 from __future__ import annotations
 

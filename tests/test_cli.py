@@ -14,6 +14,7 @@ import pytest
 import tier_utils
 from tier_utils.benchmark.config import BenchConfig, Thresholds
 from tier_utils.cli import build_parser, main
+from tier_utils.planning.ranks import RanksConfig
 from tier_utils.training.config import TrainConfig
 from tier_utils.tuning.study import SearchConfig
 
@@ -146,6 +147,7 @@ def _defaults(verb: str) -> dict:
     ("analyze", [(tier_utils.AnalysisConfig, {})]),
     ("export", [(tier_utils.ExportConfig, {})]),
     ("fit", [(tier_utils.FitConfig, {})]),
+    ("ranks", [(RanksConfig, {})]),
 ])
 def test_cli_defaults_are_the_settings_defaults(verb, sources):
     """Each setting's default is declared once, in its dataclass (or, for search's trials, SearchConfig.trial):
@@ -159,7 +161,7 @@ def test_cli_defaults_are_the_settings_defaults(verb, sources):
                 compared += 1
     # Every field of a tier's own class is an option, but export's example (a tensor, for Python only).
     assert compared >= {"train": 25, "bench": 20, "search": 11, "info": 2, "smoke": 6, "analyze": 7, "export": 3,
-                        "fit": 6}[verb]
+                        "fit": 6, "ranks": 5}[verb]
 
 
 def test_all_defaults_are_run_alls():

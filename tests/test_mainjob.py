@@ -29,22 +29,23 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     out, summary = tmp_path / "report", tmp_path / "all.json"
     code = main(["all", *TINY_ARGS, "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
     data = json.loads(summary.read_text())
-    assert [t["tier"] for t in data["tiers"]] == ["smoke", "analysis", "train", "fit", "amp_benchmark"]
+    assert [t["tier"] for t in data["tiers"]] == ["smoke", "analysis", "train", "fit", "ranks", "amp_benchmark"]
     # Exit 1 only when the model's own checks FAIL; the benchmark's verdicts judge the device's precisions.
     assert code == (1 if data["model_status"] == "FAIL" else 0)
-    for tier in ("smoke", "analysis", "train", "fit", "amp_benchmark"):
+    for tier in ("smoke", "analysis", "train", "fit", "ranks", "amp_benchmark"):
         assert (out / f"{tier}.csv").stat().st_size > 0 and (out / f"{tier}.png").exists()
         assert f"src='{tier}.png'" in (out / "index.html").read_text()
     assert "amp_benchmark_verdicts.csv" in (out / "index.html").read_text()
     verdicts = pd.read_csv(out / "amp_benchmark_verdicts.csv")
     assert set(verdicts["precision"]) == set(BenchConfig().precisions)  # every mode the benchmark compares, by default
-    assert data["tiers"][4]["status"] in verdicts["status"].tolist()
+    assert data["tiers"][5]["status"] in verdicts["status"].tolist()
     train = json.loads((out / "train.json").read_text())
     assert train["summary"]["steps"] == TINY_SIZES.train.max_steps and train["summary"]["global_batch"] == 4
     # the job decided `auto` once; training runs that decision, so its reason still says auto (not "bf16 requested")
     assert train["summary"]["precision_reason"].startswith("auto: ")
     printed = capsys.readouterr().out
     for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "fit: largest training batch at T=16 here",
+                 "ranks: smallest N that trains at T=16",
                  "amp_benchmark: ", "model checks: ", "  at batch 4 x 16 tokens"):
         assert head in printed
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]

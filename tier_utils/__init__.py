@@ -9,6 +9,7 @@ from .core.errors import (
     CheckpointError,
     DataError,
     ExportError,
+    LaunchError,
     LoggerError,
     ModelSpecError,
     TierError,
@@ -35,6 +36,7 @@ from .models.checkpoint import load_checkpoint
 from .models.loading import load_model, load_weights
 from .planning.device_info import InfoConfig, InfoResult, info
 from .planning.planner import FitConfig, FitResult, fit
+from .planning.ranks import RanksConfig, RanksResult, plan_ranks
 from .report import write_report
 from .smoketest.suite import SmokeConfig, SmokeReport, smoke
 from .training.config import TrainConfig
@@ -57,7 +59,7 @@ __all__ = [
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
-    "FitConfig", "FitResult", "fit", "LoraSettings",
+    "FitConfig", "FitResult", "fit", "LoraSettings", "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
     # export, experiment loggers
     "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

@@ -39,6 +39,7 @@ from .options import (
 )
 from .planning.device_info import InfoConfig, info
 from .planning.planner import FitConfig, fit
+from .planning.ranks import RanksConfig, plan_ranks
 from .presets import FAST, JOB
 from .smoketest.suite import SmokeConfig, smoke
 from .training.config import TrainConfig
@@ -80,7 +81,7 @@ def _run_train(args) -> tuple[dict, int]:
         args.json = None
         return jsonable(s), code
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
-    files += [f for f in (s.checkpoint, s.best_checkpoint, s.hf_folder) if f]
+    files += [f for f in (s.checkpoint, s.best_checkpoint, s.consolidated, s.hf_folder) if f]
     print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
     _show(result.table)  # the summary as the notebook shows it
     print("wrote: " + ", ".join(str(f) for f in files))
@@ -147,6 +148,15 @@ def _run_fit(args) -> tuple[dict, int]:
     result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
     print(result.headline())
     _show(result.overview())
+    return result.to_json(), 0
+
+
+def _run_ranks(args) -> tuple[dict, int]:
+    result = plan_ranks(args.model, settings_from(args, RanksConfig), model_kwargs=model_kwargs(args))
+    print(result.headline())
+    _show(result.overview())
+    print("smallest N that trains (batch 1 per rank):")
+    _show(result.smallest())
     return result.to_json(), 0
 
 
@@ -265,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, FitConfig, precision=False)
     add_settings(p, FitConfig, ("seq_len", "precisions", "checkpointing", "validate"))
     p.set_defaults(run=_run_fit)
+
+    p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "
+                                       "rank here and predicted for 2/4/8 T4/L4/A100/H100, the smallest N per mode")
+    add_common(p, RanksConfig)
+    add_settings(p, RanksConfig, ("seq_len", "ranks"))
+    p.set_defaults(run=_run_ranks)
 
     p = verbs.add_parser("all", help="the main job: smoke, analyze, a short training run and the AMP benchmark, "
                                      "with an HTML report")

@@ -30,6 +30,7 @@ from .engine.lora import LoraSettings
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
+from .planning.ranks import plan_ranks
 from .presets import FAST, JOB, Preset
 from .report import write_report
 from .smoketest.suite import smoke
@@ -99,6 +100,8 @@ class AllResult(Result):
             lines.append(_train_line(r["train"].summary, self.seconds["train"]))
         if "fit" in r:
             lines.append(r["fit"].summary_line())
+        if "ranks" in r:
+            lines.append(r["ranks"].summary_line())
         if "amp_benchmark" in r:
             v, run = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
             lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
@@ -183,9 +186,10 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
                                                                                progress=progress, **memory)),
         # predictions only
         "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
+        "ranks": lambda: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
     }
     if "data" not in ran_on:  # the forward raised: smoke and analyze report it; nothing else can run
-        del steps["train"], steps["fit"]
+        del steps["train"], steps["fit"], steps["ranks"]
     results, seconds = {}, {}
     for name, run in steps.items():
         results[name], seconds[name] = _attempt(name, run)

@@ -61,6 +61,10 @@ class CheckpointError(TierError, ValueError):
     """A checkpoint is missing, unreadable, unsafe, or from a different run."""
 
 
+class LaunchError(TierError, ValueError):
+    """A distributed strategy was asked for outside the launcher it needs (e.g. fsdp without torchrun)."""
+
+
 class LoggerError(TierError, ValueError):
     """A logger was asked for that is unknown or not installed."""
 

@@ -178,6 +178,16 @@ class Precision:
         stepper reads the loss scale around each step (two host syncs) to say whether it was skipped."""
         return ScalerStepper(self.device, track) if self.needs_scaler else Stepper()
 
+    def mixed_precision_policy(self):
+        """FSDP2's casts for this mode (torch.distributed.fsdp.MixedPrecisionPolicy): a mixed mode gathers the
+        weights in its compute dtype and reduces gradients in fp32 (the fp32 master weights stay sharded); fp32 and
+        the true modes cast nothing (their weights already are what the forward computes in)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.param_dtype == self.compute_dtype:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+
     def static_bytes_per_param(self) -> dict:
         """Bytes per trainable parameter the mode holds: its weight, its gradient and AdamW's two states."""
         size = self.param_dtype.itemsize

@@ -12,17 +12,21 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
 
 
-def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None) -> dict:
+def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None,
+             forwards: int | None = None) -> dict:
     """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
     (next tokens, or class labels) of a ModelAdapter in a Precision.
 
     Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
     most `max_batches` batches (None: all); the model is back in train mode afterwards.
     `reduce_sum` (e.g. DistEnv.all_sum) adds up the sums across ranks. `targets` is their count.
+    `forwards`: under FSDP every rank must run as many forwards as the others (each one all-gathers weights
+    with them), so a rank whose share ran out of batches runs uncounted forwards up to that number.
     """
     model, device = adapter.model, adapter.device
     model.eval()
     sums = torch.zeros(3, device=device)  # loss x count, correct, count
+    done = 0
     try:
         with torch.inference_mode():
             for i, batch in enumerate(loader):
@@ -36,6 +40,9 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
                 sums[0] += adapter.loss(logits, labels) * n
                 sums[1] += (logits.argmax(-1) == labels).sum()
                 sums[2] += n
+                done += 1
+            for _ in range((forwards or 0) - done):
+                adapter.logits(adapter.example_batch(1, 1)["input_ids"])  # its output is not scored
     finally:
         model.train()
     loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()

@@ -111,6 +111,8 @@ class TrainStep:
         self.stepper.unscale(self.optimizer)
         # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP's sharded gradients: their global norm, replicated
+            grad_norm = grad_norm.full_tensor()
         before = [p.detach().clone() for p in self.params] if self.count_rounding else None
         skipped = self.stepper.step(self.optimizer)
         # A skipped step (fp16 overflow) must not advance the LR schedule.

@@ -9,6 +9,7 @@ from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..engine.compiling import compile_mode_setting
+from ..engine.distributed import STRATEGIES
 from ..engine.lora import LoraSettings, lora_setting
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
@@ -74,6 +75,15 @@ class TrainConfig:
                                               "[,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight trains)")
     merge: bool = setting(False, "with LoRA and a transformers folder to save: write the merged model (adapters "
                                  "folded in, plain transformers loads it), not peft's adapter folder")
+    # Under torchrun. Not trajectory settings: ddp and fsdp take the same steps (to float rounding); a resume
+    # keeps the checkpoint's form (last.pt or the sharded last/) all the same.
+    strategy: str = setting("ddp", "under torchrun: ddp (each rank holds the whole model) or fsdp (FSDP2: weights, "
+                                   "gradients and AdamW state sharded over the ranks; needs torchrun)",
+                            choices=STRATEGIES)
+    reshard_after_forward: bool = setting(True, "fsdp: free each block's gathered weights after its forward (less "
+                                                "memory; backward gathers them again)")
+    consolidate: bool = setting(False, "fsdp: at the end, also write one unsharded last.pt (rank 0) that --model "
+                                       "and every tier read")
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)
@@ -86,11 +96,16 @@ class TrainConfig:
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
+        check_switch(self, "reshard_after_forward")
+        check_switch(self, "consolidate")
         check_fields(self)
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir=DIR, the folder holding the run's checkpoint")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
+        if self.consolidate and (self.strategy != "fsdp" or self.checkpoint_dir is None):
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs strategy='fsdp' "
+                             "and checkpoint_dir=DIR")
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
 

@@ -18,7 +18,9 @@ from pathlib import Path
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
 from ..data.tokenizer import BYTES
 from ..engine.lora import is_lora, load_model_state, merged_copy
+from ..engine.sharding import unsharded_class
 from ..models.checkpoint import load_checkpoint
+from ..models.sharded import load_sharded, read_trainer
 
 
 @dataclass
@@ -76,16 +78,19 @@ class Selection:
             setattr(self, key, value)
 
 
-def restore_best(model, selection: Selection, step: int, best_path: Path) -> str:
-    """restore_best at a run's end: best.pt's weights into `model` (unless the last step was the best); says which
-    weights the model now holds."""
+def restore_best(model, selection: Selection, step: int, best_path: Path, sharded: bool = False) -> str:
+    """restore_best at a run's end: best.pt's (or, `sharded`, the best/ folder's) weights into `model` (unless the
+    last step was the best); says which weights the model now holds. Sharded: every rank calls it."""
     if selection.best_step is None or selection.best_step == step:
         return f"final weights (step {step}{', also the best' if selection.best_step == step else ''})"
-    state = load_checkpoint(best_path)
+    state = read_trainer(best_path) if sharded else load_checkpoint(best_path)
     if state["step"] != selection.best_step:  # replaced by another run since: never restore the wrong weights
         raise CheckpointError(f"{best_path} holds step {state['step']}, not this run's best step "
                               f"{selection.best_step}; drop restore_best or use a checkpoint_dir of its own")
-    load_model_state(model, state["model"])
+    if sharded:
+        load_sharded(best_path, model)
+    else:
+        load_model_state(model, state["model"])
     return f"best weights (step {selection.best_step}, val loss {selection.best_loss:.4f}, from {best_path.name})"
 
 
@@ -101,11 +106,14 @@ def check_save_hf(model, folder, merge: bool = False) -> None:
                           "'last.pt')), or load its weights into the transformers class and train that")
 
 
-def save_hf(model, tokenizer, folder, weights: str, merge: bool = False) -> str:
+def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None) -> str:
     """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,
     e.g. "final weights (step 60); tokenizer saved". A LoRA model writes peft's adapter folder, or with `merge`
-    the base with the adapters folded in."""
+    the base with the adapters folded in. `state_dict`: a sharded model's gathered weights."""
     folder = Path(folder).expanduser()
+    if state_dict is not None:  # a sharded model: its gathered weights in an unsharded copy of its class
+        model = unsharded_class(model)(model.config)
+        model.load_state_dict(state_dict)
     (merged_copy(model) if merge else model).save_pretrained(folder)
     if is_lora(model):
         weights += "; merged LoRA model" if merge else "; LoRA adapter (peft format)"

@@ -231,6 +231,10 @@ class TrainSummary:
     weights_detail: str | None = None  # the precision's statement: "weights stored bf16 → fp32 master weights, ..."
     activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
     lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
+    strategy: str = "single"  # single (one process), ddp or fsdp (torchrun)
+    sharding: str | None = None  # fsdp: what fully_shard wrapped, the MixedPrecisionPolicy, reshard_after_forward
+    param_bytes_per_rank: int | None = None  # the parameter bytes this rank holds (its shard under fsdp)
+    consolidated: str | None = None  # fsdp with consolidate: the unsharded last.pt rank 0 wrote
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -279,6 +283,9 @@ class TrainResult(Result):
             ("device", s.device_name),
             ("steps", f"{s.steps} of {s.total_steps}"),
             ("global_batch", s.global_batch),
+            ("strategy", None if s.strategy == "single" else f"{s.strategy} over {s.world_size} rank(s)"),
+            ("sharding", s.sharding),
+            ("param_bytes_per_rank", None if s.strategy == "single" else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
             ("train_loss", number(s.train_loss, ".4f")),
             ("val_loss", number(s.val_loss, ".4f")),
             ("perplexity", number(s.perplexity, ".4g")),
@@ -297,6 +304,7 @@ class TrainResult(Result):
             ("diverged_at_step", s.diverged_at_step),
             ("interrupted", True if s.interrupted else None),
             ("checkpoint", s.checkpoint),
+            ("consolidated", s.consolidated),
             ("weights", s.weights),
             ("save_hf", s.hf_detail and (f"{s.hf_folder}: " if s.hf_folder else "") + s.hf_detail),
         ]

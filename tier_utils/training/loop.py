@@ -1,16 +1,15 @@
 """Tier 3 training engine: `train()` around the shared precision-correct optimizer step (`TrainStep`, engine/step.py).
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
-kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
-History rows and `TrainResult` live in history.py, DDP helpers in distributed.py, checkpoint I/O in
-model/checkpoint.py.
+kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP or FSDP2).
+History rows and `TrainResult` live in history.py, the distributed strategy in engine/distributed.py and
+engine/sharding.py, checkpoint I/O in models/checkpoint.py (single files) and models/sharded.py (FSDP's folders).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,34 +17,26 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..adapter.adapter import ModelAdapter, resolve_model
-from ..core.errors import CheckpointError, DataError, TrainingDiverged
+from ..core.errors import DataError, TrainingDiverged
 from ..core.files import run_lock
-from ..core.hub import HUB_PREFIX
 from ..core.inputs import writable_dir
 from ..core.precision import Precision, device_name, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
-from ..core.seeding import rng_state, seed_everything, set_rng_state
+from ..core.seeding import seed_everything
 from ..core.settings import merge
-from ..core.threads import chooses_threads, resume_threads
+from ..core.threads import chooses_threads
 from ..data.datasets import DataSplits, make_loader, to_device
-from ..data.tokenizer import BYTES
+from ..engine import distributed, sharding
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
-from ..engine.lora import apply_lora, convert_for, describe_lora, load_model_state, lora_record, model_state
+from ..engine.lora import apply_lora, convert_for, describe_lora
 from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
-from ..models.checkpoint import (
-    BEST_NAME,
-    CHECKPOINT_NAME,
-    data_fingerprint,
-    describe_data,
-    load_checkpoint,
-    save_checkpoint,
-)
-from ..models.loading import source_of
-from . import distributed
-from .config import FINE_LOG_STEPS, TRAJECTORY_FIELDS, TrainConfig
+from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
+from ..models.sharded import full_model_state
+from .checkpointing import RunCheckpoints
+from .config import FINE_LOG_STEPS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
 from .tracking import open_train_run
@@ -97,23 +88,23 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = merge(TrainConfig, config, overrides, "training")
-    if cfg.checkpoint_dir is not None:
-        writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
-    if cfg.save_hf is not None:
-        writable_dir(cfg.save_hf, "save_hf")
-    env = distributed.setup(cfg.device)
-    device = env.device or resolve_device(cfg.device)
-    # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
-    locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
-        else contextlib.nullcontext()
+    env = distributed.setup(cfg.device, cfg.strategy)  # fsdp without torchrun: refused before anything is written
     try:
+        if cfg.checkpoint_dir is not None:
+            writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
+        if cfg.save_hf is not None:
+            writable_dir(cfg.save_hf, "save_hf")
+        device = env.device or resolve_device(cfg.device)
+        # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
+        locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
+            else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
     finally:
         env.close()
 
 
-class _Run:
+class _Run(RunCheckpoints):
     """One call of train(): the state the loop, evaluation and checkpoints share, set up in the order below."""
 
     def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
@@ -123,18 +114,22 @@ class _Run:
         self.precision: Precision = resolve_precision(cfg.precision, device)
         self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
         self.adapter = self._build(model, model_kwargs)
+        self.model_name = self.adapter.name  # the model's own class: fully_shard subclasses it as FSDP<name>
+        # FSDP shards the weights in place before the optimizer is built on them.
+        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward) \
+            if env.sharded else None
         splits = self._datasets(data)
         self._loaders(splits)
         self._optimization()
         self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
         self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
-        self.weights = self.saved_hf = None  # what the returned model holds, and what save_hf wrote (end of run)
+        self.weights = self.saved_hf = self.consolidated = None  # the model's weights, what save_hf wrote (at the end)
         self.step_fn = self._step()
         self._resume()  # it restores the RNG states: only the compile below (which puts them back) follows
         self.compile_info = self._compile(splits) if cfg.compile else None
         self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
-            "model": self.adapter.name, "precision": self.precision.name, "precision_reason": self.precision.reason,
+            "model": self.model_name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             "weights": self.precision.describe_weights(self.adapter.stored_dtype),
             **run_metadata(self.device, self.precision.dtype)})
 
@@ -172,8 +167,9 @@ class _Run:
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
         self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
-        self.ckpt_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
-        self.best_path = self.ckpt_path.with_name(BEST_NAME) if self.ckpt_path is not None else None
+        names = (CHECKPOINT_NAME, BEST_NAME) if not self.env.sharded else ("last", "best")  # FSDP: DCP folders
+        self.ckpt_path = Path(cfg.checkpoint_dir) / names[0] if cfg.checkpoint_dir is not None else None
+        self.best_path = self.ckpt_path.with_name(names[1]) if self.ckpt_path is not None else None
         self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
         return splits
 
@@ -183,6 +179,9 @@ class _Run:
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
         self.val_loader = make_loader(distributed.eval_shard(splits.val, self.env), cfg.batch_size, shuffle=False,
                                       device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
+        # FSDP: every rank runs the same number of evaluation forwards (each gathers weights with the others).
+        self.eval_forwards = self.env.all_max(min(len(self.val_loader), cfg.eval_batches or len(self.val_loader))) \
+            if self.env.sharded else None
 
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
@@ -192,18 +191,13 @@ class _Run:
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
     def _step(self) -> TrainStep:
-        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation)."""
+        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation), or
+        on the FSDP-sharded model."""
+        if self.sharding is not None:
+            return sharding.train_step(self.adapter, self.precision, self.optimizer, self.scheduler, self.cfg.grad_clip)
         ddp = distributed.wrap(self.adapter.model, self.env)
         return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
                          self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
-
-    def _resume(self) -> None:
-        if not self.cfg.resume:
-            return
-        if self.ckpt_path.is_file():
-            self._load()
-        elif self.env.is_main:
-            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
 
     def _compile(self, splits: DataSplits):
         """The step calls the compiled model; evaluation and checkpoints use the eager one."""
@@ -308,102 +302,26 @@ class _Run:
     def _evaluate(self) -> dict:
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
         self.hist.close_training_peak()
-        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum)
+        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum,
+                           self.eval_forwards)
         self.val_targets = metrics["targets"]
         self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.step / self.steps_per_epoch}
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _save(self, last: bool = True, best: bool = False) -> None:
-        """Write last.pt and/or best.pt (one state, the same bytes; best.pt: this step has the lowest val loss)."""
-        if not (last or best):
-            return
-        self._check(self.hist.sync())  # never write a diverged state
-        rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
-        if self.env.is_main:
-            save_checkpoint([self.ckpt_path] * last + [self.best_path] * best, {
-                "step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
-                "world_size": self.env.world_size, "precision": self.precision.name,
-                "model": model_state(self.adapter.model), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
-                "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
-                "selection": self.selection.state_dict(), "threads": torch.get_num_threads(),
-            })
-        if last:
-            self.last_saved = self.step
-
-    def _source(self) -> dict | None:
-        """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
-        fed it. None for a module built in Python, which no spec can rebuild."""
-        source = source_of(self.adapter.model)
-        if source is None or source.spec is None:
-            return None
-        tokenizer = self.adapter.tokenizer
-        name = tokenizer.name
-        if name != BYTES and not (name.startswith(HUB_PREFIX) or Path(name).is_dir()):
-            # A tokenizer made in memory has no folder or hub id to load it from: keep its files beside the
-            # checkpoints, so load_model(checkpoint) finds the same ids.
-            folder = self.ckpt_path.parent / "tokenizer"
-            if not folder.is_dir():
-                tokenizer.save(folder)
-            name = str(folder.resolve())
-        return source.record(None if name == BYTES else name, lora_record(self.adapter.model))
-
-    def _epoch_start_generator(self) -> torch.Tensor:
-        """The loader generator's state at the start of the epoch a resume re-enters."""
-        at_boundary = self.step % self.steps_per_epoch == 0
-        return self.loader.generator.get_state() if at_boundary else self.epoch_gen
-
-    def _differences(self, state: dict) -> list[str]:
-        """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved, now = state["config"], self.cfg.to_dict()
-        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != now[k]]
-        if state["precision"] != self.precision.name:
-            differ.append(f"precision={state['precision']!r}")
-        if state["world_size"] != self.env.world_size:
-            differ.append(f"world size {state['world_size']}")
-        return differ
-
-    def _load(self) -> None:
-        state = load_checkpoint(self.ckpt_path)
-        differ = self._differences(state)
-        if differ:
-            raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
-                                  "settings or use a new checkpoint_dir")
-        if state.get("data") != self.data_info:
-            raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
-                                  f"{describe_data(self.data_info)}; resume with the same data or use a new "
-                                  "checkpoint_dir")
-        try:
-            load_model_state(self.adapter.model, state["model"])
-        except RuntimeError as exc:
-            raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
-                                  f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step_fn.stepper.load_state_dict(state["scaler"])
-        self.hist.load_state_dict(state["history"])
-        self.selection.load_state_dict(state.get("selection"))
-        later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
-        if later and not self._differences(later) and later["data"] == self.data_info:
-            self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
-        self._resume_gen = state["loader_generator"]
-        self.step = self.last_saved = self.resumed_from = state["step"]
-        set_rng_state(state["rng"][self.env.rank])
-        if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now
-            resume_threads(state["threads"], state["step"])
 
     def _finish(self) -> None:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
         weights = f"final weights (step {self.step})"
         if self.cfg.restore_best:
             self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
-            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
+            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path,
+                                                  self.env.sharded)
+        full = full_model_state(self.adapter.model) if self.env.sharded and (
+            self.cfg.save_hf or self.cfg.consolidate) else None  # gathered by every rank, onto rank 0
+        if self.cfg.consolidate:
+            self._consolidate(full, weights)
         if self.cfg.save_hf is not None and self.env.is_main:
             self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights,
-                                    self.cfg.merge)
+                                    self.cfg.merge, full)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -413,7 +331,7 @@ class _Run:
         cfg, env, info = self.cfg, self.env, self.compile_info
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
-            model=self.adapter.name, task=self.adapter.task,
+            model=self.model_name, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
             tokenizer=self.data.tokenizer, validation=self.data.validation,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
@@ -426,7 +344,9 @@ class _Run:
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",
-            global_batch=cfg.batch_size * cfg.grad_accum_steps * env.world_size, world_size=env.world_size,
+            global_batch=self.global_batch, world_size=env.world_size, strategy=env.strategy,
+            sharding=self.sharding and self.sharding.describe(), param_bytes_per_rank=sharding.param_bytes(
+                self.adapter.model), consolidated=self.consolidated and str(self.consolidated),
             rank=env.rank, resumed_from_step=self.resumed_from,
             checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
             interrupted=interrupted, diverged_at_step=diverged_at,

@@ -1,7 +1,10 @@
-"""torchrun support for `train()`: process group, DDP wrapping, sharded data order, cross-rank reductions.
+"""The distributed strategy under torchrun: process group and device mesh, DDP wrapping, sharded data order,
+cross-rank reductions. FSDP2's sharding itself is in sharding.py.
 
-Everything is torch.distributed; a plain (non-torchrun) process gets a one-rank `DistEnv` whose
-collectives are no-ops, so the training loop has a single code path.
+Everything is torch.distributed, and rank, world size and local rank come only from torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK), on one machine or several. A plain (non-torchrun) process gets a one-rank
+`DistEnv` whose collectives are no-ops, so the training loop has a single code path. FSDP needs the process
+group even on one rank (its mesh is a process group), so `strategy="fsdp"` joins one whatever the world size.
 """
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Subset
 
+from ..core.errors import LaunchError
 from ..core.precision import resolve_device
+
+STRATEGIES = ("ddp", "fsdp")  # under torchrun; one process without torchrun is always a single-device run
+LAUNCH_HINT = ("torchrun --nproc_per_node N -m tier_utils train ... --strategy fsdp (several machines: "
+               "docs/distributed.md)")
 
 
 def launched_by_torchrun() -> bool:
@@ -28,10 +36,32 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device | None = None  # the device this rank must use; None: the caller decides
     owns_group: bool = False  # we initialised the process group, so we tear it down
+    strategy: str = "single"  # single (one process), ddp or fsdp
 
     @property
     def active(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    def mesh(self):
+        """The explicit 1-D device mesh FSDP shards over: CPU ranks (gloo) or one GPU per rank (nccl)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world_size,))
+
+    def all_max(self, value: int) -> int:
+        if not self.active:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
 
     @property
     def is_main(self) -> bool:
@@ -60,15 +90,20 @@ class DistEnv:
             self.owns_group = False
 
 
-def setup(device=None) -> DistEnv:
-    """Join the torchrun job if there is one: nccl on CUDA (one GPU per local rank), gloo on CPU."""
+def setup(device=None, strategy: str = "ddp") -> DistEnv:
+    """Join the torchrun job if there is one: nccl on CUDA (one GPU per local rank), gloo on CPU. `strategy`
+    ddp needs more than one rank to matter; fsdp needs torchrun (one line saying how to launch, else)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     elif launched_by_torchrun() and dist.is_available():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    elif strategy == "fsdp":
+        raise LaunchError(f"strategy='fsdp' shards over torchrun's ranks; launch with {LAUNCH_HINT}")
     else:
         return DistEnv()
-    if world == 1:
+    if world == 1 and strategy == "ddp":
         return DistEnv()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wants_cuda = resolve_device(device).type == "cuda"
@@ -80,12 +115,13 @@ def setup(device=None) -> DistEnv:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None)
-    return DistEnv(rank, world, local_rank, dev, owns)
+    return DistEnv(rank, world, local_rank, dev, owns, strategy)
 
 
 def wrap(module: torch.nn.Module, env: DistEnv):
-    """DistributedDataParallel around `module` (whose weights all ranks already hold), or None on one rank."""
-    if not env.active:
+    """DistributedDataParallel around `module` (whose weights all ranks already hold), or None on one rank
+    and under FSDP (whose sharded module needs no wrapper)."""
+    if not env.active or env.sharded:
         return None
     from torch.nn.parallel import DistributedDataParallel
 
@@ -125,3 +161,16 @@ class ShardedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples - self.start
+
+
+def refuse_sharded(model, verb: str) -> None:
+    """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on an
+    FSDP-sharded module (its weights are DTensor shards)."""
+    module = getattr(model, "model", model)  # an adapter's module, or the module itself
+    sharded = isinstance(module, torch.nn.Module) and any(hasattr(p, "device_mesh") for p in module.parameters())
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if sharded or world > 1:
+        where = "an FSDP-sharded model" if sharded else f"{world} torchrun ranks"
+        raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
+                          f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
+                          "--strategy fsdp --consolidate)")

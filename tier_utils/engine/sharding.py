@@ -1,0 +1,97 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for `train(strategy="fsdp")` under torchrun.
+
+`fully_shard` goes on each repeated block (memory.repeated_blocks), then on the root, over the run's explicit
+1-D device mesh (gloo on CPU ranks, nccl with one GPU per rank): each rank keeps 1/N of every weight, gradient
+and AdamW state, and a block's full weights exist only while it runs. The decided precision becomes FSDP's
+MixedPrecisionPolicy (Precision.mixed_precision_policy: the mixed modes gather weights in the compute dtype and
+reduce gradients in fp32; fp32 and the true modes cast nothing). fp16 steps through torch's ShardedGradScaler,
+whose inf check is agreed across ranks, and `clip_grad_norm_` clips the sharded (DTensor) gradients by their
+global norm.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from ..core.precision import Precision
+from ..core.precision_steppers import ScalerStepper
+from .memory import repeated_blocks
+from .step import TrainStep
+
+
+def describe_policy(policy: MixedPrecisionPolicy) -> str:
+    def name(dtype):
+        return str(dtype).replace("torch.", "") if dtype is not None else "as stored"
+
+    return f"MixedPrecisionPolicy(param_dtype={name(policy.param_dtype)}, reduce_dtype={name(policy.reduce_dtype)})"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a model was sharded, for the run's summary."""
+
+    world_size: int
+    blocks: int
+    block_type: str | None
+    policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+
+    def describe(self) -> str:
+        where = (f"each of {self.blocks} {self.block_type} blocks, then the root" if self.blocks else
+                 "the root only (no repeated blocks: the whole model is gathered at once in forward and backward)")
+        return (f"FSDP2 fully_shard over {self.world_size} rank(s) on {where}; {describe_policy(self.policy)}; "
+                f"reshard_after_forward={self.reshard_after_forward}")
+
+
+def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forward: bool = True) -> Sharding:
+    """`fully_shard` per repeated block, then on the root, in place (the module's weights become DTensors).
+    Call it before building the optimizer, which must hold the sharded parameters."""
+    mesh = env.mesh()
+    policy = precision.mixed_precision_policy()
+    blocks = repeated_blocks(model)
+    block_type = type(blocks[0]).__name__ if blocks else None  # before fully_shard renames it FSDP<name>
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    sharding = Sharding(env.world_size, len(blocks), block_type, policy, reshard_after_forward)
+    if not blocks and env.is_main:
+        warnings.warn(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of one module type): FSDP "
+                      "shards the root only, so its whole weights are gathered at once", stacklevel=3)
+    return sharding
+
+
+@contextlib.contextmanager
+def _gradient_sync(model, on: bool):
+    model.set_requires_gradient_sync(on)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def train_step(adapter, precision: Precision, optimizer, scheduler, grad_clip) -> TrainStep:
+    """TrainStep on a sharded model: accumulation micro-steps skip the reduce-scatter, fp16 scales through
+    ShardedGradScaler."""
+    model = adapter.model
+    step = TrainStep(adapter, precision, optimizer, scheduler, grad_clip,
+                     no_sync=lambda accumulating: _gradient_sync(model, not accumulating))
+    if isinstance(step.stepper, ScalerStepper):  # fp16 mixed: a GradScaler whose inf check every rank agrees on
+        step.stepper.scaler = ShardedGradScaler(adapter.device.type)
+    return step
+
+
+def unsharded_class(model: torch.nn.Module) -> type:
+    """The model's own class (fully_shard makes the module an instance of a subclass FSDP<name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """The parameter bytes this rank holds: its shard of each DTensor, the whole of a plain tensor."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())

@@ -1,0 +1,217 @@
+"""The planner per rank: for N ranks under DDP and under FSDP2, the bytes each rank holds and the largest batch
+per rank, on this machine and predicted on the GPU table with 2, 4 and 8 of each card; the smallest N at which
+the model trains in each mode.
+
+Per rank, at batch B and length T (S: the static bytes of the fit planner, weights + gradients + AdamW state):
+- DDP: every rank holds S, plus DDP's gradient buckets (one more copy of the gradients: torch's default
+  gradient_as_bucket_view=False), plus the activations of its B sequences.
+- FSDP: S / N (each rank its shard), plus the units in flight: the root's own weights (gathered through the
+  whole forward and backward) and two blocks (the one running and the one prefetched), each with its gathered
+  weights and unsharded gradients in the MixedPrecisionPolicy's dtype (mixed modes: plus the fp32 copy the
+  gradients are reduced in), plus the activations of its B sequences.
+Activations are the fit planner's measured fit (planner.plan), the same for both modes. The optimizer step is a
+second peak: backward's activations and gathered units are gone by then, but foreach AdamW holds one temporary
+the size of the weights it steps (the rank's shard under FSDP); a rank's peak is the larger phase. N CPU ranks on one
+machine share its RAM, so here each rank gets 1/N of it; a GPU rank has its card. Every figure but this
+device's free memory is predicted, and says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from ..adapter.adapter import resolve_model
+from ..core.budget import ActivationFit, Budget, gib, read_budget
+from ..core.files import jsonable
+from ..core.precision import resolve_device, resolve_precision
+from ..core.results import Result, run_metadata
+from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
+from ..engine.memory import repeated_blocks
+from ..models.builtins import DEFAULT_MODEL
+from .planner import GPUS, MARGIN_NOTE, device_room, gpu_room, plan, static_bytes
+
+MODES = ("ddp", "fsdp")
+BLOCKS_IN_FLIGHT = 2  # FSDP2 prefetches the next block's all-gather while one runs
+
+
+@dataclass
+class RanksConfig:
+    """What `ranks` plans: the length, the precision (resolved on this device) and the rank counts."""
+
+    seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
+    precision: str = precision_field()
+    ranks: tuple[int, ...] = setting((1, 2, 4, 8), "rank counts to plan for, e.g. 1,2,4,8")
+    device: str | torch.device | None = device_field()
+    progress: bool = progress_field()
+
+    def __post_init__(self):
+        self.ranks = tuple(sorted({int(n) for n in self.ranks}))
+        if not self.ranks or min(self.ranks) < 1:
+            raise ValueError(f"ranks must be whole numbers >= 1, e.g. 1,2,4,8; got {self.ranks!r}")
+        check_fields(self)
+
+
+@dataclass
+class RankPlan:
+    """The measured pieces of the per-rank prediction, for one model, precision and length."""
+
+    static: dict  # weights_bytes, grads_bytes, optimizer_state_bytes of the whole model (fp32 master weights)
+    root_params: int  # parameters FSDP's root unit gathers (all not in a repeated block)
+    block_params: int  # parameters of the largest repeated block (0: none)
+    gathered_bytes: int  # bytes per parameter of a unit in flight: its gathered weight and unsharded gradient
+    fit: ActivationFit
+    length: int
+
+    def static_per_rank(self, mode: str, n: int) -> int:
+        total = sum(self.static.values())
+        return total + self.static["grads_bytes"] if mode == "ddp" else -(-total // n)
+
+    def in_flight(self, mode: str, n: int) -> int:
+        if mode == "ddp":
+            return 0
+        return (self.root_params + BLOCKS_IN_FLIGHT * self.block_params) * self.gathered_bytes
+
+    def optimizer_transient(self, mode: str, n: int) -> int:
+        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
+        this rank steps."""
+        return self.static["weights_bytes"] if mode == "ddp" else -(-self.static["weights_bytes"] // n)
+
+    def per_sequence(self) -> float:
+        return self.fit.per_sequence(self.length) + self.fit.output_per_token * self.length
+
+    def step_bytes(self, mode: str, n: int, batch: int) -> int:
+        """Predicted peak bytes of one rank during a training step at `batch` sequences per rank: its static
+        state plus the larger of backward's (units in flight, activations) and the optimizer step's transient."""
+        backward = self.in_flight(mode, n) + self.fit.k + batch * self.per_sequence()
+        return int(self.static_per_rank(mode, n) + max(backward, self.optimizer_transient(mode, n)))
+
+    def largest_batch(self, mode: str, n: int, room: float) -> int:
+        static = self.static_per_rank(mode, n)
+        if static + self.optimizer_transient(mode, n) > room:
+            return 0
+        return max(0, int((room - static - self.in_flight(mode, n) - self.fit.k) // self.per_sequence()))
+
+
+def rank_plan(adapter, precision, length: int) -> RankPlan:
+    """Measure the pieces on the adapter's (unsharded) model: static bytes, unit sizes, the activation fit."""
+    model = adapter.model
+    blocks = repeated_blocks(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    cast = precision.param_dtype != precision.compute_dtype  # a mixed mode: FSDP casts, reduces in fp32
+    gathered = 2 * precision.compute_dtype.itemsize + (4 if cast else 0)  # weight + gradient (+ fp32 reduce copy)
+    (config,), _ = plan(adapter, [precision.name], length)
+    return RankPlan(static_bytes(model, precision), root, block, gathered, config.fit, length)
+
+
+@dataclass(repr=False)
+class RanksResult(Result):
+    plan: RankPlan
+    ranks: tuple[int, ...]
+    precision: str
+    model: dict
+    budget: Budget
+    metadata: dict
+
+    def _here(self, n: int) -> float:
+        room = device_room(self.budget)
+        return room / n if self.budget.device == "cpu" else room  # CPU ranks share this machine's RAM
+
+    @property
+    def table(self) -> pd.DataFrame:
+        p, rows = self.plan, []
+        for mode in MODES:
+            for n in self.ranks:
+                here = p.largest_batch(mode, n, self._here(n))
+                row = {"mode": mode, "ranks": n, "static_per_rank_gib": p.static_per_rank(mode, n) / 2**30,
+                       "in_flight_gib": p.in_flight(mode, n) / 2**30,
+                       "optimizer_step_gib": p.optimizer_transient(mode, n) / 2**30,
+                       "per_sample_gib": p.per_sequence() / 2**30,
+                       "this_device": here}
+                row.update({f"{name} (predicted)": p.largest_batch(mode, n, gpu_room(mib))
+                            for name, mib in GPUS.items()})
+                row["status"] = "PASS" if here >= 1 else "WARN"
+                row["detail"] = (f"{mode} on {n} rank(s): {gib(p.step_bytes(mode, n, max(here, 1)))} per rank at batch "
+                                 f"{max(here, 1)} per rank, T={p.length} (predicted); this device gives each rank "
+                                 f"{gib(self._here(n))}")
+                rows.append(row)
+        return pd.DataFrame(rows)
+
+    def smallest(self) -> pd.DataFrame:
+        """Per mode, the smallest N (of those planned) at which batch 1 per rank fits, here and on each GPU."""
+        t = self.table
+        columns = ["this_device", *(f"{name} (predicted)" for name in GPUS)]
+        rows = []
+        for mode in MODES:
+            fits = t[t["mode"] == mode]
+            rows.append({"mode": mode, **{c: next((int(n) for n, b in zip(fits.ranks, fits[c]) if b >= 1), None)
+                                          for c in columns}})
+        return pd.DataFrame(rows)
+
+    def headline(self) -> str:
+        return (f"ranks: {self.model['model']} ({self.model['parameters']:,} parameters) at T={self.plan.length}, "
+                f"{self.precision}: per-rank bytes and largest batch per rank under DDP and FSDP (predicted; "
+                f"{MARGIN_NOTE})")
+
+    def overview(self) -> pd.DataFrame:
+        return self.table.drop(columns=["detail"])
+
+    def summary_line(self) -> str:
+        """One line for `all`: the smallest N per mode on the first GPU of the table and here."""
+        s = self.smallest().set_index("mode")
+        gpu = f"{next(iter(GPUS))} (predicted)"
+
+        def said(v):
+            return f"N={int(v)}" if pd.notna(v) else f"none up to {max(self.ranks)}"
+
+        return (f"ranks: smallest N that trains at T={self.plan.length} ({self.precision}), predicted: "
+                f"{gpu.replace(' (predicted)', '')} DDP {said(s.loc['ddp', gpu])}, FSDP {said(s.loc['fsdp', gpu])}; "
+                f"here DDP {said(s.loc['ddp', 'this_device'])}, FSDP {said(s.loc['fsdp', 'this_device'])}")
+
+    def to_json(self) -> dict:
+        p = self.plan
+        return jsonable({"status": self.status, "seq_len": p.length, "precision": self.precision, "model": self.model,
+                         "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": GPUS,
+                         "static_bytes": p.static, "root_params": p.root_params, "block_params": p.block_params,
+                         "gathered_bytes_per_param": p.gathered_bytes, "activation_fit": p.fit,
+                         "table": self.table, "smallest": self.smallest(), "run_metadata": self.metadata})
+
+    def plot(self):
+        from matplotlib.figure import Figure
+
+        t = self.table
+        fig = Figure(figsize=(8, 4), layout="constrained")
+        ax = fig.add_subplot()
+        for mode in MODES:
+            rows = t[t["mode"] == mode]
+            ax.plot(rows.ranks, rows.static_per_rank_gib + rows.in_flight_gib, marker="o", label=f"{mode} (predicted)")
+        for name, mib in GPUS.items():
+            ax.axhline(gpu_room(mib) / 2**30, lw=0.6, ls=":", color="grey")
+            ax.annotate(name, (max(self.ranks), gpu_room(mib) / 2**30), fontsize=7, ha="right", va="bottom")
+        ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="static + in-flight GiB per rank")
+        ax.set_xticks(self.ranks, [str(n) for n in self.ranks])
+        ax.legend(fontsize=8)
+        ax.set_title(self.headline()[:150], fontsize=8)
+        return fig
+
+
+def plan_ranks(model=DEFAULT_MODEL, config: RanksConfig | dict | None = None, *, model_kwargs: dict | None = None,
+               **overrides) -> RanksResult:
+    """What each rank holds under DDP and FSDP for each N in `ranks`, and the largest batch per rank here and
+    predicted on the GPU table; `.smallest()` names the smallest N per mode. It reads no data.
+
+    model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
+    config / overrides: a RanksConfig (or dict) and/or its field names as keywords."""
+    cfg = merge(RanksConfig, config, overrides, "ranks")
+    dev = resolve_device(cfg.device)
+    adapter = resolve_model(model, **(model_kwargs or {}))
+    adapter.model.to(dev)
+    budget = read_budget(dev)
+    adapter.require_trainable()
+    precision = resolve_precision(cfg.precision, dev, warn=False)
+    length = adapter.fit_length(cfg.seq_len or adapter.max_len)
+    return RanksResult(rank_plan(adapter, precision, length), cfg.ranks, precision.name, adapter.summary(), budget,
+                       run_metadata(dev, precision.dtype))

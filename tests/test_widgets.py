@@ -45,12 +45,12 @@ def test_the_panel_takes_any_model_spec_and_a_data_choice(tmp_path):
         tier_utils.widgets.forget_panel_choices()
 
 
-def test_on_a_t4_the_choices_are_fp32_and_fp16_and_auto_says_fp16():
+def test_on_a_t4_the_choices_are_fp32_and_the_fp16_modes_and_auto_says_fp16():
     fake_t4 = mock.patch.multiple(torch.cuda, is_available=lambda: True, get_device_capability=lambda d=None: (7, 5),
                                   get_device_name=lambda d=None: "Tesla T4")
     with fake_t4:
         panel = config_panel(RunConfig(device="cuda"))
-    assert list(panel.precision_select.options) == ["auto", "fp32", "fp16"]
+    assert list(panel.precision_select.options) == ["auto", "fp32", "fp16", "fp16-true"]  # no bf16(-true) on a T4
     assert "Tesla T4" in panel.decision.value and "GradScaler" in panel.decision.value
 
 

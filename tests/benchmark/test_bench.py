@@ -53,7 +53,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def default_run():
-    """fp32, bf16, fp16 without force; records the order the timed repeats ran in."""
+    """The default precisions (the mixed and the true modes) without force; records the order the timed repeats
+    ran in."""
     model = tiny(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     order = []
@@ -82,9 +83,10 @@ def _rec(result, name):
 
 def test_precisions_run_or_skip_by_native_support(default_run):
     result = default_run[0]
-    assert [r.precision for r in result.records] == ["fp32", "bf16", "fp16"]
+    assert [r.precision for r in result.records] == ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]
     assert _rec(result, "fp32").ran
-    assert _rec(result, "bf16").ran == BF16_NATIVE
+    assert _rec(result, "bf16").ran == _rec(result, "bf16-true").ran == BF16_NATIVE
+    assert _rec(result, "fp16-true").ran == FP16_NATIVE
     fp16 = _rec(result, "fp16")
     assert fp16.ran == FP16_NATIVE
     if not FP16_NATIVE:
@@ -254,10 +256,10 @@ def test_json_schema_exact_keys(forced_fp16):
     assert set(rec["memory"]) == {"weights_bytes", "grads_bytes", "optimizer_state_bytes", "activation_bytes",
                                   "total_bytes", "steps_measured", "peak_allocated_bytes", "peak_reserved_bytes",
                                   "reduction"}
-    assert set(rec["memory"]["reduction"]) == {"activations", "total", "peak_allocated"}
+    assert set(rec["memory"]["reduction"]) == {"static", "activations", "total", "peak_allocated"}
     assert set(rec["accuracy"]) == {"steps", "attempts", "loss_curve", "val_loss", "val_accuracy", "val_targets",
                                     "diverged_at", "diverged_reason", "loss_scale", "skipped_steps", "val_loss_diff",
-                                    "val_accuracy_diff", "parity"}
+                                    "val_accuracy_diff", "parity", "rounded_away_share", "updates_counted"}
     assert set(rec["accuracy"]["parity"]) == {"steps", "max_rel_dev", "first_step_out", "trailing_out", "tolerance"}
     assert set(doc["verdicts"][0]) == {"precision", "mode", "check", "status", "value", "threshold", "detail"}
     assert doc["precisions"][0]["speed"]["speedup"] is None  # fp32 is the baseline
@@ -265,9 +267,10 @@ def test_json_schema_exact_keys(forced_fp16):
 
 def test_table_one_row_per_precision(default_run):
     table = default_run[0].table
-    assert list(table.precision) == ["fp32", "bf16", "fp16"]
+    assert list(table.precision) == ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]
     assert {"step_ms_median", "step_ms_iqr", "tokens_per_s_median", "speedup", "mfu", "activations_mib",
-            "total_mib", "val_loss", "val_accuracy", "parity_max_rel_dev"} <= set(table.columns)
+            "total_mib", "static_reduction", "val_loss", "val_accuracy", "parity_max_rel_dev",
+            "rounded_away_share"} <= set(table.columns)
     assert table.loc[0, "speedup"] == 1.0
 
 

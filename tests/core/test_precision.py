@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tier_utils.core import precision as P
-from tier_utils.core.precision import Precision, canonical_precision, resolve_precision, supported_precisions
+from tier_utils.core.precision import canonical_precision, resolve_precision, supported_precisions
 
 ALIASES = {
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
@@ -79,17 +79,17 @@ def test_fp16_on_cpu_without_native_fp16_warns_and_is_not_native():
     with mock.patch.object(P, "cpu_flags", lambda: frozenset({"avx512_bf16"})), \
             pytest.warns(P.SlowPrecisionWarning, match="fp16"):
         p = resolve_precision("16-mixed", "cpu")
-    assert not p.native and p.needs_scaler and p.grad_scaler().is_enabled()
+    assert not p.native and p.needs_scaler and isinstance(p.stepper(), P.ScalerStepper)
     with mock.patch.object(P, "cpu_flags", lambda: frozenset({"avx512_bf16"})):
-        assert supported_precisions("cpu") == ["fp32", "bf16"]
+        assert supported_precisions("cpu") == ["fp32", "bf16", "bf16-true"]
 
 
 def test_fp32_has_no_autocast_and_a_disabled_scaler():
     p = resolve_precision("fp32", "cpu")
     x = torch.randn(4, 4)
-    with p.autocast():
+    with p.forward_context():
         assert (x @ x).dtype == torch.float32
-    assert not p.grad_scaler().is_enabled()
+    assert type(p.stepper()) is P.Stepper and p.stepper().state_dict() == {}
 
 
 def test_bf16_autocast_runs_matmul_in_bf16_on_cpu():
@@ -108,15 +108,16 @@ def test_asking_for_cuda_without_a_gpu_names_the_fix():
 
 def test_to_dict_has_the_decision_and_reason():
     d = resolve_precision("fp32", "cpu").to_dict()
-    assert set(d) == {"requested", "precision", "dtype", "device", "device_name", "native", "needs_scaler", "reason"}
+    assert set(d) == {"requested", "precision", "dtype", "param_dtype", "device", "device_name", "native",
+                      "needs_scaler", "reason"}
     assert d["dtype"] == "float32" and d["reason"]
 
 
 @pytest.mark.parametrize("env,auto,supported", [
     ("", "fp32", ["fp32"]),
-    ("avx512_bf16", "bf16", ["fp32", "bf16"]),
-    ("amx_bf16, avx512_fp16", "bf16", ["fp32", "bf16", "fp16"]),
-    ("avx512_fp16", "fp32", ["fp32", "fp16"]),
+    ("avx512_bf16", "bf16", ["fp32", "bf16", "bf16-true"]),
+    ("amx_bf16, avx512_fp16", "bf16", ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]),
+    ("avx512_fp16", "fp32", ["fp32", "fp16", "fp16-true"]),
 ])
 def test_cpu_flags_env_replaces_the_detected_flags(monkeypatch, env, auto, supported):
     monkeypatch.setenv(P.CPU_FLAGS_ENV, env)
@@ -134,7 +135,7 @@ def test_auto_on_the_real_gpu_follows_its_compute_capability():
     expected = "bf16" if cc >= (8, 0) else "fp16" if cc >= (7, 0) else "fp32"
     p = resolve_precision("auto", "cuda")
     assert p.name == expected and p.device.type == "cuda" and f"{cc[0]}.{cc[1]}" in p.reason
-    assert p.grad_scaler().is_enabled() == (expected == "fp16")
+    assert isinstance(p.stepper(), P.ScalerStepper) == (expected == "fp16")
     x = torch.randn(8, 8, device="cuda")
     with p.autocast():
         assert (x @ x).dtype == p.dtype
@@ -142,8 +143,102 @@ def test_auto_on_the_real_gpu_follows_its_compute_capability():
 
 def test_a_precision_decided_for_another_device_is_decided_again_from_what_was_asked():
     """auto stays auto: a decision made elsewhere is redone from the request, not from the name it came to."""
-    elsewhere = Precision("auto", "fp16", torch.device("meta"), True, "auto: decided on another device")
+    elsewhere = P.Fp16Mixed("auto", torch.device("meta"), True, "auto: decided on another device")
     again = resolve_precision(elsewhere, "cpu")
     assert again.device == torch.device("cpu") and again.requested == "auto" and again.reason.startswith("auto: ")
     here = resolve_precision("auto", "cpu")
     assert resolve_precision(here, torch.device("cpu")) is here  # decided here: kept whole
+
+
+# -- the strategy objects -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling,name", [("bf16-true", "bf16-true"), ("16-true", "fp16-true"),
+                                           ("fp16-true", "fp16-true"), ("32-true", "fp32")])
+def test_lightning_true_spellings_map_to_the_true_modes(spelling, name):
+    assert canonical_precision(spelling) == name
+
+
+@pytest.mark.parametrize("name,param,compute,per_param", [
+    ("fp32", torch.float32, torch.float32, 16), ("bf16", torch.float32, torch.bfloat16, 16),
+    ("fp16", torch.float32, torch.float16, 16), ("bf16-true", torch.bfloat16, torch.bfloat16, 8),
+    ("fp16-true", torch.float16, torch.float16, 8),
+])
+def test_each_mode_converts_a_module_to_its_weight_dtype(name, param, compute, per_param):
+    """A bf16-stored model becomes fp32 master weights for fp32 and the mixed modes, the 2-byte type for the
+    true ones; the static bytes per parameter follow."""
+    p = resolve_precision(name, "cpu", warn=False)
+    stored = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    assert p.convert_module(stored) is stored and stored.weight.dtype == param
+    assert (p.param_dtype, p.compute_dtype, p.dtype) == (param, compute, compute)
+    assert sum(p.static_bytes_per_param().values()) == per_param
+    with p.forward_context():
+        assert stored(torch.ones(2, 4, dtype=param)).dtype == compute
+
+
+def test_describe_weights_names_stored_and_held_dtypes():
+    bf16 = resolve_precision("bf16", "cpu", warn=False)
+    assert bf16.describe_weights(torch.bfloat16) == "weights stored bf16 → fp32 master weights, bf16 autocast"
+    true = resolve_precision("bf16-true", "cpu", warn=False)
+    assert true.describe_weights(torch.float32) == ("weights stored fp32 → bf16 weights, gradients and AdamW state "
+                                                    "(bf16-true)")
+    assert resolve_precision("fp32", "cpu").describe_weights(None) == "fp32 weights, gradients and AdamW state"
+
+
+def test_fp16_true_says_it_has_no_loss_scaling_and_keeps_adamw_eps_representable():
+    p = resolve_precision("16-true", "cpu", warn=False)
+    assert not p.needs_scaler and type(p.stepper()) is P.Stepper
+    assert "no loss scaling" in p.reason and "GradScaler" in p.reason
+    assert torch.tensor(p.adamw_eps, dtype=torch.float16) > 0 and torch.tensor(1e-8, dtype=torch.float16) == 0
+
+
+@pytest.mark.parametrize("env,native", [("", False), ("avx512_bf16", True)])
+def test_true_modes_follow_the_hardware_rule_of_their_dtype(monkeypatch, env, native):
+    monkeypatch.setenv(P.CPU_FLAGS_ENV, env)
+    p = resolve_precision("bf16-true", "cpu", warn=False)
+    assert p.native is native and ("avx512_bf16" in p.reason)
+    with fake_gpu((7, 5), "Tesla T4"):
+        t4 = resolve_precision("bf16-true", "cuda", warn=False)
+        assert not t4.native and "< 8.0" in t4.reason
+        assert resolve_precision("fp16-true", "cuda", warn=False).native
+        assert resolve_precision("auto", "cuda").name == "fp16"  # auto never picks a true mode
+
+
+def test_fp16_stepper_state_round_trips_and_plain_steppers_hold_none():
+    p = resolve_precision("fp16", "cpu", warn=False)
+    first, lin = p.stepper(), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    first.backward(lin(torch.ones(1, 2)).sum() * float("inf"))  # overflows: the step is skipped, the scale halves
+    first.unscale(opt)
+    assert first.step(opt) is True and first.scale_after == first.scale_before / 2 == first.scale
+    second = p.stepper()
+    second.load_state_dict(first.state_dict())
+    assert second.scale == first.scale
+    plain = resolve_precision("bf16", "cpu", warn=False).stepper()
+    assert plain.scale is None and plain.state_dict() == {}
+
+
+def test_kept_dtypes_puts_every_parameter_and_buffer_back():
+    m = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
+    with P.kept_dtypes(m):
+        resolve_precision("fp32", "cpu").convert_module(m)
+        assert m.weight.dtype == m.running_mean.dtype == torch.float32
+    assert m.weight.dtype == m.running_mean.dtype == torch.bfloat16
+
+
+def test_register_precision_adds_a_mode_and_refuses_a_taken_name(monkeypatch):
+    monkeypatch.setattr(P, "_REGISTRY", dict(P._REGISTRY))
+
+    class Fp64(P.Precision):
+        name = "fp64-true"
+        aliases = ("64-true",)
+        param_dtype = compute_dtype = torch.float64
+
+    P.register_precision(Fp64)
+    p = resolve_precision("64-true", "cpu")
+    assert type(p) is Fp64 and p.native and sum(p.static_bytes_per_param().values()) == 32
+
+    class Clash(P.Precision):
+        name = "bf16-mixed"
+
+    with pytest.raises(ValueError, match="already name a mode"):
+        P.register_precision(Clash)

@@ -27,7 +27,7 @@ from ..core.measure import (
     static_memory,
     summarize,
 )
-from ..core.precision import native_support, resolve_device, resolve_precision
+from ..core.precision import kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, run_metadata, worst_status
 from ..core.seeding import rng_state, set_rng_state
@@ -91,7 +91,9 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     `model_kwargs`: load_model's keywords, building a spec's model (e.g. {"d_model": 256}).
     fp32 is always run: it is the baseline every ratio is taken against. A precision the device
     cannot run natively is SKIPPED with the reason unless `force=True`. The model is moved to
-    `device`; its weights and train/eval mode, and the caller's RNG states, are restored on return.
+    `device`; each precision runs it in its own weight dtype (`convert_module`: fp32 master weights for fp32
+    and the mixed modes, bf16/fp16 for the true ones), all from the same fp32 start; its weights, their
+    dtypes and train/eval mode, and the caller's RNG states, are restored on return.
     `loggers` (e.g. ("mlflow",)): one run under `log_dir` (None: runs/logs) holding the table and the verdicts.
     compile: "off" (eager), "on" (every step torch.compiled; True/False are read as on/off) or "both": each
     precision eager and compiled, repeats interleaved, compiled rows also judged against the same precision eager.
@@ -100,8 +102,13 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     cfg = merge(BenchConfig, config, overrides, "benchmark")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
+    with kept_dtypes(adapter.model.to(dev)):
+        return _benchmark(adapter, cfg, dev, data)
+
+
+def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:
     was_training = adapter.model.training
-    adapter.model.to(dev).train()
+    adapter.model.train()
     adapter.require_trainable()
     adapter.check_forward()
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
@@ -113,12 +120,12 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
     speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
-    start = copy.deepcopy(adapter.model.state_dict())
+    base = plans[0]
+    start = copy.deepcopy(base.precision.convert_module(adapter.model).state_dict())  # fp32: every run's start
     for p in plans:
         if p.ran and p.mode == "compiled":
             _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes)
     ran = [p for p in plans if p.ran]
-    base = plans[0]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
     short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
     floor = Plan(f"{base.name} floor", "eager", base.precision, adapter, batches=short)
@@ -136,6 +143,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                 with base.precision.autocast():
                     first.append(adapter.forward_loss(speed_batches[0])[0])
                 first[0].backward()
+
+            base.precision.convert_module(adapter.model)  # a compiled plan may have left it in another dtype
 
             flops = count_flops(forward_backward) if base.ran else {"per_step": None, "by_op": {}}
             adapter.model.zero_grad(set_to_none=True)
@@ -177,7 +186,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                     p.accuracy = _unless_oom(p, plans, budget, cfg, seq_len, _accuracy_run, adapter, p.precision,
                                              start, splits, cfg, bar, p.adapter)
     finally:
-        adapter.model.load_state_dict(start)
+        base.precision.convert_module(adapter.model).load_state_dict(start)
         adapter.model.train(was_training)
     eager = {p.name: p for p in plans if p.mode == "eager" and p.ran}
     records = [make_record(p, base, flops, dev, cfg.thresholds, eager.get(p.name)) for p in plans]
@@ -211,7 +220,7 @@ def _plan(name: str, mode: Mode, dev: torch.device, force: bool, adapter) -> Pla
     prec = resolve_precision(name, dev, warn=False)
     if prec.native or force:
         return Plan(name, mode, prec, adapter, forced=not prec.native)
-    why = f"not native: {native_support(name, dev)[1]}; force=True (CLI --force) runs it anyway"
+    why = f"not native: {prec.native_support(dev)[1]}; force=True (CLI --force) runs it anyway"
     return Plan(name, mode, prec, adapter, ran=False, skip_reason=why)
 
 
@@ -279,6 +288,7 @@ def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
 def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool) -> None:
     """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
     compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
+    p.precision.convert_module(adapter.model)  # compiled for the weight dtype it will run with
     p.adapter, info = compile_for_training(adapter, p.precision, batch, mode)
     p.compile = info
     if info.compiled:
@@ -302,13 +312,15 @@ def _batches(dataset, n: int, cfg: BenchConfig, device):
 
 
 def _fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, track_scale: bool = True,
-                step_adapter=None) -> TrainStep:
-    """Start weights loaded into the eager model; the step calls `step_adapter` (compiled) if given."""
-    adapter.model.load_state_dict(start)
+                step_adapter=None, count_rounding: bool = False) -> TrainStep:
+    """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
+    `step_adapter` (compiled) if given."""
+    prec.convert_module(adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
-    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
-    return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale)
+    return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
+                     count_rounding=count_rounding)
 
 
 def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapter=None) -> tuple[dict, torch.Tensor]:
@@ -362,10 +374,13 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
 
     An fp16 step whose gradients overflowed changes no weight: it is retried on the same batch from the
     same random state, so update k of every precision sees batch k and the curves compare applied
-    updates. Skipped steps are counted and the loss scale of every attempt is traced.
+    updates. Skipped steps are counted and the loss scale of every attempt is traced. Each applied update is
+    also compared with the weights before it: the share of non-zero AdamW updates the stored dtype rounded away.
     """
-    step = _fresh_step(adapter, prec, start, cfg, total_steps=cfg.accuracy_steps, step_adapter=step_adapter)
+    step = _fresh_step(adapter, prec, start, cfg, total_steps=cfg.accuracy_steps, step_adapter=step_adapter,
+                       count_rounding=True)
     curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
+    rounded = updated = 0
     for i, batch in enumerate(_batches(splits.train, cfg.accuracy_steps, cfg, adapter.device)):
         while True:
             rng = rng_state() if prec.needs_scaler else None
@@ -378,6 +393,8 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
             skipped += 1
             set_rng_state(rng)  # the retry draws the same dropout masks
         bar.update()
+        if out.rounding is not None:
+            rounded, updated = rounded + out.rounding[0], updated + out.rounding[1]
         # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
         if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
             diverged_at = attempts - 1
@@ -393,4 +410,6 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
     return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
             "val_accuracy": val["accuracy"], "val_targets": val["targets"], "diverged_at": diverged_at,
             "diverged_reason": why, "loss_scale": scales if prec.needs_scaler else None,
-            "skipped_steps": skipped if prec.needs_scaler else None}
+            "skipped_steps": skipped if prec.needs_scaler else None,
+            "rounded_away_share": float(rounded / updated) if torch.is_tensor(updated) and updated else None,
+            "updates_counted": int(updated)}

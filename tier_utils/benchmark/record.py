@@ -130,11 +130,13 @@ class PrecisionRecord:
             "grads_mib": mib("grads_bytes"), "optimizer_state_mib": mib("optimizer_state_bytes"),
             "activations_mib": mib("activation_bytes"), "total_mib": mib("total_bytes"),
             "peak_allocated_mib": mib("peak_allocated_bytes"), "peak_reserved_mib": mib("peak_reserved_bytes"),
-            "activation_reduction": red.get("activations"), "total_reduction": red.get("total"),
+            "static_reduction": red.get("static"), "activation_reduction": red.get("activations"),
+            "total_reduction": red.get("total"),
             "peak_allocated_reduction": red.get("peak_allocated"),
             "val_loss": acc.get("val_loss"), "val_accuracy": acc.get("val_accuracy"),
             "val_accuracy_diff": acc.get("val_accuracy_diff"), "parity_max_rel_dev": par.get("max_rel_dev"),
             "parity_first_step_out": par.get("first_step_out"), "skipped_steps": acc.get("skipped_steps"),
+            "rounded_away_share": acc.get("rounded_away_share"),
             "reason": self.reason,
         }
 
@@ -157,7 +159,8 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
     peak = probe["tflops"]["max"]
     rec.mfu = {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak, "probe": probe}
     mem = rec.memory = dict(p.memory)
-    mem["reduction"] = {"activations": reduction(base.memory["activation_bytes"], mem["activation_bytes"]),
+    mem["reduction"] = {"static": reduction(_static(base.memory), _static(mem)),
+                        "activations": reduction(base.memory["activation_bytes"], mem["activation_bytes"]),
                         "total": reduction(base.memory["total_bytes"], mem["total_bytes"]),
                         "peak_allocated": reduction(base.memory["peak_allocated_bytes"], mem["peak_allocated_bytes"])}
     if p.accuracy is not None:
@@ -167,3 +170,8 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
         acc["parity"] = parity(base.accuracy["loss_curve"], acc["loss_curve"], t.parity_tolerance)
     return rec
 
+
+
+def _static(memory: dict) -> int:
+    """Weights + gradients + optimizer state: what a precision's weight dtype decides, whatever the batch."""
+    return memory["weights_bytes"] + memory["grads_bytes"] + memory["optimizer_state_bytes"]

@@ -177,9 +177,11 @@ def accuracy_check(precision: str, diff: float | None, diverged: str | None, t: 
 
 
 def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
-                 skipped: int | None = None, scales: list | None = None) -> PrecisionCheck:
+                 skipped: int | None = None, scales: list | None = None, rounded: float | None = None
+                 ) -> PrecisionCheck:
     """Curves compare applied optimizer updates (a skipped fp16 step is retried, not counted as one);
-    `skipped` and the loss-scale trace `scales` (fp16 only) are reported beside the deviation."""
+    `skipped` and the loss-scale trace `scales` (fp16 only), and the share of non-zero updates the stored
+    dtype `rounded` away, are reported beside the deviation."""
     name = "loss-curve parity"
     if diverged is not None:
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance, f"training diverged {diverged}", precision)
@@ -189,6 +191,8 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
         trace = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
         scaler = (f"; {skipped} skipped step(s), each retried on the same batch" if skipped else "; no skipped step")
         scaler += trace
+    if rounded is not None:
+        scaler += f"; {rounded:.1%} of non-zero parameter updates rounded away by the weights' dtype"
     if dev is None or not math.isfinite(dev):
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance,
                               f"a loss became NaN/inf within the {steps} applied updates compared{scaler}", precision)
@@ -282,7 +286,8 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
         acc = rec.accuracy
         diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
         rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
-                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"])]
+                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"],
+                              acc.get("rounded_away_share"))]
     for row in rows:
         row.detail += forced
         if base.precision != "fp32":  # fp32 did not fit here: the rows compare with the baseline that did

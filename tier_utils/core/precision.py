@@ -1,6 +1,11 @@
-"""Precision policy: one string in, a dtype + autocast + scaler decision out, with the reason.
+"""Precision as a strategy object: one class per mode owns what the mode means, and nothing else in tier_utils
+switches on a precision's name (the design of Lightning Fabric's precision plugins).
 
-Device rules live here and nowhere else (the Accelerate idea: hide them behind one string).
+A mode's class holds its facts (`param_dtype`: what weights, gradients and AdamW state are held in; `compute_dtype`:
+what the forward runs in), its hardware rule with the reason (`native_support`), how a module is put in its dtype
+(`convert_module`), the forward's context (autocast or none) and a `Stepper` that owns backward, unscaling, the
+optimizer step and their state (the GradScaler's). `resolve_precision` turns a name on a device into a decided
+instance once, at a tier's boundary; adding a mode is one subclass and `register_precision`.
 """
 from __future__ import annotations
 
@@ -13,19 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Spellings users bring from Lightning and torch, mapped to ours.
-_ALIASES = {
-    "auto": "auto",
-    "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
-    "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "float16": "fp16", "half": "fp16",
-    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
-}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = tuple(_DTYPES)  # every precision tier_utils runs, fp32 (the baseline) first
+from .precision_steppers import ScalerStepper, Stepper
 
 # Ampere (8.0) is the first CUDA generation with bf16 tensor cores; Volta (7.0) the first with fp16 ones.
 _CUDA_BF16_MIN = (8, 0)
 _CUDA_FP16_MIN = (7, 0)
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 _slow_warned: set[tuple[str, str]] = set()
 
@@ -34,34 +32,9 @@ class SlowPrecisionWarning(UserWarning):
     """An explicitly requested precision runs, but emulated or without hardware support."""
 
 
-def canonical_precision(requested) -> str:
-    """Map any accepted spelling (or an int like 16/32) to auto/fp32/bf16/fp16; a Precision to its name."""
-    if isinstance(requested, Precision):
-        return requested.name
-    key = str(requested).strip().lower()
-    if key not in _ALIASES:
-        valid = ", ".join(sorted(_ALIASES))
-        raise ValueError(f"unknown precision {requested!r}; use one of: {valid}")
-    return _ALIASES[key]
-
-
-def precision_setting(value) -> str | Precision:
-    """What a config's `precision` field holds: a Precision already decided (kept whole, so its device and reason
-    reach the autocast context unchanged) or the canonical name of a spelling, to be resolved at the boundary."""
-    return value if isinstance(value, Precision) else canonical_precision(value)
-
-
-def resolve_device(device=None) -> torch.device:
-    """None -> the first CUDA device if there is one, else the CPU."""
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for but torch sees no GPU; use --device cpu")
-    return dev
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / bf16 / fp16 (fp64), the short names results use; torch's own name for any other."""
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 # Flags that decide low-precision support on a CPU. TIER_UTILS_CPU_FLAGS (comma-separated) replaces the
@@ -106,15 +79,17 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def native_support(name: str, device: torch.device) -> tuple[bool, str]:
-    """Whether `name` (fp32/bf16/fp16) runs natively on `device`, and why (one line)."""
-    if name == "fp32":
-        return True, "fp32 runs everywhere"
+def dtype_support(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """Whether `device` computes in `dtype` natively, and why (one line): the hardware rule every mode shares."""
+    short = dtype_name(dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return True, f"{short} runs everywhere"
+    bf16 = dtype == torch.bfloat16
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         cc_s = f"{cc[0]}.{cc[1]}"
         gpu = torch.cuda.get_device_name(device)
-        if name == "bf16":
+        if bf16:
             # is_bf16_supported() says True on a T4 (7.5) because bf16 is emulated there; ask the capability.
             if cc >= _CUDA_BF16_MIN:
                 return True, f"{gpu} (compute capability {cc_s}) has bf16 tensor cores"
@@ -123,93 +98,300 @@ def native_support(name: str, device: torch.device) -> tuple[bool, str]:
             return True, f"{gpu} (compute capability {cc_s}) has fp16 tensor cores"
         return False, f"{gpu} (compute capability {cc_s} < 7.0) has no fp16 tensor cores"
     if device.type == "cpu":
-        flags = cpu_flags()
-        if name == "bf16":
-            found = sorted(flags & {"avx512_bf16", "amx_bf16"})
-            if found:
-                return True, f"this CPU has native bf16 ({', '.join(found)})"
-            return False, "this CPU has no avx512_bf16/AMX; bf16 is emulated and usually slower than fp32"
-        found = sorted(flags & {"avx512_fp16", "amx_fp16"})
+        wanted = {"avx512_bf16", "amx_bf16"} if bf16 else {"avx512_fp16", "amx_fp16"}
+        found = sorted(cpu_flags() & wanted)
         if found:
-            return True, f"this CPU has native fp16 ({', '.join(found)})"
-        return False, "this CPU has no avx512_fp16/AMX-fp16; fp16 autocast is emulated and slower than fp32"
-    return False, f"no native {name} rule for device type {device.type!r}"
+            return True, f"this CPU has native {short} ({', '.join(found)})"
+        if bf16:
+            return False, "this CPU has no avx512_bf16/AMX; bf16 is emulated and usually slower than fp32"
+        return False, "this CPU has no avx512_fp16/AMX-fp16; fp16 is emulated and slower than fp32"
+    return False, f"no native {short} rule for device type {device.type!r}"
 
 
 @dataclass(frozen=True)
 class Precision:
-    """The decision for one (requested precision, device) pair."""
+    """One mode, decided for one device: what was asked, whether the device runs it natively, and why.
+
+    The class attributes are the mode's facts; subclasses set them and override what differs.
+    """
 
     requested: str
-    name: str  # fp32, bf16 or fp16
     device: torch.device
     native: bool
     reason: str
 
+    name = "fp32"
+    aliases: tuple[str, ...] = ()  # other spellings of the name (Lightning's, torch's)
+    param_dtype = torch.float32  # weights, gradients and AdamW state
+    compute_dtype = torch.float32  # what the forward computes in
+    needs_scaler = False  # a GradScaler scales the loss (fp16 mixed only)
+    adamw_eps = 1e-8  # AdamW's eps, representable in param_dtype
+    note = ""  # what the mode costs, appended to every decision's reason
+    # The planner measures a mode the device only emulates as this one (same bytes per value, lowered alike).
+    measured_as: str | None = None
+    # Whether the mode may run where its dtype is only emulated (slowly, with a warning): the mixed modes may, a
+    # true mode may not (every weight, gradient and AdamW state emulated: no bf16-true on a T4).
+    runs_emulated = True
+
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.name]
+        """The compute dtype (the name callers had before param_dtype existed)."""
+        return self.compute_dtype
 
-    @property
-    def needs_scaler(self) -> bool:
-        # fp16's 5-bit exponent underflows small gradients; bf16 has fp32's range and needs none.
-        return self.name == "fp16"
+    @classmethod
+    def native_support(cls, device: torch.device) -> tuple[bool, str]:
+        """Whether `device` runs this mode natively, and why: the hardware rule of its compute dtype."""
+        return dtype_support(cls.compute_dtype, device)
+
+    @classmethod
+    def decide(cls, requested: str, device: torch.device, warn: bool = True) -> Precision:
+        """This mode on `device`, with the reason; warns once per (device, mode) if it runs emulated."""
+        native, why = cls.native_support(device)
+        reason = f"{cls.name} requested: {why}" if native else f"{cls.name} requested: runs, but {why}"
+        if not native and warn and (str(device), cls.name) not in _slow_warned:
+            _slow_warned.add((str(device), cls.name))
+            warnings.warn(reason, SlowPrecisionWarning, stacklevel=3)
+        return cls(str(requested), device, native, reason + cls.note)
+
+    def check_runnable(self) -> None:
+        """A one-line ValueError where this mode may not run on its device (a true mode it only emulates)."""
+        if not self.native and not self.runs_emulated:
+            why = self.native_support(self.device)[1]
+            raise ValueError(f"{self.name} needs native {dtype_name(self.param_dtype)} and {why}; use "
+                             f"{dtype_name(self.compute_dtype)} (mixed) or fp32, or a device that has it")
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`module`'s floating-point weights and buffers in `param_dtype`, in place: a bf16- or fp16-stored
+        checkpoint becomes fp32 master weights for fp32 and the mixed modes, a true mode's weights its dtype."""
+        return module.to(dtype=self.param_dtype)
+
+    def forward_context(self):
+        """A fresh context for forward + loss: nothing for fp32 (the mixed and true modes override it)."""
+        return contextlib.nullcontext()
 
     def autocast(self):
-        """A fresh context for forward + loss: torch.amp autocast, or a null context for fp32."""
-        if self.name == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        """forward_context() by the name the tiers' forwards (smoke, analysis, evaluation) call it."""
+        return self.forward_context()
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        """A GradScaler that is a no-op unless fp16 (nanoGPT's trick: one code path for all)."""
-        return torch.amp.GradScaler(self.device.type, enabled=self.needs_scaler)
+    def stepper(self, track: bool = True) -> Stepper:
+        """A fresh Stepper for one run: backward, unscale, optimizer step and their state. `track`: a scaling
+        stepper reads the loss scale around each step (two host syncs) to say whether it was skipped."""
+        return ScalerStepper(self.device, track) if self.needs_scaler else Stepper()
+
+    def static_bytes_per_param(self) -> dict:
+        """Bytes per trainable parameter the mode holds: its weight, its gradient and AdamW's two states."""
+        size = self.param_dtype.itemsize
+        return {"weights": size, "grads": size, "optimizer": 2 * size}
+
+    def describe_weights(self, stored_dtype: torch.dtype | None) -> str:
+        """What trains, from what was stored: e.g. "weights stored bf16 → fp32 master weights, bf16 autocast"."""
+        stored = f"weights stored {dtype_name(stored_dtype)} → " if stored_dtype is not None else ""
+        return stored + self._held()
+
+    def _held(self) -> str:
+        return "fp32 weights, gradients and AdamW state"
 
     def to_dict(self) -> dict:
         return {"requested": self.requested, "precision": self.name, "dtype": str(self.dtype).replace("torch.", ""),
-                "device": str(self.device), "device_name": device_name(self.device), "native": self.native,
-                "needs_scaler": self.needs_scaler, "reason": self.reason}
+                "param_dtype": str(self.param_dtype).replace("torch.", ""), "device": str(self.device),
+                "device_name": device_name(self.device), "native": self.native, "needs_scaler": self.needs_scaler,
+                "reason": self.reason}
 
 
-def _auto(device: torch.device) -> tuple[str, str]:
+class Fp32(Precision):
+    """fp32 everywhere: the baseline every other mode is compared with."""
+
+    name = "fp32"
+    aliases = ("32", "32-true", "float32")
+
+
+class _Mixed(Precision):
+    """fp32 master weights, gradients and AdamW state; the forward under torch.amp autocast."""
+
+    def forward_context(self):
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _held(self) -> str:
+        return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
+
+
+class Bf16Mixed(_Mixed):
+    name = "bf16"
+    aliases = ("bf16-mixed", "bfloat16")
+    compute_dtype = torch.bfloat16
+
+
+class Fp16Mixed(_Mixed):
+    name = "fp16"
+    aliases = ("16", "16-mixed", "fp16-mixed", "float16", "half")
+    compute_dtype = torch.float16
+    # fp16's 5-bit exponent underflows small gradients: a GradScaler scales the loss. bf16 has fp32's range.
+    needs_scaler = True
+    measured_as = "bf16"
+
+
+class _True(Precision):
+    """Weights, gradients and AdamW state all in the low dtype, no autocast and no fp32 copy (Lightning's
+    "-true" modes): half the static memory of fp32, but an update smaller than half a step of the stored
+    value is rounded away."""
+
+    runs_emulated = False
+
+    def forward_context(self):
+        # Tensors the forward creates without a dtype (masks, positions) come out in the weights' dtype.
+        return _default_dtype(self.param_dtype)
+
+    def _held(self) -> str:
+        return f"{dtype_name(self.param_dtype)} weights, gradients and AdamW state ({self.name})"
+
+
+class Bf16True(_True):
+    name = "bf16-true"
+    param_dtype = compute_dtype = torch.bfloat16
+    note = "; weights, gradients and AdamW state in bf16, no fp32 master copy: small updates are rounded away"
+
+
+class Fp16True(_True):
+    name = "fp16-true"
+    aliases = ("16-true",)
+    param_dtype = compute_dtype = torch.float16
+    # torch's GradScaler refuses fp16 gradients (it unscales into fp32 master weights, which this mode has
+    # not), so, as in Lightning's 16-true, there is no loss scaling. AdamW's eps of 1e-8 is 0 in fp16 and its
+    # second moment underflows below 6e-8: eps 1e-4 keeps the denominator off zero.
+    adamw_eps = 1e-4
+    measured_as = "bf16-true"
+    note = ("; weights, gradients and AdamW state in fp16 with no loss scaling (GradScaler cannot unscale fp16 "
+            "gradients): gradients below 6e-8 flush to zero, an overflow is not skipped, AdamW eps is 1e-4")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@contextlib.contextmanager
+def kept_dtypes(module: torch.nn.Module):
+    """Each parameter and buffer of `module` back in its own dtype after the block, whatever precisions converted
+    it inside (a caller's bf16-stored model stays bf16 after a benchmark ran it as fp32 and bf16-true)."""
+    params = {name: p.dtype for name, p in module.named_parameters()}
+    buffers = {name: b.dtype for name, b in module.named_buffers()}
+    try:
+        yield module
+    finally:
+        for name, p in module.named_parameters():
+            if p.dtype != params[name]:
+                p.data = p.data.to(params[name])
+        for name, b in module.named_buffers():
+            if b.dtype != buffers[name]:
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr, b.to(buffers[name]))
+
+
+_REGISTRY: dict[str, type[Precision]] = {}
+
+
+def _aliases() -> dict[str, str]:
+    table = {"auto": "auto"}
+    for name, cls in _REGISTRY.items():
+        table.update({s.lower(): name for s in (name, *cls.aliases)})
+    return table
+
+
+def register_precision(cls: type[Precision]) -> type[Precision]:
+    """Add a mode: its name and aliases resolve to it from then on (usable as a class decorator)."""
+    taken = _aliases()
+    clash = [s for s in (cls.name, *cls.aliases) if s.lower() in taken and taken[s.lower()] != cls.name]
+    if not issubclass(cls, Precision) or clash:
+        raise ValueError(f"cannot register {cls!r}: not a Precision subclass, or {clash} already name a mode")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (Fp32, Bf16Mixed, Fp16Mixed, Bf16True, Fp16True):
+    register_precision(_cls)
+PRECISIONS = tuple(_REGISTRY)  # the modes tier_utils ships, fp32 (the baseline) first
+
+
+def canonical_precision(requested) -> str:
+    """Map any accepted spelling (or an int like 16/32) to auto or a mode's name; a Precision to its name."""
+    if isinstance(requested, Precision):
+        return requested.name
+    key = str(requested).strip().lower()
+    table = _aliases()
+    if key not in table:
+        raise ValueError(f"unknown precision {requested!r}; use one of: {', '.join(sorted(table))}")
+    return table[key]
+
+
+def precision_class(name) -> type[Precision]:
+    """The class of a mode, by any spelling of its name."""
+    return _REGISTRY[canonical_precision(name)]
+
+
+def precision_setting(value) -> str | Precision:
+    """What a config's `precision` field holds: a Precision already decided (kept whole, so its device and reason
+    reach the forward unchanged) or the canonical name of a spelling, to be resolved at the boundary."""
+    return value if isinstance(value, Precision) else canonical_precision(value)
+
+
+def resolve_device(device=None) -> torch.device:
+    """None -> the first CUDA device if there is one, else the CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for but torch sees no GPU; use --device cpu")
+    return dev
+
+
+def native_support(name: str, device: torch.device) -> tuple[bool, str]:
+    """Whether mode `name` runs natively on `device`, and why (one line)."""
+    return precision_class(name).native_support(device)
+
+
+def _auto(device: torch.device) -> tuple[type[Precision], str]:
+    """auto picks among fp32 and the mixed modes only: a true mode trades accuracy, and is asked for by name."""
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         gpu = torch.cuda.get_device_name(device)
         if cc >= _CUDA_BF16_MIN:
-            return "bf16", f"auto: {gpu} (compute capability {cc[0]}.{cc[1]}) has bf16 tensor cores -> bf16, no scaler"
+            return Bf16Mixed, (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]}) has bf16 tensor cores -> bf16, "
+                               "no scaler")
         if cc >= _CUDA_FP16_MIN:
-            return "fp16", (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 8.0) emulates bf16 -> "
-                            "fp16 with a GradScaler")
-        return "fp32", f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 7.0) has no fp16/bf16 tensor cores -> fp32"
+            return Fp16Mixed, (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 8.0) emulates bf16 -> "
+                               "fp16 with a GradScaler")
+        return Fp32, f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 7.0) has no fp16/bf16 tensor cores -> fp32"
     if device.type == "cpu":
-        ok, why = native_support("bf16", device)
+        ok, why = Bf16Mixed.native_support(device)
         if ok:
-            return "bf16", f"auto: {why} -> bf16 autocast, no scaler"
-        return "fp32", f"auto: {why} -> fp32"
-    return "fp32", f"auto: no mixed-precision rule for {device.type!r} -> fp32"
+            return Bf16Mixed, f"auto: {why} -> bf16 autocast, no scaler"
+        return Fp32, f"auto: {why} -> fp32"
+    return Fp32, f"auto: no mixed-precision rule for {device.type!r} -> fp32"
 
 
 def resolve_precision(requested="auto", device=None, *, warn: bool = True) -> Precision:
-    """Decide what `requested` means on `device`; warn once if it will run emulated (slow).
-    A Precision decided for this device comes back as is, so a job resolves once and passes it down."""
+    """Decide what `requested` (a name, or a Precision of any subclass) means on `device`; warn once if it
+    will run emulated (slow). A Precision decided for this device comes back as is, so a job resolves once and
+    passes it down; one decided for another device is decided again from what was asked (auto stays auto)."""
     dev = resolve_device(device)
     if isinstance(requested, Precision):
         if _same_device(requested.device, dev):
             return requested
-        requested = requested.requested  # decided for another device: decide what was asked (auto too) again here
-    name = canonical_precision(requested)
-    if name == "auto":
-        name, reason = _auto(dev)
-        return Precision(str(requested), name, dev, True, reason)
-    native, why = native_support(name, dev)
-    if native:
-        return Precision(str(requested), name, dev, True, f"{name} requested: {why}")
-    reason = f"{name} requested: runs, but {why}"
-    key = (str(dev), name)
-    if warn and key not in _slow_warned:
-        _slow_warned.add(key)
-        warnings.warn(reason, SlowPrecisionWarning, stacklevel=2)
-    return Precision(str(requested), name, dev, False, reason)
+        if str(requested.requested).strip().lower() != "auto":  # its own class: it may be registered nowhere
+            return type(requested).decide(requested.requested, dev, warn)
+        requested = requested.requested
+    if canonical_precision(requested) == "auto":
+        cls, reason = _auto(dev)
+        return cls(str(requested), dev, True, reason)
+    return precision_class(requested).decide(str(requested), dev, warn)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -220,6 +402,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def supported_precisions(device=None) -> list[str]:
-    """fp32 plus the low precisions `device` runs natively (what a widget should offer besides auto)."""
+    """fp32 plus the modes `device` runs natively (what a widget should offer besides auto)."""
     dev = resolve_device(device)
     return [n for n in PRECISIONS if native_support(n, dev)[0]]

@@ -12,7 +12,7 @@ import math
 import operator
 from dataclasses import MISSING, field, fields, replace
 
-from .precision import canonical_precision
+from .precision import PRECISIONS, canonical_precision
 
 
 def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices=None, low=None, above=None,
@@ -49,7 +49,7 @@ _OPERATORS = {">=": operator.ge, ">": operator.gt, "<": operator.lt, "<=": opera
 # offers them alike.
 def precision_field():
     """`precision`: a name (resolved for the device when the tier starts) or a Precision already decided."""
-    return setting("auto", "auto, fp32, bf16 or fp16 (Lightning/torch spellings accepted)")
+    return setting("auto", f"auto, {', '.join(PRECISIONS)} (Lightning/torch spellings accepted)")
 
 
 def device_field():

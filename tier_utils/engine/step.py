@@ -1,9 +1,9 @@
-"""The one AMP-correct optimizer step, shared by `train()`, `amp_benchmark()` and the fit planner, with
+"""The one precision-correct optimizer step, shared by `train()`, `amp_benchmark()` and the fit planner, with
 the optimizer and LR schedule they all use.
 
-`TrainStep`: autocast around forward + loss only; fp16 goes scale -> backward -> unscale_ -> clip ->
-step -> update through a GradScaler that is a no-op for fp32/bf16. It knows models (through their
-adapter) and precisions, nothing of the loops around it.
+`TrainStep`: the precision's forward context (autocast for the mixed modes) around forward + loss only; then its
+Stepper: backward -> unscale -> clip -> optimizer step (fp16 mixed: through a GradScaler). It asks the precision
+object, never a precision's name, and knows nothing of the loops around it.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from ..adapter.adapter import ModelAdapter
 from ..core.precision import Precision
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT.
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT. `eps`: the
+    precision's `adamw_eps` (1e-8 is 0 in fp16).
 
     Fused on CUDA (one kernel launch for all parameters, the fastest there), foreach elsewhere.
     `optimizer_impl` names the choice.
@@ -29,7 +30,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     impl = {"fused": True} if params and all(p.is_cuda for p in params) else {"foreach": True}
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, **impl)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, eps=eps, **impl)
 
 
 def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
@@ -63,6 +64,9 @@ class StepOutput:
     skipped: bool | None  # fp16 with track_scale only (deciding it needs a host sync); else None
     scale_before: float | None
     scale_after: float | None
+    # count_rounding: (elements whose AdamW update was non-zero but left the stored value unchanged, elements
+    # with a non-zero update), on the device; None otherwise or on a skipped step
+    rounding: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def scale_collapsed(self) -> bool:
@@ -77,17 +81,20 @@ class TrainStep:
     DDP passes one that skips the all-reduce on accumulation micro-steps. `track_scale=False`
     leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
     back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
+    `count_rounding`: also count the parameter updates the stored dtype rounded away (a copy of the
+    weights per step: for a measuring window, not a long run).
     """
 
     def __init__(self, adapter: ModelAdapter, precision: Precision, optimizer: torch.optim.Optimizer,
-                 scheduler=None, grad_clip: float | None = 1.0, no_sync=None, track_scale: bool = True):
+                 scheduler=None, grad_clip: float | None = 1.0, no_sync=None, track_scale: bool = True,
+                 count_rounding: bool = False):
         if scheduler is not None and not track_scale:
             raise ValueError("track_scale=False cannot hold a scheduler back on skipped fp16 steps; "
                              "pass scheduler=None or keep track_scale=True")
         self.adapter, self.precision = adapter, precision
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.grad_clip, self.track_scale = grad_clip, track_scale
-        self.scaler = precision.grad_scaler()
+        self.grad_clip, self.count_rounding = grad_clip, count_rounding
+        self.stepper = precision.stepper(track=track_scale)
         self.params = [p for p in adapter.model.parameters() if p.requires_grad]
         self.no_sync = no_sync or (lambda accumulating: contextlib.nullcontext())
 
@@ -97,22 +104,38 @@ class TrainStep:
         total = torch.zeros((), device=self.adapter.device)
         for i, batch in enumerate(micro_batches):
             with self.no_sync(i < n - 1):
-                with self.precision.autocast():
+                with self.precision.forward_context():
                     loss, _ = self.adapter.forward_loss(batch)
-                self.scaler.scale(loss / n).backward()
+                self.stepper.backward(loss / n)
             total += loss.detach().float()
-        self.scaler.unscale_(self.optimizer)
+        self.stepper.unscale(self.optimizer)
         # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
-        # fp16's two reads of the scale are host syncs, paid only to know a skip: a skipped step must not
-        # advance the LR schedule.
-        tracking = self.scaler.is_enabled() and self.track_scale
-        scale_before = self.scaler.get_scale() if tracking else None
-        # A disabled GradScaler (fp32/bf16) just calls optimizer.step(), and update() does nothing.
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        scale_after = self.scaler.get_scale() if tracking else None
-        skipped = scale_after < scale_before if tracking else None
+        before = [p.detach().clone() for p in self.params] if self.count_rounding else None
+        skipped = self.stepper.step(self.optimizer)
+        # A skipped step (fp16 overflow) must not advance the LR schedule.
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
-        return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after)
+        rounding = rounded_away(self.params, before, self.optimizer) if before is not None and not skipped else None
+        return StepOutput(total / n, grad_norm.detach(), skipped, self.stepper.scale_before, self.stepper.scale_after,
+                          rounding)
+
+
+def rounded_away(params: list[torch.Tensor], before: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements whose AdamW update was non-zero but left the stored value unchanged, elements whose update was
+    non-zero), comparing each parameter with its copy `before` the step. AdamW moves an element when its first
+    moment is non-zero (the gradient's part) or, with weight decay, when the element is (the decay's part)."""
+    decay = {p: g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    rounded = torch.zeros((), dtype=torch.long, device=params[0].device)
+    updated = torch.zeros_like(rounded)
+    for p, old in zip(params, before):
+        state = optimizer.state.get(p, {})
+        if "exp_avg" not in state:
+            continue
+        moved = state["exp_avg"] != 0
+        if decay[p]:
+            moved |= old != 0
+        updated += moved.sum()
+        rounded += (moved & (p.detach() == old)).sum()
+    return rounded, updated

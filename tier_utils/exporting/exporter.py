@@ -25,7 +25,7 @@ from ..adapter.adapter import resolve_model
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import StepTimer, summarize
-from ..core.precision import Precision, precision_setting, resolve_precision
+from ..core.precision import Precision, dtype_name, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..data.datasets import DataDescription, make_loader
@@ -33,7 +33,8 @@ from ..data.datasets import DataDescription, make_loader
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
 # max |artifact - eager| / max |eager logits|: PASS up to the first, WARN up to the second, else FAIL.
-# Low precisions get room for different kernels rounding differently.
+# Low precisions get room for different kernels rounding differently; by the weights' dtype (a mode's name is the
+# precision object's business).
 REL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (3e-2, 1e-1), "fp16": (5e-3, 5e-2)}
 # Argmax agreement at positions whose eager top-2 margin exceeds the difference (a near-tie may flip).
 AGREEMENT = {"fp32": (1.0, 0.99), "bf16": (0.98, 0.9), "fp16": (0.99, 0.95)}
@@ -183,12 +184,13 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
                                                                                        "argmax agreement")]
                 continue
-            checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.name, label)
+            checks += _parity(wrapper(*batch).float(), runner(batch).float(), dtype_name(prec.dtype), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
-                       rel_tolerance=REL_TOLERANCE[prec.name], argmax_agreement=AGREEMENT[prec.name])
+                       rel_tolerance=REL_TOLERANCE[dtype_name(prec.dtype)],
+                       argmax_agreement=AGREEMENT[dtype_name(prec.dtype)])
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)
 

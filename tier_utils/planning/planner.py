@@ -23,7 +23,7 @@ from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, gib, measure_activations, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, native_support, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
@@ -44,10 +44,11 @@ MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} Mi
 @dataclass
 class FitConfig:
     """What `fit` plans: the sequence length, the precisions (fp32; bf16/fp16 autocast with fp32 master
-    weights), each also with activation checkpointing, and whether to validate by running real steps."""
+    weights; bf16-true/fp16-true: everything in the 2-byte type), each also with activation checkpointing, and
+    whether to validate by running real steps."""
 
     seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
-    precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16")
+    precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16,bf16-true")
     checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
     device: str | torch.device | None = device_field()
     validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
@@ -92,13 +93,14 @@ def checkpointed(model: nn.Module, meter=None):
             del block.forward
 
 
-def static_bytes(model: nn.Module) -> dict:
+def static_bytes(model: nn.Module, precision=None) -> dict:
     """Weights, gradients and AdamW state (tier_utils' optimizer) of a training step, without allocating:
-    AdamW is stepped once on meta copies of the parameters and its state is counted."""
-    params = [p for p in model.parameters()]
+    AdamW is stepped once on meta copies of the parameters, in `precision`'s weight dtype (None: as they are),
+    and its state is counted."""
+    dtype = None if precision is None else precision.param_dtype
     holder = nn.Module()
-    holder.params = nn.ParameterList([nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                                      for p in params])
+    holder.params = nn.ParameterList([nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype),
+                                                   requires_grad=p.requires_grad) for p in model.parameters()])
     optimizer = make_optimizer(holder, 1e-3, 0.1)
     for p in holder.params:
         if p.requires_grad:
@@ -251,24 +253,27 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
     """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
     precision with checkpointing; and how many blocks checkpointing wraps. Measures on the adapter's device."""
     dev = adapter.device
-    static = sum(static_bytes(adapter.model).values())
     blocks = len(repeated_blocks(adapter.model))
     combos = [(p, ck) for p in precisions for ck in ((False, True) if checkpointing and blocks else (False,))]
     fits, configs = {}, []
     for p, ck in progress_bar(combos, desc="fit", unit="config", enabled=progress):
-        measured_as = "bf16" if p == "fp16" and not native_support("fp16", dev)[0] else p
-        note = "" if measured_as == p else ("; fp16 uses bf16's measurement (autocast lowers the same ops to "
-                                            "either 2-byte type; fp16 is emulated here)")
+        prec = resolve_precision(p, dev, warn=False)
+        # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
+        measured_as = prec.measured_as if prec.measured_as and not prec.native else p
+        note = "" if measured_as == p else (f"; {p} uses {measured_as}'s measurement (the same ops in another "
+                                            f"2-byte type; {p} is emulated here)")
         key = (measured_as, ck)
         if key not in fits:
-            prec = resolve_precision(measured_as, dev, warn=False)
+            stand_in = resolve_precision(measured_as, dev, warn=False)
             context = (lambda meter: checkpointed(adapter.model, meter)) if ck else contextlib.nullcontext
-            fits[key] = measure_activations(adapter, prec, length, context)
+            with kept_dtypes(adapter.model):
+                stand_in.convert_module(adapter.model)
+                fits[key] = measure_activations(adapter, stand_in, length, context)
         recompute = 0.0
         if ck:  # one block's saved activations come back while it is recomputed
             full, kept = fits[(measured_as, False)], fits[key]
             recompute = max(0.0, (full.bytes(1, length) - kept.bytes(1, length)) / length / blocks)
-        configs.append(Config(p, ck, static, fits[key], recompute, note))
+        configs.append(Config(p, ck, sum(static_bytes(adapter.model, prec).values()), fits[key], recompute, note))
     return configs, blocks
 
 
@@ -279,9 +284,11 @@ def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
     state = {k: v.detach().clone() for k, v in adapter.model.state_dict().items()}
 
     def one_step():
-        optimizer = make_optimizer(adapter.model, 1e-3, 0.1)
-        with checkpointed(adapter.model) if config.checkpointing else contextlib.nullcontext():
-            TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
+        with kept_dtypes(adapter.model):
+            prec.convert_module(adapter.model)
+            optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
+            with checkpointed(adapter.model) if config.checkpointing else contextlib.nullcontext():
+                TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
         return True
 
     ran, _ = without_oom(one_step)

@@ -199,7 +199,7 @@ class TrainSummary:
     perplexity: float | None
     accuracy: float | None
     val_targets: int | None  # the n behind val_loss and accuracy
-    skipped_steps: int
+    skipped_steps: int | None  # steps a GradScaler skipped (None: the precision has none)
     precision: str
     precision_reason: str
     device: str
@@ -285,7 +285,7 @@ class TrainResult(Result):
             ("optimizer", s.optimizer),
             ("compile_reason", s.compile_reason),
             ("compile_s", number(s.compile_s, ".1f")),
-            ("skipped_steps", s.skipped_steps if s.precision == "fp16" else None),
+            ("skipped_steps", s.skipped_steps),
             ("diverged_at_step", s.diverged_at_step),
             ("interrupted", True if s.interrupted else None),
             ("checkpoint", s.checkpoint),

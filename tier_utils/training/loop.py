@@ -1,4 +1,4 @@
-"""Tier 3 training engine: `train()` around the shared AMP-correct optimizer step (`TrainStep`, model/step.py).
+"""Tier 3 training engine: `train()` around the shared precision-correct optimizer step (`TrainStep`, engine/step.py).
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
 kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP).
@@ -117,6 +117,7 @@ class _Run:
         self.cfg, self.on_eval, self.env, self.device = cfg, on_eval, env, device
         # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
         self.precision: Precision = resolve_precision(cfg.precision, device)
+        self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
         self.adapter = self._build(model, model_kwargs)
         splits = self._datasets(data)
         self._loaders(splits)
@@ -133,11 +134,12 @@ class _Run:
             **run_metadata(self.device, self.precision.dtype)})
 
     def _build(self, model, model_kwargs: dict) -> ModelAdapter:
-        """The model on the device in train mode, checked: trainable, and its forward runs."""
+        """The model on the device in train mode, in the precision's weight dtype (fp32 master weights for the
+        mixed modes, whatever dtype the checkpoint was stored in), checked: trainable, and its forward runs."""
         seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
         adapter = resolve_model(model, **model_kwargs)
         check_save_hf(adapter.model, self.cfg.save_hf)  # a model with no save_pretrained form: refused before any step
-        adapter.model.to(self.device).train()
+        self.precision.convert_module(adapter.model.to(self.device)).train()
         adapter.require_trainable()
         adapter.check_forward()
         return adapter
@@ -173,7 +175,7 @@ class _Run:
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
         cfg = self.cfg
-        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay)
+        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay, self.precision.adamw_eps)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
@@ -309,7 +311,7 @@ class _Run:
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "precision": self.precision.name,
                 "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.scaler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
                 "selection": self.selection.state_dict(),
@@ -366,8 +368,7 @@ class _Run:
                                   f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.step_fn.scaler.is_enabled():
-            self.step_fn.scaler.load_state_dict(state["scaler"])
+        self.step_fn.stepper.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
         later = load_checkpoint(self.best_path, mmap=True) if self.best_path.is_file() else None  # not its weights
@@ -400,7 +401,8 @@ class _Run:
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
             train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
             perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
-            skipped_steps=self.hist.skipped_total, precision=self.precision.name,
+            skipped_steps=self.hist.skipped_total if self.precision.needs_scaler else None,
+            precision=self.precision.name,
             precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",

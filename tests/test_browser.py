@@ -184,15 +184,15 @@ def main_job_report(tmp_path_factory):
     """The main job's index.html at tiny sizes: real tables from every tier, run once for this file."""
     from tiny import TINY
 
-    from tier_utils import BenchConfig, TrainConfig, report
+    from tier_utils import BenchConfig, TrainConfig, mainjob
     from tier_utils.presets import Preset
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "FAST", Preset(batch_size=4, seq_len=16, analysis_batches=1,
+        mp.setattr(mainjob, "FAST", Preset(batch_size=4, seq_len=16, analysis_batches=1,
                                           train=TrainConfig(max_steps=4, eval_every=2, eval_batches=1),
                                           bench=BenchConfig(untimed_steps=1, timed_steps=1, repeats=1,
                                                             accuracy_steps=2, eval_batches=1)))
-        result = report.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
+        result = mainjob.run_all("tiny-gpt", tmp_path_factory.mktemp("report"), fast=True, progress=False,
                                 device="cpu", model_kwargs=TINY)
     return result.index.resolve().as_uri()
 

@@ -173,7 +173,7 @@ def test_all_defaults_are_run_alls():
 
 
 def test_all_says_its_thread_count_and_why_when_it_starts(tmp_path, monkeypatch, capsys):
-    from tier_utils import report
+    from tier_utils import mainjob
 
     class Done:  # the job itself is tested in test_report; here only what `all` says before it
         model_status = "PASS"
@@ -186,7 +186,7 @@ def test_all_says_its_thread_count_and_why_when_it_starts(tmp_path, monkeypatch,
 
     import functools
 
-    monkeypatch.setattr(report, "run_all", functools.wraps(report.run_all)(lambda *a, **k: Done()))  # its options
+    monkeypatch.setattr(mainjob, "run_all", functools.wraps(mainjob.run_all)(lambda *a, **k: Done()))  # its options
     assert main(["all", "--out", str(tmp_path)]) == 0
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("all: smoke, analysis, training, AMP benchmark · ") and " torch thread" in first

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import TINY
 
-from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, report
+from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, mainjob
 from tier_utils import demo as demo_module
 from tier_utils.benchmark.config import BenchConfig
 from tier_utils.demo import SEED, STEPS, UNIFORM_LOSS, corpus_val_loss
@@ -93,13 +93,13 @@ def test_the_demo_trained_further_is_no_longer_named_as_shipped():
 
 def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_path, monkeypatch):
     loaded = []
-    real = report.load_model
-    monkeypatch.setattr(report, "load_model", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
+    real = mainjob.load_model
+    monkeypatch.setattr(mainjob, "load_model", lambda spec, **kw: loaded.append(spec) or real(spec, **kw))
     sizes = Preset(batch_size=2, seq_len=16, analysis_batches=1,
                    train=TrainConfig(max_steps=2, eval_every=1, eval_batches=1),
                    bench=BenchConfig(untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=1, eval_batches=1))
-    monkeypatch.setattr(report, "FAST", sizes)
-    result = report.run_all(DEFAULT_MODEL, tmp_path / "default", fast=True, progress=False, device="cpu")
+    monkeypatch.setattr(mainjob, "FAST", sizes)
+    result = mainjob.run_all(DEFAULT_MODEL, tmp_path / "default", fast=True, progress=False, device="cpu")
     assert loaded == [DEFAULT_MODEL, DEMO_MODEL]
     analysis, trained = result.results["analysis"], result.results["train"]
     assert analysis.model["provenance"]["name"] == DEMO_MODEL
@@ -109,7 +109,7 @@ def test_all_analyses_the_demo_model_only_when_the_default_model_is_left(tmp_pat
     assert f"on {DEMO_MODEL}: TinyGPT trained" in result.summary_text()
     assert f"tier 2 on {DEMO_MODEL}" in result.index.read_text()
     loaded.clear()
-    sized = report.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu",
+    sized = mainjob.run_all(DEFAULT_MODEL, tmp_path / "sized", fast=True, progress=False, device="cpu",
                            model_kwargs=TINY)
     assert loaded == [DEFAULT_MODEL] and "provenance" not in sized.results["analysis"].model
 

@@ -28,12 +28,13 @@ from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topi
 from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .data.userdata import DataSource
 from .exporting.exporter import ExportConfig, ExportResult, export
+from .mainjob import AllResult, run_all
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
 from .models.checkpoint import load_checkpoint
 from .models.loading import load_model, load_weights
 from .planning.device_info import InfoConfig, InfoResult, info
 from .planning.planner import FitConfig, FitResult, fit
-from .report import AllResult, run_all, write_report
+from .report import write_report
 from .smoketest.suite import SmokeConfig, SmokeReport, smoke
 from .training.config import TrainConfig
 from .training.history import TrainResult

@@ -108,6 +108,8 @@ def _run_bench(args) -> tuple[dict, int]:
           f"{s.repeats} repeats of {s.timed_steps} timed steps · {s.accuracy_steps} accuracy steps")
     if run.fit.reason:
         print(run.fit.reason)
+    if run.lora:
+        print(run.lora["detail"])
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)
@@ -156,12 +158,13 @@ def _run_fit(args) -> tuple[dict, int]:
 
 def _run_all(args) -> tuple[dict, int]:
     from .core.measure import machine_load
-    from .report import run_all
+    from .mainjob import run_all
 
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
-                     model_kwargs=model_kwargs(args))
+                     model_kwargs=model_kwargs(args),
+                     activation_checkpointing=args.activation_checkpointing, lora=args.lora)
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
@@ -189,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .analysis import AnalysisConfig
     from .exporting.exporter import ExportConfig
+    from .mainjob import run_all
     from .planning.device_info import InfoConfig
     from .planning.planner import FitConfig
-    from .report import run_all
     from .smoketest.suite import SmokeConfig
 
     # The console script `tier-utils` and `python -m tier_utils` run the same main(): help names the one typed.
@@ -238,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_data(p)
     add_settings(p, SearchConfig, {f.name for f in fields(SearchConfig)} - {"progress", "trial"})
-    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
-                 defaults=vars(SearchConfig().trial))
+    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed",
+                                  "activation_checkpointing", "lora"), defaults=vars(SearchConfig().trial))
     p.set_defaults(run=_run_search)
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
@@ -270,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                 f"{JOB.bench.repeats} repeats of {JOB.bench.timed_steps})",
         "batch_size": (f"sequences per batch (none: {JOB.batch_size}, {FAST.batch_size} with --fast)",
                        whole),
-        "seed": "initial weights and training data order"})
+        "seed": "initial weights and training data order",
+        "activation_checkpointing": TrainConfig.__dataclass_fields__["activation_checkpointing"].metadata["help"],
+        "lora": TrainConfig.__dataclass_fields__["lora"].metadata["help"]})
     add_data(p, data=False)
     p.set_defaults(run=_run_all)
 

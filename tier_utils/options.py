@@ -13,6 +13,7 @@ import typing
 from dataclasses import fields
 
 from .core.inputs import whole_number
+from .engine.lora import LoraError, LoraSettings, lora_setting
 from .models.builtins import DEFAULT_MODEL
 from .training.config import TrainConfig
 
@@ -76,8 +77,18 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
                         choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
 
 
+def _lora_arg(value: str) -> LoraSettings | None:
+    """'r=8,alpha=16[,targets=q_proj,v_proj]', a rank, or 0/off; a bad one is argparse's one-line error."""
+    try:
+        return lora_setting(value)
+    except LoraError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_lora_arg.metavar = "SPEC"
+
 # Types a plain int/float/str conversion won't parse (a plain tuple is names: its class splits the string).
-_CONVERTERS = {tuple[int, ...]: _int_list}
+_CONVERTERS = {tuple[int, ...]: _int_list, LoraSettings: _lora_arg}
 # What a value looks like, by its type (a tuple setting is a list of names)...
 _METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
 # ...or, where the type says too little, by the option's name.

@@ -18,6 +18,7 @@ from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
 from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .core.settings import check_fields, check_switch, setting
+from .engine.lora import LoraSettings, lora_setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
 from .models.loading import load_model
 from .planning.planner import FitConfig
@@ -60,6 +61,10 @@ class RunConfig:
     device: str | None = TrainConfig.device
     seed: int = TrainConfig.seed
     compile: bool = TrainConfig.compile
+    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
+    # "r=8,alpha=16" string or LoraSettings.
+    activation_checkpointing: bool = TrainConfig.activation_checkpointing
+    lora: LoraSettings | int | str | None = TrainConfig.lora
 
     def __post_init__(self):
         preset = self.preset
@@ -71,6 +76,8 @@ class RunConfig:
                 setattr(self, name, value)
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
+        check_switch(self, "activation_checkpointing")
+        self.lora = lora_setting(self.lora)
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
 
     @property
@@ -96,13 +103,13 @@ class RunConfig:
         """Training at this config's shape, precision, steps, device, seed and compile choice, with the preset's
         evaluation lengths; `given` TrainConfig fields (e.g. checkpoint_dir) on top."""
         return self._sized().train_config(**{**self._decided(), "max_steps": self.max_steps, "seed": self.seed,
-                                             "compile": self.compile, **given})
+                                             "compile": self.compile, **self._memory(), **given})
 
     def bench_config(self, **given) -> BenchConfig:
         """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
         precision runs eager and compiled, interleaved, so the table compares the two. `given` on top."""
         return self._sized().bench_config(**{"device": self.device, "compile": "both" if self.compile else "off",
-                                             **given})
+                                             **self._memory(), **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at this config's length and device; `given` on top."""
@@ -115,6 +122,9 @@ class RunConfig:
 
     def _sized(self) -> Preset:
         return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)
+
+    def _memory(self) -> dict:
+        return {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
 
     def _decided(self) -> dict:
         return {"precision": self.precision, "device": self.device}

@@ -58,6 +58,8 @@ class ModelAdapter:
 
     @property
     def name(self) -> str:
+        if hasattr(self.model, "peft_config"):  # peft's wrapper: named by the model it adapts
+            return f"{type(self.model.get_base_model()).__name__}+LoRA"
         return type(self.model).__name__
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):

@@ -6,6 +6,7 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 
@@ -35,9 +36,11 @@ from ..core.settings import merge
 from ..data.datasets import make_loader, to_device
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
+from ..engine.lora import apply_lora, convert_for, describe_lora, unload
+from ..engine.memory import checkpointing_on, kept_inputs, memory_context, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..planning.planner import device_room, plan
-from .config import COMPILE_CHOICES, BenchConfig, Mode
+from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig, Mode
 from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
 from .verdicts import launch_bound, record_checks
 
@@ -102,8 +105,15 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     cfg = merge(BenchConfig, config, overrides, "benchmark")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
-    with kept_dtypes(adapter.model.to(dev)):
-        return _benchmark(adapter, cfg, dev, data)
+    if cfg.activation_checkpointing:
+        require_blocks(adapter.model)
+    if cfg.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
+        adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+    try:
+        with kept_dtypes(adapter.model.to(dev)):
+            return _benchmark(adapter, cfg, dev, data)
+    finally:
+        unload(adapter.model)
 
 
 def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:
@@ -114,6 +124,9 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
     seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
     modes = COMPILE_CHOICES[cfg.compile]  # the config checked it is one of them
     plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
+    if cfg.activation_checkpointing:  # each precision again, eager, with checkpointing: its cost and saving
+        plans += [replace(_plan(name, CHECKPOINTED, dev, cfg.force, adapter), checkpointing=True)
+                  for name in cfg.precisions]
     budget = read_budget(dev)  # before anything of ours is allocated
     cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)
     splits = adapter.datasets(data, seq_len)
@@ -121,7 +134,7 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
     speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
     tokens_per_step = speed_batches[0]["input_ids"].numel()
     base = plans[0]
-    start = copy.deepcopy(base.precision.convert_module(adapter.model).state_dict())  # fp32: every run's start
+    start = copy.deepcopy(convert_for(base.precision, adapter.model).state_dict())  # fp32: every run's start
     for p in plans:
         if p.ran and p.mode == "compiled":
             _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes)
@@ -144,7 +157,7 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
                     first.append(adapter.forward_loss(speed_batches[0])[0])
                 first[0].backward()
 
-            base.precision.convert_module(adapter.model)  # a compiled plan may have left it in another dtype
+            convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
 
             flops = count_flops(forward_backward) if base.ran else {"per_step": None, "by_op": {}}
             adapter.model.zero_grad(set_to_none=True)
@@ -186,7 +199,7 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
                     p.accuracy = _unless_oom(p, plans, budget, cfg, seq_len, _accuracy_run, adapter, p.precision,
                                              start, splits, cfg, bar, p.adapter)
     finally:
-        base.precision.convert_module(adapter.model).load_state_dict(start)
+        convert_for(base.precision, adapter.model).load_state_dict(start)
         adapter.model.train(was_training)
     eager = {p.name: p for p in plans if p.mode == "eager" and p.ran}
     records = [make_record(p, base, flops, dev, cfg.thresholds, eager.get(p.name)) for p in plans]
@@ -200,7 +213,8 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
                 for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
                                      cpu_load())]
     config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
-                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing)
+                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing,
+                      lora=describe_lora(adapter.model))
     metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                 "load_average_1m": load_average()}
     result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
@@ -265,9 +279,11 @@ def _best_fitting_baseline(plans: list[Plan]) -> None:
 
 
 def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
-    """fn(*args); a CUDA out-of-memory instead SKIPs plan `p` with the size and the free memory (every plan,
-    when `p` is fp32's: no baseline) and returns None, its memory released."""
-    got, error = without_oom(fn, *args)
+    """fn(*args), with activation checkpointing for a checkpointing plan; a CUDA out-of-memory instead SKIPs plan
+    `p` with the size and the free memory (every plan, when `p` is fp32's: no baseline) and returns None, its
+    memory released."""
+    with memory_context(p.adapter.model, p.checkpointing):
+        got, error = without_oom(fn, *args)
     if error is None:
         return got
     why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, seq_len, budget)} ({error[:120]})"
@@ -288,7 +304,7 @@ def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
 def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool) -> None:
     """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
     compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
-    p.precision.convert_module(adapter.model)  # compiled for the weight dtype it will run with
+    convert_for(p.precision, adapter.model)  # compiled for the weight dtype it will run with
     p.adapter, info = compile_for_training(adapter, p.precision, batch, mode)
     p.compile = info
     if info.compiled:
@@ -315,7 +331,7 @@ def _fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tr
                 step_adapter=None, count_rounding: bool = False) -> TrainStep:
     """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
     `step_adapter` (compiled) if given."""
-    prec.convert_module(adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
+    convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
@@ -333,7 +349,9 @@ def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapte
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    with SavedTensorMeter(adapter.model) as meter:
+    # Checkpointing keeps each block's inputs outside autograd's saved tensors: counted too.
+    with SavedTensorMeter(adapter.model) as meter, kept_inputs(adapter.model, meter) if checkpointing_on(
+            adapter.model) else contextlib.nullcontext():
         loss = step([batches[1 % len(batches)]]).loss
     mem = static_memory(adapter.model, step.optimizer)
     mem["activation_bytes"] = meter.bytes

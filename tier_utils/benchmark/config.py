@@ -11,8 +11,10 @@ from ..core.loggers import logger_names
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
+from ..engine.lora import LoraSettings, lora_setting
 
-Mode = Literal["eager", "compiled"]  # how a benchmarked step runs
+Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs
+CHECKPOINTED: Mode = "eager+checkpointing"  # activation_checkpointing's rows: eager, compared with eager
 # The `compile` setting: the modes each precision runs in, eager first.
 COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}
 
@@ -73,6 +75,11 @@ class BenchConfig:
     compile: str = setting("off", "torch.compile the steps: off, on, or both (eager and compiled, interleaved)",
                            choices=tuple(COMPILE_CHOICES))
     compile_mode: str = compile_mode_setting()
+    activation_checkpointing: bool = setting(False, "also run each precision with activation checkpointing: its "
+                                                    "step time and activation bytes against the same precision "
+                                                    "without it")
+    lora: LoraSettings | None = setting(None, "train LoRA adapters (peft) over the frozen base in every row, e.g. "
+                                              "r=8,alpha=16 (none: every weight trains)")
     thresholds: Thresholds = setting(factory=Thresholds)
     progress: bool = progress_field()
     device: str | torch.device | None = device_field()
@@ -85,6 +92,8 @@ class BenchConfig:
         if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
             self.compile = "on" if self.compile else "off"
         self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
+        self.lora = lora_setting(self.lora)
+        check_switch(self, "activation_checkpointing")
         check_switch(self, "force")
         check_switch(self, "progress")
         if not isinstance(self.thresholds, Thresholds):

@@ -19,7 +19,7 @@ def plot_benchmark(result) -> Figure:
     if not ran:
         stopped = next((r.stopped for r in result.records if r.stopped), "no precision was timed")
         return message_figure("AMP benchmark: nothing measured", stopped)
-    names = [r.precision + (" compiled" if r.mode == "compiled" else "") for r in ran]
+    names = [r.precision + ("" if r.mode == "eager" else f" {r.mode}") for r in ran]
     curves = [(name, r) for name, r in zip(names, ran) if r.accuracy]
     scaled = [(name, r) for name, r in curves if r.accuracy["loss_scale"]]
     # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.

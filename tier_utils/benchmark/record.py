@@ -58,11 +58,13 @@ class BenchRun:
     settings: BenchConfig
     tokens_per_step: int
     fit: BatchFit
+    lora: dict | None = None  # engine.lora.describe_lora of the model every row trained (None: no LoRA)
 
     def to_dict(self) -> dict:
         """The JSON's "config": the data's and the settings' fields flat beside the model's."""
         return {"model": self.model, "task": self.task, "parameters": self.parameters, **self.described.to_dict(),
-                **self.settings.to_dict(), "tokens_per_step": self.tokens_per_step, "fit": self.fit.to_dict()}
+                **self.settings.to_dict(), "tokens_per_step": self.tokens_per_step, "fit": self.fit.to_dict(),
+                "lora_detail": self.lora}
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Plan:
     step_samples: list = field(default_factory=list)  # mean timed step (ms) of each repeat
     speed: Speed | None = None
     accuracy: dict | None = None
+    checkpointing: bool = False  # its steps run with activation checkpointing (engine/memory.py)
 
 
 @dataclass
@@ -105,6 +108,9 @@ class PrecisionRecord:
     memory: dict | None = None
     accuracy: dict | None = None
     stopped: str | None = None
+    checkpointing: bool = False
+    # Checkpointing rows: against the same precision without it (step time ratio, activation bytes).
+    vs_without: dict | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "speed": None if self.speed is None else self.speed.to_dict()}
@@ -124,6 +130,7 @@ class PrecisionRecord:
             "speedup": sp.median if sp else 1.0 if self.ran else None,  # ran with no speedup: the baseline
             "speedup_low": sp and sp.low, "speedup_high": sp and sp.high,
             "speedup_vs_eager": vs_eager and vs_eager.median,
+            "checkpointing": "on" if self.checkpointing else "off",
             "compile_s": self.compile.compile_s if self.compile else None,
             "achieved_tflops": mfu.get("achieved_tflops"),
             "peak_tflops": mfu.get("peak_tflops"), "mfu": mfu.get("mfu"), "weights_mib": mib("weights_bytes"),
@@ -146,11 +153,12 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
     compiled, with the same precision `eager`; metadata."""
     prec = p.precision
     rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, p.ran, p.forced,
-                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped)
+                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped,
+                          checkpointing=p.checkpointing)
     if not p.ran or p.stopped:
         return rec
     step_ms = p.speed.step_ms
-    vs_eager = p.mode == "compiled" and eager is not None
+    vs_eager = p.mode != "eager" and eager is not None and eager.speed is not None
     rec.speed = replace(p.speed, speedup=None if p is base else speedup(base.speed.step_ms, step_ms),
                         speedup_vs_eager=speedup(eager.speed.step_ms, step_ms) if vs_eager else None)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
@@ -163,6 +171,11 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
                         "activations": reduction(base.memory["activation_bytes"], mem["activation_bytes"]),
                         "total": reduction(base.memory["total_bytes"], mem["total_bytes"]),
                         "peak_allocated": reduction(base.memory["peak_allocated_bytes"], mem["peak_allocated_bytes"])}
+    if p.checkpointing and vs_eager:
+        rec.vs_without = {"step_time_ratio": step_ms.median / eager.speed.step_ms.median,
+                          "activation_bytes": mem["activation_bytes"],
+                          "activation_bytes_without": eager.memory["activation_bytes"],
+                          "activation_reduction": reduction(eager.memory["activation_bytes"], mem["activation_bytes"])}
     if p.accuracy is not None:
         acc = rec.accuracy = dict(p.accuracy)
         acc["val_loss_diff"] = acc["val_loss"] - base.accuracy["val_loss"]

@@ -252,7 +252,11 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     the CPU load the timings ran under, named by a timing verdict too noisy to give."""
     rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
     info, vs_eager = rec.compile, rec.speed and rec.speed.speedup_vs_eager
-    if info is not None and not info.compiled:
+    if rec.checkpointing:
+        if rec.vs_without is not None:
+            rows.insert(0, checkpointing_check(rec.precision, rec.vs_without, rec.speed.speedup_vs_eager,
+                                               rec.speed.step_ms.n))
+    elif info is not None and not info.compiled:
         rows.insert(0, PrecisionCheck("compile", "WARN", None, None, info.reason, rec.precision))
     elif vs_eager is not None:
         ms = rec.speed.step_ms
@@ -261,6 +265,18 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     for row in rows:
         row.mode = rec.mode
     return rows
+
+
+def checkpointing_check(precision: str, vs: dict, sp: Speedup, n: int) -> PrecisionCheck:
+    """Activation checkpointing against the same precision without it: what it saves (activation bytes, PASS
+    when they fall) and what it costs (step time, the recompute)."""
+    cost = "no measurable difference in step time" if sp.no_measurable_difference else \
+        f"step time x{1 / sp.median:.2f} (IQR range x{1 / sp.high:.2f}-x{1 / sp.low:.2f}, n={n} repeats)"
+    detail = (f"activations {vs['activation_bytes'] / 2**20:.2f} MiB vs {vs['activation_bytes_without'] / 2**20:.2f} "
+              f"MiB without checkpointing ({_pct(vs['activation_reduction'])}); {cost}, same precision")
+    status = "PASS" if vs["activation_reduction"] > 0 else "WARN"
+    return PrecisionCheck("activation checkpointing", status, round(vs["activation_reduction"], 4), 0.0, detail,
+                          precision, "eager+checkpointing")
 
 
 def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,

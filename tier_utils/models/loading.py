@@ -34,10 +34,12 @@ class ModelSource:
     kwargs: dict = field(default_factory=dict)
     tokenizer: object = None  # the tokenizer that goes with the weights (a load_tokenizer spec); None: bytes
     weights: str | None = None
+    lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
 
-    def record(self, tokenizer: str | None) -> dict:
+    def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
-        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights}
+        return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights,
+                "lora": lora}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:
@@ -190,7 +192,9 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
 
 def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     """A folder save_pretrained wrote: its config names the architecture, its tokenizer files (if any) the
-    tokenizer."""
+    tokenizer. A peft adapter folder gives its base (which its adapter_config.json names) with the adapter."""
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        return _load_adapter_folder(path, spec, kwargs)
     if not (path / "config.json").is_file():
         raise ModelSpecError(f"{spec} is a folder with no config.json, so not a save_pretrained model folder; "
                              "give the folder transformers wrote, or a built-in / file.py:Name spec")
@@ -211,6 +215,25 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
                       "tokenizer it was trained with", stacklevel=4)
     return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer)
+
+
+def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
+    """peft's adapter folder: the base model its adapter_config.json names (any load_model spec), with the
+    adapter loaded by PeftModel.from_pretrained, trainable; the folder's tokenizer, else the base's."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ModelSpecError(f"{spec} is a LoRA adapter folder; reading it needs peft: pip install "
+                             "'tier_utils[lora]' (or peft)") from exc
+    base_spec = peft.PeftConfig.from_pretrained(path).base_model_name_or_path
+    if not base_spec:
+        raise ModelSpecError(f"{spec}/adapter_config.json names no base model (base_model_name_or_path); set it to "
+                             "the base's folder or spec")
+    base = _build(base_spec, kwargs)
+    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True)
+    path = path.resolve()
+    tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
+    return _sourced(model, str(path), {}, tokenizer)
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:
@@ -244,7 +267,16 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
     source = ModelSource(**recorded)
     model = _build(source.spec, dict(source.kwargs))
     try:
-        model.load_state_dict(state["model"])
+        if source.lora:  # the adapters over the base the spec rebuilds, as peft wrapped it in training
+            import peft
+
+            if not hasattr(model, "peft_config"):  # a spec that is an adapter folder carries them already
+                model = peft.get_peft_model(model, peft.LoraConfig(**source.lora))
+            unfit = peft.set_peft_model_state_dict(model, state["model"]).unexpected_keys
+            if unfit:
+                raise RuntimeError(f"unexpected adapter keys {', '.join(unfit[:3])}")
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ModelSpecError(f"{path}'s weights do not fit {source.spec} ({one_line(exc)[:160]})") from exc
     model.tier_utils_source = source  # as trained: its spec, arguments and tokenizer

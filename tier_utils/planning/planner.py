@@ -27,6 +27,7 @@ from ..core.precision import PRECISIONS, kept_dtypes, resolve_device, resolve_pr
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
+from ..engine.memory import checkpointed, memory_context, repeated_blocks
 from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 
@@ -63,36 +64,6 @@ class FitConfig:
         check_fields(self)
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer's blocks: the longest nn.ModuleList whose children all have one type."""
-    best: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > max(1, len(best)) and len({type(c) for c in m}) == 1:
-            best = list(m)
-    return best
-
-
-@contextlib.contextmanager
-def checkpointed(model: nn.Module, meter=None):
-    """Activation checkpointing on `model`'s repeated blocks for the block (torch.utils.checkpoint,
-    non-reentrant). `meter` (a SavedTensorMeter) is told about each block's inputs: checkpointing keeps
-    them for the recompute, outside autograd's saved tensors."""
-    blocks = repeated_blocks(model)
-    for block in blocks:
-        def forward(*args, _forward=block.forward, **kwargs):
-            if meter is not None:
-                for a in (*args, *kwargs.values()):
-                    if torch.is_tensor(a) and a.is_floating_point():
-                        meter.add(a)
-            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-        block.forward = forward  # an instance attribute over the class's method, removed afterwards
-    try:
-        yield blocks
-    finally:
-        for block in blocks:
-            del block.forward
-
-
 def static_bytes(model: nn.Module, precision=None) -> dict:
     """Weights, gradients and AdamW state (tier_utils' optimizer) of a training step, without allocating:
     AdamW is stepped once on meta copies of the parameters, in `precision`'s weight dtype (None: as they are),
@@ -119,17 +90,23 @@ class Config:
     fit: ActivationFit
     recompute_per_token: float  # checkpointing: one block's activations, back during its recompute
     note: str = ""
+    recompute_fixed: float = 0.0  # checkpointing: what one block's recompute holds whatever the batch (autocast's
+    # low-precision copies of its weights)
 
     def per_sequence(self, length: int) -> float:
         """Bytes each sequence of the batch adds: saved activations, output gradient, recompute."""
         return self.fit.per_sequence(length) + (self.fit.output_per_token + self.recompute_per_token) * length
 
+    def fixed(self) -> float:
+        """Bytes that do not grow with the batch: weights, gradients, optimizer state, the fit's constant."""
+        return self.static + self.fit.k + self.recompute_fixed
+
     def step_bytes(self, batch: int, length: int) -> int:
-        return int(self.static + self.fit.k + batch * self.per_sequence(length))
+        return int(self.fixed() + batch * self.per_sequence(length))
 
     def largest_batch(self, length: int, room: float) -> int:
         per = self.per_sequence(length)
-        return max(0, int((room - self.static - self.fit.k) // per)) if per > 0 else 0
+        return max(0, int((room - self.fixed()) // per)) if per > 0 else 0
 
 
 def gpu_room(total_mib: int) -> float:
@@ -197,7 +174,8 @@ class FitResult(Result):
                          "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": GPUS,
                          "checkpointed_blocks": self.blocks, "table": self.table,
                          "configs": [{"precision": c.precision, "checkpointing": c.checkpointing, "static_bytes":
-                                      c.static, "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token}
+                                      c.static, "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
+                                      "recompute_fixed": c.recompute_fixed}
                                      for c in self.configs],
                          "validated": [{"precision": p, "checkpointing": ck, "largest_batch": b}
                                        for (p, ck), b in self.validated.items()], "run_metadata": self.metadata})
@@ -269,11 +247,16 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             with kept_dtypes(adapter.model):
                 stand_in.convert_module(adapter.model)
                 fits[key] = measure_activations(adapter, stand_in, length, context)
-        recompute = 0.0
+        recompute, fixed = 0.0, 0.0
         if ck:  # one block's saved activations come back while it is recomputed
             full, kept = fits[(measured_as, False)], fits[key]
-            recompute = max(0.0, (full.bytes(1, length) - kept.bytes(1, length)) / length / blocks)
-        configs.append(Config(p, ck, sum(static_bytes(adapter.model, prec).values()), fits[key], recompute, note))
+            # Per sequence from the fits' per-sequence parts only: the constants (autocast's weight copies) are
+            # held once per recomputed block, not once per sequence. Taking them per sequence made bf16 with
+            # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
+            recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
+            fixed = max(0.0, (full.k - kept.k) / blocks)
+        configs.append(Config(p, ck, sum(static_bytes(adapter.model, prec).values()), fits[key], recompute, note,
+                              fixed))
     return configs, blocks
 
 
@@ -287,7 +270,7 @@ def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
         with kept_dtypes(adapter.model):
             prec.convert_module(adapter.model)
             optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
-            with checkpointed(adapter.model) if config.checkpointing else contextlib.nullcontext():
+            with memory_context(adapter.model, config.checkpointing):
                 TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
         return True
 

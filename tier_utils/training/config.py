@@ -9,9 +9,10 @@ from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..engine.compiling import compile_mode_setting
+from ..engine.lora import LoraSettings, lora_setting
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
-                     "grad_accum_steps", "seed")
+                     "grad_accum_steps", "seed", "lora")
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
@@ -65,9 +66,23 @@ class TrainConfig:
     # setting: checkpoints resume either way.
     compile: bool = setting(False, "torch.compile the training step (compile time reported apart)")
     compile_mode: str = compile_mode_setting()
+    # Memory modes (docs/precision.md). Checkpointing changes no trajectory (the recompute gives the same values);
+    # LoRA does, and a resume checks it.
+    activation_checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their "
+                                                    "activations are recomputed in backward, not kept")
+    lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base: r=N,alpha=X[,dropout=X]"
+                                              "[,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight trains)")
+    merge: bool = setting(False, "with LoRA and a transformers folder to save: write the merged model (adapters "
+                                 "folded in, plain transformers loads it), not peft's adapter folder")
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)
+        self.lora = lora_setting(self.lora)
+        check_switch(self, "activation_checkpointing")
+        check_switch(self, "merge")
+        if self.merge and (self.lora is None or self.save_hf is None):
+            raise ValueError("merge writes a LoRA run's merged model to save_hf; give lora and save_hf too, or "
+                             "drop merge")
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
@@ -82,6 +97,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would unfold a decided Precision
         d["precision"] = canonical_precision(self.precision)  # what ran, where it was decided before the run
+        d["lora"] = None if self.lora is None else self.lora.to_dict()
         for name in ("device", "checkpoint_dir", "log_dir", "save_hf"):
             d[name] = None if d[name] is None else str(d[name])
         return d

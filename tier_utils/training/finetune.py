@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
 from ..data.tokenizer import BYTES
+from ..engine.lora import is_lora, load_model_state, merged_copy
 from ..models.checkpoint import load_checkpoint
 
 
@@ -84,23 +85,30 @@ def restore_best(model, selection: Selection, step: int, best_path: Path) -> str
     if state["step"] != selection.best_step:  # replaced by another run since: never restore the wrong weights
         raise CheckpointError(f"{best_path} holds step {state['step']}, not this run's best step "
                               f"{selection.best_step}; drop restore_best or use a checkpoint_dir of its own")
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"])
     return f"best weights (step {selection.best_step}, val loss {selection.best_loss:.4f}, from {best_path.name})"
 
 
-def check_save_hf(model, folder) -> None:
-    """Before training: `save_hf` needs a transformers model, since only those have a save_pretrained form."""
+def check_save_hf(model, folder, merge: bool = False) -> None:
+    """Before training: `save_hf` needs a transformers model, since only those have a save_pretrained form (a
+    LoRA model's is peft's adapter folder; merged, it is its base's)."""
+    if merge and not callable(getattr(model.get_base_model(), "save_pretrained", None)):
+        raise OutputError(f"merge writes a transformers model and {type(model.get_base_model()).__name__} is not "
+                          "one; drop merge: save_hf then writes peft's adapter folder")
     if folder is not None and not callable(getattr(model, "save_pretrained", None)):
         raise OutputError(f"save_hf needs a transformers model (one with save_pretrained); {type(model).__name__} "
                           "is not one: drop save_hf and use the checkpoint (load_model('<checkpoint_dir>/best.pt' or "
                           "'last.pt')), or load its weights into the transformers class and train that")
 
 
-def save_hf(model, tokenizer, folder, weights: str) -> str:
+def save_hf(model, tokenizer, folder, weights: str, merge: bool = False) -> str:
     """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,
-    e.g. "final weights (step 60); tokenizer saved"."""
+    e.g. "final weights (step 60); tokenizer saved". A LoRA model writes peft's adapter folder, or with `merge`
+    the base with the adapters folded in."""
     folder = Path(folder).expanduser()
-    model.save_pretrained(folder)
+    (merged_copy(model) if merge else model).save_pretrained(folder)
+    if is_lora(model):
+        weights += "; merged LoRA model" if merge else "; LoRA adapter (peft format)"
     if tokenizer.name == BYTES:
         said = "tokenizer: bytes, nothing to save (load_model(folder) feeds byte ids)"
     else:

@@ -226,6 +226,8 @@ class TrainSummary:
     weights: str | None = None  # restore_best: which weights the returned model holds
     hf_folder: str | None = None  # the save_pretrained folder save_hf wrote
     hf_detail: str | None = None  # which weights went into it, whether its tokenizer did, or why it was not written
+    activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
+    lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -283,6 +285,8 @@ class TrainResult(Result):
             ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
+            ("activation_checkpointing", s.activation_checkpointing),
+            ("lora", s.lora and s.lora["detail"]),
             ("compile_reason", s.compile_reason),
             ("compile_s", number(s.compile_s, ".1f")),
             ("skipped_steps", s.skipped_steps),

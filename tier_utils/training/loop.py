@@ -31,6 +31,8 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..data.tokenizer import BYTES
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
+from ..engine.lora import apply_lora, convert_for, describe_lora, load_model_state, lora_record, model_state
+from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from ..models.checkpoint import (
     BEST_NAME,
@@ -138,8 +140,15 @@ class _Run:
         mixed modes, whatever dtype the checkpoint was stored in), checked: trainable, and its forward runs."""
         seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
         adapter = resolve_model(model, **model_kwargs)
-        check_save_hf(adapter.model, self.cfg.save_hf)  # a model with no save_pretrained form: refused before any step
-        self.precision.convert_module(adapter.model.to(self.device)).train()
+        cfg = self.cfg
+        if cfg.activation_checkpointing:
+            require_blocks(adapter.model)  # before LoRA changes a caller's module
+        if cfg.lora is not None:
+            adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+        check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
+        convert_for(self.precision, adapter.model.to(self.device)).train()
+        # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
+        self.checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
         adapter.require_trainable()
         adapter.check_forward()
         return adapter
@@ -223,6 +232,8 @@ class _Run:
         finally:
             self.bar.close()
             self.adapter.model.train()
+            if self.checkpointing:
+                disable_checkpointing(self.adapter.model)  # the returned model runs as it came
         return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
@@ -310,7 +321,7 @@ class _Run:
                 "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
                 "world_size": self.env.world_size, "precision": self.precision.name,
-                "model": self.adapter.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "model": model_state(self.adapter.model), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
@@ -334,7 +345,7 @@ class _Run:
             if not folder.is_dir():
                 tokenizer.save(folder)
             name = str(folder.resolve())
-        return source.record(None if name == BYTES else name)
+        return source.record(None if name == BYTES else name, lora_record(self.adapter.model))
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
@@ -343,8 +354,8 @@ class _Run:
 
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved = state["config"]
-        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(self.cfg, k)]
+        saved, now = state["config"], self.cfg.to_dict()
+        differ = [f"{k}={saved.get(k)!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != now[k]]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
         if state["world_size"] != self.env.world_size:
@@ -362,7 +373,7 @@ class _Run:
                                   f"{describe_data(self.data_info)}; resume with the same data or use a new "
                                   "checkpoint_dir")
         try:
-            self.adapter.model.load_state_dict(state["model"])
+            load_model_state(self.adapter.model, state["model"])
         except RuntimeError as exc:
             raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
                                   f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
@@ -385,7 +396,8 @@ class _Run:
             self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
             self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path)
         if self.cfg.save_hf is not None and self.env.is_main:
-            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights)
+            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights,
+                                    self.cfg.merge)
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
@@ -395,7 +407,7 @@ class _Run:
         cfg, env, info = self.cfg, self.env, self.compile_info
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         summary = TrainSummary(
-            model=type(self.adapter.model).__name__, task=self.adapter.task,
+            model=self.adapter.name, task=self.adapter.task,
             parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
             tokenizer=self.data.tokenizer, validation=self.data.validation,
             steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
@@ -416,6 +428,7 @@ class _Run:
             **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
             hf_folder=cfg.save_hf if self.saved_hf else None,
             hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            activation_checkpointing=self.checkpointing, lora=describe_lora(self.adapter.model),
         )
         return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
                            list(self.hist.loss_scale_trace), interrupted, cfg)

@@ -7,7 +7,7 @@ Each mode runs in its own subprocess, so its peak RSS (ru_maxrss) is its own: th
 (the precision's convert_module, LoRA through peft, checkpointing through engine.memory), one untimed step,
 then --steps timed steps through tier_utils' TrainStep; then one more step under the saved-tensor meter. A
 mode whose 2-byte type this CPU only emulates runs anyway (the true modes are then refused: they may not run
-emulated) and the row says "emulated".
+emulated; they run here with TIER_UTILS_CPU_FLAGS set, to measure what they hold) and the row says "emulated".
 
     python bench/memory_modes.py [--steps 3] [--threads N] [--json out.json]
 """
@@ -24,7 +24,7 @@ import psutil
 
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import load_average
-from tier_utils.core.precision import cpu_name
+from tier_utils.core.precision import CPU_FLAGS_ENV, cpu_flags, cpu_name
 
 # mode: (precision, activation checkpointing, LoRA rank or 0)
 MODES = {"fp32": ("fp32", False, 0), "fp32 + checkpointing": ("fp32", True, 0), "bf16": ("bf16", False, 0),
@@ -99,7 +99,11 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # Where bf16/fp16 are only emulated the true modes are refused; the flags let them run here so that what they
+    # hold is measured, and their rows say their speed is emulation's.
+    emulated = not (cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           **({CPU_FLAGS_ENV: "avx512_bf16,avx512_fp16"} if emulated else {})}
     print(f"{cpu_name()} · {os.cpu_count()} cores · {psutil.virtual_memory().total / 2**30:.0f} GiB RAM · load "
           f"{load_average()} · GPT-2-small config at {SHAPE[0]}x{SHAPE[1]} · {args.steps} timed steps per mode · "
           f"{args.threads} threads", flush=True)
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
               f"{row['static_bytes'] / 2**30:5.2f} GiB ({r['static_bytes']}) · activations "
               f"{row['activation_bytes'] / 2**20:6.0f} MiB ({r['activation_bytes']}) · step {row['step_ms']:7.0f} "
               f"ms (IQR {row['step_iqr_ms']:.0f}, n={row['n']}; {r['step_ms']})"
-              + ("" if row["native"] else " · emulated on this CPU"), flush=True)
+              + (" · emulated on this CPU" if emulated and row["precision"] != "fp32" else ""), flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_name(), "threads": args.threads, "load_average_1m": load_average(),
                                "shape": SHAPE, "rows": rows})

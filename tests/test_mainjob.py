@@ -9,6 +9,7 @@ from tiny import TINY, TINY_ARGS
 from tier_utils import BenchConfig, TrainConfig, mainjob
 from tier_utils.cli import main
 from tier_utils.core.errors import TrainingDiverged
+from tier_utils.core.precision import PRECISIONS
 from tier_utils.core.results import Result
 from tier_utils.mainjob import run_all
 from tier_utils.presets import Preset
@@ -37,7 +38,7 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
         assert f"src='{tier}.png'" in (out / "index.html").read_text()
     assert "amp_benchmark_verdicts.csv" in (out / "index.html").read_text()
     verdicts = pd.read_csv(out / "amp_benchmark_verdicts.csv")
-    assert set(verdicts["precision"]) == {"fp32", "bf16", "fp16"}
+    assert set(verdicts["precision"]) == set(PRECISIONS)  # the mixed and the true modes
     assert data["tiers"][4]["status"] in verdicts["status"].tolist()
     train = json.loads((out / "train.json").read_text())
     assert train["summary"]["steps"] == TINY_SIZES.train.max_steps and train["summary"]["global_batch"] == 4
@@ -99,7 +100,8 @@ def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeyp
         monkeypatch.setattr(mainjob, tier, lambda *a, tier=tier, **k: ran.append(tier) or Fake(["PASS"]))
     out = tmp_path / "report"
     assert main(["all", *TINY_ARGS, "--out", str(out), "--fast", "--no-progress"]) == 130
-    assert ran == ["smoke", "analyze"] and not (out / "index.html").exists()  # no benchmark, no report
+    # The benchmark runs before training (the trained copy is not held beside it); Ctrl-C: no report.
+    assert ran == ["smoke", "analyze", "amp_benchmark"] and not (out / "index.html").exists()
 
 
 def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):

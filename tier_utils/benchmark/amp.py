@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -331,6 +332,10 @@ def _fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tr
                 step_adapter=None, count_rounding: bool = False) -> TrainStep:
     """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
     `step_adapter` (compiled) if given."""
+    # The last run's gradients (and, should a reference cycle keep it, its optimizer state) go before this run
+    # allocates its own, so the two are never held side by side.
+    adapter.model.zero_grad(set_to_none=True)
+    gc.collect()
     convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)

@@ -118,6 +118,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
 
 
 def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:
+    """amp_benchmark's run, inside kept_dtypes: each precision converts the model to its own weight dtype."""
     was_training = adapter.model.training
     adapter.model.train()
     adapter.require_trainable()

@@ -184,7 +184,6 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
     return rec
 
 
-
 def _static(memory: dict) -> int:
     """Weights + gradients + optimizer state: what a precision's weight dtype decides, whatever the batch."""
     return memory["weights_bytes"] + memory["grads_bytes"] + memory["optimizer_state_bytes"]

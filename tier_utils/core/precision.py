@@ -264,12 +264,14 @@ class Fp16True(_True):
     aliases = ("16-true",)
     param_dtype = compute_dtype = torch.float16
     # torch's GradScaler refuses fp16 gradients (it unscales into fp32 master weights, which this mode has
-    # not), so, as in Lightning's 16-true, there is no loss scaling. AdamW's eps of 1e-8 is 0 in fp16 and its
-    # second moment underflows below 6e-8: eps 1e-4 keeps the denominator off zero.
+    # not), so, as in Lightning's 16-true, there is no loss scaling. AdamW's eps of 1e-8 is 0 in fp16 (0/0 on
+    # a parameter with no gradient yet): 1e-4 keeps the denominator off zero. Its second moment (1-beta2)*g^2
+    # still underflows for |g| below ~5e-3, which enlarges those steps: the note says so.
     adamw_eps = 1e-4
     measured_as = "bf16-true"
     note = ("; weights, gradients and AdamW state in fp16 with no loss scaling (GradScaler cannot unscale fp16 "
-            "gradients): gradients below 6e-8 flush to zero, an overflow is not skipped, AdamW eps is 1e-4")
+            "gradients): gradients below 6e-8 flush to zero, an overflow is not skipped, and AdamW's second "
+            "moment underflows for gradients below ~5e-3 (eps 1e-4); prefer bf16-true where bf16 is native")
 
 
 @contextlib.contextmanager

@@ -45,8 +45,9 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     # the job decided `auto` once; training runs that decision, so its reason still says auto (not "bf16 requested")
     assert train["summary"]["precision_reason"].startswith("auto: ")
     printed = capsys.readouterr().out
-    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "fit: largest training batch at T=16 here",
-                 "amp_benchmark: ", "model checks: ", "  at batch 4 x 16 tokens"):
+    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4",
+                 "fit at B=4, T=16: cheapest mode that fits here", "amp_benchmark: ", "model checks: ",
+                 "  at batch 4 x 16 tokens"):
         assert head in printed
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
     assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only

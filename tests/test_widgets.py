@@ -160,7 +160,7 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     the notebooks run is declared a second time, in RunConfig or in a run cell."""
     shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(RunConfig)}
     sized = {"batch_size", "seq_len", "max_steps"}  # None in RunConfig: the device preset's
-    assert shared - sized == {"precision", "device", "seed", "compile"}
+    assert shared - sized == {"precision", "device", "seed", "compile", "activation_checkpointing", "lora"}
     for name in shared - sized:
         assert getattr(RunConfig, name) == getattr(TrainConfig, name), name
     cfg, preset = RunConfig(device="cpu"), NOTEBOOK["cpu"]

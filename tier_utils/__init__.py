@@ -27,6 +27,7 @@ from .core.results import Check
 from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .data.userdata import DataSource
+from .engine.lora import LoraSettings
 from .exporting.exporter import ExportConfig, ExportResult, export
 from .mainjob import AllResult, run_all
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
@@ -59,7 +60,7 @@ __all__ = [
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
-    "FitConfig", "FitResult", "fit",
+    "FitConfig", "FitResult", "fit", "LoraSettings",
     # export, experiment loggers
     "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

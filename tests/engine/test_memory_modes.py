@@ -10,10 +10,11 @@ from tier_utils import TinyGPT, load_model, train
 from tier_utils.adapter.adapter import adapt
 from tier_utils.cli import main
 from tier_utils.core.budget import FREE_MEMORY_ENV
+from tier_utils.core.errors import LoraError, NoRepeatedBlocks
 from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
-from tier_utils.engine.lora import LoraError, LoraSettings, apply_lora, lora_setting, lora_static_bytes
-from tier_utils.engine.memory import NoRepeatedBlocks, checkpointed, repeated_blocks
+from tier_utils.engine.lora import LoraSettings, apply_lora, lora_setting, lora_static_bytes
+from tier_utils.engine.memory import checkpointed, repeated_blocks
 from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.planning.planner import bisect_batch, device_room, fit, static_bytes
@@ -143,7 +144,9 @@ def test_lora_settings_parse_and_refuse():
             lora_setting(bad)
 
 
-@pytest.mark.parametrize("spec,kwargs", [("tiny-gpt", TWO), ("hf:LlamaForCausalLM", dict(LLAMA, vocab_size=256))])
+@pytest.mark.parametrize("spec,kwargs", [("tiny-gpt", TWO), ("hf:LlamaForCausalLM", dict(LLAMA, vocab_size=256)),
+                                         ("hf:GPT2LMHeadModel", dict(vocab_size=256, n_embd=32, n_layer=2, n_head=2,
+                                                                     n_positions=32))])  # Conv1D, not nn.Linear
 def test_lora_static_bytes_are_those_of_the_wrapped_model(spec, kwargs):
     model = load_model(spec, **kwargs)
     settings = LoraSettings(r=4, alpha=8)
@@ -286,3 +289,17 @@ def test_search_trials_run_in_the_memory_modes():
                                                                                                        1e-2)})
     assert result.best_config.lora == LoraSettings(r=4, alpha=8) and result.best_config.activation_checkpointing
     assert len(result.table) == 1 and result.table.state.iloc[0] == "COMPLETE"
+
+
+def test_all_trains_and_benchmarks_in_the_memory_modes(tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "report"
+    code = main(["all", "--model-arg", "d_model=32", "--model-arg", "n_layer=2", "--model-arg", "n_head=2",
+                 "--model-arg", "max_len=32", "--out", str(out), "--fast", "--no-progress", "--device", "cpu",
+                 "--precision", "fp32", "--activation-checkpointing", "--lora", "4"])
+    assert code in (0, 1)
+    trained = dict(pd.read_csv(out / "train.csv").values)
+    assert trained["activation_checkpointing"].startswith("2 blocks") and trained["lora"].startswith("LoRA r=4")
+    bench = pd.read_csv(out / "amp_benchmark.csv")
+    assert "eager+checkpointing" in set(bench["mode"])

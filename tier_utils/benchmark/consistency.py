@@ -6,6 +6,7 @@ from ..core.measure import Load, cpu_load
 from ..core.results import Check
 from ..training.history import TrainResult
 from .amp import BenchmarkResult
+from .config import CHECKPOINTED
 from .verdicts import step_agreement
 
 
@@ -17,7 +18,8 @@ def consistency(results: dict, load: Load | None = None) -> list[Check]:
         s, c = train_result.summary, train_result.config
         if c is None:  # a result built without its run's settings: nothing to match a benchmark against
             continue
-        mode = "compiled" if s.compiled else "eager"
+        # A checkpointed training run matches the benchmark's checkpointing rows (eager).
+        mode = "compiled" if s.compiled else CHECKPOINTED if s.activation_checkpointing else "eager"
         for bench in (r for r in results.values() if isinstance(r, BenchmarkResult)):
             b = bench.config.settings
             rec = next((r for r in bench.records if (r.precision, r.mode) == (s.precision, mode) and r.speed), None)

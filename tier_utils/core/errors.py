@@ -51,6 +51,14 @@ class SearchStorageError(TierError, ValueError):
     """The storage URL given to `search` could not be opened."""
 
 
+class NoRepeatedBlocks(TierError, ValueError):
+    """Activation checkpointing was asked for a model with no repeated blocks to checkpoint."""
+
+
+class LoraError(TierError, ValueError):
+    """LoRA was asked wrongly: a bad setting, a target that matches no layer, peft missing."""
+
+
 class TrainingDiverged(TierError):
     """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed.
     `.result` holds the run's partial TrainResult (its history up to the step before)."""

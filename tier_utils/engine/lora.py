@@ -15,13 +15,9 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from ..core.errors import TierError
+from ..core.errors import LoraError
 from ..core.settings import check_fields, setting
 from .memory import repeated_blocks
-
-
-class LoraError(TierError, ValueError):
-    """LoRA was asked wrongly: a bad setting, a target that matches no layer, peft missing."""
 
 
 @dataclass(frozen=True)
@@ -97,14 +93,19 @@ def _peft():
     return peft
 
 
-def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear by its full name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+def _is_linear(m: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's linear layers, weight stored transposed), which peft adapts too."""
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every linear layer by its full name."""
+    return {name: m for name, m in model.named_modules() if _is_linear(m)}
 
 
 def _layer_names(model: nn.Module) -> list[str]:
     """The linear layers as a user names them: within a block (`attn.qkv`), else in full; each once."""
-    inside = {id(m): name for b in repeated_blocks(model) for name, m in b.named_modules() if isinstance(m, nn.Linear)}
+    inside = {id(m): name for b in repeated_blocks(model) for name, m in b.named_modules() if _is_linear(m)}
     return list(dict.fromkeys(inside.get(id(m), name) for name, m in linear_layers(model).items()))
 
 
@@ -120,7 +121,7 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> tuple[str, ...]
         blocks = repeated_blocks(model)
         if not blocks:
             return tuple(layers)
-        return tuple(dict.fromkeys(n for b in blocks for n, m in b.named_modules() if isinstance(m, nn.Linear)))
+        return tuple(dict.fromkeys(n for b in blocks for n, m in b.named_modules() if _is_linear(m)))
     missing = [t for t in settings.targets if not any(_matches(f, t) for f in layers)]
     if missing:
         raise LoraError(f"LoRA target {', '.join(missing)} matches no linear layer of {type(model).__name__}; its "
@@ -163,7 +164,7 @@ def lora_static_bytes(model: nn.Module, settings: LoraSettings) -> dict:
     tensor (the keys of measure.static_memory)."""
     base = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = _targeted(model, resolve_targets(model, settings))
-    adapter = sum(settings.r * (m.in_features + m.out_features) for m in layers)
+    adapter = sum(settings.r * sum(m.weight.shape) for m in layers)  # r x (in + out), either weight layout
     return {"weights_bytes": base + 4 * adapter, "grads_bytes": 4 * adapter,
             "optimizer_state_bytes": 8 * adapter + 4 * 2 * len(layers)}
 

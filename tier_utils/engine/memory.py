@@ -15,11 +15,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..core.errors import TierError
-
-
-class NoRepeatedBlocks(TierError, ValueError):
-    """Activation checkpointing was asked for a model with no repeated blocks to checkpoint."""
+from ..core.errors import NoRepeatedBlocks
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -55,18 +51,18 @@ def _hf_switch(model: nn.Module, on: bool):
 def enable_checkpointing(model: nn.Module) -> str:
     """Turn activation checkpointing on for `model`'s repeated blocks (NoRepeatedBlocks if it has none);
     returns how, for the result's words. `disable_checkpointing` turns it off."""
-    blocks = repeated_blocks(model)
-    require_blocks(model)
+    n = require_blocks(model)
     switch = _hf_switch(model, True)
     if switch is not None:
-        kwargs = {"use_reentrant": False}
-        switch(**{f"{switch.__name__.split('_')[0]}_checkpointing_kwargs": kwargs})
-        return f"{len(blocks)} blocks, transformers' {switch.__name__} (non-reentrant)"
+        prefix = switch.__name__.split("_")[0]  # activation_checkpointing_kwargs or gradient_checkpointing_kwargs
+        switch(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
+        return f"{n} blocks, transformers' {switch.__name__} (non-reentrant)"
+    blocks = repeated_blocks(model)
     for block in blocks:
         def forward(*args, _forward=block.forward, **kwargs):
             return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
         block.forward = forward  # an instance attribute over the class's method, removed by disable
-    return f"{len(blocks)} blocks, torch.utils.checkpoint (non-reentrant)"
+    return f"{n} blocks, torch.utils.checkpoint (non-reentrant)"
 
 
 def disable_checkpointing(model: nn.Module) -> None:

@@ -108,6 +108,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     adapter = resolve_model(model, **(model_kwargs or {}))
     if cfg.activation_checkpointing:
         require_blocks(adapter.model)
+    # LoRA freezes the base: which weights trained before is given back with the model (`all` trains it next).
+    trainable = {p: p.requires_grad for p in adapter.model.parameters()}
     if cfg.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
     try:
@@ -115,6 +117,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
             return _benchmark(adapter, cfg, dev, data)
     finally:
         unload(adapter.model)
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
 
 
 def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:

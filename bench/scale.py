@@ -1,17 +1,21 @@
 """Tiers on models of real size: smoke, analyze and `all --fast` on GPT-2-small and GPT-2-medium configs
-(random weights, `hf:GPT2LMHeadModel`), each one's wall time and peak RSS next to one plain fp32 training
-step of the same model at 1 x 1024, all measured in this run.
+(random weights, `hf:GPT2LMHeadModel`), and smoke and `fit` on a Llama-3.2-1B-shaped config (1.24 B
+parameters, `hf:LlamaForCausalLM` with its sizes and a 2048-token context), each one's wall time and peak RSS
+next to one plain training step of the same model at 1 x 1024, all measured in this run.
 
 Each measurement runs in its own subprocess (the CLI, as a user runs it; the step as a bare torch loop), so
-its peak RSS is that child's alone (os.wait4's ru_maxrss). The plain step: AdamW, forward with labels,
-backward, optimizer step, fp32, no autocast, one sequence of 1024 tokens; two steps, the second timed (the
-first pays one-time allocations). Targets (issue 24) for GPT-2-small on a 2-core CPU: smoke <= 6 steps and
-<= 4 GiB peak RSS, analyze <= 6 steps.
+its peak RSS is that child's alone (os.wait4's ru_maxrss). The plain step: forward with labels, backward,
+optimizer step, fp32, no autocast, one sequence of 1024 tokens; two steps, the second timed (the first pays
+one-time allocations). Its optimizer is AdamW, except on the 1 B config, where AdamW's 9.9 GB of state does
+not fit beside the model on this machine: plain SGD there (the same forward and backward). Targets (issue 24)
+for GPT-2-small on a 2-core CPU: smoke <= 6 steps and <= 4 GiB peak RSS, analyze <= 6 steps; (issue 32)
+`all --fast` <= 4 GiB peak RSS on GPT-2-small, and on the 1 B config smoke's peak RSS within weights +
+gradients + the budget smoke states (the safe share of free memory its JSON records).
 
 The machine is watched while a child runs: if available RAM falls under --min-free-gib, the child is
 killed and the script stops (a shared machine must not be pushed into swap or the OOM killer).
 
-    python bench/scale.py [--models small,medium] [--threads N] [--json out.json]
+    python bench/scale.py [--models small,medium,llama-1b] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -32,16 +36,26 @@ from tier_utils.core.files import write_json
 from tier_utils.core.measure import load_average
 from tier_utils.core.precision import cpu_name
 
-CONFIGS = {"small": {"n_embd": 768, "n_layer": 12, "n_head": 12},  # 124 M parameters
-           "medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}  # 355 M
+# name: (transformers class, its config's sizes, the optimizer of the plain step, the verbs measured)
+CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head": 12}, "AdamW",  # 124 M
+                     ("smoke", "analyze", "all --fast")),
+           "medium": ("GPT2LMHeadModel", {"n_embd": 1024, "n_layer": 24, "n_head": 16}, "AdamW",  # 355 M
+                      ("smoke", "analyze", "all --fast")),
+           # Llama-3.2-1B's sizes (1.24 B parameters, tied embeddings), its context cut to 2048 tokens.
+           "llama-1b": ("LlamaForCausalLM", {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                                             "num_hidden_layers": 16, "num_attention_heads": 32,
+                                             "num_key_value_heads": 8, "max_position_embeddings": 2048,
+                                             "tie_word_embeddings": True, "rope_theta": 500000.0}, "SGD",
+                        ("smoke", "fit"))}
+NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped"}
 TARGETS = {"smoke": 6.0, "analyze": 6.0}  # steps, for GPT-2-small
-RSS_TARGET_GIB = 4.0  # smoke's, for GPT-2-small
+RSS_TARGET_GIB = 4.0  # smoke's and all --fast's, for GPT-2-small
 _STEP = """
-import sys, time, torch
-from transformers import GPT2Config, GPT2LMHeadModel
+import sys, time, torch, transformers
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(**{kwargs})).train()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+cls = getattr(transformers, {cls!r})
+model = cls(cls.config_class(**{kwargs})).train()
+opt = getattr(torch.optim, {optimizer!r})(model.parameters(), lr=1e-4)
 ids = torch.randint(0, model.config.vocab_size, (1, 1024))
 times = []
 for _ in range(2):
@@ -100,13 +114,14 @@ def measure(argv: list[str], min_free: int) -> dict:
     return {"seconds": wall, "rc": child.returncode, "stdout": out, "peak_rss_gib": int(rss[-1]) / 2**20}
 
 
-def model_args(kwargs: dict) -> list[str]:
-    return ["--model", "hf:GPT2LMHeadModel", *[a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]]
+def model_args(cls: str, kwargs: dict) -> list[str]:
+    return ["--model", f"hf:{cls}", *[a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="small,medium", help="comma-separated: small, medium (medium last)")
+    parser.add_argument("--models", default="small,medium",
+                        help="comma-separated: small, medium, llama-1b (run in this order)")
     parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of every child, the plain step's included (default: one per core)")
@@ -127,13 +142,22 @@ def main(argv=None) -> int:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
     small = next((r for r in rows if r["model"] == "GPT-2-small"), None)
-    if small and all(verb in small for verb in TARGETS):
+    if small and all(verb in small for verb in (*TARGETS, "all --fast")):
         met = ["met" if small[verb]["steps"] <= limit else "NOT met" for verb, limit in TARGETS.items()]
         rss = small["smoke"]["peak_rss_gib"]
+        all_rss = small["all --fast"]["peak_rss_gib"]
         print("targets, GPT-2-small: " + " · ".join(f"{verb} {small[verb]['steps']:.2f} <= {limit:g} steps: {m}"
                                                     for (verb, limit), m in zip(TARGETS.items(), met))
               + f" · smoke peak RSS {rss:.2f} <= {RSS_TARGET_GIB:g} GiB: "
-              + ("met" if rss <= RSS_TARGET_GIB else "NOT met"))
+              + ("met" if rss <= RSS_TARGET_GIB else "NOT met")
+              + f" · all --fast peak RSS {all_rss:.2f} <= {RSS_TARGET_GIB:g} GiB: "
+              + ("met" if all_rss <= RSS_TARGET_GIB else "NOT met"))
+    big = next((r for r in rows if r["model"] == NAMES["llama-1b"] and "smoke" in r), None)
+    if big:
+        s = big["smoke"]
+        print(f"target, {big['model']}: smoke peak RSS {s['peak_rss_gib']:.2f} <= weights + gradients + stated "
+              f"budget = {s['allowed_gib']:.2f} GiB: " + ("met" if s["peak_rss_gib"] <= s["allowed_gib"]
+                                                         else "NOT met"), flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
                                "load_average_1m": load_average(), "rows": rows, "stopped": stopped})
@@ -142,28 +166,42 @@ def main(argv=None) -> int:
 
 def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
     """One model's row, appended to `rows` before its verbs run: a run stopped half-way keeps what it measured."""
-    kwargs = CONFIGS[name]
-    step = measure([py, "-c", _STEP.replace("{kwargs}", repr(kwargs))], min_free)
+    cls, kwargs, optimizer, verbs = CONFIGS[name]
+    step = measure([py, "-c", _STEP.format(cls=cls, kwargs=kwargs, optimizer=optimizer)], min_free)
     first_s, step_s = map(float, step["stdout"].split())
-    row = {"model": f"GPT-2-{name}", **kwargs, "step_s": step_s, "first_step_s": first_s,
-           "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}
+    row = {"model": NAMES[name], "class": cls, **kwargs, "step_optimizer": optimizer, "step_s": step_s,
+           "first_step_s": first_s, "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}
     rows.append(row)
-    print(f"GPT-2-{name}: plain fp32 step at 1x1024: {step_s:.1f} s (first {first_s:.1f} s), "
+    print(f"{NAMES[name]}: plain fp32 step ({optimizer}) at 1x1024: {step_s:.1f} s (first {first_s:.1f} s), "
           f"peak RSS {step['peak_rss_gib']:.2f} GiB", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        verbs = {"smoke": ["smoke"], "analyze": ["analyze"],
+        words = {"smoke": ["smoke"], "analyze": ["analyze"], "fit": ["fit"],
                  "all --fast": ["all", "--fast", "--out", str(Path(tmp) / "all")]}
-        for verb, words in verbs.items():
-            got = measure([py, "-m", "tier_utils", *words, *model_args(kwargs), "--no-progress",
-                           "--json", str(Path(tmp) / "out.json")], min_free)
+        for verb in verbs:
+            out = Path(tmp) / "out.json"
+            got = measure([py, "-m", "tier_utils", *words[verb], *model_args(cls, kwargs), "--no-progress",
+                           "--json", str(out)], min_free)
             row[verb] = {"seconds": got["seconds"], "steps": got["seconds"] / step_s,
                          "peak_rss_gib": got["peak_rss_gib"], "exit_code": got["rc"]}
-            print(f"  {verb:<11} {got['seconds']:7.1f} s = {got['seconds'] / step_s:5.2f} steps · peak RSS "
-                  f"{got['peak_rss_gib']:.2f} GiB · exit {got['rc']} · load {load_average()}", flush=True)
+            line = (f"  {verb:<11} {got['seconds']:7.1f} s = {got['seconds'] / step_s:5.2f} steps · peak RSS "
+                    f"{got['peak_rss_gib']:.2f} GiB")
+            if verb == "smoke":  # next to what it states it may use
+                row[verb].update(stated_budget(json.loads(out.read_text())))
+                line += (f" (weights {row[verb]['weights_gib']:.2f} + gradients {row[verb]['weights_gib']:.2f} + "
+                         f"stated budget {row[verb]['budget_gib']:.2f} = {row[verb]['allowed_gib']:.2f} GiB)")
+            print(line + f" · exit {got['rc']} · load {load_average()}", flush=True)
             if verb == "all --fast":  # where its time went
-                tiers = json.loads((Path(tmp) / "out.json").read_text())["tiers"]
+                tiers = json.loads(out.read_text())["tiers"]
                 row[verb]["tier_seconds"] = {t["tier"]: t["seconds"] for t in tiers}
                 print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
+
+
+def stated_budget(report: dict) -> dict:
+    """Smoke's JSON: its weights, and the safe share of free memory it says its probes plan for (GiB)."""
+    weights = report["model"]["parameter_bytes"] / 2**30
+    limit = report["budget"]["limit_bytes"] / 2**30
+    return {"weights_gib": weights, "budget_gib": limit, "allowed_gib": 2 * weights + limit,
+            "budget_source": report["budget"]["source"], "free_gib": report["budget"]["free_bytes"] / 2**30}
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     # the job decided `auto` once; training runs that decision, so its reason still says auto (not "bf16 requested")
     assert train["summary"]["precision_reason"].startswith("auto: ")
     printed = capsys.readouterr().out
-    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4", "fit: largest training batch at T=16 here",
-                 "ranks: smallest N that trains at T=16",
+    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4",
+                 "fit at B=4, T=16: cheapest mode that fits here", "ranks: smallest N that trains at T=16",
                  "amp_benchmark: ", "model checks: ", "  at batch 4 x 16 tokens"):
         assert head in printed
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
@@ -100,7 +100,8 @@ def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeyp
         monkeypatch.setattr(mainjob, tier, lambda *a, tier=tier, **k: ran.append(tier) or Fake(["PASS"]))
     out = tmp_path / "report"
     assert main(["all", *TINY_ARGS, "--out", str(out), "--fast", "--no-progress"]) == 130
-    assert ran == ["smoke", "analyze"] and not (out / "index.html").exists()  # no benchmark, no report
+    # The benchmark runs before training (the trained copy is not held beside it); Ctrl-C: no report.
+    assert ran == ["smoke", "analyze", "amp_benchmark"] and not (out / "index.html").exists()
 
 
 def test_all_result_is_a_result_and_the_cli_passes_seed(tmp_path, monkeypatch):

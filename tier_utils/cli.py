@@ -270,10 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_data(p, data=False)
     p.set_defaults(run=_run_export)
 
-    p = verbs.add_parser("fit", help="the largest training batch per precision, with and without activation "
-                                     "checkpointing, here and predicted for T4/L4/A100/H100")
+    p = verbs.add_parser("fit", help="every mode (precision, activation checkpointing, LoRA) at your batch and "
+                                     "length: the cheapest that fits here and predicted for T4/L4/A100/H100")
     add_common(p, FitConfig, precision=False)
-    add_settings(p, FitConfig, ("seq_len", "precisions", "checkpointing", "validate"))
+    add_settings(p, FitConfig, ("batch_size", "seq_len", "precisions", "checkpointing", "lora", "validate"))
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "

@@ -52,8 +52,8 @@ class Preset:
         return replace(self.bench, **{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
 
     def fit_config(self, **given) -> FitConfig:
-        """The fit planner at the preset's length; `given` on top."""
-        return FitConfig(**{"seq_len": self.seq_len, **given})
+        """The fit planner at the preset's shape; `given` on top."""
+        return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
 
 
 # FAST: CI, tests, a notebook on a CPU (`all --fast`): seconds per tier.

@@ -51,7 +51,8 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     for name, result in results.items():
         if not _NAME.match(name):
             raise ValueError(f"result name {name!r} is not a plain file name; use letters, digits, _ or -")
-        frames = {name: result.table}
+        # A result whose table is cut for reading (fit's: at most 12 columns) writes every column to its CSV.
+        frames = {name: result.full_table() if hasattr(result, "full_table") else result.table}
         if hasattr(result, "verdicts"):  # what to read; the measurements stay one click away
             frames[f"{name}_verdicts"] = result.verdicts
         for stem, frame in frames.items():

@@ -349,3 +349,24 @@ def test_attribution_attributes_as_many_sequences_as_its_time_budget_allows(monk
     row = analyze("tiny-gpt", analyses="attribution", model_kwargs=TINY, **SMALL).table.iloc[0]
     assert row.status == "PASS" and "(mean over 1 sequences); 1 of 4 sequences, as many as fit the 0 s budget" \
         in row.detail
+
+
+def test_attribution_attributes_as_many_sequences_as_the_memory_budget_holds(monkeypatch):
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "1KiB")  # less than one sequence's saved activations
+    row = analyze("tiny-gpt", analyses="attribution", model_kwargs=TINY, **SMALL).table.iloc[0]
+    assert row.status == "PASS" and "(mean over 1 sequences); 1 of 4 sequences: one holds" in row.detail
+    assert "for backward, 0 MiB may be held here" in row.detail
+
+
+def test_headroom_statistics_in_slices_equal_the_whole_tensor(monkeypatch):
+    """The range statistics and drift walk big outputs in slices: the figures are the ones of the whole."""
+    from tier_utils.analysis import headroom
+    from tier_utils.core import budget
+
+    torch.manual_seed(0)
+    whole = analyze(TinyGPT(**TINY), analyses="headroom", precision="fp32", **SMALL).frames["headroom"]
+    monkeypatch.setattr(budget, "CHUNK_BYTES", 4 * 32 * 3)  # three rows of a 32-wide output per slice
+    torch.manual_seed(0)
+    sliced = analyze(TinyGPT(**TINY), analyses="headroom", precision="fp32", **SMALL).frames["headroom"]
+    pd.testing.assert_frame_equal(whole, sliced, rtol=1e-5)
+    assert headroom._deviation([torch.ones(5, 7)], [torch.full((5, 7), float("inf"))])[0] == float("inf")

@@ -590,6 +590,31 @@ def test_a_baseline_that_fits_nothing_skips_every_precision_with_the_reason(monk
     assert "TIER_UTILS_FREE_MEMORY" in detail.iloc[0] and not result.records[0].ran
 
 
+def test_when_fp32_does_not_fit_the_modes_that_fit_are_compared_with_the_best_fitting_baseline(monkeypatch):
+    """fp32's activations don't fit, bf16's and fp16's do: fp32's row says so, bf16 (the first that fits, in the
+    order asked) is the baseline, named in every comparison, and nothing runs out of memory."""
+    from tier_utils.planning.planner import plan
+
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=32, n_layer=2, n_head=2, max_len=128)
+    fp32, bf16 = (c.step_bytes(1, 128) for c in plan(adapt(model), ["fp32", "bf16"], 128)[0])
+    assert bf16 < fp32  # at T=128 the activations, which autocast shrinks, outweigh bf16's weight copies
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(bf16 + fp32))  # the safe share (half) lies between them
+    result = amp_benchmark(model, **{**RUN, "seq_len": 128, "precisions": ("fp32", "bf16", "fp16"), "force": True})
+    assert [r.precision for r in result.records] == ["bf16", "fp32", "fp16"]
+    assert not _rec(result, "fp32").ran and _rec(result, "bf16").speed and _rec(result, "fp16").speed
+    rows = result.verdicts
+    fp32_rows = rows[rows.precision == "fp32"]
+    assert (fp32_rows.status == "SKIP").all()
+    assert fp32_rows.detail.iloc[0].startswith("does not fit here: a training step at batch 1, T=128 predicted")
+    assert fp32_rows.detail.iloc[0].endswith("; the modes that fit are compared with bf16, the best-fitting baseline")
+    assert rows[rows.precision == "bf16"].detail.iloc[0] == "bf16 is the baseline the others are compared with"
+    fp16_rows = rows[rows.precision == "fp16"]
+    assert "speedup vs bf16" in set(fp16_rows.check) and not fp16_rows.check.str.contains("fp32").any()
+    assert result.config.settings.batch_size == 1
+
+
 class OOMUnderAutocast(TinyGPT):
     """A pretend GPU with room for fp32 only at the benchmark's batch: bf16 there runs out of memory (the
     planner's small measurements still run)."""

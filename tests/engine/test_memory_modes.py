@@ -92,7 +92,7 @@ def test_planner_with_checkpointing_agrees_with_a_bisection_under_an_injected_bu
     torch.manual_seed(0)
     model = TinyGPT(d_model=32, n_layer=3, n_head=2, max_len=64)
     monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")
-    result = fit(model, seq_len=64, precisions="fp32", device="cpu", progress=False)
+    result = fit(model, seq_len=64, precisions="fp32", lora=0, device="cpu", progress=False)
     room = device_room(result.budget)
     planned = result.table.set_index("checkpointing").loc["on", "this_device"]
     adapter = adapt(model)
@@ -103,7 +103,7 @@ def test_planner_with_checkpointing_agrees_with_a_bisection_under_an_injected_bu
 def test_bf16_with_checkpointing_fits_more_than_without():
     # Issue 32: the planner took autocast's batch-independent weight copies as per-sequence recompute bytes, so
     # bf16 with checkpointing looked smaller (13.5k) than without (15.8k) on the default model at T=64.
-    result = fit("tiny-gpt", seq_len=64, precisions="bf16", device="cpu", progress=False)
+    result = fit("tiny-gpt", seq_len=64, precisions="bf16", lora=0, device="cpu", progress=False)
     table = result.table[result.table.precision == "bf16"].set_index("checkpointing")
     assert table.loc["on", "this_device"] > table.loc["off", "this_device"]
 

@@ -37,7 +37,7 @@ def test_largest_batch_agrees_with_a_bisection_under_the_same_injected_budget(mo
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
     monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")  # a safe share of 60 MiB: batches in the tens
-    result = fit(model, seq_len=T, device="cpu", progress=False)
+    result = fit(model, seq_len=T, precisions="fp32,bf16", lora=0, device="cpu", progress=False)
     room = device_room(result.budget)
     assert room == 60 * 2**20
     table = result.table.set_index(["precision", "checkpointing"])
@@ -74,18 +74,20 @@ def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpoin
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
     plain.task, plain.max_len = "causal-lm", 32
     result = fit(plain, precisions="fp32", device="cpu", progress=False)
-    row = result.table.iloc[0]
-    assert list(result.table.checkpointing) == ["off"]
-    assert row.this_device == 0 and row.status == "WARN" and row.detail.startswith("not even batch 1 fits")
+    row = result.full_table().iloc[0]
+    assert list(result.table.checkpointing) == ["off", "off"]  # fp32, and LoRA over it
+    assert row.this_device == 0 and row.status == "WARN" and "; not even batch 1 fits at T=32" in row.detail
+    assert result.cheapest()["this_device"] is None and "cheapest mode that fits here none fits" in \
+        result.summary_line()
 
 
 def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
     # seq_len was fit's second positional argument; now it is a FitConfig field like the rest.
     with pytest.raises(ValueError, match="config must be a FitConfig or a dict, got int"):
         fit("tiny-gpt", 16)
-    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: seq_len, precisions"):
+    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: batch_size, seq_len, precisions"):
         fit("tiny-gpt", d_model=32)
-    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, device="cpu", progress=False)
+    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, device="cpu", progress=False)
     result = fit("tiny-gpt", config, model_kwargs={**MODEL, "n_layer": 1})
     built = TinyGPT(**{**MODEL, "n_layer": 1})
     assert result.seq_len == 16 and result.model["parameters"] == sum(p.numel() for p in built.parameters())
@@ -98,8 +100,9 @@ def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "predicted" in out and "for the CUDA context" in out
     data = json.loads((tmp_path / "fit.json").read_text())
-    assert [(r["precision"], r["checkpointing"]) for r in data["table"]] == [
-        ("fp32", "off"), ("fp32", "on"), ("bf16", "off"), ("bf16", "on")]  # fp32, the baseline, always
+    assert [r["mode"] for r in data["table"]] == [  # fp32, the baseline, always; LoRA over each
+        "fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "LoRA r=8 · fp32",
+        "LoRA r=8 · fp32 + checkpointing", "LoRA r=8 · bf16", "LoRA r=8 · bf16 + checkpointing"]
     assert data["budget"]["device"] == "cpu" and data["seq_len"] == 16
 
 
@@ -108,8 +111,69 @@ def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_on_a_gpu_the_prediction_is_validated_by_bisection():
     torch.manual_seed(0)
     result = fit(TinyGPT(d_model=256, n_layer=4, n_head=4, max_len=1024), seq_len=1024, precisions="fp32,bf16",
-                 device="cuda", progress=False)
-    table = result.table
+                 lora=0, device="cuda", progress=False)
+    table = result.full_table()
     assert table.validated.notna().all()
     for r in table.itertuples():  # predicted within 25 % of what really ran (bench/RESULTS.md: GPT-2-small)
         assert abs(r.this_device - r.validated) <= 0.25 * r.validated, r
+
+
+def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(monkeypatch):
+    """Every mode planned at the user's batch and length; under an injected budget where no mode without
+    checkpointing fits here, the cheapest that does is the native mixed one with checkpointing; the GPUs
+    (predicted) follow their hardware rule: fp16 on a T4 (no bf16 tensor cores), bf16 from an L4 up."""
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")
+    torch.manual_seed(0)
+    model = TinyGPT(**MODEL)
+    free = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    need = {c.name: c.step_bytes(16, T) for c in free.configs}
+    assert len(need) == 16  # 5 precisions and 3 LoRA, each with and without checkpointing
+    # Room for bf16 with checkpointing, less than any mixed mode without it: it is the cheapest (the true modes,
+    # half the static bytes, may fit too, but cost rounded-away updates).
+    room = need["bf16 + checkpointing"]
+    assert room < min(need[k] for k in ("fp32", "bf16", "fp16"))
+    monkeypatch.setenv(FREE_MEMORY_ENV, str(2 * room + 2))  # the safe share is half
+    result = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    cheapest = {k: c.name for k, c in result.cheapest().items()}
+    assert cheapest["this_device"] == "bf16 + checkpointing"
+    assert cheapest["T4 16 GB (predicted)"] == "fp16" and cheapest["H100 80 GB (predicted)"] == "bf16"
+    table = result.table
+    assert len(table.columns) <= 12 and table.index.name == "mode"
+    assert table.loc["bf16 + checkpointing", "cheapest_on"] == "this_device"
+    assert table.loc["bf16", "status"] == "WARN" and table.loc["bf16 + checkpointing", "status"] == "PASS"
+    assert "fit at B=16, T=64: cheapest mode that fits here bf16 + checkpointing (predicted" in result.summary_line()
+    assert "T4 16 GB fp16" in result.summary_line()
+    fig = result.plot()  # one bar per mode per device, and the batch asked as a line
+    assert len(fig.axes[0].patches) == len(table) * (1 + len(GPUS))
+    assert result.to_json()["cheapest"]["this_device"] == "bf16 + checkpointing"
+
+
+def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
+    """Plain mixed, then checkpointing, then true modes, then LoRA; within one, a native 2-byte compute before
+    fp32 before an emulated one, bf16 (no scaler) before fp16."""
+    from tier_utils.core.budget import ActivationFit
+    from tier_utils.engine.lora import LoraSettings
+    from tier_utils.planning.planner import Config, cost_rank
+
+    nothing = ActivationFit(0, 0, 0, 0, ())
+    cpu = torch.device("cpu")
+
+    def config(name, ck=False, lora=None):
+        return Config(name, ck, 0, nothing, 0.0, lora=lora, mode=resolve_precision(name, cpu, warn=False))
+
+    modes = [config("bf16"), config("fp16"), config("fp32"), config("bf16", True), config("bf16-true"),
+             config("bf16-true", True), config("bf16", lora=LoraSettings())]
+    assert sorted(modes, key=lambda c: cost_rank(c, True)) == modes
+    assert cost_rank(config("fp32"), True) < cost_rank(config("bf16"), False)  # emulated bf16: fp32 first
+
+
+def test_fit_csv_holds_every_column_the_page_cuts(tmp_path):
+    import pandas as pd
+
+    from tier_utils.report import write_report
+
+    result = fit("tiny-gpt", model_kwargs=MODEL, seq_len=16, precisions="fp32", device="cpu", progress=False)
+    write_report({"fit": result}, tmp_path)
+    csv = pd.read_csv(tmp_path / "fit.csv")
+    assert list(csv.columns[:2]) == ["mode", "precision"] and {"static_gib", "detail"} <= set(csv.columns)
+    assert len(csv) == len(result.table) == 4

@@ -375,3 +375,40 @@ def test_out_of_memory_in_any_check_is_a_warn_row_naming_the_size_and_the_rest_r
     assert rows.loc["shapes: batch 1"].status == "PASS"  # the rest ran
     group = rows.loc["determinism"]  # a whole group that runs at the max length: one WARN row, the free memory said
     assert group.status == "WARN" and group.detail.startswith("ran out of memory (") and "GiB free" in group.detail
+
+
+def test_logit_sized_checks_are_sized_to_the_budget_and_name_the_size_that_ran(monkeypatch):
+    """Shapes at max length and the stability rows hold (batch, length, vocabulary) outputs: under a small
+    injected budget they run one sequence, then a shorter length, and each row says what ran and why."""
+    model = TinyGPT(d_model=32, n_layer=1, n_head=2, max_len=64, vocab_size=512)
+    per_token = 4 * 512  # fp32 logits per token
+    # The safe share (half of free) holds 3.5 full-length logits: stability (3 copies) and shapes (2) run B=1.
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(7 * per_token * 64))
+    report = smoke(model, checks=["shapes", "stability"], device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["shapes: max length 64"].value == "(1, 64, 512)"
+    finite = rows.loc["stability: random, max length 64"]
+    assert finite.status == "PASS" and "(1, 64, 512)" in finite.detail
+    assert "ran at B=1, T=64, not B=2, T=64" in finite.detail and "TIER_UTILS_FREE_MEMORY" not in finite.detail
+    # A quarter of a sequence: a shorter length, named in the row's name and detail.
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2 * 3 * per_token * 16))
+    rows = smoke(model, checks=["stability"], device="cpu", progress=False).table.set_index("check")
+    finite = rows.loc["stability: random, length 16"]
+    assert finite.status == "PASS" and "ran at B=1, T=16, not B=2, T=64" in finite.detail
+    for low in ("bf16", "fp16"):
+        row = rows.loc[f"stability: {low} vs fp32 logits"]
+        assert row.status == "SKIP" or "ran at B=1, T=16" in row.detail
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "1KiB")  # not one token's logits: refused, not run
+    rows = smoke(model, checks=["shapes", "stability"], device="cpu", progress=False).table.set_index("check")
+    assert rows.loc["shapes: max length 64"].status == "SKIP"
+    assert rows.loc["stability: random, max length 64"].status == "SKIP"
+
+
+def test_relative_deviation_in_slices_equals_the_whole_and_keeps_nan(monkeypatch):
+    ref = torch.randn(3, 5, 7)
+    low = ref + 0.01 * torch.randn(3, 5, 7)
+    whole = smoke_checks._rel_dev(low, ref)
+    monkeypatch.setattr(budget, "CHUNK_BYTES", 4 * 7 * 2)  # two rows per slice
+    assert smoke_checks._rel_dev(low, ref) == pytest.approx(whole, rel=1e-6)
+    low[2, 4, 6] = float("nan")
+    assert torch.isnan(torch.tensor(smoke_checks._rel_dev(low, ref)))

@@ -15,7 +15,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from ..core.budget import affordable_repeats
+from ..core.budget import affordable_repeats, gib
+from ..core.measure import SavedTensorMeter
 from ..core.results import Check
 from .common import Context, Outcome, head
 
@@ -70,15 +71,23 @@ def run(ctx: Context) -> Outcome:
     if adapter.embeddings() is None:
         return Outcome([Check("saliency", "SKIP", None, None,
                               f"{adapter.name} exposes no nn.Embedding to attribute to")])
-    # One sequence first, timed: as many of the first batch's sequences as fit the time budget follow.
+    # One sequence first, timed and its saved activations counted: as many of the first batch's sequences as
+    # fit both the time budget and the memory budget follow.
     rows, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
     batch = head(ctx.batches[0], 1)
-    sal, target = saliency(ctx, batch)
+    with SavedTensorMeter(adapter.model) as meter:
+        sal, target = saliency(ctx, batch)
     n = affordable_repeats(time.perf_counter() - start, BUDGET_S, rows)
+    by_memory = rows if ctx.budget is None else max(1, int(ctx.budget.limit // max(1, meter.bytes)))
+    scope = ""
+    if min(n, by_memory) < rows:
+        scope = (f"; {min(n, by_memory)} of {rows} sequences, as many as fit the {BUDGET_S:g} s budget"
+                 if n <= by_memory else f"; {by_memory} of {rows} sequences: one holds {gib(meter.bytes)} for "
+                 f"backward, {gib(ctx.budget.limit)} may be held here")
+    n = min(n, by_memory)
     if n > 1:
         batch = head(ctx.batches[0], n)
         sal, target = saliency(ctx, batch)
-    scope = f"; {n} of {rows} sequences, as many as fit the {BUDGET_S:g} s budget" if n < rows else ""
     mask = ctx.mask(batch)
     if not torch.isfinite(sal).all():
         return Outcome([Check("saliency", "FAIL", None, None, "gradient x input is NaN/inf: the backward pass "

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from ..core.budget import gib
+from ..core.budget import gib, row_chunks
 from ..core.plotting import category_ticks, decade_limits
 from ..core.precision import native_support, resolve_precision
 from ..core.results import Check
@@ -62,17 +62,18 @@ class _RangeStats:
         self.bytes = 0  # of every output seen, as fp32
 
     def __call__(self, name, module, t):
-        t = t.float()
-        finite = torch.isfinite(t)
-        nonzero = t != 0
         row = self.rows.setdefault(name, {"type": type(module).__name__, "calls": 0, "abs_max": 0.0,
                                           "nonzero": 0, "tiny": 0, "nonfinite": 0})
         row["calls"] += 1
-        row["nonfinite"] += int((~finite).sum())  # already in fp32: no precision can be safe
-        row["abs_max"] = max(row["abs_max"], float(t[finite].abs().max()) if finite.any() else 0.0)
-        row["nonzero"] += int(nonzero.sum())
-        row["tiny"] += int((nonzero & (t.abs() < FP16_TINY)).sum())
-        self.bytes += t.numel() * t.element_size()
+        for (chunk,) in row_chunks(t):  # in slices: a (batch, length, vocabulary) output's masks stay small
+            chunk = chunk.float()
+            finite = torch.isfinite(chunk)
+            nonzero = chunk != 0
+            row["nonfinite"] += int((~finite).sum())  # already in fp32: no precision can be safe
+            row["abs_max"] = max(row["abs_max"], float(chunk[finite].abs().max()) if finite.any() else 0.0)
+            row["nonzero"] += int(nonzero.sum())
+            row["tiny"] += int((nonzero & (chunk.abs() < FP16_TINY)).sum())
+        self.bytes += t.numel() * 4
 
 
 def _outputs(ctx: Context, batch: dict, precision) -> dict[str, list[torch.Tensor]]:
@@ -90,11 +91,12 @@ def _deviation(ref: list[torch.Tensor], low: list[torch.Tensor]) -> tuple[float,
     """
     if len(ref) != len(low) or any(a.shape != b.shape for a, b in zip(ref, low)):
         return float("nan"), 0
-    nonfinite = sum(int((~torch.isfinite(b)).sum()) for b in low)
+    nonfinite = sum(int((~torch.isfinite(c)).sum()) for b in low for (c,) in row_chunks(b))
     if nonfinite:
         return float("inf"), nonfinite
-    err = sum(float((b.float() - a.float()).pow(2).sum()) for a, b in zip(ref, low))
-    norm = sum(float(a.float().pow(2).sum()) for a in ref)
+    pairs = [chunks for a, b in zip(ref, low) for chunks in row_chunks(a, b)]  # slices: small temporaries
+    err = sum(float((b.float() - a.float()).pow(2).sum()) for a, b in pairs)
+    norm = sum(float(a.float().pow(2).sum()) for a, _ in pairs)
     return (err / norm) ** 0.5 if norm > 0 else 0.0, 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -109,6 +110,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     adapter = resolve_model(model, **(model_kwargs or {}))
     if cfg.activation_checkpointing:
         require_blocks(adapter.model)
+    # LoRA freezes the base: which weights trained before is given back with the model (`all` trains it next).
+    trainable = {p: p.requires_grad for p in adapter.model.parameters()}
     if cfg.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
     try:
@@ -116,6 +119,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
             return _benchmark(adapter, cfg, dev, data)
     finally:
         unload(adapter.model)
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
 
 
 def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:
@@ -145,18 +150,20 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
     ran = [p for p in plans if p.ran]
     # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
     short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
-    floor = Plan("fp32 floor", "eager", base.precision, adapter, batches=short)
+    floor = Plan(f"{base.name} floor", "eager", base.precision, adapter, batches=short)
     total = len(ran) * (cfg.repeats * steps_per_repeat + cfg.accuracy_steps) + cfg.repeats * steps_per_repeat
     # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
     cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
                                                                      unit="step", enabled=cfg.progress) as bar:
-            # One fp32 forward + backward, counted once: precision changes no FLOP count.
+            # One forward + backward of the baseline (fp32 where it fits), counted once: precision changes no
+            # FLOP count, and the baseline is what fits here.
             first = []
 
             def forward_backward():
-                first.append(adapter.forward_loss(speed_batches[0])[0])
+                with base.precision.autocast():
+                    first.append(adapter.forward_loss(speed_batches[0])[0])
                 first[0].backward()
 
             convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
@@ -164,7 +171,7 @@ def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkR
             flops = count_flops(forward_backward) if base.ran else {"per_step": None, "by_op": {}}
             adapter.model.zero_grad(set_to_none=True)
             # Nothing is timed on a loss that is not finite: its speed would be a verdict on NaN.
-            stopped = _nonfinite("fp32", first[0], "on the first batch") if base.ran else None
+            stopped = _nonfinite(base.name, first[0], "on the first batch") if base.ran else None
             for p in ran:
                 p.stopped = stopped
                 if not stopped and p.ran:
@@ -254,10 +261,8 @@ def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int,
             p.ran, p.skip_reason = False, (f"does not fit here: a training step at batch 1, T={seq_len} predicted "
                                            f"{gib(configs[p.name].step_bytes(1, seq_len))}, {gib(room)} usable "
                                            f"({budget.describe()})")
-    if not plans[0].ran and plans[0].name in largest:  # no baseline fits: nothing can be compared
-        for p in plans[1:]:
-            if p.ran:
-                p.ran, p.skip_reason = False, f"fp32, the baseline, {plans[0].skip_reason}"
+    if not plans[0].ran and plans[0].name in largest:
+        _best_fitting_baseline(plans)
     fitting = [largest[p.name] for p in plans if p.ran]
     batch = min([cfg.batch_size, *fitting])
     if batch == cfg.batch_size:
@@ -266,6 +271,20 @@ def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int,
               "of them fit (predicted: " + ", ".join(f"{n} {b}" for n, b in largest.items())
               + f"; {budget.describe()})")
     return replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget, reason)
+
+
+def _best_fitting_baseline(plans: list[Plan]) -> None:
+    """fp32 does not fit here: the first mode in the order asked that fits (the closest to fp32: mixed modes,
+    fp32 master weights, come before the true ones) becomes the baseline, moved to the front, and fp32's row
+    says so. When none fits, none runs."""
+    fp32 = plans[0]
+    fitting = [p for p in plans[1:] if p.ran]
+    if not fitting:
+        return
+    base = fitting[0]
+    plans.remove(base)
+    plans.insert(0, base)
+    fp32.skip_reason += f"; the modes that fit are compared with {base.name}, the best-fitting baseline"
 
 
 def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
@@ -280,7 +299,7 @@ def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: i
     p.ran, p.skip_reason = False, why
     if p is plans[0]:
         for other in plans[1:]:
-            other.ran, other.skip_reason = False, f"fp32, the baseline, {why}"
+            other.ran, other.skip_reason = False, f"{p.name}, the baseline, {why}"
     return None
 
 
@@ -321,6 +340,10 @@ def _fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tr
                 step_adapter=None, count_rounding: bool = False) -> TrainStep:
     """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
     `step_adapter` (compiled) if given."""
+    # The last run's gradients (and, should a reference cycle keep it, its optimizer state) go before this run
+    # allocates its own, so the two are never held side by side.
+    adapter.model.zero_grad(set_to_none=True)
+    gc.collect()
     convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)

@@ -285,12 +285,12 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
     if rec.stopped:
         return nonfinite_checks(name, rec.stopped, t)
     if rec is base:
-        return skip_checks(name, "fp32 is the baseline the others are compared with", t)
+        return skip_checks(name, f"{name} is the baseline the others are compared with", t)
     if not rec.ran:
         return skip_checks(name, skip_reason, t)
     forced = " [forced: not native on this device]" if rec.forced else ""
     rows = []
-    if name != "fp32":  # compiled fp32 against eager fp32: no AMP speed or memory claim, only correctness
+    if name != base.precision:  # compiled against eager in the baseline's precision: only correctness
         rows += [speed_check(name, rec.speed.speedup, rec.speed.step_ms.n, t, overhead, load),
                  memory_check(name, rec.memory["reduction"], t)]
     if not accuracy_steps:
@@ -306,6 +306,9 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
                               acc.get("rounded_away_share"))]
     for row in rows:
         row.detail += forced
+        if base.precision != "fp32":  # fp32 did not fit here: the rows compare with the baseline that did
+            row.check = row.check.replace("vs fp32", f"vs {base.precision}")
+            row.detail = row.detail.replace("vs fp32", f"vs {base.precision}")
     return rows
 
 

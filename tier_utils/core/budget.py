@@ -33,6 +33,9 @@ SAFE_SHARE = {"cpu": 0.5, "cuda": 0.9}
 # saved-tensor count is exact and its fit predicts bigger sizes, so running them would add time, not facts.
 CPU_PROBE_BYTES = 512 << 20
 PROFILE_LENGTH = 32  # the short length the activation fit measures at (and twice it)
+# A comparison or statistic over a vocabulary x length tensor walks it in slices this big, so its
+# temporaries (differences, masks, upcasts) stay small next to the tensor itself.
+CHUNK_BYTES = 64 << 20
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
 
@@ -149,6 +152,31 @@ def out_of_memory_note(dev, fit: ActivationFit | None, batch: int, length: int, 
     """The row's words for a size that did not fit: which size, how much was free, what it would have needed."""
     need = f"; {gib(fit.bytes(batch, length))} of activations predicted ({fit.where()})" if fit else ""
     return f"B={batch}, T={length} ran out of memory on {dev} with {gib(budget.free_bytes)} free{need}"
+
+
+def sized_to(limit: float, per_token: float, batch: int, length: int) -> tuple[int, int]:
+    """The largest (batch, length), at most the one asked, whose `per_token` bytes fit in `limit`: fewer
+    sequences first, then a shorter length (length 0: not even one token fits)."""
+    if per_token * batch * length <= limit:
+        return batch, length
+    rows = int(limit // (per_token * length))
+    return (rows, length) if rows >= 1 else (1, min(length, int(limit // per_token)))
+
+
+def size_note(asked: tuple[int, int], ran: tuple[int, int], per_token: float, limit: float, what: str) -> str:
+    """The row's words for a probe run smaller than asked ("" when it ran as asked)."""
+    if asked == ran:
+        return ""
+    return (f"; ran at B={ran[0]}, T={ran[1]}, not B={asked[0]}, T={asked[1]}: {what} would take "
+            f"{gib(per_token * asked[0] * asked[1])}, over the {gib(limit)} this probe may hold here")
+
+
+def row_chunks(*tensors: torch.Tensor):
+    """The tensors (same shape) as matching slices of their rows (the last dimension kept whole), each slice
+    about CHUNK_BYTES in fp32: a reduction over them holds one slice's temporaries, not the whole tensor's."""
+    flat = [t.detach().reshape(-1, t.shape[-1]) if t.dim() else t.detach().reshape(1, 1) for t in tensors]
+    rows = max(1, CHUNK_BYTES // (4 * max(1, flat[0].shape[-1])))
+    yield from zip(*(f.split(rows) for f in flat))
 
 
 def without_oom(fn, *args, **kwargs) -> tuple[object, str | None]:

@@ -79,6 +79,14 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def capability_has(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of this compute capability has tensor cores for `dtype` (fp32: every GPU): the rule
+    dtype_support applies to the GPU it runs on, and the planner to the GPUs it predicts for."""
+    if dtype == torch.bfloat16:
+        return capability >= _CUDA_BF16_MIN
+    return capability >= _CUDA_FP16_MIN if dtype == torch.float16 else True
+
+
 def dtype_support(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
     """Whether `device` computes in `dtype` natively, and why (one line): the hardware rule every mode shares."""
     short = dtype_name(dtype)
@@ -91,10 +99,10 @@ def dtype_support(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
         gpu = torch.cuda.get_device_name(device)
         if bf16:
             # is_bf16_supported() says True on a T4 (7.5) because bf16 is emulated there; ask the capability.
-            if cc >= _CUDA_BF16_MIN:
+            if capability_has(dtype, cc):
                 return True, f"{gpu} (compute capability {cc_s}) has bf16 tensor cores"
             return False, f"{gpu} (compute capability {cc_s} < 8.0) has no bf16 tensor cores; bf16 is emulated and slow"
-        if cc >= _CUDA_FP16_MIN:
+        if capability_has(dtype, cc):
             return True, f"{gpu} (compute capability {cc_s}) has fp16 tensor cores"
         return False, f"{gpu} (compute capability {cc_s} < 7.0) has no fp16 tensor cores"
     if device.type == "cpu":

@@ -1,14 +1,15 @@
-"""The fit planner: the largest training batch at a sequence length, per precision, with and without
-activation checkpointing, on this device and predicted for common GPUs.
+"""The fit planner: every mode of training (fp32; bf16/fp16 mixed; bf16-true/fp16-true; each with and
+without activation checkpointing; LoRA) at the user's batch and length: what its step holds, the largest batch
+on this device and predicted for common GPUs, and the cheapest mode that fits on each (`cost_rank`).
 
-A training step holds static bytes (fp32 weights, their gradients, AdamW's two states: measured from the
-model's parameters and from AdamW itself, stepped once on meta tensors, so nothing is allocated) plus
-the activations autograd saves (budget.measure_activations: measured at three small sizes under the
-precision's autocast, fitted, extrapolated) plus, during backward, the output's gradient. With activation
-checkpointing the repeated blocks (the longest nn.ModuleList of one module type) keep only their inputs,
-and one block's activations come back while it is recomputed. Nothing here is measured at the size it
-predicts: every figure but this device's free memory is predicted, and says so. On a GPU, `validate=True`
-finds the largest batch that really runs a training step by bisection, side by side with the prediction.
+A training step holds static bytes (per trainable parameter the precision's static_bytes_per_param(): weights,
+gradients, AdamW's two states; LoRA: the frozen base and the adapters) plus the activations autograd saves
+(budget.measure_activations: measured at three small sizes under the mode's forward context, fitted,
+extrapolated) plus, during backward, the output's gradient. With activation checkpointing the repeated blocks
+keep only their inputs, and one block's activations come back while it is recomputed. Nothing here is
+measured at the size it predicts: every figure but this device's free memory is predicted, and says so. On a
+GPU, `validate=True` finds the largest batch that really runs a training step by bisection, side by side with
+the prediction.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, gib, measure_activations, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, Precision, capability_has, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
+from ..engine.lora import LoraSettings, lora_setting, lora_static_bytes, resolve_targets
 from ..engine.memory import checkpointed, memory_context, repeated_blocks
 from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
@@ -36,6 +38,9 @@ from ..models.builtins import DEFAULT_MODEL
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN
 # workspaces and rounding: the margin stated with every prediction.
 GPUS = {"T4 16 GB": 15360, "L4 24 GB": 23034, "A100 40 GB": 40960, "A100 80 GB": 81920, "H100 80 GB": 81559}
+# Their compute capability: which 2-byte types have tensor cores there (core.precision.capability_has).
+GPU_CAPABILITY = {"T4 16 GB": (7, 5), "L4 24 GB": (8, 9), "A100 40 GB": (8, 0), "A100 80 GB": (8, 0),
+                  "H100 80 GB": (9, 0)}
 CUDA_CONTEXT = 512 << 20
 ALLOCATOR_MARGIN = 0.10
 VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
@@ -45,13 +50,16 @@ MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} Mi
 
 @dataclass
 class FitConfig:
-    """What `fit` plans: the sequence length, the precisions (fp32; bf16/fp16 autocast with fp32 master
-    weights; bf16-true/fp16-true: everything in the 2-byte type), each also with activation checkpointing, and
-    whether to validate by running real steps."""
+    """What `fit` plans: the batch and length, the precisions (fp32; bf16/fp16 autocast with fp32 master
+    weights; bf16-true/fp16-true: everything in the 2-byte type), each also with activation checkpointing, LoRA
+    over fp32 and the mixed ones, and whether to validate by running real steps."""
 
+    batch_size: int = setting(8, "sequences per training step the plan is for", low=1)
     seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
     precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16,bf16-true")
     checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
+    lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over the frozen base, under fp32 and each "
+                                                        "mixed precision: r=N,alpha=X[,targets=...] (0: none)")
     device: str | torch.device | None = device_field()
     validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
                                           "on a GPU only)")
@@ -59,6 +67,7 @@ class FitConfig:
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
+        self.lora = lora_setting(self.lora)
         check_switch(self, "checkpointing")
         if self.validate is not None:
             check_switch(self, "validate")
@@ -93,6 +102,14 @@ class Config:
     note: str = ""
     recompute_fixed: float = 0.0  # checkpointing: what one block's recompute holds whatever the batch (autocast's
     # low-precision copies of its weights)
+    lora: LoraSettings | None = None  # adapters over the frozen base
+    mode: Precision | None = None  # the precision decided here: its dtypes, its hardware rule
+
+    @property
+    def name(self) -> str:
+        """The mode in words, the table's index: e.g. "bf16-true + checkpointing", "LoRA r=8 · bf16"."""
+        name = f"LoRA r={self.lora.r} · {self.precision}" if self.lora else self.precision
+        return name + (" + checkpointing" if self.checkpointing else "")
 
     def per_sequence(self, length: int) -> float:
         """Bytes each sequence of the batch adds: saved activations, output gradient, recompute."""
@@ -120,6 +137,18 @@ def device_room(budget: Budget) -> float:
     return budget.free_bytes * (1 - ALLOCATOR_MARGIN) if budget.device == "cuda" else budget.limit
 
 
+def cost_rank(c: Config, native: bool) -> tuple:
+    """Where mode `c` stands among the modes that fit, cheapest first (docs/precision.md, "How fit chooses a
+    mode"): what it costs the training first (nothing; the recompute of checkpointing; a true mode's rounded-away
+    updates; LoRA training only adapters, each again with checkpointing), then its speed on the device (a native
+    2-byte compute, then fp32, then an emulated one), no loss scaler before one, the wider range first."""
+    low_weights = c.mode.param_dtype.itemsize < 4
+    technique = 4 if c.lora is not None else 2 if low_weights else 0
+    low = c.mode.compute_dtype.itemsize < 4
+    speed = 0 if low and native else 2 if low else 1
+    return technique + c.checkpointing, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+
+
 @dataclass(repr=False)
 class FitResult(Result):
     configs: list[Config]
@@ -127,91 +156,108 @@ class FitResult(Result):
     model: dict
     budget: Budget
     metadata: dict
-    validated: dict = field(default_factory=dict)  # (precision, checkpointing) -> largest batch that ran a step
+    validated: dict = field(default_factory=dict)  # mode name -> largest batch that ran a step
     blocks: int = 0  # how many repeated blocks checkpointing wraps
+    batch_size: int = 1  # the batch the plan is for
 
     def largest(self, c: Config, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
 
-    @property
-    def table(self) -> pd.DataFrame:
-        here = device_room(self.budget)
+    def devices(self) -> dict[str, tuple[float, object]]:
+        """Device column -> (the room a training step may use, whether a mode runs natively there)."""
+        here = ("this_device", (device_room(self.budget), lambda c: c.mode.native))
+        gpus = [(f"{name} (predicted)", (gpu_room(mib), lambda c, cc=GPU_CAPABILITY[name]:
+                                         capability_has(c.mode.compute_dtype, cc))) for name, mib in GPUS.items()]
+        return dict([here, *gpus])
+
+    def cheapest(self) -> dict[str, Config | None]:
+        """Device column -> the cheapest mode that fits the batch asked there (None: none does)."""
+        picked = {}
+        for column, (room, native) in self.devices().items():
+            runs = [c for c in self.configs if (native(c) or c.mode.runs_emulated)
+                    and c.step_bytes(self.batch_size, self.seq_len) <= room]
+            picked[column] = min(runs, key=lambda c: cost_rank(c, native(c)), default=None)
+        return picked
+
+    def full_table(self) -> pd.DataFrame:
+        """Every column (fit.csv): the table's, and static and activation bytes, validation and the detail."""
+        B, T, here = self.batch_size, self.seq_len, device_room(self.budget)
+        cheapest = self.cheapest()
         rows = []
         for c in self.configs:
-            b = self.largest(c, here)
-            row = {"precision": c.precision, "checkpointing": "on" if c.checkpointing else "off",
-                   "static_gib": c.static / 2**30,
-                   "per_sample_gib": c.per_sequence(self.seq_len) / 2**30, "this_device": b}
-            row.update({f"{name} (predicted)": self.largest(c, gpu_room(mib)) for name, mib in GPUS.items()})
-            row["validated"] = self.validated.get((c.precision, c.checkpointing))
-            row["status"] = "PASS" if b >= 1 else "WARN"
-            row["detail"] = (f"batch {b} predicted to fit at T={self.seq_len} in {gib(here)} "
-                             f"({self.budget.describe()}); activations {c.fit.where()}" + c.note
-                             if b >= 1 else f"not even batch 1 fits at T={self.seq_len}: it needs "
-                             f"{gib(c.step_bytes(1, self.seq_len))}, {gib(here)} usable here")
+            row = {"mode": c.name, "precision": c.precision, "checkpointing": "on" if c.checkpointing else "off",
+                   "lora": f"r={c.lora.r}" if c.lora else "off", "step_gib": c.step_bytes(B, T) / 2**30}
+            for column, (room, native) in self.devices().items():
+                runs = native(c) or c.mode.runs_emulated
+                row[column] = self.largest(c, room) if runs else None
+            row["cheapest_on"] = ", ".join(col.replace(" (predicted)", "") for col, p in cheapest.items()
+                                           if p is c) or None
+            fits = c.step_bytes(B, T) <= here
+            runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
+            row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
+            row.update({"static_gib": c.static / 2**30, "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
+                        "per_sample_gib": c.per_sequence(T) / 2**30, "validated": self.validated.get(c.name)})
+            b = row["this_device"] or 0
+            row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
+                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}); "
+                             + (f"fits in {gib(here)} ({self.budget.describe()}); largest batch {b}" if fits else
+                                f"over the {gib(here)} usable here; largest batch {b}" if b >= 1 else
+                                f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")
+                             + f"; activations {c.fit.where()}" + c.note)
             rows.append(row)
         return pd.DataFrame(rows)
 
+    @property
+    def table(self) -> pd.DataFrame:
+        """Modes as rows (indexed by the mode), at most 12 columns; the rest in full_table() (fit.csv)."""
+        return self.full_table().set_index("mode").iloc[:, :12]
+
     def headline(self) -> str:
-        return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at T={self.seq_len} on "
-                f"{self.metadata['device_name']}: largest training batch per precision; GPU columns predicted "
-                f"({MARGIN_NOTE})")
+        return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
+                f"T={self.seq_len} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
+                f"batch; GPU columns predicted ({MARGIN_NOTE})")
 
     def overview(self) -> pd.DataFrame:
-        """One row per precision and checkpointing choice, indexed by them; the details are in `.table`."""
-        return self.table.drop(columns=["detail"]).set_index(["precision", "checkpointing"])
+        return self.table.reset_index()  # the mode shown as a column where an index is not printed
 
     def summary_line(self) -> str:
-        """One line for `all`'s summary: the largest batch here per precision, and on a T4 (predicted)."""
-        t = self.table
-        off = t[t.checkpointing == "off"]
-        here = ", ".join(f"{p} {b}" for p, b in zip(off.precision, off.this_device))
-        t4 = next(iter(GPUS))
-        on_t4 = ", ".join(f"{p} {b}" for p, b in zip(off.precision, off[f"{t4} (predicted)"]))
-        return (f"fit: largest training batch at T={self.seq_len} here {here} (predicted, {self.budget.describe()}); "
-                f"{t4} predicted {on_t4}; with activation checkpointing: fit.csv")
+        """One line for `all`'s summary: the cheapest mode that fits here, and on each GPU (predicted)."""
+        named = {col.replace(" (predicted)", ""): (c.name if c else "none fits")
+                 for col, c in self.cheapest().items()}
+        here = named.pop("this_device")
+        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here {here} (predicted, "
+                f"{self.budget.describe()}); predicted " + ", ".join(f"{k} {v}" for k, v in named.items())
+                + "; every mode: fit.csv")
 
     def to_json(self) -> dict:
-        return jsonable({"status": self.status, "seq_len": self.seq_len, "model": self.model,
-                         "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": GPUS,
-                         "checkpointed_blocks": self.blocks, "table": self.table,
-                         "configs": [{"precision": c.precision, "checkpointing": c.checkpointing, "static_bytes":
-                                      c.static, "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
-                                      "recompute_fixed": c.recompute_fixed}
-                                     for c in self.configs],
-                         "validated": [{"precision": p, "checkpointing": ck, "largest_batch": b}
-                                       for (p, ck), b in self.validated.items()], "run_metadata": self.metadata})
+        return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                         "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
+                         "gpus_mib": GPUS, "checkpointed_blocks": self.blocks,
+                         "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
+                         "table": self.full_table(),
+                         "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,
+                                      "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,
+                                      "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
+                                      "recompute_fixed": c.recompute_fixed} for c in self.configs],
+                         "validated": [{"mode": m, "largest_batch": b} for m, b in self.validated.items()],
+                         "run_metadata": self.metadata})
 
     def plot(self):
-        from matplotlib.figure import Figure
+        from .plot import plot_fit
 
-        t = self.table
-        fig = Figure(figsize=(11, 4), layout="constrained")
-        ax = fig.add_subplot()
-        columns = ["this_device", *(f"{name} (predicted)" for name in GPUS)]
-        width = 0.8 / len(t)
-        for i, r in enumerate(t.itertuples(index=False)):
-            values = [t.iloc[i][c] for c in columns]
-            ax.bar([x + i * width for x in range(len(columns))], [max(v, 0.5) for v in values], width,
-                   label=f"{r.precision}, checkpointing {r.checkpointing}")
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(columns))],
-                      [f"this device\n({self.metadata['device_name'][:20]})",
-                       *(name + "\n(predicted)" for name in GPUS)], fontsize=8)
-        ax.set(yscale="log", ylabel=f"largest training batch at T={self.seq_len}")
-        ax.legend(fontsize=7, ncol=2)
-        ax.set_title(self.headline()[:160], fontsize=8)
-        return fig
+        return plot_fit(self)
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts
 def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
         **overrides) -> FitResult:
-    """What fits where: for each precision and, with `checkpointing`, each with activation checkpointing, the
-    largest training batch at `seq_len` here and predicted on common GPUs. It reads no data.
+    """What fits where, and what it costs: every mode (each precision, each also with activation checkpointing,
+    and LoRA) at `batch_size` x `seq_len`: its training step's bytes (predicted), the largest batch here and on
+    common GPUs (predicted), and the cheapest mode that fits on each. It reads no data.
 
     model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
     config / overrides: a FitConfig (or dict) and/or its field names as keywords; validate (None: on a GPU
-    only): find the largest batch that really runs a training step, by bisection, for each row."""
+    only): find the largest batch that really runs a training step, by bisection, for each row but LoRA's."""
     cfg = merge(FitConfig, config, overrides, "fit")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
@@ -219,30 +265,41 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length = adapter.fit_length(cfg.seq_len or adapter.max_len)
-    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress)
-    result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks)
+    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora)
+    result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
+                       batch_size=cfg.batch_size)
     if cfg.validate or (cfg.validate is None and dev.type == "cuda"):
         for c in configs:
-            start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
-            result.validated[(c.precision, c.checkpointing)] = bisect_batch(
-                lambda b, c=c: step_runs(adapter, c, b, length), start, VALIDATE_LIMIT)
+            if c.lora is None and (c.mode.native or c.mode.runs_emulated):
+                start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
+                result.validated[c.name] = bisect_batch(lambda b, c=c: step_runs(adapter, c, b, length), start,
+                                                        VALIDATE_LIMIT)
     return result
 
 
-def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False
-         ) -> tuple[list[Config], int]:
+def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
+         lora: LoraSettings | None = None) -> tuple[list[Config], int]:
     """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
-    precision with checkpointing; and how many blocks checkpointing wraps. Measures on the adapter's device."""
+    precision with checkpointing; with `lora`, LoRA under fp32 and each mixed precision (the modes whose
+    weights are fp32), each with and without checkpointing alike; and how many blocks checkpointing wraps.
+    Measures on the adapter's device."""
     dev = adapter.device
     blocks = len(repeated_blocks(adapter.model))
-    combos = [(p, ck) for p in precisions for ck in ((False, True) if checkpointing and blocks else (False,))]
+    switches = (False, True) if checkpointing and blocks else (False,)
+    decided = [resolve_precision(p, dev, warn=False) for p in precisions]
+    combos = [(prec, ck, None) for prec in decided for ck in switches]
+    if lora is not None and resolve_targets(adapter.model, lora):  # a model with no nn.Linear has nothing to adapt
+        combos += [(prec, ck, lora) for prec in decided if prec.param_dtype == torch.float32 for ck in switches]
     fits, configs = {}, []
-    for p, ck in progress_bar(combos, desc="fit", unit="config", enabled=progress):
-        prec = resolve_precision(p, dev, warn=False)
+    for prec, ck, adapters in progress_bar(combos, desc="fit", unit="config", enabled=progress):
+        p = prec.name
         # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
         measured_as = prec.measured_as if prec.measured_as and not prec.native else p
         note = "" if measured_as == p else (f"; {p} uses {measured_as}'s measurement (the same ops in another "
                                             f"2-byte type; {p} is emulated here)")
+        if adapters is not None:
+            note += ("; activations: the full model's (an upper bound: a frozen layer keeps no input for a weight "
+                     "gradient, the adapters' own are small)")
         key = (measured_as, ck)
         if key not in fits:
             stand_in = resolve_precision(measured_as, dev, warn=False)
@@ -258,15 +315,25 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
             recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
-        configs.append(Config(p, ck, sum(static_bytes(adapter.model, prec).values()), fits[key], recompute, note,
-                              fixed))
+        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, adapters), fits[key], recompute, note,
+                              fixed, adapters, prec))
     return configs, blocks
+
+
+def mode_static_bytes(model: nn.Module, precision: Precision, lora: LoraSettings | None = None) -> int:
+    """What a mode holds before activations: per trainable parameter the precision's static_bytes_per_param()
+    (weights, gradients, AdamW state), a frozen one its weight; with LoRA, the frozen base and the adapters
+    (engine.lora's count)."""
+    if lora is not None:
+        return sum(lora_static_bytes(model, lora).values())
+    per = sum(precision.static_bytes_per_param().values())
+    return sum(p.numel() * (per if p.requires_grad else precision.param_dtype.itemsize) for p in model.parameters())
 
 
 def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
     """Whether one real training step (forward, backward, AdamW step) at (batch, length) runs without running
     out of memory; whatever it allocated is released."""
-    prec = resolve_precision(config.precision, adapter.device, warn=False)
+    prec = config.mode or resolve_precision(config.precision, adapter.device, warn=False)
     state = {k: v.detach().clone() for k, v in adapter.model.state_dict().items()}
 
     def one_step():

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..adapter.adapter import ModelAdapter
-from ..core.budget import affordable_repeats, gib, measure_activations
+from ..core.budget import affordable_repeats, gib, measure_activations, row_chunks, size_note, sized_to
 from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import Precision, dtype_name, native_support, resolve_precision
@@ -39,6 +39,10 @@ _MODEL_CODE = Path(__file__).resolve().parents[1] / "models"  # the built-in net
 # Timed forwards per latency probe: as many as fit LATENCY_BUDGET_S after the warm-up, up to LATENCY_MAX_RUNS;
 # a big model gets fewer (its row says n). A call slower than a tenth of the budget warms up once only.
 LATENCY_WARMUP, LATENCY_MAX_RUNS, LATENCY_BUDGET_S = 3, 20, 3.0
+# Output-sized tensors alive at once, by which the checks on (batch, length, vocabulary) logits are sized to
+# the budget: a shape case holds its output and the forward's own copy of it; the stability rows hold the fp32
+# reference, a low-precision output and the forward's own copy (comparisons walk them in slices).
+SHAPE_COPIES, STABILITY_COPIES = 2, 3
 
 
 def _guarded(name: str, fn, *args) -> Check:
@@ -65,9 +69,23 @@ def _names(names: list[str], k: int = 5) -> str:
 
 
 def _rel_dev(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| / max |ref|: scale-free, and stable where single logits are near zero."""
-    x, ref = x.detach().float(), ref.detach().float()
-    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    """max |x - ref| / max |ref|: scale-free, and stable where single logits are near zero. Walked in slices
+    (a NaN anywhere makes it NaN): the temporaries stay small next to a vocabulary x length tensor."""
+    diff = scale = torch.zeros(())
+    for a, r in row_chunks(x, ref):
+        a, r = a.float(), r.float()
+        diff = torch.maximum(diff, (a - r).abs().max().cpu())
+        scale = torch.maximum(scale, r.abs().max().cpu())
+    return (diff / scale.clamp_min(1e-12)).item()
+
+
+def _output_bytes(adapter: ModelAdapter) -> int:
+    """fp32 bytes of the output per token (a causal LM's logits row; a classifier's, an upper bound)."""
+    return 4 * (adapter.vocab_size if adapter.task == "causal-lm" else adapter.num_classes)
+
+
+def _limit(report) -> float:
+    return report.budget.limit if report.budget is not None else math.inf
 
 
 def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
@@ -82,9 +100,15 @@ def _shapes(adapter: ModelAdapter, report):
     if adapter.max_len_note:
         yield Check("shapes: max length (default)", "PASS", L, None, adapter.max_len_note)
     odd = sorted({n for n in (3, L - 1 - L % 2) if 1 < n < L})
-    cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", 2, L)]
+    per_token, limit = SHAPE_COPIES * _output_bytes(adapter), _limit(report)
+    b_max, t_max = sized_to(limit, per_token, 2, L)
+    cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", b_max, L)]
     cases += [(f"odd batch 3, length {n}", 3, n) for n in odd]
     for what, b, t in cases:
+        if b * t * per_token > limit:  # not even one sequence of this length: refused before it allocates
+            yield Check(f"shapes: {what}", "SKIP", None, None, f"not run: B=1, T={t} would take "
+                        f"{gib(per_token * t)} of outputs, over the safe share of {report.budget.describe()}")
+            continue
         yield _guarded(f"shapes: {what}", _shape_case, adapter, b, t)
     yield _guarded("shapes: padded batch + attention_mask", _padding_case, adapter)
 
@@ -293,14 +317,22 @@ def _stability(adapter: ModelAdapter, report):
     for what, ids in inputs.items():
         yield _guarded(f"stability: {what}", _finite_case, adapter, ids.to(adapter.device))
     # One random max-length batch serves twice, as a finiteness case and as the fp32 reference the low
-    # precisions are compared with: on a big model each such forward costs seconds.
-    batch = adapter.example_batch(2, L, seed=3)
+    # precisions are compared with: on a big model each such forward costs seconds. Its size is the
+    # budget's: fewer sequences, then a shorter length, and the rows say which ran.
+    per_token, limit = STABILITY_COPIES * _output_bytes(adapter), _limit(report)
+    b, t = sized_to(limit, per_token, 2, L)
+    if t < 1:
+        yield Check(f"stability: random, max length {L}", "SKIP", None, None, f"not run: one token's outputs "
+                    f"take {gib(per_token)}, over the safe share of {report.budget.describe()}")
+        return
+    note = size_note((2, L), (b, t), per_token, limit, "the fp32 logits, a low-precision copy and the forward's own")
+    batch = adapter.example_batch(b, t, seed=3)
     try:
         with torch.no_grad():
             ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
     except Exception as exc:  # each row that needed it fails with it
         ref = exc
-    yield _guarded(f"stability: random, max length {L}", _finite_case, adapter, ref)
+    yield _guarded(f"stability: random, {'max ' if t == L else ''}length {t}", _finite_case, adapter, ref, note)
     # The model runs as loaded; the comparison's reference is fp32, so weights held in bf16/fp16 are compared
     # as an fp32 copy (low precision autocast on fp32 weights: what a mixed precision training step runs).
     reference = fp32_reference(adapter.model, adapter.stored_dtype)
@@ -312,11 +344,11 @@ def _stability(adapter: ModelAdapter, report):
             except Exception as exc:
                 ref = exc
         rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
-                         batch, ref, reference) for low in ("bf16", "fp16")]
+                         batch, ref, reference, note) for low in ("bf16", "fp16")]
     yield from rows
 
 
-def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
+def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits, note: str = "") -> Check:
     """`ids_or_logits`: input ids to run, or a forward's logits (or the exception it raised) to judge."""
     if isinstance(ids_or_logits, Exception):
         raise ids_or_logits
@@ -325,14 +357,15 @@ def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits) -> Check:
     else:
         with torch.no_grad():
             out = adapter.logits(ids_or_logits)
-    bad = int((~torch.isfinite(out)).sum())
-    kinds = "NaN" if out.isnan().any() else "inf"
+    bad = sum(int((~torch.isfinite(c)).sum()) for (c,) in row_chunks(out))
+    kinds = ("NaN" if any(bool(c.isnan().any()) for (c,) in row_chunks(out)) else "inf") if bad else ""
     return Check(name, "FAIL" if bad else "PASS", bad, 0,
-                 f"{bad} of {out.numel()} logits are {kinds}" if bad else f"all {out.numel()} logits finite")
+                 (f"{bad} of {out.numel()} logits are {kinds}" if bad else f"all {out.numel()} logits finite")
+                 + f" ({tuple(out.shape)})" * bool(note) + note)
 
 
 def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, low: str, batch: dict,
-                        ref: torch.Tensor | Exception, reference: str = "fp32") -> Check:
+                        ref: torch.Tensor | Exception, reference: str = "fp32", note: str = "") -> Check:
     if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
         raise ref
     tol = LOW_PRECISION_TOL[low]
@@ -340,19 +373,19 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
     forced = requested.name == low  # asked for by name; auto only ever picks a native one
     if not native and not forced:
         return Check(name, "SKIP", None, f"<= {tol:g}", f"{why}; pass precision='{low}' to run it anyway")
-    if not torch.isfinite(ref).all():
+    if not all(bool(torch.isfinite(c).all()) for (c,) in row_chunks(ref)):
         return Check(name, "FAIL", None, f"<= {tol:g}", "the fp32 logits are already NaN/inf: nothing to compare "
                                                          f"{low} with (see the stability rows above)")
     prec = requested if forced else resolve_precision(low, adapter.device, warn=False)
     with torch.no_grad(), prec.autocast():
         out = adapter.logits(batch["input_ids"], batch["attention_mask"])
-    if not torch.isfinite(out).all():
+    if not all(bool(torch.isfinite(c).all()) for (c,) in row_chunks(out)):
         return Check(name, "FAIL", None, f"<= {tol:g}", f"{low} autocast gives non-finite logits (overflow?)")
     dev = _rel_dev(out, ref)
     detail = (f"max |{low} - fp32| / max |fp32| over {tuple(ref.shape)} logits"
               + ("" if reference == "fp32" else f", {low} autocast and fp32 on {reference}")
               + ("" if native else " (forced: emulated on this device)")
-              + ("" if dev <= tol else f"; more than {low} rounding explains"))
+              + ("" if dev <= tol else f"; more than {low} rounding explains") + note)
     return Check(name, "PASS" if dev <= tol else "WARN", _sig(dev, 3), f"<= {tol:g}", detail)
 
 

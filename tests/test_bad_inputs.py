@@ -282,7 +282,7 @@ API_BAD = [
     (lambda d, ck: tier_utils.analyze("tiny-gpt", d_model=32), "unknown analysis setting(s) d_model; valid: analyses"),
     (lambda d, ck: tier_utils.export(tiny(), d / "m.pt2", repeat=2), "unknown export setting(s) repeat; valid: format"),
     (lambda d, ck: tier_utils.export(tiny(), d / "m.x", format="tflite"), "unknown export format 'tflite'"),
-    (lambda d, ck: tier_utils.fit(tiny(), batch_size=2), "unknown fit setting(s) batch_size; valid: seq_len"),
+    (lambda d, ck: tier_utils.fit(tiny(), batch_sizes=2), "unknown fit setting(s) batch_sizes; valid: batch_size"),
     (lambda d, ck: tier_utils.fit(tiny(), seq_len=0), "seq_len must be a whole number >= 1"),
     (lambda d, ck: tier_utils.info(tiny(), {"precison": "fp32"}), "unknown info setting(s) precison; valid: precision"),
     (lambda d, ck: tier_utils.analyze(tiny(), analyses=[]), "no analysis given"),

@@ -59,8 +59,8 @@ def test_the_benchmark_shows_its_verdicts_and_keeps_its_measurements(results):
 def test_latency_and_fit_tables_are_indexed_by_their_meaning(results):
     assert results["export"].latency_table.index.names == ["shape", "runner"]
     assert results["smoke"].latency_table.index.names == ["batch_size", "seq_len"]
-    assert results["fit"].overview().index.names == ["precision", "checkpointing"]
-    assert _header(results["fit"]._repr_html_())[:2] == ["precision", "checkpointing"]
+    assert results["fit"].overview().index.names == ["mode"]  # e.g. "bf16 + checkpointing", "LoRA r=8 · fp32"
+    assert _header(results["fit"]._repr_html_())[:2] == ["mode", "status"]
 
 
 def test_best_config_shows_what_the_search_changed(results):

@@ -289,7 +289,7 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"{spec}/adapter_config.json names no base model (base_model_name_or_path); set it to "
                              "the base's folder or spec")
     base = _build(base_spec, kwargs)
-    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True)
+    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32 adapters
     path = path.resolve()
     tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
     return _sourced(model, str(path), {}, tokenizer)

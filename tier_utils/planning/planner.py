@@ -218,7 +218,9 @@ class FitResult(Result):
                 f"batch; GPU columns predicted ({MARGIN_NOTE})")
 
     def overview(self) -> pd.DataFrame:
-        return self.table.reset_index()  # the mode shown as a column where an index is not printed
+        """Indexed by mode, its verdict first; the mode's name already says its precision, checkpointing and LoRA."""
+        t = self.table
+        return t[["status", *[c for c in t.columns if c not in ("status", "precision", "checkpointing", "lora")]]]
 
     def summary_line(self) -> str:
         """One line for `all`'s summary: the cheapest mode that fits here, and on each GPU (predicted)."""

@@ -169,11 +169,13 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     assert cfg.smoke_config() == preset.smoke_config(device="cpu")
     assert cfg.analysis_config() == preset.analysis_config(device="cpu")
     assert cfg.fit_config() == preset.fit_config(device="cpu")
+    assert cfg.ranks_config() == preset.ranks_config(device="cpu", precision=cfg.precision)
     assert cfg.search_config().trial == replace(preset.train_config(device="cpu"), progress=False)
     edited = RunConfig(device="cpu", precision="fp32", batch_size=2, compile=True)
     assert (edited.train_config().precision, edited.train_config().batch_size, edited.train_config().compile) == \
         ("fp32", 2, True)
     assert edited.bench_config().compile == "both" and edited.smoke_config().batch_sizes == (1, 2)
+    assert (edited.ranks_config().precision, edited.ranks_config().seq_len) == ("fp32", preset.seq_len)
     assert edited.search_config().trial.compile is False  # each short trial eager: compiling would cost more
 
 

@@ -14,6 +14,7 @@ from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
 from .core.settings import check_fields, setting
 from .planning.planner import FitConfig
+from .planning.ranks import RanksConfig
 from .smoketest.suite import SmokeConfig
 from .training.config import TrainConfig
 
@@ -54,6 +55,10 @@ class Preset:
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at the preset's shape; `given` on top."""
         return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
+
+    def ranks_config(self, **given) -> RanksConfig:
+        """The per-rank planner (DDP and FSDP over 1, 2, 4, 8 ranks) at the preset's length; `given` on top."""
+        return RanksConfig(**{"seq_len": self.seq_len, **given})
 
 
 # FAST: CI, tests, a notebook on a CPU (`all --fast`): seconds per tier.

@@ -22,6 +22,7 @@ from .engine.lora import LoraSettings, lora_setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
 from .models.loading import load_model
 from .planning.planner import FitConfig
+from .planning.ranks import RanksConfig
 from .presets import Preset, notebook_preset
 from .smoketest.suite import SmokeConfig
 from .training.config import TrainConfig
@@ -128,6 +129,10 @@ class RunConfig:
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at this config's length and device; `given` on top."""
         return self._sized().fit_config(**{"device": self.device, **given})
+
+    def ranks_config(self, **given) -> RanksConfig:
+        """The per-rank planner at this config's length, precision and device; `given` on top."""
+        return self._sized().ranks_config(**{**self._decided(), **given})
 
     def search_config(self, **given) -> SearchConfig:
         """A study whose trials train as `train_config()` does, but eager: compiling every short trial would cost

@@ -190,16 +190,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     }
     if "data" not in ran_on:  # the forward raised: smoke and analyze report it; nothing else can run
         del steps["train"], steps["fit"], steps["ranks"]
-    results, seconds, outcome = {}, {}, None
-    for name, run in steps.items():
-        if name == "train":  # the benchmark first: the trained copy the report keeps is not held beside it
-            outcome, bench_s = _attempt("amp_benchmark", lambda: _benchmark(base, data, preset, dev, progress,
-                                                                            memory))
-        results[name], seconds[name] = _attempt(name, run)
-    bench_size = None
-    if outcome is not None:  # shown last, as before
-        results["amp_benchmark"], bench_size = outcome if isinstance(outcome, tuple) else (outcome, None)
-        seconds["amp_benchmark"] = bench_s
+    results, seconds, bench_size = _run_tiers(steps, lambda: _benchmark(base, data, preset, dev, progress, memory))
     # The 1-minute load average at the end (training, the last timed tier): above the core count, other jobs
     # slowed the timings.
     meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
@@ -223,6 +214,21 @@ def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
         return preset, ran_on
     return preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data,
                     "stored_dtype": dtype_name(adapter.stored_dtype)}
+
+
+def _run_tiers(steps: dict, bench) -> tuple[dict, dict, dict | None]:
+    """Each tier's result and seconds, each `_attempt`ed in order, with the benchmark (`bench`) run just before
+    training and shown last; and the benchmark's grown batch (None: the preset's, or no benchmark)."""
+    results, seconds, outcome = {}, {}, None
+    for name, run in steps.items():
+        if name == "train":  # the benchmark first: the trained copy the report keeps is not held beside it
+            outcome, bench_s = _attempt("amp_benchmark", bench)
+        results[name], seconds[name] = _attempt(name, run)
+    bench_size = None
+    if outcome is not None:  # shown last, as before
+        results["amp_benchmark"], bench_size = outcome if isinstance(outcome, tuple) else (outcome, None)
+        seconds["amp_benchmark"] = bench_s
+    return results, seconds, bench_size
 
 
 def _attempt(name: str, run) -> tuple:

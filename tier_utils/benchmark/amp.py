@@ -2,14 +2,13 @@
 
 Every precision starts from the same weights and sees the same batches in the same order with a
 fresh optimizer (and, for fp16, GradScaler) through the shared `TrainStep`. Speed repeats are
-interleaved across precisions so drift on a shared machine hits all of them alike.
+interleaved across precisions so drift on a shared machine hits all of them alike. `amp_benchmark` runs a
+`BenchmarkRun`: named steps, and a log of what was skipped or stopped, where and why (the result's `outcomes`).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -18,37 +17,24 @@ from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.loggers import log_result_tables, run_stamp
-from ..core.measure import (
-    SavedTensorMeter,
-    StepTimer,
-    count_flops,
-    cpu_load,
-    load_average,
-    probe_ms,
-    probe_size,
-    static_memory,
-    summarize,
-)
+from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, run_metadata, worst_status
-from ..core.seeding import rng_state, set_rng_state
 from ..core.settings import merge
 from ..core.threads import chooses_threads
-from ..data.datasets import make_loader, to_device
 from ..engine.compiling import compile_for_training
-from ..engine.evaluation import evaluate
 from ..engine.lora import apply_lora, convert_for, describe_lora, unload
-from ..engine.memory import checkpointing_on, kept_inputs, memory_context, require_blocks
-from ..engine.step import TrainStep, make_optimizer, make_scheduler
-from ..planning.planner import device_room, plan
-from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig, Mode
-from .record import BatchFit, BenchRun, Plan, PrecisionRecord, Speed, make_record
+from ..engine.memory import memory_context, require_blocks
+from ..planning.planner import device_room
+from ..planning.planner import plan as plan_fits
+from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
+from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
+from .record import BatchFit, BenchRun, Outcome, OutcomeLog, Plan, PrecisionRecord, Speed, Step, make_record
 from .verdicts import launch_bound, record_checks
 
 SCHEMA = "tier_utils.bench/1"
 _PROBE_REPS = 3  # probe matmuls per speed repeat
-FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
 
 
 @dataclass(repr=False)
@@ -61,6 +47,9 @@ class BenchmarkResult(Result):
     records: list[PrecisionRecord]
     checks: list
     overhead: dict | None  # fp32's floor step and launch_bound()'s diagnosis; None when fp32 was not timed
+    # The run's log: what was skipped or stopped, at which step and why, in the order it happened. The JSON has
+    # what it decided (each record's ran and stopped, the SKIP rows' detail); schema bench/1 keeps its keys.
+    outcomes: tuple[Outcome, ...] = field(default=())
 
     @property
     def status(self) -> str:
@@ -116,332 +105,261 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
         adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
     try:
         with kept_dtypes(adapter.model.to(dev)):
-            return _benchmark(adapter, cfg, dev, data)
+            return BenchmarkRun(adapter, cfg, dev, data).run()
     finally:
         unload(adapter.model)
         for p, flag in trainable.items():
             p.requires_grad_(flag)
 
 
-def _benchmark(adapter, cfg: BenchConfig, dev: torch.device, data) -> BenchmarkResult:
-    """amp_benchmark's run, inside kept_dtypes: each precision converts the model to its own weight dtype."""
-    was_training = adapter.model.training
-    adapter.model.train()
-    adapter.require_trainable()
-    adapter.check_forward()
-    seq_len = adapter.fit_length(cfg.seq_len)  # capped with a warning; config records the length used
-    modes = COMPILE_CHOICES[cfg.compile]  # the config checked it is one of them
-    plans = [_plan(name, mode, dev, cfg.force, adapter) for name in cfg.precisions for mode in modes]
-    if cfg.activation_checkpointing:  # each precision again, eager, with checkpointing: its cost and saving
-        plans += [replace(_plan(name, CHECKPOINTED, dev, cfg.force, adapter), checkpointing=True)
-                  for name in cfg.precisions]
-    budget = read_budget(dev)  # before anything of ours is allocated
-    cfg, sizing = _fit_batch(adapter, plans, cfg, seq_len, budget)
-    splits = adapter.datasets(data, seq_len)
-    steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
-    speed_batches = list(_batches(splits.train, steps_per_repeat, cfg, dev))
-    tokens_per_step = speed_batches[0]["input_ids"].numel()
-    base = plans[0]
-    start = copy.deepcopy(convert_for(base.precision, adapter.model).state_dict())  # fp32: every run's start
-    for p in plans:
-        if p.ran and p.mode == "compiled":
-            _compile_plan(p, adapter, speed_batches[0], cfg.compile_mode, eager_too="eager" in modes,
-                          progress=cfg.progress)
-    ran = [p for p in plans if p.ran]
-    # The floor: eager fp32 on one short sequence (one label each), almost all fixed per-step cost (launches).
-    short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()} for b in speed_batches]
-    floor = Plan(f"{base.name} floor", "eager", base.precision, adapter, batches=short)
-    total = len(ran) * (cfg.repeats * steps_per_repeat + cfg.accuracy_steps) + cfg.repeats * steps_per_repeat
-    # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
-    cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda_rngs), progress_bar(total=total, desc="amp benchmark",
-                                                                     unit="step", enabled=cfg.progress) as bar:
-            # One forward + backward of the baseline (fp32 where it fits), counted once: precision changes no
-            # FLOP count, and the baseline is what fits here.
-            first = []
+class BenchmarkRun:
+    """One `amp_benchmark` run, inside kept_dtypes (each precision converts the model to its own weight dtype),
+    as named steps in order: plan, fit (the batch), load (the data), compile, flops, memory, time, accuracy,
+    record. Each step reads the run's fields and sets its own.
 
-            def forward_backward():
-                with base.precision.autocast():
-                    first.append(adapter.forward_loss(speed_batches[0])[0])
-                first[0].backward()
+    What was skipped or stopped, at which step and why, goes only to `log` (record.OutcomeLog, append-only):
+    whether a plan still runs, and why not, is read from it, and the result carries it as `outcomes`.
+    """
 
-            convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
+    def __init__(self, adapter, cfg: BenchConfig, dev: torch.device, data):
+        self.adapter, self.cfg, self.dev, self.data = adapter, cfg, dev, data
+        self.log = OutcomeLog()  # what was skipped or stopped, where and why: every step reads it
 
-            flops = count_flops(forward_backward) if base.ran else {"per_step": None, "by_op": {}}
-            adapter.model.zero_grad(set_to_none=True)
-            # Nothing is timed on a loss that is not finite: its speed would be a verdict on NaN.
-            stopped = _nonfinite(base.name, first[0], "on the first batch") if base.ran else None
-            for p in ran:
-                p.stopped = stopped
-                if not stopped and p.ran:
-                    got = _unless_oom(p, plans, budget, cfg, seq_len, _measure_memory, adapter, p.precision, start,
-                                      speed_batches, cfg, p.adapter)
-                    if got is None:
-                        continue
-                    p.memory, loss = got
-                    p.stopped = _nonfinite(p.name, loss, "on the second batch")
-                    p.probe_size = probe_size(dev, p.precision.dtype)
-            live = [p for p in ran if p.ran and not p.stopped]
-            timed = live if base.stopped or not base.ran else live + [floor]  # the floor needs fp32 beside it
-            for _, p in interleave(timed, cfg.repeats):
-                if not p.ran:  # out of memory in an earlier repeat
-                    continue
-                got = _unless_oom(p, plans, budget, cfg, seq_len, timed_repeat, adapter, p.precision, start,
-                                  p.batches or speed_batches, cfg, bar, p.adapter)
-                if got is None:
-                    continue
-                ms, losses = got
-                p.step_samples.append(sum(ms) / len(ms))
-                if p is not floor:
-                    p.stopped = p.stopped or _nonfinite(p.name, losses, "during the timed steps")
-                    # The peak probe rides along with every repeat, so load drift hits it like the steps.
-                    p.probe_ms += probe_ms(dev, p.precision.dtype, p.probe_size, _PROBE_REPS)
-            for p in ran:
-                p.stopped = base.stopped or p.stopped  # no baseline: no precision gets a verdict
-                if p.stopped or not p.ran:
-                    continue
+    @property
+    def base(self) -> Plan:
+        """The baseline every ratio is taken against: fp32, or the best-fitting mode when fp32 does not fit."""
+        return self.plans[0]
+
+    def run(self) -> BenchmarkResult:
+        """Every step in order; the model's weights (the fp32 start) and train/eval mode restored."""
+        model = self.adapter.model
+        was_training = model.training
+        model.train()
+        self.adapter.require_trainable()
+        self.adapter.check_forward()
+        self.seq_len = self.adapter.fit_length(self.cfg.seq_len)  # capped with a warning; config records it
+        self.plan()
+        self.fit_batch()
+        self.load()
+        self.compile()
+        steps_per_repeat = self.cfg.untimed_steps + self.cfg.timed_steps
+        total = (len(self.measured) * (self.cfg.repeats * steps_per_repeat + self.cfg.accuracy_steps)
+                 + self.cfg.repeats * steps_per_repeat)
+        # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
+        cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        try:
+            with torch.random.fork_rng(devices=cuda_rngs), progress_bar(
+                    total=total, desc="amp benchmark", unit="step", enabled=self.cfg.progress) as self.bar:
+                self.count_flops()
+                self.measure_memory()
+                self.time()
+                self.accuracy()
+        finally:
+            convert_for(self.base.precision, model).load_state_dict(self.start)
+            model.train(was_training)
+        return self.record()
+
+    def plan(self) -> None:
+        """Step "plan": a Plan per precision x mode (and each precision again, eager, with activation checkpointing
+        when asked: its cost and saving). A precision this device can't run natively is skipped, unless forced."""
+        cfg = self.cfg
+        wanted = [(name, mode) for name in cfg.precisions for mode in COMPILE_CHOICES[cfg.compile]]
+        if cfg.activation_checkpointing:
+            wanted += [(name, CHECKPOINTED) for name in cfg.precisions]
+        self.plans = []
+        for name, mode in wanted:
+            prec = resolve_precision(name, self.dev, warn=False)
+            p = Plan(name, mode, prec, self.adapter, forced=cfg.force and not prec.native,
+                     checkpointing=mode == CHECKPOINTED)
+            self.plans.append(p)
+            if not (prec.native or cfg.force):
+                why = f"not native: {prec.native_support(self.dev)[1]}; force=True (CLI --force) runs it anyway"
+                self.log.skip(p, "plan", why)
+
+    def fit_batch(self) -> None:
+        """Step "fit": the batch every compared precision fits here, by the fit planner (predicted): the one asked,
+        or the largest all of them fit. A precision that fits not even batch 1 is skipped with the reason. When
+        fp32 does not fit, the first mode in the order asked that fits (the closest to fp32: mixed modes, fp32
+        master weights, come before the true ones) becomes the baseline, moved to the front, and fp32's reason
+        says so; when none fits, none runs."""
+        cfg, seq_len, fp32 = self.cfg, self.seq_len, self.plans[0]
+        self.budget = budget = read_budget(self.dev)  # before anything of ours is allocated
+        names = list(dict.fromkeys(p.name for p in self.plans if self.log.runs(p)))
+        room = device_room(budget)
+        configs = {c.precision: c for c in plan_fits(self.adapter, names, seq_len)[0]}
+        largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
+        running = [p for p in self.plans if self.log.runs(p)]
+        fitting = [p for p in running if largest[p.name] >= 1]
+        rebased = ""
+        if fitting and fp32 in running and fp32 not in fitting:
+            self.plans.remove(fitting[0])
+            self.plans.insert(0, fitting[0])
+            rebased = f"; the modes that fit are compared with {fitting[0].name}, the best-fitting baseline"
+        for p in running:
+            if p not in fitting:
+                self.log.skip(p, "fit", f"does not fit here: a training step at batch 1, T={seq_len} predicted "
+                                        f"{gib(configs[p.name].step_bytes(1, seq_len))}, {gib(room)} usable "
+                                        f"({budget.describe()})" + (rebased if p is fp32 else ""))
+        batch = min([cfg.batch_size, *(largest[p.name] for p in fitting)])
+        if batch == cfg.batch_size:
+            self.sizing = BatchFit(cfg.batch_size, largest, room, budget, None)
+            return
+        reason = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, the largest "
+                  "all of them fit (predicted: " + ", ".join(f"{n} {b}" for n, b in largest.items())
+                  + f"; {budget.describe()})")
+        self.cfg, self.sizing = replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget, reason)
+
+    def load(self) -> None:
+        """The data: the splits, the same speed batches for every plan, the floor step's (eager, baseline precision,
+        one short sequence: almost all fixed per-step cost, i.e. launches), and the fp32 start every run loads."""
+        cfg, base = self.cfg, self.base
+        self.splits = self.adapter.datasets(self.data, self.seq_len)
+        self.speed_batches = list(same_batches(self.splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
+        self.tokens_per_step = self.speed_batches[0]["input_ids"].numel()
+        self.start = copy.deepcopy(convert_for(base.precision, self.adapter.model).state_dict())
+        short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
+                 for b in self.speed_batches]
+        self.floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
+
+    def compile(self) -> None:
+        """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
+        autocast is timed as compile_s). One that can't compile is skipped when its eager twin is measured anyway,
+        else runs eager. The plans still running then are the ones every later step measures."""
+        eager_too = "eager" in COMPILE_CHOICES[self.cfg.compile]
+        for p in self.plans:
+            if not self.log.runs(p) or p.mode != "compiled":
+                continue
+            convert_for(p.precision, self.adapter.model)
+            p.adapter, p.compile = compile_for_training(self.adapter, p.precision, self.speed_batches[0],
+                                                        self.cfg.compile_mode, self.cfg.progress)
+            if p.compile.compiled:
+                continue
+            if eager_too:
+                self.log.skip(p, "compile", "could not compile: see this precision's eager rows")
+            else:
+                p.mode = "eager"  # before any outcome names it: its log entries all say eager
+        self.measured = [p for p in self.plans if self.log.runs(p)]
+
+    def count_flops(self) -> None:
+        """Step "flops": one forward + backward of the baseline (fp32 where it fits), counted once: precision
+        changes no FLOP count, and the baseline is what fits here. Nothing is timed on a loss that is not finite
+        (its speed would be a verdict on NaN): a non-finite first loss stops every plan."""
+        base, adapter = self.base, self.adapter
+        first = []
+
+        def forward_backward():
+            with base.precision.autocast():
+                first.append(adapter.forward_loss(self.speed_batches[0])[0])
+            first[0].backward()
+
+        convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
+        self.flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
+        adapter.model.zero_grad(set_to_none=True)
+        why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None
+        for p in self.measured if why else ():
+            self.log.stop(p, "flops", why)
+
+    def measure_memory(self) -> None:
+        """Step "memory": each plan's static split, activations and CUDA peaks (measurements.measure_memory); the
+        loss of its second batch, non-finite, stops it. Not run when the first batch stopped every plan."""
+        if self.log.stopped(self.base):
+            return
+        for p in self.measured:
+            if not self.log.runs(p):  # the baseline ran out of memory
+                continue
+            got = self._measure(p, "memory", measure_memory, self.speed_batches)
+            if got is None:
+                continue
+            p.memory, loss = got
+            if why := nonfinite(p.name, loss, "on the second batch"):
+                self.log.stop(p, "memory", why)
+            p.probe_size = probe_size(self.dev, p.precision.dtype)
+
+    def time(self) -> None:
+        """Step "time": `repeats` timed repeats of every plan not stopped, interleaved (drift hits all alike),
+        with the floor step beside a running baseline and the peak probe riding along with every repeat. A
+        non-finite loss stops a plan; a stopped baseline, every plan (no baseline: no verdict). Then each plan
+        still running gets its speed."""
+        base, cfg = self.base, self.cfg
+        live = [p for p in self.measured if self.log.runs(p) and not self.log.stopped(p)]
+        timed = live + [self.floor] if self.log.runs(base) and not self.log.stopped(base) else live
+        for _, p in interleave(timed, cfg.repeats):
+            if not self.log.runs(p):  # out of memory in an earlier repeat
+                continue
+            got = self._measure(p, "time", timed_repeat, p.batches or self.speed_batches, self.bar)
+            if got is None:
+                continue
+            ms, losses = got
+            p.step_samples.append(sum(ms) / len(ms))
+            if p is self.floor:
+                continue
+            if not self.log.stopped(p) and (why := nonfinite(p.name, losses, "during the timed steps")):
+                self.log.stop(p, "time", why)
+            # The peak probe rides along with every repeat, so load drift hits it like the steps.
+            p.probe_ms += probe_ms(self.dev, p.precision.dtype, p.probe_size, _PROBE_REPS)
+        last = self.log.last(base, "stopped")
+        for p in self.measured:
+            if last and self.log.stopped(p) != last.why:
+                self.log.stop(p, last.step, last.why)
+            if self.log.runs(p) and not self.log.stopped(p):
                 p.speed = Speed(summarize(p.step_samples),
-                                summarize(tokens_per_step / (ms / 1e3) for ms in p.step_samples), p.step_samples,
-                                cfg.timed_steps)
-                if cfg.accuracy_steps:
-                    p.accuracy = _unless_oom(p, plans, budget, cfg, seq_len, _accuracy_run, adapter, p.precision,
-                                             start, splits, cfg, bar, p.adapter)
-    finally:
-        convert_for(base.precision, adapter.model).load_state_dict(start)
-        adapter.model.train(was_training)
-    eager = {p.name: p for p in plans if p.mode == "eager" and p.ran}
-    records = [make_record(p, base, flops, dev, cfg.thresholds, eager.get(p.name)) for p in plans]
-    overhead = None
-    if records[0].speed is not None:
-        floor_ms = summarize(floor.step_samples)
-        overhead = {"floor_step_ms": floor_ms.to_dict(), "floor_shape": list(floor.batches[0]["input_ids"].shape),
-                    **launch_bound(records[0].speed.step_ms.median, floor_ms.median, records[0].mfu["mfu"],
-                                   cfg.batch_size, cfg.thresholds)}
-    verdicts = [c for p, r in zip(plans, records)
-                for c in record_checks(r, records[0], p.skip_reason, cfg.thresholds, cfg.accuracy_steps, overhead,
-                                     cpu_load())]
-    config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], splits.describe(),
-                      settings=replace(cfg, seq_len=seq_len), tokens_per_step=tokens_per_step, fit=sizing,
-                      lora=describe_lora(adapter.model))
-    metadata = {**run_metadata(dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
-    result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead)
-    if cfg.loggers:
-        log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
-                          {"amp_benchmark": result.table, "verdicts": result.verdicts},
-                          {**config.to_dict(), **metadata})
-    return result
+                                summarize(self.tokens_per_step / (ms / 1e3) for ms in p.step_samples),
+                                p.step_samples, cfg.timed_steps)
+
+    def accuracy(self) -> None:
+        """Step "accuracy": each plan still running trains `accuracy_steps` applied updates from the shared start,
+        then validates (measurements._accuracy_run)."""
+        for p in self.measured if self.cfg.accuracy_steps else ():
+            if self.log.runs(p) and not self.log.stopped(p):
+                p.accuracy = self._measure(p, "accuracy", _accuracy_run, self.splits, self.bar)
+
+    def _measure(self, p: Plan, step: Step, fn, data, *extra):
+        """fn(adapter, precision, start, data, cfg, *extra, the adapter p's steps call), with activation
+        checkpointing for a checkpointing plan. A CUDA out-of-memory instead skips `p` at `step` with the size
+        and the free memory (every plan, when `p` is the baseline: nothing to compare with) and gives None, its
+        memory released."""
+        with memory_context(p.adapter.model, p.checkpointing):
+            got, error = without_oom(fn, self.adapter, p.precision, self.start, data, self.cfg, *extra, p.adapter)
+        if error is None:
+            return got
+        why = f"{out_of_memory_note(p.adapter.device, None, self.cfg.batch_size, self.seq_len, self.budget)} " \
+              f"({error[:120]})"
+        self.log.skip(p, step, why)
+        if p is self.base:
+            for other in self.plans[1:]:
+                self.log.skip(other, step, f"{p.name}, the baseline, {why}")
+        return None
+
+    def record(self) -> BenchmarkResult:
+        """Step "record": each plan's record, derived from its measurements and the log; the overhead (the floor
+        step against fp32's); the verdict rows; the result, logged to the experiment loggers asked."""
+        cfg, base, adapter = self.cfg, self.base, self.adapter
+        eager = {p.name: p for p in self.plans if p.mode == "eager" and self.log.runs(p)}
+        records = [make_record(p, base, self.flops, self.dev, cfg.thresholds, eager.get(p.name), ran=self.log.runs(p),
+                               stopped=self.log.stopped(p)) for p in self.plans]
+        overhead = None
+        if records[0].speed is not None:
+            floor_ms = summarize(self.floor.step_samples)
+            overhead = {"floor_step_ms": floor_ms.to_dict(),
+                        "floor_shape": list(self.floor.batches[0]["input_ids"].shape),
+                        **launch_bound(records[0].speed.step_ms.median, floor_ms.median, records[0].mfu["mfu"],
+                                       cfg.batch_size, cfg.thresholds)}
+        verdicts = [c for p, r in zip(self.plans, records)
+                    for c in record_checks(r, records[0], self.log.skip_reason(p), cfg.thresholds, cfg.accuracy_steps,
+                                           overhead, cpu_load())]
+        config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], self.splits.describe(),
+                          settings=replace(cfg, seq_len=self.seq_len), tokens_per_step=self.tokens_per_step,
+                          fit=self.sizing, lora=describe_lora(adapter.model))
+        metadata = {**run_metadata(self.dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                    "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
+        result = BenchmarkResult(config, metadata, self.flops, records, verdicts, overhead, self.log.outcomes)
+        if cfg.loggers:
+            log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
+                              {"amp_benchmark": result.table, "verdicts": result.verdicts},
+                              {**config.to_dict(), **metadata})
+        return result
 
 
 def interleave(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
-
-
-def _plan(name: str, mode: Mode, dev: torch.device, force: bool, adapter) -> Plan:
-    prec = resolve_precision(name, dev, warn=False)
-    if prec.native or force:
-        return Plan(name, mode, prec, adapter, forced=not prec.native)
-    why = f"not native: {prec.native_support(dev)[1]}; force=True (CLI --force) runs it anyway"
-    return Plan(name, mode, prec, adapter, ran=False, skip_reason=why)
-
-
-def _fit_batch(adapter, plans: list[Plan], cfg: BenchConfig, seq_len: int,
-               budget) -> tuple[BenchConfig, BatchFit]:
-    """The batch every compared precision fits here, by the fit planner (predicted): the one asked, or the
-    largest all of them fit. A precision that fits not even batch 1 is SKIPped with the reason; all of them
-    are when fp32, the baseline, does not fit."""
-    names = list(dict.fromkeys(p.name for p in plans if p.ran))
-    room = device_room(budget)
-    configs = {c.precision: c for c in plan(adapter, names, seq_len)[0]}
-    largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
-    for p in plans:
-        if p.ran and largest[p.name] < 1:
-            p.ran, p.skip_reason = False, (f"does not fit here: a training step at batch 1, T={seq_len} predicted "
-                                           f"{gib(configs[p.name].step_bytes(1, seq_len))}, {gib(room)} usable "
-                                           f"({budget.describe()})")
-    if not plans[0].ran and plans[0].name in largest:
-        _best_fitting_baseline(plans)
-    fitting = [largest[p.name] for p in plans if p.ran]
-    batch = min([cfg.batch_size, *fitting])
-    if batch == cfg.batch_size:
-        return cfg, BatchFit(cfg.batch_size, largest, room, budget, None)
-    reason = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, the largest all "
-              "of them fit (predicted: " + ", ".join(f"{n} {b}" for n, b in largest.items())
-              + f"; {budget.describe()})")
-    return replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget, reason)
-
-
-def _best_fitting_baseline(plans: list[Plan]) -> None:
-    """fp32 does not fit here: the first mode in the order asked that fits (the closest to fp32: mixed modes,
-    fp32 master weights, come before the true ones) becomes the baseline, moved to the front, and fp32's row
-    says so. When none fits, none runs."""
-    fp32 = plans[0]
-    fitting = [p for p in plans[1:] if p.ran]
-    if not fitting:
-        return
-    base = fitting[0]
-    plans.remove(base)
-    plans.insert(0, base)
-    fp32.skip_reason += f"; the modes that fit are compared with {base.name}, the best-fitting baseline"
-
-
-def _unless_oom(p: Plan, plans: list[Plan], budget, cfg: BenchConfig, seq_len: int, fn, *args):
-    """fn(*args), with activation checkpointing for a checkpointing plan; a CUDA out-of-memory instead SKIPs plan
-    `p` with the size and the free memory (every plan, when `p` is fp32's: no baseline) and returns None, its
-    memory released."""
-    with memory_context(p.adapter.model, p.checkpointing):
-        got, error = without_oom(fn, *args)
-    if error is None:
-        return got
-    why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, seq_len, budget)} ({error[:120]})"
-    p.ran, p.skip_reason = False, why
-    if p is plans[0]:
-        for other in plans[1:]:
-            other.ran, other.skip_reason = False, f"{p.name}, the baseline, {why}"
-    return None
-
-
-def _nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
-    """The reason to stop a precision whose loss (a scalar, or the losses of a run) is NaN/inf; else None."""
-    loss = loss.detach().reshape(-1)
-    bad = loss[~torch.isfinite(loss)]
-    return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
-
-
-def _compile_plan(p: Plan, adapter, batch: dict, mode: str, eager_too: bool, progress: bool) -> None:
-    """Compile for this precision (its warm-up under its autocast is timed as compile_s). If it can't
-    compile, the plan is dropped when its eager twin is measured anyway, else it runs eager."""
-    convert_for(p.precision, adapter.model)  # compiled for the weight dtype it will run with
-    p.adapter, info = compile_for_training(adapter, p.precision, batch, mode, progress)
-    p.compile = info
-    if info.compiled:
-        return
-    if eager_too:
-        p.ran, p.skip_reason = False, "could not compile: see this precision's eager rows"
-    else:
-        p.mode = "eager"
-
-
-def _batches(dataset, n: int, cfg: BenchConfig, device):
-    """The same `n` batches, in the same order, for every call; cycles a small dataset; on `device`."""
-    loader = make_loader(dataset, cfg.batch_size, shuffle=True, seed=cfg.seed, drop_last=True, device=device)
-    produced = 0
-    while produced < n:
-        for batch in loader:
-            yield to_device(batch, device)
-            produced += 1
-            if produced == n:
-                return
-
-
-def _fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, track_scale: bool = True,
-                step_adapter=None, count_rounding: bool = False) -> TrainStep:
-    """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
-    `step_adapter` (compiled) if given."""
-    # The last run's gradients (and, should a reference cycle keep it, its optimizer state) go before this run
-    # allocates its own, so the two are never held side by side.
-    adapter.model.zero_grad(set_to_none=True)
-    gc.collect()
-    convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
-    torch.manual_seed(cfg.seed)  # same dropout masks in every run
-    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)
-    sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
-    return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
-                     count_rounding=count_rounding)
-
-
-def _measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapter=None) -> tuple[dict, torch.Tensor]:
-    """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks;
-    and that step's loss."""
-    dev = adapter.device
-    step = _fresh_step(adapter, prec, start, cfg, step_adapter=step_adapter)
-    step([batches[0]])
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-    # Checkpointing keeps each block's inputs outside autograd's saved tensors: counted too.
-    with SavedTensorMeter(adapter.model) as meter, kept_inputs(adapter.model, meter) if checkpointing_on(
-            adapter.model) else contextlib.nullcontext():
-        loss = step([batches[1 % len(batches)]]).loss
-    mem = static_memory(adapter.model, step.optimizer)
-    mem["activation_bytes"] = meter.bytes
-    mem["total_bytes"] = sum(mem.values())
-    mem["steps_measured"] = 1  # saved-tensor accounting is an exact count, not a sample
-    mem["weights_dtype"] = dtype_name(adapter.weights_dtype)  # what this precision's steps held the weights in
-    mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
-    if cuda:
-        torch.cuda.synchronize(dev)
-        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
-        mem["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
-    return mem, loss
-
-
-def timed_repeat(adapter, prec, start, batches, cfg: BenchConfig, bar,
-                 step_adapter=None) -> tuple[list[float], torch.Tensor]:
-    """One repeat: fresh optimizer, `cfg.untimed_steps` steps untimed, then each optimizer step timed.
-    Returns the timed steps' milliseconds and every step's loss, read after the timing.
-
-    No scheduler here, so fp16 needs no skip decision: reading the loss scale (two host syncs per
-    step that fp32/bf16 don't have) stays out of the timed region.
-    """
-    step = _fresh_step(adapter, prec, start, cfg, track_scale=False, step_adapter=step_adapter)
-    losses = []
-    for batch in batches[:cfg.untimed_steps]:
-        losses.append(step([batch]).loss)
-        bar.update()
-    timer = StepTimer(adapter.device)
-    for batch in batches[cfg.untimed_steps:]:
-        with timer.region():
-            losses.append(step([batch]).loss)
-        bar.update()
-    return timer.milliseconds(), torch.stack(losses)
-
-
-def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adapter=None) -> dict:
-    """Train `cfg.accuracy_steps` applied updates from the shared start, then validate (eager) in the same
-    precision.
-
-    An fp16 step whose gradients overflowed changes no weight: it is retried on the same batch from the
-    same random state, so update k of every precision sees batch k and the curves compare applied
-    updates. Skipped steps are counted and the loss scale of every attempt is traced. Each applied update is
-    also compared with the weights before it: the share of non-zero AdamW updates the stored dtype rounded away.
-    """
-    step = _fresh_step(adapter, prec, start, cfg, total_steps=cfg.accuracy_steps, step_adapter=step_adapter,
-                       count_rounding=True)
-    curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
-    rounded = updated = 0
-    for i, batch in enumerate(_batches(splits.train, cfg.accuracy_steps, cfg, adapter.device)):
-        while True:
-            rng = rng_state() if prec.needs_scaler else None
-            out = step([batch])
-            attempts += 1
-            if out.skipped is not None:
-                scales.append(out.scale_before)
-            if not out.skipped or out.scale_collapsed:
-                break
-            skipped += 1
-            set_rng_state(rng)  # the retry draws the same dropout masks
-        bar.update()
-        if out.rounding is not None:
-            rounded, updated = rounded + out.rounding[0], updated + out.rounding[1]
-        # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
-        if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
-            diverged_at = attempts - 1
-            skipped += bool(out.skipped)
-            why = "fp16 loss scale fell below 1" if out.scale_collapsed else f"loss became {out.loss.item()}"
-            if out.skipped is None:
-                curve.append(out.loss.item())
-            bar.update(cfg.accuracy_steps - i - 1)
-            break
-        curve.append(out.loss.item())  # not timed: a sync per step is fine here
-    val = evaluate(adapter, make_loader(splits.val, cfg.batch_size, shuffle=False, device=adapter.device), prec,
-                   cfg.eval_batches)
-    return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
-            "val_accuracy": val["accuracy"], "val_targets": val["targets"], "diverged_at": diverged_at,
-            "diverged_reason": why, "loss_scale": scales if prec.needs_scaler else None,
-            "skipped_steps": skipped if prec.needs_scaler else None,
-            "rounded_away_share": float(rounded / updated) if torch.is_tensor(updated) and updated else None,
-            "updates_counted": int(updated)}

@@ -37,14 +37,7 @@ def plot_benchmark(result) -> Figure:
     ax_speed.set(title=f"throughput, median and IQR of n={cfg.repeats} repeats", ylabel="tokens / s",
                  xlabel="precision")
 
-    bottom = [0.0] * len(ran)
-    for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
-                       ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
-        heights = [r.memory[key] / MIB for r in ran]
-        ax_mem.bar(ticks, heights, bottom=bottom, label=label)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    ax_mem.set(title="memory of one training step (saved-tensor accounting)", ylabel="MiB", xlabel="precision")
-    ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
+    _memory_panel(ax_mem, ticks, ran)
 
     for name, r in curves:
         curve = r.accuracy["loss_curve"]
@@ -57,17 +50,33 @@ def plot_benchmark(result) -> Figure:
         ax_loss.text(0.5, 0.5, "no accuracy run (accuracy_steps=0)", ha="center", va="center",
                      transform=ax_loss.transAxes)
 
-    for name, r in scaled:
-        trace, skipped = r.accuracy["loss_scale"], r.accuracy["skipped_steps"]
-        axes[3].plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
     if scaled:
-        axes[3].set(title="GradScaler loss scale", ylabel="loss scale",
-                    xlabel="attempted step (a skipped one is retried)")
-        power_of_two_axis(axes[3], [v for _, r in scaled for v in r.accuracy["loss_scale"]])
-        axes[3].legend()
+        _loss_scale_panel(axes[3], scaled)
     for ax in axes[2:]:
         integer_axis(ax.xaxis)
     caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
                  f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
                  f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads")
     return fig
+
+
+def _memory_panel(ax, ticks: list[str], ran: list) -> None:
+    """One training step's memory per precision, stacked: weights, gradients, optimizer state, activations."""
+    bottom = [0.0] * len(ran)
+    for key, label in (("weights_bytes", "weights"), ("grads_bytes", "gradients"),
+                       ("optimizer_state_bytes", "optimizer state"), ("activation_bytes", "activations")):
+        heights = [r.memory[key] / MIB for r in ran]
+        ax.bar(ticks, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set(title="memory of one training step (saved-tensor accounting)", ylabel="MiB", xlabel="precision")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))  # beside the bars, never over them
+
+
+def _loss_scale_panel(ax, scaled: list[tuple[str, object]]) -> None:
+    """fp16's GradScaler loss scale at every attempted step, one line per (name, record) with a trace."""
+    for name, r in scaled:
+        trace, skipped = r.accuracy["loss_scale"], r.accuracy["skipped_steps"]
+        ax.plot(range(1, len(trace) + 1), trace, label=f"{name} ({skipped} skipped)")
+    ax.set(title="GradScaler loss scale", ylabel="loss scale", xlabel="attempted step (a skipped one is retried)")
+    power_of_two_axis(ax, [v for _, r in scaled for v in r.accuracy["loss_scale"]])
+    ax.legend()

@@ -1,9 +1,10 @@
 """The AMP benchmark's records: per precision x mode the `Plan` a run fills in and the `PrecisionRecord`
 it becomes (one entry of the JSON's "precisions", one row of `.table`) with its `Speed`; per run the
-`BenchRun` (the JSON's "config") with its `BatchFit`."""
+`BenchRun` (the JSON's "config") with its `BatchFit`, and its `OutcomeLog` of `Outcome`s (the result's `outcomes`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 from ..core.budget import Budget
 from ..core.measure import Stats, probe_summary
@@ -67,20 +68,73 @@ class BenchRun:
                 "lora_detail": self.lora}
 
 
-@dataclass
+# The steps of a benchmark run (amp.py's BenchmarkRun, a method each) that can skip or stop a plan, in order.
+Step = Literal["plan", "fit", "compile", "flops", "memory", "time", "accuracy"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One entry of a benchmark run's log: at `step`, precision x mode was skipped (it runs no further step; the
+    last skip's reason is its SKIP rows' detail) or stopped (a non-finite loss: no verdict but that), and why."""
+
+    precision: str
+    mode: Mode
+    step: Step
+    status: Literal["skipped", "stopped"]
+    why: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class OutcomeLog:
+    """A benchmark run's outcomes, append-only: `skip` and `stop` add one, nothing edits one. A plan runs until
+    it is skipped; its skip reason is its last skip's, its stop reason its last stop's."""
+
+    def __init__(self):
+        self._outcomes: list[Outcome] = []
+
+    @property
+    def outcomes(self) -> tuple[Outcome, ...]:
+        return tuple(self._outcomes)
+
+    def skip(self, p: Plan, step: Step, why: str) -> None:
+        self._add(Outcome(p.name, p.mode, step, "skipped", why))
+
+    def stop(self, p: Plan, step: Step, why: str) -> None:
+        self._add(Outcome(p.name, p.mode, step, "stopped", why))
+
+    def _add(self, outcome: Outcome) -> None:
+        self._outcomes.append(outcome)  # the one place the log grows
+
+    def last(self, p: Plan, status: str) -> Outcome | None:
+        return next((o for o in reversed(self._outcomes)
+                     if o.status == status and o.precision == p.name and o.mode == p.mode), None)
+
+    def runs(self, p: Plan) -> bool:
+        return self.last(p, "skipped") is None
+
+    def skip_reason(self, p: Plan) -> str | None:
+        last = self.last(p, "skipped")
+        return last and last.why
+
+    def stopped(self, p: Plan) -> str | None:
+        last = self.last(p, "stopped")
+        return last and last.why
+
+
+@dataclass(eq=False)  # a plan is itself: two are never equal by value
 class Plan:
-    """One precision x mode: how it runs, then what it measured, raw."""
+    """One precision x mode: how it runs, then what it measured, raw. Whether it still runs, and why not, is
+    in the run's log of `Outcome`s, not here."""
 
     name: str
     mode: Mode
     precision: Precision
     adapter: object  # what the steps call: the compiled model where compiling worked
-    ran: bool = True
     forced: bool = False
-    skip_reason: str | None = None  # why it did not run: the detail of its SKIP rows
     compile: CompileInfo | None = None  # once compiled (or the reason it could not be)
     batches: list | None = None  # its own speed batches (the floor step's); None: the shared ones
-    stopped: str | None = None  # why a non-finite loss stopped it
     memory: dict | None = None
     probe_size: int | None = None
     probe_ms: list = field(default_factory=list)
@@ -149,14 +203,15 @@ class PrecisionRecord:
         }
 
 
-def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Plan | None = None) -> PrecisionRecord:
+def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Plan | None = None, *,
+                ran: bool = True, stopped: str | None = None) -> PrecisionRecord:
     """`p`'s record: measurements, comparisons with the baseline `base` (fp32 in the first mode) and,
-    compiled, with the same precision `eager`; metadata."""
+    compiled, with the same precision `eager`; metadata. `ran`, `stopped`: what the run's log says of `p`."""
     prec = p.precision
-    rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, p.ran, p.forced,
-                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=p.stopped,
+    rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, ran, p.forced,
+                          prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=stopped,
                           weights=prec.describe_weights(p.adapter.stored_dtype), checkpointing=p.checkpointing)
-    if not p.ran or p.stopped:
+    if not ran or stopped:
         return rec
     step_ms = p.speed.step_ms
     vs_eager = p.mode != "eager" and eager is not None and eager.speed is not None

@@ -15,8 +15,8 @@ import torch
 
 from ..core.budget import without_oom
 from ..core.precision import resolve_precision
-from .amp import FLOOR_TOKENS, timed_repeat
 from .config import BenchConfig, Thresholds
+from .measurements import FLOOR_TOKENS, timed_repeat
 from .verdicts import TARGET_FIXED_SHARE, launch_bound
 
 MAX_DOUBLINGS = 10  # 8 -> 8192 sequences: past that, a model is no longer "tiny at this size"

@@ -1,0 +1,151 @@
+"""The AMP benchmark's measurements of one precision's training step, each from the shared fp32 start with a
+fresh optimizer: its memory, a timed repeat, the accuracy run; the same batches for every precision, and the
+reason a non-finite loss stops one. amp.py's `BenchmarkRun` calls them in its steps."""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from ..core.measure import SavedTensorMeter, StepTimer, static_memory
+from ..core.precision import dtype_name
+from ..core.seeding import rng_state, set_rng_state
+from ..data.datasets import make_loader, to_device
+from ..engine.evaluation import evaluate
+from ..engine.lora import convert_for
+from ..engine.memory import checkpointing_on, kept_inputs
+from ..engine.step import TrainStep, make_optimizer, make_scheduler
+from .config import BenchConfig
+
+FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
+
+
+def nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
+    """The reason to stop a precision whose loss (a scalar, or the losses of a run) is NaN/inf; else None."""
+    loss = loss.detach().reshape(-1)
+    bad = loss[~torch.isfinite(loss)]
+    return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
+
+
+def same_batches(dataset, n: int, cfg: BenchConfig, device):
+    """The same `n` batches, in the same order, for every call; cycles a small dataset; on `device`."""
+    loader = make_loader(dataset, cfg.batch_size, shuffle=True, seed=cfg.seed, drop_last=True, device=device)
+    produced = 0
+    while produced < n:
+        for batch in loader:
+            yield to_device(batch, device)
+            produced += 1
+            if produced == n:
+                return
+
+
+def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, track_scale: bool = True,
+                step_adapter=None, count_rounding: bool = False) -> TrainStep:
+    """The fp32 start weights loaded into the eager model, held in the precision's weight dtype; the step calls
+    `step_adapter` (compiled) if given."""
+    # The last run's gradients (and, should a reference cycle keep it, its optimizer state) go before this run
+    # allocates its own, so the two are never held side by side.
+    adapter.model.zero_grad(set_to_none=True)
+    gc.collect()
+    convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
+    torch.manual_seed(cfg.seed)  # same dropout masks in every run
+    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)
+    sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
+    return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
+                     count_rounding=count_rounding)
+
+
+def measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapter=None) -> tuple[dict, torch.Tensor]:
+    """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks;
+    and that step's loss."""
+    dev = adapter.device
+    step = fresh_step(adapter, prec, start, cfg, step_adapter=step_adapter)
+    step([batches[0]])
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    # Checkpointing keeps each block's inputs outside autograd's saved tensors: counted too.
+    with SavedTensorMeter(adapter.model) as meter, kept_inputs(adapter.model, meter) if checkpointing_on(
+            adapter.model) else contextlib.nullcontext():
+        loss = step([batches[1 % len(batches)]]).loss
+    mem = static_memory(adapter.model, step.optimizer)
+    mem["activation_bytes"] = meter.bytes
+    mem["total_bytes"] = sum(mem.values())
+    mem["steps_measured"] = 1  # saved-tensor accounting is an exact count, not a sample
+    mem["weights_dtype"] = dtype_name(adapter.weights_dtype)  # what this precision's steps held the weights in
+    mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
+    if cuda:
+        torch.cuda.synchronize(dev)
+        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        mem["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+    return mem, loss
+
+
+def timed_repeat(adapter, prec, start, batches, cfg: BenchConfig, bar,
+                 step_adapter=None) -> tuple[list[float], torch.Tensor]:
+    """One repeat: fresh optimizer, `cfg.untimed_steps` steps untimed, then each optimizer step timed.
+    Returns the timed steps' milliseconds and every step's loss, read after the timing.
+
+    No scheduler here, so fp16 needs no skip decision: reading the loss scale (two host syncs per
+    step that fp32/bf16 don't have) stays out of the timed region.
+    """
+    step = fresh_step(adapter, prec, start, cfg, track_scale=False, step_adapter=step_adapter)
+    losses = []
+    for batch in batches[:cfg.untimed_steps]:
+        losses.append(step([batch]).loss)
+        bar.update()
+    timer = StepTimer(adapter.device)
+    for batch in batches[cfg.untimed_steps:]:
+        with timer.region():
+            losses.append(step([batch]).loss)
+        bar.update()
+    return timer.milliseconds(), torch.stack(losses)
+
+
+def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adapter=None) -> dict:
+    """Train `cfg.accuracy_steps` applied updates from the shared start, then validate (eager) in the same
+    precision.
+
+    An fp16 step whose gradients overflowed changes no weight: it is retried on the same batch from the
+    same random state, so update k of every precision sees batch k and the curves compare applied
+    updates. Skipped steps are counted and the loss scale of every attempt is traced. Each applied update is
+    also compared with the weights before it: the share of non-zero AdamW updates the stored dtype rounded away.
+    """
+    step = fresh_step(adapter, prec, start, cfg, total_steps=cfg.accuracy_steps, step_adapter=step_adapter,
+                       count_rounding=True)
+    curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
+    rounded = updated = 0
+    for i, batch in enumerate(same_batches(splits.train, cfg.accuracy_steps, cfg, adapter.device)):
+        while True:
+            rng = rng_state() if prec.needs_scaler else None
+            out = step([batch])
+            attempts += 1
+            if out.skipped is not None:
+                scales.append(out.scale_before)
+            if not out.skipped or out.scale_collapsed:
+                break
+            skipped += 1
+            set_rng_state(rng)  # the retry draws the same dropout masks
+        bar.update()
+        if out.rounding is not None:
+            rounded, updated = rounded + out.rounding[0], updated + out.rounding[1]
+        # No scaler to absorb a non-finite loss, or fp16's scale collapsed (train()'s rule): the run is over.
+        if (out.skipped is None and not torch.isfinite(out.loss)) or out.scale_collapsed:
+            diverged_at = attempts - 1
+            skipped += bool(out.skipped)
+            why = "fp16 loss scale fell below 1" if out.scale_collapsed else f"loss became {out.loss.item()}"
+            if out.skipped is None:
+                curve.append(out.loss.item())
+            bar.update(cfg.accuracy_steps - i - 1)
+            break
+        curve.append(out.loss.item())  # not timed: a sync per step is fine here
+    val = evaluate(adapter, make_loader(splits.val, cfg.batch_size, shuffle=False, device=adapter.device), prec,
+                   cfg.eval_batches)
+    return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
+            "val_accuracy": val["accuracy"], "val_targets": val["targets"], "diverged_at": diverged_at,
+            "diverged_reason": why, "loss_scale": scales if prec.needs_scaler else None,
+            "skipped_steps": skipped if prec.needs_scaler else None,
+            "rounded_away_share": float(rounded / updated) if torch.is_tensor(updated) and updated else None,
+            "updates_counted": int(updated)}

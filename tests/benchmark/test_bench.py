@@ -229,7 +229,10 @@ def test_benchmark_leaves_the_callers_rng_and_model_mode_alone():
 def test_json_schema_exact_keys(forced_fp16):
     doc = forced_fp16.to_json()
     json.dumps(doc, allow_nan=False)
-    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts"}
+    assert set(doc) == {"schema", "status", "config", "metadata", "flops", "overhead", "precisions", "verdicts",
+                         "outcomes"}
+    assert doc["outcomes"] == [{"precision": o.precision, "mode": o.mode, "step": o.step, "status": o.status,
+                                "why": o.why} for o in forced_fp16.outcomes]
     assert doc["schema"] == "tier_utils.bench/1"
     assert set(doc["config"]) == {"model", "task", "parameters", "data", "source", "tokenizer", "validation",
                                   "train_examples", "val_examples", "precisions", "batch_size", "seq_len",

@@ -74,7 +74,7 @@ class BenchmarkResult(Result):
     def to_json(self) -> dict:
         return jsonable({"schema": SCHEMA, "status": self.status, "config": self.config, "metadata": self.metadata,
                          "flops": self.flops, "overhead": self.overhead, "precisions": self.records,
-                         "verdicts": self.verdicts})
+                         "verdicts": self.verdicts, "outcomes": self.outcomes})
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts

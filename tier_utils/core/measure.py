@@ -228,3 +228,41 @@ class Load:
 
 def cpu_load() -> Load:
     return Load(load_average(), usable_cores())
+
+
+class PeakRSS:
+    """This process's peak resident memory over a region, less its resident memory as the region starts (Linux).
+
+    with PeakRSS() as rss: ...   # rss.increase: bytes, or None where /proc has no such figures
+    Freed memory the allocator keeps is given back first (glibc's malloc_trim) and the kernel's high-water mark is
+    reset (/proc/self/clear_refs), so a region's peak is its own, not an earlier region's in the same process.
+    """
+
+    def __init__(self):
+        self.increase: int | None = None
+        self.how = "peak RSS increase over the run (VmHWM less VmRSS at its start, /proc/self)"
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith(key + ":"))
+        return int(line.split()[1]) * 1024  # kB
+
+    def __enter__(self) -> PeakRSS:
+        import ctypes
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self._start = self._status("VmRSS")
+        except (OSError, StopIteration):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._start is not None:
+            self.increase = self._status("VmHWM") - self._start

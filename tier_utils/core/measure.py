@@ -99,7 +99,11 @@ class SavedTensorMeter:
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in (() if model is None else model.parameters())}
+        params = list(() if model is None else model.parameters())
+        # An FSDP-sharded model's weights are DTensors: its own shards are its parameters here, and so are the
+        # whole weights it gathers for a block while that block runs (read as each tensor is saved).
+        self._sharded = model if any(hasattr(p, "to_local") for p in params) else None
+        self._param_storages = {_storage_ptr(p.to_local() if hasattr(p, "to_local") else p) for p in params}
         self._seen: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
 
@@ -108,9 +112,14 @@ class SavedTensorMeter:
         if tensor.layout == torch.strided and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._param_storages and ptr not in self._seen:
+            if ptr not in self._param_storages and ptr not in self._seen and not self._gathered(ptr):
                 self._seen[ptr] = storage.nbytes()
         return tensor
+
+    def _gathered(self, ptr: int) -> bool:
+        """Whether `ptr` is a weight FSDP gathered for the block now running (a parameter, not an activation)."""
+        return self._sharded is not None and ptr in {_storage_ptr(p) for p in self._sharded.parameters()
+                                                     if not hasattr(p, "to_local")}
 
     @property
     def bytes(self) -> int:
@@ -127,6 +136,10 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:

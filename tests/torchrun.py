@@ -62,12 +62,19 @@ if kill_at:
 """
 
 # `worker.py VERB ... --next VERB ...`: the commands one after the other in the same ranks (one launch, one import
-# of torch), exiting with the highest code.
+# of torch), exiting with the highest code. The ranks' process group is then the worker's, so it outlives each
+# command (a tier closes only a group it started, and gloo can't be joined again in the same process).
 _COMMANDS = """
 commands = [[]]
 for word in sys.argv[1:]:
     commands.append([]) if word == "--next" else commands[-1].append(word)
-sys.exit(max([cli.main(command) for command in commands]))
+if len(commands) > 1:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+codes = [cli.main(command) for command in commands]
+if len(commands) > 1:
+    dist.destroy_process_group()
+sys.exit(max(codes))
 """
 
 

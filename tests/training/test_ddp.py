@@ -78,7 +78,7 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     part = tmp_path / "part"
     worker = tmp_path / "worker.py"
     worker.write_text(worker_script(rank0_writes_only=True))
-    killed = torchrun([str(worker), *_train_args(part, text)], {"KILL_AT": "4"})
+    killed = torchrun([str(worker), *_train_args(part, text)], env_extra={"KILL_AT": "4"})
     assert killed.returncode != 0
     assert load_checkpoint(part / "checkpoints" / "last.pt")["step"] == 2
     resumed = torchrun([str(worker), *_train_args(part, text, "--resume")])

@@ -152,7 +152,7 @@ def _benchmark(model, model_kwargs: dict, data, cfg: BenchConfig, strategies, en
                 else:
                     runs.append((strategy, name, mode))
     measured = {run: {"ms": [], "peak_bytes": 0} for run in runs}
-    memory = PeakRSS().how if dev.type != "cuda" else CUDA_PEAK
+    memory = PeakRSS.HOW if dev.type != "cuda" else CUDA_PEAK
     if runs:  # one step of the first run, not measured: the process's first-time costs (lazy imports, the
         # allocator's growth) would otherwise land on the first run's memory and time alone
         _measure({"ms": [], "peak_bytes": 0}, runs[0], model, model_kwargs, data, replace(

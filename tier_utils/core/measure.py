@@ -251,9 +251,10 @@ class PeakRSS:
     reset (/proc/self/clear_refs), so a region's peak is its own, not an earlier region's in the same process.
     """
 
+    HOW = "peak RSS increase over the run (VmHWM less VmRSS at its start, /proc/self)"
+
     def __init__(self):
         self.increase: int | None = None
-        self.how = "peak RSS increase over the run (VmHWM less VmRSS at its start, /proc/self)"
 
     @staticmethod
     def _status(key: str) -> int:

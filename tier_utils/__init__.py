@@ -4,6 +4,7 @@ from .adapter.adapter import ModelAdapter, adapt
 from .analysis import AnalysisConfig, AnalysisReport, analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.config import BenchConfig, Thresholds
+from .benchmark.strategies import StrategyBenchResult, strategy_benchmark
 from .core.errors import (
     AdapterError,
     CheckpointError,
@@ -58,7 +59,8 @@ __all__ = [
     "Check", "SmokeConfig", "SmokeReport", "smoke", "AnalysisConfig", "AnalysisReport", "analyze",
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
-    "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "SearchConfig", "SearchResult", "search",
+    "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "StrategyBenchResult", "strategy_benchmark",
+    "SearchConfig", "SearchResult", "search",
     "FitConfig", "FitResult", "fit", "LoraSettings", "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
     # export, experiment loggers
     "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",

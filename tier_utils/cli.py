@@ -17,6 +17,7 @@ from pathlib import Path
 from .analysis import AnalysisConfig, analyze
 from .benchmark.amp import amp_benchmark
 from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
+from .benchmark.strategies import strategy_benchmark
 from .colab import point_at
 from .core.errors import TierError, TrainingDiverged, one_line
 from .core.files import jsonable, write_json
@@ -55,6 +56,9 @@ def _run_info(args) -> tuple[dict, int]:
 
 def _run_smoke(args) -> tuple[dict, int]:
     report = smoke(args.model, settings_from(args, SmokeConfig), model_kwargs=model_kwargs(args))
+    if report.rank != 0:  # sharded under torchrun: rank 0's report holds every rank's rows
+        args.json = None
+        return None, 0 if report.passed else 1
     _show(report.table)
     print(report.headline())
     return report.to_json(), 0 if report.passed else 1
@@ -104,6 +108,8 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 def _run_bench(args) -> tuple[dict, int]:
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))  # --device, --no-progress too
+    if config.strategy is not None:
+        return _run_strategy_bench(args, config)
     result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
     m, run, s = result.metadata, result.config, result.config.settings
     print(f"{run.model} · {m['device_name']} · torch {m['torch']} · batch {s.batch_size} x {s.seq_len} tokens · "
@@ -117,6 +123,20 @@ def _run_bench(args) -> tuple[dict, int]:
     _show(result.verdicts)
     print(f"worst status: {result.status}")
     return result.to_json(), 1 if result.status == "FAIL" else 0
+
+
+def _run_strategy_bench(args, config: BenchConfig) -> tuple[dict | None, int]:
+    result = strategy_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
+    if result.rank != 0:  # under torchrun only rank 0 prints and writes
+        args.json = None
+        return None, 0
+    print(result.headline())
+    _show(result.overview())
+    print()
+    _show(result.table[["strategy", "precision", "mode", "rank", "n", "step_ms_median", "step_ms_iqr",
+                        "tokens_per_s_median", "peak_memory_mib", "param_mib", "step_ms_rank_ratio",
+                        "peak_mib_rank_ratio"]])
+    return result.to_json(), 0
 
 
 def _run_search(args) -> tuple[dict, int]:
@@ -225,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
     add_common(p, SmokeConfig)
-    add_settings(p, SmokeConfig, ("batch_sizes", "seq_lens", "checks"))
+    add_settings(p, SmokeConfig, ("batch_sizes", "seq_lens", "checks", "strategy"))
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")

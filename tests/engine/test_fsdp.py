@@ -9,18 +9,16 @@ cores, so the runs are shared by the tests through module fixtures.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import textwrap
 import warnings
 
 import pandas as pd
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torchrun import TWO_BLOCK_ARGS, TWO_BLOCKS, free_port, ok, rank_env, text_file, torchrun, worker_script
 
 from tier_utils import cli, load_model
 from tier_utils.core.errors import CheckpointError, LaunchError
@@ -31,31 +29,9 @@ from tier_utils.models.sharded import check_complete, read_trainer
 from tier_utils.training.loop import train
 
 pytestmark = pytest.mark.slow
-SIZES = dict(d_model=32, n_layer=2, n_head=2, max_len=32)  # two blocks: fully_shard per block, then the root
-SIZE_ARGS = [a for k, v in SIZES.items() for a in ("--model-arg", f"{k}={v}")]
+SIZES, SIZE_ARGS = TWO_BLOCKS, TWO_BLOCK_ARGS
 PER_RANK_BATCH, ACCUM, STEPS = 4, 2, 6  # global batch 4 x 2 ranks x 2 micro-batches = 16
 DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr"]
-
-# KILL_AT=k SIGKILLs each rank as it starts optimizer step k (after the checkpoint of step k-2 is on disk).
-_WORKER = textwrap.dedent("""
-    import os, signal, sys
-    from tier_utils import cli
-
-    kill_at = int(os.environ.get("KILL_AT", 0))
-    if kill_at:
-        from tier_utils.engine.step import TrainStep
-        real_call, calls = TrainStep.__call__, [0]
-
-        def call(self, micro):
-            calls[0] += 1
-            if calls[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real_call(self, micro)
-
-        TrainStep.__call__ = call
-    sys.exit(cli.main(sys.argv[1:]))
-""")
-
 
 def _args(out, data, ranks=2, *extra, sizes=SIZE_ARGS):
     batch = PER_RANK_BATCH * 2 // ranks  # the same global batch on 1 or 2 ranks
@@ -63,18 +39,6 @@ def _args(out, data, ranks=2, *extra, sizes=SIZE_ARGS):
             str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS), "--log-every", "1", "--eval-every", "3",
             "--eval-batches", "2", "--checkpoint-every", "2", "--deterministic", "--no-progress", "--data",
             str(data), "--out", str(out), "--strategy", "fsdp", *extra, *sizes]
-
-
-def _torchrun(target, ranks=2, env_extra=None, launcher=("--standalone",), timeout=240):
-    # The test's own PYTHONPATH (the worktree) reaches every rank, so the ranks import the code under test.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", str(ranks), *target]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def _ok(run):
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 def _weights(folder, tmp_path) -> dict:
@@ -93,16 +57,15 @@ def runs(tmp_path_factory):
     """The uninterrupted 2-rank run (consolidated), a 2-rank and a 1-rank run killed at step 4 (checkpoint at
     step 2), and copies of those checkpoints to resume elsewhere."""
     root = tmp_path_factory.mktemp("fsdp")
-    text = root / "text.txt"
-    text.write_text("".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 4 else "") for i in range(1030)))
+    text = text_file(root / "text.txt")
     worker = root / "worker.py"
-    worker.write_text(_WORKER)
-    whole = _ok(_torchrun(["-m", "tier_utils", *_args(root / "whole", text, 2, "--precision", "fp32", "--consolidate",
+    worker.write_text(worker_script())
+    whole = ok(torchrun(["-m", "tier_utils", *_args(root / "whole", text, 2, "--precision", "fp32", "--consolidate",
                                                        "--json", str(root / "whole.json"))]))
     killed = {}
     for ranks in (2, 1):
         out = root / f"killed{ranks}"
-        run = _torchrun([str(worker), *_args(out, text, ranks, "--precision", "fp32")], ranks, {"KILL_AT": "4"})
+        run = torchrun([str(worker), *_args(out, text, ranks, "--precision", "fp32")], ranks, {"KILL_AT": "4"})
         assert run.returncode != 0
         assert read_trainer(out / "checkpoints" / "last")["step"] == 2
         copy = root / f"from{ranks}"
@@ -144,7 +107,7 @@ def test_fsdp_matches_one_process_halves_parameter_bytes_and_consolidates(runs, 
 
 def test_fsdp_killed_and_resumed_is_bitwise_equal(runs, tmp_path):
     part, _ = runs["killed"][2]
-    _ok(_torchrun([str(runs["worker"]), *_args(part, runs["text"], 2, "--precision", "fp32", "--resume")]))
+    ok(torchrun([str(runs["worker"]), *_args(part, runs["text"], 2, "--precision", "fp32", "--resume")]))
     a, b = read_trainer(runs["whole"] / "checkpoints" / "last"), read_trainer(part / "checkpoints" / "last")
     assert a["step"] == b["step"] == STEPS and b["world_size"] == 2
     wa, wb = _weights(runs["whole"] / "checkpoints" / "last", tmp_path), _weights(part / "checkpoints" / "last",
@@ -158,7 +121,7 @@ def test_fsdp_killed_and_resumed_is_bitwise_equal(runs, tmp_path):
 @pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)])
 def test_fsdp_resumes_on_another_number_of_ranks(runs, saved, resumed):
     _, copy = runs["killed"][saved]
-    _ok(_torchrun([str(runs["worker"]), *_args(copy, runs["text"], resumed, "--precision", "fp32", "--resume")],
+    ok(torchrun([str(runs["worker"]), *_args(copy, runs["text"], resumed, "--precision", "fp32", "--resume")],
                   resumed))
     state = read_trainer(copy / "checkpoints" / "last")
     assert state["step"] == STEPS and state["world_size"] == resumed
@@ -169,7 +132,7 @@ def test_fsdp_resumes_on_another_number_of_ranks(runs, saved, resumed):
 
 def test_bf16_fsdp_names_its_policy_and_a_model_without_blocks_shards_the_root(tmp_path, runs):
     one_block = [a for k, v in {**SIZES, "n_layer": 1}.items() for a in ("--model-arg", f"{k}={v}")]
-    run = _ok(_torchrun(["-m", "tier_utils", *_args(tmp_path / "bf16", runs["text"], 2, "--precision", "bf16",
+    run = ok(torchrun(["-m", "tier_utils", *_args(tmp_path / "bf16", runs["text"], 2, "--precision", "bf16",
                                                     "--json", str(tmp_path / "s.json"), sizes=one_block)]))
     summary = json.loads((tmp_path / "s.json").read_text())
     assert "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)" in summary["sharding"]
@@ -180,11 +143,9 @@ def test_bf16_fsdp_names_its_policy_and_a_model_without_blocks_shards_the_root(t
 
 def test_two_nodes_meet_through_the_rendezvous(tmp_path, runs):
     """2 torchrun "nodes" of 1 process each on localhost: c10d rendezvous, as on two machines."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launcher = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t33"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "GLOO_SOCKET_IFNAME": "lo"}
+    env = rank_env(GLOO_SOCKET_IFNAME="lo")
     # With activation checkpointing too: the recompute gives the same values, block by block under FSDP.
     target = ["-m", "tier_utils", *_args(tmp_path / "nodes", runs["text"], 2, "--precision", "fp32", "--json",
                                          str(tmp_path / "n.json"), "--activation-checkpointing")]
@@ -218,9 +179,7 @@ def test_a_missing_shard_is_named_in_one_line_and_nothing_is_written(runs, tmp_p
     with pytest.raises(CheckpointError, match=r"missing shard __1_0\.distcp \(1 of 2 missing\)"):
         read_trainer(folder)
     # A resume on it, as torchrun's one rank (its environment set here: a gloo group of one, in this process).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)

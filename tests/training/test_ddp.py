@@ -7,16 +7,13 @@ mid-way and resumed ends bitwise equal to an uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pandas as pd
 import pytest
 import torch
 from tiny import TINY_ARGS, tiny
+from torchrun import text_file, torchrun, worker_script
 
 from tier_utils.core.seeding import seed_everything
 from tier_utils.data.datasets import build_datasets
@@ -28,47 +25,12 @@ PER_RANK_BATCH, ACCUM, STEPS = 4, 2, 6  # global batch 4 x 2 ranks x 2 micro-bat
 DETERMINISTIC = ["kind", "step", "epoch", "train_loss", "val_loss", "perplexity", "accuracy", "grad_norm", "lr",
                  "loss_scale", "skipped_steps"]
 
-# Rank != 0 must not write: every write path raises there. KILL_AT=k SIGKILLs each rank as it
-# starts optimizer step k (after the checkpoint of step k-2 is on disk).
-_WORKER = textwrap.dedent("""
-    import os, pathlib, signal, sys
-    import tier_utils.models.checkpoint, tier_utils.core.files, tier_utils.training.history
-    from tier_utils import cli
-
-    if int(os.environ["RANK"]) != 0:
-        def forbidden(*args, **kwargs):
-            raise AssertionError(f"rank {os.environ['RANK']} tried to write a file")
-        for mod in (tier_utils.models.checkpoint, tier_utils.core.files, tier_utils.training.history):
-            mod.atomic_write_bytes = forbidden  # checkpoints, metrics.csv, training.png, --json
-        pathlib.Path.write_bytes = pathlib.Path.write_text = forbidden
-    kill_at = int(os.environ.get("KILL_AT", 0))
-    if kill_at:
-        from tier_utils.engine.step import TrainStep
-        real_call, calls = TrainStep.__call__, [0]
-
-        def call(self, micro):
-            calls[0] += 1
-            if calls[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real_call(self, micro)
-
-        TrainStep.__call__ = call
-    sys.exit(cli.main(sys.argv[1:]))
-""")
-
-
 def _train_args(out, data, *extra):
     args = ["train", "--model", "tiny-gpt", "--precision", "fp32", "--device", "cpu", "--batch-size",
             str(PER_RANK_BATCH), "--grad-accum", str(ACCUM), "--seq-len", "16", "--max-steps", str(STEPS),
             "--log-every", "1", "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "2",
             "--deterministic", "--no-progress", "--data", str(data), "--out", str(out), *extra]
     return args + TINY_ARGS
-
-
-def _torchrun(target: list[str], env_extra=None, timeout=100):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *target]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def test_eval_shards_score_every_example_once():
@@ -82,12 +44,11 @@ def test_eval_shards_score_every_example_once():
 def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_path):
     # About 68 train windows (4 steps an epoch, so 6 steps cross one) and 7 validation windows:
     # an odd count, so a padding sampler would score one twice and miss the single-process loss.
-    text = tmp_path / "text.txt"
-    text.write_text("".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 4 else "") for i in range(1030)))
+    text = text_file(tmp_path / "text.txt")
     assert len(build_datasets(str(text), seq_len=16).val) == 7
     # 1. As users launch it: torchrun -m tier_utils train ...
     whole = tmp_path / "whole"
-    run = _torchrun(["-m", "tier_utils", *_train_args(whole, text, "--json", str(tmp_path / "whole.json"))])
+    run = torchrun(["-m", "tier_utils", *_train_args(whole, text, "--json", str(tmp_path / "whole.json"))])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("trained TinyGPT") == 1  # rank 0 alone prints
     assert sorted(p.name for p in whole.iterdir()) == ["checkpoints", "metrics.csv", "training.png"]
@@ -116,11 +77,11 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     # 3. Killed at step 4 (last checkpoint: step 2), then resumed; rank 1 may write nothing in either.
     part = tmp_path / "part"
     worker = tmp_path / "worker.py"
-    worker.write_text(_WORKER)
-    killed = _torchrun([str(worker), *_train_args(part, text)], {"KILL_AT": "4"})
+    worker.write_text(worker_script(rank0_writes_only=True))
+    killed = torchrun([str(worker), *_train_args(part, text)], env_extra={"KILL_AT": "4"})
     assert killed.returncode != 0
     assert load_checkpoint(part / "checkpoints" / "last.pt")["step"] == 2
-    resumed = _torchrun([str(worker), *_train_args(part, text, "--resume")])
+    resumed = torchrun([str(worker), *_train_args(part, text, "--resume")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "tried to write" not in resumed.stderr + killed.stderr
 

@@ -7,10 +7,12 @@ from typing import Literal
 
 import torch
 
+from ..core.inputs import select_names
 from ..core.loggers import logger_names
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
+from ..engine.distributed import STRATEGIES
 from ..engine.lora import LoraSettings, lora_setting
 
 Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs
@@ -80,6 +82,10 @@ class BenchConfig:
                                                     "without it")
     lora: LoraSettings | None = setting(None, "train LoRA adapters (peft) over the frozen base in every row, e.g. "
                                               "r=8,alpha=16 (none: every weight trains)")
+    # Under torchrun (benchmark/strategies.py): which of these apply is said in that module.
+    strategy: tuple | None = setting(None, "under torchrun: ddp, fsdp or ddp,fsdp side by side: each rank's step "
+                                           "time, peak memory and tokens/s, gathered to rank 0 (none: the "
+                                           "single-process AMP benchmark)")
     thresholds: Thresholds = setting(factory=Thresholds)
     progress: bool = progress_field()
     device: str | torch.device | None = device_field()
@@ -93,6 +99,8 @@ class BenchConfig:
             self.compile = "on" if self.compile else "off"
         self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
         self.lora = lora_setting(self.lora)
+        if self.strategy is not None:
+            self.strategy = tuple(select_names(self.strategy, STRATEGIES, "strategy"))
         check_switch(self, "activation_checkpointing")
         check_switch(self, "force")
         check_switch(self, "progress")

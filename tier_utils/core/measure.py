@@ -99,7 +99,11 @@ class SavedTensorMeter:
     """
 
     def __init__(self, model: torch.nn.Module | None = None):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in (() if model is None else model.parameters())}
+        params = list(() if model is None else model.parameters())
+        # An FSDP-sharded model's weights are DTensors: its own shards are its parameters here, and so are the
+        # whole weights it gathers for a block while that block runs (read as each tensor is saved).
+        self._sharded = model if any(hasattr(p, "to_local") for p in params) else None
+        self._param_storages = {_storage_ptr(p.to_local() if hasattr(p, "to_local") else p) for p in params}
         self._seen: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
 
@@ -108,9 +112,14 @@ class SavedTensorMeter:
         if tensor.layout == torch.strided and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._param_storages and ptr not in self._seen:
+            if ptr not in self._param_storages and ptr not in self._seen and not self._gathered(ptr):
                 self._seen[ptr] = storage.nbytes()
         return tensor
+
+    def _gathered(self, ptr: int) -> bool:
+        """Whether `ptr` is a weight FSDP gathered for the block now running (a parameter, not an activation)."""
+        return self._sharded is not None and ptr in {_storage_ptr(p) for p in self._sharded.parameters()
+                                                     if not hasattr(p, "to_local")}
 
     @property
     def bytes(self) -> int:
@@ -127,6 +136,10 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -228,3 +241,42 @@ class Load:
 
 def cpu_load() -> Load:
     return Load(load_average(), usable_cores())
+
+
+class PeakRSS:
+    """This process's peak resident memory over a region, less its resident memory as the region starts (Linux).
+
+    with PeakRSS() as rss: ...   # rss.increase: bytes, or None where /proc has no such figures
+    Freed memory the allocator keeps is given back first (glibc's malloc_trim) and the kernel's high-water mark is
+    reset (/proc/self/clear_refs), so a region's peak is its own, not an earlier region's in the same process.
+    """
+
+    HOW = "peak RSS increase over the run (VmHWM less VmRSS at its start, /proc/self)"
+
+    def __init__(self):
+        self.increase: int | None = None
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith(key + ":"))
+        return int(line.split()[1]) * 1024  # kB
+
+    def __enter__(self) -> PeakRSS:
+        import ctypes
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self._start = self._status("VmRSS")
+        except (OSError, StopIteration):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._start is not None:
+            self.increase = self._status("VmHWM") - self._start

@@ -21,8 +21,12 @@ from ..core.errors import LaunchError
 from ..core.precision import resolve_device
 
 STRATEGIES = ("ddp", "fsdp")  # under torchrun; one process without torchrun is always a single-device run
-LAUNCH_HINT = ("torchrun --nproc_per_node N -m tier_utils train ... --strategy fsdp (several machines: "
-               "docs/distributed.md)")
+
+
+def launch_hint(verb: str = "train", strategy: str = "fsdp") -> str:
+    """How to launch `verb` on torchrun's ranks, for the one-line error a plain process gets."""
+    return f"torchrun --nproc_per_node N -m tier_utils {verb} ... --strategy {strategy} (several machines: " \
+           "docs/distributed.md)"
 
 
 def launched_by_torchrun() -> bool:
@@ -90,9 +94,9 @@ class DistEnv:
             self.owns_group = False
 
 
-def setup(device=None, strategy: str = "ddp") -> DistEnv:
+def setup(device=None, strategy: str = "ddp", verb: str = "train") -> DistEnv:
     """Join the torchrun job if there is one: nccl on CUDA (one GPU per local rank), gloo on CPU. `strategy`
-    ddp needs more than one rank to matter; fsdp needs torchrun (one line saying how to launch, else)."""
+    ddp needs more than one rank to matter; fsdp needs torchrun (one line saying how to launch `verb`, else)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if dist.is_available() and dist.is_initialized():
@@ -100,7 +104,7 @@ def setup(device=None, strategy: str = "ddp") -> DistEnv:
     elif launched_by_torchrun() and dist.is_available():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     elif strategy == "fsdp":
-        raise LaunchError(f"strategy='fsdp' shards over torchrun's ranks; launch with {LAUNCH_HINT}")
+        raise LaunchError(f"strategy='fsdp' shards over torchrun's ranks; launch with {launch_hint(verb)}")
     else:
         return DistEnv()
     if world == 1 and strategy == "ddp":
@@ -163,11 +167,15 @@ class ShardedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def is_sharded(module) -> bool:
+    """Whether `module`'s weights are FSDP shards (DTensors on a device mesh)."""
+    return isinstance(module, torch.nn.Module) and any(hasattr(p, "device_mesh") for p in module.parameters())
+
+
 def refuse_sharded(model, verb: str) -> None:
     """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on an
     FSDP-sharded module (its weights are DTensor shards)."""
-    module = getattr(model, "model", model)  # an adapter's module, or the module itself
-    sharded = isinstance(module, torch.nn.Module) and any(hasattr(p, "device_mesh") for p in module.parameters())
+    sharded = is_sharded(getattr(model, "model", model))  # an adapter's module, or the module itself
     world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     if sharded or world > 1:
         where = "an FSDP-sharded model" if sharded else f"{world} torchrun ranks"

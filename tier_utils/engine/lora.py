@@ -208,9 +208,12 @@ def lora_record(model: nn.Module) -> dict | None:
             "target_modules": sorted(c.target_modules)}
 
 
-def model_state(model: nn.Module) -> dict:
-    """What a training checkpoint keeps of `model`: with LoRA its adapters only, else its whole state dict."""
-    return _peft().get_peft_model_state_dict(model) if is_lora(model) else model.state_dict()
+def model_state(model: nn.Module, state: dict | None = None) -> dict:
+    """What a training checkpoint keeps of `model` (or of `state`, its whole state dict gathered from FSDP's
+    shards): with LoRA its adapters only, else the whole state dict."""
+    if is_lora(model):
+        return _peft().get_peft_model_state_dict(model, state_dict=state)
+    return model.state_dict() if state is None else state
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:

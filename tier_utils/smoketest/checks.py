@@ -21,6 +21,7 @@ from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import Precision, dtype_name, native_support, resolve_precision
 from ..core.results import Check, failed_check
+from ..engine.distributed import is_sharded
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory import memory
 
@@ -225,7 +226,10 @@ def _backward(adapter: ModelAdapter, batch: dict) -> tuple[float, list[tuple[str
     net.zero_grad(set_to_none=True)
     loss, _ = adapter.forward_loss(batch)
     loss.backward()
-    return loss.item(), [(n, p.grad) for n, p in net.named_parameters() if p.requires_grad and p.grad is not None]
+    # An FSDP-sharded model's gradients are DTensors: each rank judges its own shard (an empty one, nothing).
+    grads = [(n, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in net.named_parameters()
+             if p.requires_grad and p.grad is not None]
+    return loss.item(), [(n, g) for n, g in grads if g.numel()]
 
 
 def _layer_norms(got) -> dict[str, float]:
@@ -250,6 +254,8 @@ def _ratios(got, matrices: bool) -> dict[str, float]:
 def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[str], dict] | str:
     """Zero and layer-ratio pictures after one optimizer step on a copy of the model (the model itself is
     untouched), or why it was not taken: what sits behind zero-initialised weights gets a gradient only then."""
+    if is_sharded(adapter.model):  # ranks would step a copy each, apart: FSDP's collectives need them together
+        return "not re-checked: the model is sharded (run smoke in one process for the re-check)"
     params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
     need = 4 * params  # the copy, its gradients and Adam's two moments
     if report.budget is not None and need > report.budget.limit:

@@ -26,8 +26,10 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
+from ..engine import distributed
 from ..models.builtins import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
+from .sharded import gathered, shard_for_smoke, sharded_groups, shared_budget
 
 
 @dataclass
@@ -39,6 +41,8 @@ class SmokeConfig:
                                                      "max length)")
     precision: str | Precision = precision_field()
     checks: tuple | None = setting(None, f"check groups to run (none: all): {', '.join(CHECK_GROUPS)}")
+    strategy: str | None = setting(None, "fsdp: under torchrun, shard the model (FSDP2) and run the gradient and "
+                                         "memory checks on every rank (none: one process, the whole model)")
     device: str | torch.device | None = device_field()
     progress: bool = progress_field()
 
@@ -47,6 +51,8 @@ class SmokeConfig:
         if self.seq_lens is not None:
             self.seq_lens = _positive_ints(self.seq_lens, "seq_lens")
         self.precision = precision_setting(self.precision)
+        if self.strategy not in (None, "fsdp"):  # ddp would check the same whole model on every rank
+            raise ValueError(f"smoke's strategy is fsdp or none, got {self.strategy!r}")
         if self.checks is not None:  # None stays "all", as the CLI's default shows it
             self.checks = tuple(select_names(self.checks, CHECK_GROUPS, "check group"))
         check_fields(self)
@@ -69,6 +75,9 @@ class SmokeReport(Result):
     seconds: float = 0.0
     budget: Budget | None = None  # the device's free memory, read at the start: probes are sized to it
     activation_fit: ActivationFit | None = None  # saved bytes by (B, T), measured small: predicts the big sizes
+    sharding: str | None = None  # strategy="fsdp": how the model was sharded (sharding.Sharding.describe)
+    rank: int = 0  # this process's torchrun rank, of world_size
+    world_size: int = 1
 
     @property
     def table(self) -> pd.DataFrame:
@@ -101,7 +110,8 @@ class SmokeReport(Result):
     def headline(self) -> str:
         counts = ", ".join(f"{sum(c.status == s for c in self.checks)} {s}" for s in ("PASS", "WARN", "FAIL", "SKIP"))
         return (f"smoke {self.model.get('model')}: {self.status} ({counts}) in {self.seconds:.1f} s on "
-                f"{self.metadata['device_name']}, {self.precision.name}")
+                f"{self.metadata['device_name']}, {self.precision.name}"
+                + (f", sharded over {self.world_size} ranks (rows per rank)" if self.sharding else ""))
 
     def to_json(self) -> dict:
         return jsonable({"passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],
@@ -111,6 +121,7 @@ class SmokeReport(Result):
                          "latency_samples_ms": self.latency, "memory": self.memory,
                          "budget": self.budget.to_dict() if self.budget else None,
                          "activation_fit": asdict(self.activation_fit) if self.activation_fit else None,
+                         "sharding": self.sharding,
                          "parameters": self.parameters if self.parameters is not None else []})
 
     def plot(self):
@@ -178,15 +189,26 @@ def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, mode
     config / overrides: a SmokeConfig (or dict) and/or its field names as keywords. batch_sizes and seq_lens
     (default: the model's max length) set the memory and latency grid; precision is the autocast used for
     those two; checks: None (every group in CHECK_GROUPS), a list of group names or a comma-separated string.
-    The model is moved to `device` (default: CUDA when available).
+    The model is moved to `device` (default: CUDA when available). strategy="fsdp", under torchrun: the model is
+    sharded (and left so), its gradient and memory checks run on every rank, and every rank's report holds every
+    rank's rows (smoketest/sharded.py).
     """
     start = time.perf_counter()
     cfg = merge(SmokeConfig, config, overrides, "smoke")
+    env = distributed.setup(cfg.device, cfg.strategy, "smoke") if cfg.strategy else None  # without torchrun: one line
+    try:
+        return _smoke(model, cfg, model_kwargs or {}, env, start)
+    finally:
+        if env is not None:
+            env.close()
+
+
+def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, env, start: float) -> SmokeReport:
     groups = list(cfg.checks or CHECK_GROUPS)
     batch_sizes = list(cfg.batch_sizes)
-    prec = resolve_precision(cfg.precision, cfg.device)
+    prec = resolve_precision(cfg.precision, env.device if env else cfg.device)
     try:
-        adapter = resolve_model(model, **(model_kwargs or {}))
+        adapter = resolve_model(model, **model_kwargs)
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         checks = [Check(name, "FAIL", None, None, f"not run: {exc}") for name in groups]
         report = SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes,
@@ -195,35 +217,50 @@ def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, mode
         return report
     adapter.model.to(prec.device)
     budget = read_budget(prec.device)  # once, before anything of ours is allocated
+    if env is not None:
+        budget = shared_budget(budget, env)
     lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
                       for t in cfg.seq_lens or (adapter.max_len,)})
     report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
-                         budget=budget)
-    net = adapter.model
+                         budget=budget, rank=env.rank if env else 0, world_size=env.world_size if env else 1)
+    checks = {name: CHECK_GROUPS[name] for name in groups}
+    if env is not None:
+        shard_for_smoke(adapter, env, prec, report)
+        checks = sharded_groups(checks, env)
+    ran = _run_groups(adapter, report, checks, cfg.progress and (env is None or env.is_main))
+    report.checks = gathered(ran, env) if env is not None else [row for _, rows in ran for row in rows]
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _run_groups(adapter, report: SmokeReport, checks: dict, progress: bool) -> list[tuple[str, list[Check]]]:
+    """Each group's rows, in order, each group isolated; the model's mode, its gradients and the RNG as found."""
+    net, dev, budget = adapter.model, report.precision.device, report.budget
     was_training, grads = net.training, [(p, p.grad) for p in net.parameters()]
-    dev = prec.device
     rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    ran = []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
-        bar = progress_bar(groups, desc="smoke", unit="group", enabled=cfg.progress)
+        bar = progress_bar(list(checks), desc="smoke", unit="group", enabled=progress)
         for name in bar:
             bar.set_postfix_str(name)
+            rows = []
             try:
-                for row in CHECK_GROUPS[name](adapter, report):
-                    report.checks.append(row)
+                for row in checks[name](adapter, report):
+                    rows.append(row)
             except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
-                report.checks.append(Check(name, "WARN", None, None, f"ran out of memory ({budget.describe()} at "
-                                                                     f"the start): {describe(exc, 240)}"))
+                rows.append(Check(name, "WARN", None, None, f"ran out of memory ({budget.describe()} at the start): "
+                                                            f"{describe(exc, 240)}"))
             except Exception as exc:
-                report.checks.append(failed_check(name, exc))
+                rows.append(failed_check(name, exc))
             finally:
                 net.train(was_training)
                 for p, g in grads:
                     p.grad = g
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-    report.seconds = time.perf_counter() - start
-    return report
+            ran.append((name, rows))
+    return ran
 
 
 def _positive_ints(values, what: str) -> tuple[int, ...]:

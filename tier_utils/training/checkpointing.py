@@ -89,12 +89,13 @@ class RunCheckpoints:
         return self.loader.generator.get_state() if at_boundary else self.epoch_gen
 
     def _consolidate(self, full: dict, weights: str) -> None:
-        """A sharded run's last.pt: the unsharded weights, in the single-file format load_model reads (no
-        optimizer state: a resume reads the sharded last/)."""
+        """A sharded run's last.pt: the unsharded weights (a LoRA run's adapters), in the single-file format
+        load_model reads (no optimizer state: a resume reads the sharded last/)."""
         trainer = self._trainer_state()
         if self.env.is_main:
             self.consolidated = self.ckpt_path.with_name(CHECKPOINT_NAME)
-            save_checkpoint(self.consolidated, {**trainer, "model": full, "optimizer": None, "consolidated": weights})
+            save_checkpoint(self.consolidated, {**trainer, "model": model_state(self.adapter.model, full),
+                                                "optimizer": None, "consolidated": weights})
 
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""

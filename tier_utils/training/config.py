@@ -103,6 +103,10 @@ class TrainConfig:
             raise ValueError("resume=True needs checkpoint_dir=DIR, the folder holding the run's checkpoint")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
+        if self.strategy == "fsdp" and self.lora is not None and self.save_hf is not None:
+            raise ValueError("save_hf of a LoRA run under fsdp is not supported (its adapters are sharded); drop "
+                             "save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') gives the model "
+                             "with its adapters")
         if self.consolidate and (self.strategy != "fsdp" or self.checkpoint_dir is None):
             raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs strategy='fsdp' "
                              "and checkpoint_dir=DIR")

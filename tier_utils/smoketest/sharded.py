@@ -1,0 +1,67 @@
+"""smoke(strategy="fsdp") under torchrun: the model sharded as training shards it (engine/sharding.py), its
+gradient and memory checks run on every rank, every rank's rows gathered into the report.
+
+Each rank checks its own shards: its gradients (finite, non-zero, layer norms over its part of each layer) after
+one forward and backward that every rank runs together, and its memory rows, which name the bytes the rank holds
+next to the unsharded model's. The checks that read the whole model at once (shapes, stability, init, latency,
+determinism) are SKIPped with the reason: they run in one process. Every rank runs the same forwards, so the memory
+sweep is sized to the smallest budget of any rank.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..core.budget import Budget
+from ..core.results import Check
+from ..engine import sharding
+
+PER_RANK = ("gradients", "memory")  # the groups that run on the sharded model, on every rank
+
+
+def shared_budget(budget: Budget, env) -> Budget:
+    """The smallest free memory of any rank: every rank then sizes its forwards alike."""
+    return min(env.gather(budget), key=lambda b: b.free_bytes)
+
+
+def shard_for_smoke(adapter, env, precision, report) -> sharding.Sharding:
+    """Shard the model in place; the report's model summary, taken before, keeps the unsharded sizes."""
+    held = sharding.shard(adapter.model, env, precision)
+    report.sharding = held.describe()
+    return held
+
+
+def sharded_groups(groups: dict, env) -> dict:
+    """The check groups as they run sharded: the per-rank ones with rank-tagged rows and a first row naming the
+    rank's share; the others one SKIP row each."""
+    def per_rank(name, group):
+        def run(adapter, report):
+            if name == "memory":
+                yield _held_row(adapter, report, env)
+            for row in group(adapter, report):
+                yield replace(row, check=f"{row.check} [rank {env.rank}]")
+        return run
+
+    def skipped(name):
+        def run(adapter, report):
+            yield Check(name, "SKIP", None, None, f"reads the whole model at once, and the model is sharded over "
+                                                  f"{env.world_size} ranks: run smoke in one process (without "
+                                                  "--strategy) for it")
+        return run
+
+    return {name: per_rank(name, group) if name in PER_RANK else skipped(name) for name, group in groups.items()}
+
+
+def _held_row(adapter, report, env) -> Check:
+    held, whole = sharding.param_bytes(adapter.model), report.model["parameter_bytes"]
+    return Check(f"memory: parameters held (bytes) [rank {env.rank}]", "PASS", held, None,
+                 f"{held / 2**20:.2f} MiB of the {whole / 2**20:.2f} MiB unsharded ({held / whole:.0%}; 1/"
+                 f"{env.world_size} is {1 / env.world_size:.0%}): {report.sharding}")
+
+
+def gathered(ran: list[tuple[str, list[Check]]], env) -> list[Check]:
+    """Every rank's rows, group by group: a per-rank group's rows from rank 0, 1, ...; the others' from rank 0."""
+    every = env.gather(ran)
+    rows = []
+    for i, (name, own) in enumerate(ran):
+        rows += [row for ranks in every for row in ranks[i][1]] if name in PER_RANK else own
+    return rows

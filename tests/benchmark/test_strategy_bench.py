@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from torchrun import TWO_BLOCK_ARGS, ok, text_file, torchrun, worker_script
 
+import tier_utils
 from tier_utils import cli
 from tier_utils.benchmark.strategies import StrategyBenchResult
 
@@ -60,3 +61,9 @@ def test_strategy_without_torchrun_says_how_to_launch_and_writes_nothing(tmp_pat
     assert not out.exists()
     assert cli.main(_args(tmp_path / "none.txt", "--strategy", "dp")) == 2
     assert "unknown strategy 'dp'" in capsys.readouterr().err
+
+
+def test_amp_benchmark_refuses_a_strategy_in_one_line():
+    """The single-process benchmark never silently drops a strategy: it names the benchmark that runs one."""
+    with pytest.raises(tier_utils.LaunchError, match="strategy=ddp,fsdp is measured by tier_utils.strategy_benchmark"):
+        tier_utils.amp_benchmark("tiny-gpt", strategy="ddp,fsdp")

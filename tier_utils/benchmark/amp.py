@@ -15,6 +15,7 @@ import torch
 
 from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
+from ..core.errors import LaunchError
 from ..core.files import jsonable
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
@@ -95,6 +96,10 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     A model that can't be compiled gets a WARN row and is measured eager.
     """
     cfg = merge(BenchConfig, config, overrides, "benchmark")
+    if cfg.strategy is not None:  # one process here: across ranks is another benchmark, not a setting of this one
+        raise LaunchError(f"amp_benchmark runs in one process; strategy={','.join(cfg.strategy)} is measured by "
+                          "tier_utils.strategy_benchmark under torchrun (CLI: torchrun ... -m tier_utils bench "
+                          "--strategy ...)")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
     if cfg.activation_checkpointing:

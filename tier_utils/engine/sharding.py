@@ -6,7 +6,8 @@ and AdamW state, and a block's full weights exist only while it runs. The decide
 MixedPrecisionPolicy (Precision.mixed_precision_policy: the mixed modes gather weights in the compute dtype and
 reduce gradients in fp32; fp32 and the true modes cast nothing). fp16 steps through torch's ShardedGradScaler,
 whose inf check is agreed across ranks, and `clip_grad_norm_` clips the sharded (DTensor) gradients by their
-global norm.
+global norm. On CPU ranks the run first fixes glibc's mmap threshold (host_allocator, core/allocator.py), so the
+buffers FSDP frees every step leave the rank's resident memory.
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def rank_main(args) -> None:
     out = {"rank": s.rank, "strategy": s.strategy, "baseline_rss": before, "peak_rss": peak,
            "peak_increase": peak - before, "param_bytes": s.param_bytes_per_rank, "sharding": s.sharding,
            "step_ms": s.step_time_ms.to_dict(), "tokens_per_s": s.tokens_per_s.to_dict(), "loss": s.train_loss,
-           "parameters": s.parameters, "device": s.device_name, "sharding_line": s.sharding}
+           "parameters": s.parameters, "device": s.device_name}
     Path(args.out, f"rank{s.rank}.json").write_text(json.dumps(out))
 
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                     error = r["peak_increase"] / pred["predicted"] - 1
                     rows.append({**r, "run": run, **pred, "prediction_error": error})
                     _show(strategy, rows[-1], pred)
-    print(f"FSDP's sharding line: {next(r['sharding_line'] for r in rows if r['strategy'] == 'fsdp')}")
+    print(f"FSDP's sharding line: {next(r['sharding'] for r in rows if r['strategy'] == 'fsdp')}")
     by = {s: [r for r in rows if r["strategy"] == s] for s in ("ddp", "fsdp")}
     if args.also_threshold is not None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                 rows.append({**r, "run": f"MALLOC_MMAP_THRESHOLD_={args.also_threshold}", **prediction["fsdp"],
                              "prediction_error": error, "strategy": "fsdp (threshold set by the user)"})
                 _show(rows[-1]["strategy"], rows[-1], prediction["fsdp"])
-        print(f"its sharding line: {rows[-1]['sharding_line']}")
+        print(f"its sharding line: {rows[-1]['sharding']}")
     mem = max(r["peak_increase"] for r in by["fsdp"]) / max(r["peak_increase"] for r in by["ddp"])
     step = max(r["step_ms"]["median"] for r in by["fsdp"]) / max(r["step_ms"]["median"] for r in by["ddp"])
     print(f"FSDP / DDP, slowest or largest rank: peak RSS increase x{mem:.2f}, step time x{step:.2f} "

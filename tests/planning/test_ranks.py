@@ -8,8 +8,8 @@ import torch
 from tier_utils import TinyGPT
 from tier_utils.cli import main
 from tier_utils.core.budget import ActivationFit, Budget
-from tier_utils.planning.planner import GPUS, gpu_room, static_bytes
-from tier_utils.planning.ranks import RankPlan, RanksResult, plan_ranks
+from tier_utils.planning.planner import GPUS, device_room, gpu_room, static_bytes
+from tier_utils.planning.ranks import CPU_RANK_PROCESS_BYTES, RankPlan, RanksResult, plan_ranks
 
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=32)
 
@@ -21,24 +21,57 @@ def test_ddp_holds_everything_per_rank_and_fsdp_a_shard_plus_the_units_in_flight
     p, t = result.plan, result.table.set_index(["mode", "ranks"])
     whole = sum(static_bytes(model).values())
     block = sum(q.numel() for q in model.blocks[0].parameters())
-    assert p.block_params == block
-    assert p.root_params == sum(q.numel() for q in model.parameters()) - 3 * block
-    assert p.gathered_bytes == 8  # fp32: the gathered weight and its unsharded gradient
+    root = sum(q.numel() for q in model.parameters()) - 3 * block
+    assert p.block_params == block and p.root_params == root
+    assert (p.weight_bytes, p.reduce_bytes) == (4, 4)  # fp32: gathered, and reduced, as stored
     for n in (1, 2, 4):
         # DDP: the whole static state and its gradient buckets (one more copy of the gradients) on every rank
         grads = 4 * sum(q.numel() for q in model.parameters())
         assert t.loc[("ddp", n), "static_per_rank_gib"] * 2**30 == whole + grads
         assert t.loc[("fsdp", n), "static_per_rank_gib"] * 2**30 == pytest.approx(whole / n, abs=1)
-        assert t.loc[("fsdp", n), "in_flight_gib"] * 2**30 == (p.root_params + 2 * block) * 8
+        # the root's and the running block's weights and gradients, the next block's all-gather output, the
+        # previous block's reduce-scatter input
+        assert t.loc[("fsdp", n), "in_flight_gib"] * 2**30 == root * (4 + 4) + block * (4 + 4 + 4 + 4)
+        assert t.loc[("fsdp", n), "root_reduce_gib"] * 2**30 == root * (4 + 4)  # its gradients, reduce-scatter input
         # foreach AdamW's temporary (one copy of the weights it steps) is the optimizer step's own peak
         weights = 4 * sum(q.numel() for q in model.parameters())
         assert t.loc[("fsdp", n), "optimizer_step_gib"] * 2**30 == -(-weights // n)
         backward = p.in_flight("fsdp", n) + p.fit.k + 2 * p.per_sequence()
-        assert p.step_bytes("fsdp", n, 2) == int(-(-whole // n) + max(backward, -(-weights // n)))
+        assert p.step_bytes("fsdp", n, 2) == int(-(-whole // n) + max(backward, root * 8, -(-weights // n)))
     # CPU ranks share this machine's RAM: more of them leave each a smaller batch
     assert t.loc[("ddp", 4), "this_device"] < t.loc[("ddp", 1), "this_device"]
-    mixed = plan_ranks(model, seq_len=32, precision="bf16", device="cpu", ranks=(2,), progress=False)
-    assert mixed.plan.gathered_bytes == 2 + 2 + 4  # bf16 weight and gradient, and the fp32 copy reduced
+    mixed = plan_ranks(model, seq_len=32, precision="bf16", device="cpu", ranks=(2,), progress=False).plan
+    assert (mixed.weight_bytes, mixed.reduce_bytes) == (2, 4)  # gathered in bf16, reduced in fp32
+    assert mixed.in_flight("fsdp", 2) == root * (2 + 2) + block * (2 + 2 + 2 + 4)
+    assert mixed.root_reduce("fsdp", 2) == root * (2 + 4) and mixed.in_flight("ddp", 2) == 0
+
+
+def test_the_root_reduce_is_the_peak_of_a_model_that_is_mostly_root():
+    # a 1 GiB root (an embedding, say) and tiny blocks, no activations: FSDP's last reduce holds the root's
+    # gradients and their fp32 reduce-scatter input at once, more than backward's gathered bf16 weights and grads
+    fit = ActivationFit(k=0, a=0, c=0, output_per_token=0, measured=())
+    plan = RankPlan({"weights_bytes": 2**32, "grads_bytes": 2**32, "optimizer_state_bytes": 2**33},
+                    root_params=2**30, block_params=10, weight_bytes=2, reduce_bytes=4, fit=fit, length=8)
+    assert plan.root_reduce("fsdp", 2) == 6 * 2**30 > plan.in_flight("fsdp", 2)
+    assert plan.step_bytes("fsdp", 2, 1) == 2**33 + 6 * 2**30
+    assert plan.largest_batch("fsdp", 2, 2**33 + 6 * 2**30 - 1) == 0
+
+
+def test_a_cpu_rank_adds_its_process_and_a_gpu_rank_does_not():
+    fit = ActivationFit(k=0, a=1e5, c=0, output_per_token=0, measured=())
+    plan = RankPlan({"weights_bytes": 2**28, "grads_bytes": 2**28, "optimizer_state_bytes": 2**29},
+                    root_params=10**6, block_params=10**6, weight_bytes=4, reduce_bytes=4, fit=fit, length=128)
+    model = {"model": "m", "parameters": 2**26}
+    cpu = RanksResult(plan, (2,), "fp32", model, Budget("cpu", 64 * 2**30, "test"), {})
+    gpu = RanksResult(plan, (2,), "fp32", model, Budget("cuda", 64 * 2**30, "test"), {})
+    assert cpu.process_bytes == CPU_RANK_PROCESS_BYTES > 0 and gpu.process_bytes == 0
+    for mode in ("ddp", "fsdp"):
+        assert cpu.rank_bytes(mode, 2, 3) == plan.step_bytes(mode, 2, 3) + CPU_RANK_PROCESS_BYTES
+        assert gpu.rank_bytes(mode, 2, 3) == plan.step_bytes(mode, 2, 3)
+    t = cpu.table.set_index("mode")
+    room = device_room(cpu.budget) / 2 - CPU_RANK_PROCESS_BYTES  # each CPU rank's share of RAM, less its process
+    assert t.loc["fsdp", "this_device"] == plan.largest_batch("fsdp", 2, room)
+    assert "process's own" in t.loc["fsdp", "detail"] and "process's own" not in gpu.table.detail[0]
 
 
 def test_the_smallest_n_per_mode_is_where_batch_one_first_fits_per_card():
@@ -46,7 +79,7 @@ def test_the_smallest_n_per_mode_is_where_batch_one_first_fits_per_card():
     # 16 GiB of static state with small units: DDP fits the 40 and 80 GB cards alone, FSDP more over more ranks.
     fit = ActivationFit(k=0, a=1e5, c=0, output_per_token=0, measured=())
     plan = RankPlan({"weights_bytes": 4 * gib, "grads_bytes": 4 * gib, "optimizer_state_bytes": 8 * gib},
-                    root_params=10**7, block_params=10**7, gathered_bytes=8, fit=fit, length=128)
+                    root_params=10**7, block_params=10**7, weight_bytes=4, reduce_bytes=4, fit=fit, length=128)
     budget = Budget("cpu", 64 * gib, "test")
     result = RanksResult(plan, (1, 2, 4, 8), "fp32", {"model": "m", "parameters": 10**9}, budget, {})
     smallest = result.smallest().set_index("mode")

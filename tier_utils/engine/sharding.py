@@ -6,7 +6,8 @@ and AdamW state, and a block's full weights exist only while it runs. The decide
 MixedPrecisionPolicy (Precision.mixed_precision_policy: the mixed modes gather weights in the compute dtype and
 reduce gradients in fp32; fp32 and the true modes cast nothing). fp16 steps through torch's ShardedGradScaler,
 whose inf check is agreed across ranks, and `clip_grad_norm_` clips the sharded (DTensor) gradients by their
-global norm.
+global norm. On CPU ranks the run first fixes glibc's mmap threshold (host_allocator, core/allocator.py), so the
+buffers FSDP frees every step leave the rank's resident memory.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from ..core.allocator import return_freed_memory
 from ..core.precision import Precision
 from ..core.precision_steppers import ScalerStepper
 from .memory import repeated_blocks
@@ -40,17 +42,21 @@ class Sharding:
     block_type: str | None
     policy: MixedPrecisionPolicy
     reshard_after_forward: bool
+    allocator: str | None = None  # CPU ranks: what the run did with glibc's mmap threshold (core/allocator.py)
 
     def describe(self) -> str:
         where = (f"each of {self.blocks} {self.block_type} blocks, then the root" if self.blocks else
                  "the root only (no repeated blocks: the whole model is gathered at once in forward and backward)")
+        allocator = f"; {self.allocator}" if self.allocator else ""
         return (f"FSDP2 fully_shard over {self.world_size} rank(s) on {where}; {describe_policy(self.policy)}; "
-                f"reshard_after_forward={self.reshard_after_forward}")
+                f"reshard_after_forward={self.reshard_after_forward}{allocator}")
 
 
-def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forward: bool = True) -> Sharding:
+def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forward: bool = True,
+          allocator: str | None = None) -> Sharding:
     """`fully_shard` per repeated block, then on the root, in place (the module's weights become DTensors).
-    Call it before building the optimizer, which must hold the sharded parameters."""
+    Call it before building the optimizer, which must hold the sharded parameters. `allocator`: what the run did
+    with the host allocator (host_allocator), for the summary."""
     mesh = env.mesh()
     policy = precision.mixed_precision_policy()
     blocks = repeated_blocks(model)
@@ -58,11 +64,18 @@ def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forwa
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    sharding = Sharding(env.world_size, len(blocks), block_type, policy, reshard_after_forward)
+    sharding = Sharding(env.world_size, len(blocks), block_type, policy, reshard_after_forward, allocator)
     if not blocks and env.is_main:
         warnings.warn(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of one module type): FSDP "
                       "shards the root only, so its whole weights are gathered at once", stacklevel=3)
     return sharding
+
+
+def host_allocator(env) -> str | None:
+    """On CPU ranks, before the model is built: glibc's mmap threshold fixed (core/allocator.py), so the buffers
+    FSDP frees every step leave the rank's resident memory; None on GPUs, whose buffers torch's caching allocator
+    keeps on the card by design."""
+    return return_freed_memory() if env.device.type == "cpu" else None
 
 
 @contextlib.contextmanager

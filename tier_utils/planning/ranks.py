@@ -5,15 +5,23 @@ the model trains in each mode.
 Per rank, at batch B and length T (S: the static bytes of the fit planner, weights + gradients + AdamW state):
 - DDP: every rank holds S, plus DDP's gradient buckets (one more copy of the gradients: torch's default
   gradient_as_bucket_view=False), plus the activations of its B sequences.
-- FSDP: S / N (each rank its shard), plus the units in flight: the root's own weights (gathered through the
-  whole forward and backward) and two blocks (the one running and the one prefetched), each with its gathered
-  weights and unsharded gradients in the MixedPrecisionPolicy's dtype (mixed modes: plus the fp32 copy the
-  gradients are reduced in), plus the activations of its B sequences.
-Activations are the fit planner's measured fit (planner.plan), the same for both modes. The optimizer step is a
-second peak: backward's activations and gathered units are gone by then, but foreach AdamW holds one temporary
-the size of the weights it steps (the rank's shard under FSDP); a rank's peak is the larger phase. N CPU ranks on one
-machine share its RAM, so here each rank gets 1/N of it; a GPU rank has its card. Every figure but this
-device's free memory is predicted, and says so.
+- FSDP: S / N (each rank its shard), plus the units in flight while a block runs its backward, as FSDP2 holds
+  them (torch.distributed.fsdp._fully_shard): the root's gathered weights and unsharded gradients (the root is
+  gathered through the whole forward and backward, and its gradients are reduced last); the running block's
+  gathered weights and unsharded gradients; the next block's all-gather output (prefetched); the previous
+  block's reduce-scatter input (kept until this block's reduce starts, in the reduce dtype: fp32 for the mixed
+  modes); plus the activations of its B sequences. Weights gather and gradients come back in the
+  MixedPrecisionPolicy's param dtype.
+Activations are the fit planner's measured fit (planner.plan), the same for both modes. Two more phases can be
+a rank's peak after backward's activations are gone: FSDP's reduce of the root (its unsharded gradients and
+their reduce-scatter input), and the optimizer step, where foreach AdamW holds one temporary the size of the
+weights it steps (the rank's shard under FSDP); a rank's peak is the largest phase.
+
+A CPU rank is a process in this machine's RAM: besides its tensors it holds what a run adds that no tensor
+count sees (the process group, the data, the loop's Python objects and the modules it imports), stated as
+CPU_RANK_PROCESS_BYTES and measured by bench/fsdp_cpu.py on a model too small to need memory of its own. N CPU
+ranks share the machine's RAM, so here each rank gets 1/N of it, less that; a GPU rank has its card (the GPU
+table's margin covers the CUDA context). Every figure but this device's free memory is predicted, and says so.
 """
 from __future__ import annotations
 
@@ -33,7 +41,10 @@ from ..models.builtins import DEFAULT_MODEL
 from .planner import GPUS, MARGIN_NOTE, device_room, gpu_room, plan, static_bytes
 
 MODES = ("ddp", "fsdp")
-BLOCKS_IN_FLIGHT = 2  # FSDP2 prefetches the next block's all-gather while one runs
+# What a CPU rank's training run holds beyond its tensors (process group, data, Python objects, modules imported
+# as the run starts): measured by bench/fsdp_cpu.py on a 74,688-parameter GPT-2 (bench/RESULTS.md, issue 33): a
+# rank's peak RSS increase 0.081-0.082 GiB under DDP and FSDP, of which its tensors 0.003 GiB.
+CPU_RANK_PROCESS_BYTES = 80 << 20
 
 
 @dataclass
@@ -60,7 +71,8 @@ class RankPlan:
     static: dict  # weights_bytes, grads_bytes, optimizer_state_bytes of the whole model (fp32 master weights)
     root_params: int  # parameters FSDP's root unit gathers (all not in a repeated block)
     block_params: int  # parameters of the largest repeated block (0: none)
-    gathered_bytes: int  # bytes per parameter of a unit in flight: its gathered weight and unsharded gradient
+    weight_bytes: int  # bytes per element of a gathered weight and of its unsharded gradient (the param dtype)
+    reduce_bytes: int  # bytes per element of a reduce-scatter input (the reduce dtype)
     fit: ActivationFit
     length: int
 
@@ -69,9 +81,17 @@ class RankPlan:
         return total + self.static["grads_bytes"] if mode == "ddp" else -(-total // n)
 
     def in_flight(self, mode: str, n: int) -> int:
+        """FSDP's unsharded buffers while a block runs its backward: the root's and the running block's weights
+        and gradients, the next block's all-gather output, the previous block's reduce-scatter input."""
         if mode == "ddp":
             return 0
-        return (self.root_params + BLOCKS_IN_FLIGHT * self.block_params) * self.gathered_bytes
+        w, r = self.weight_bytes, self.reduce_bytes
+        return self.root_params * 2 * w + self.block_params * (2 * w + w + r)
+
+    def root_reduce(self, mode: str, n: int) -> int:
+        """FSDP's last reduce, after backward's activations are gone: the root's unsharded gradients and their
+        reduce-scatter input (its gathered weights are freed first)."""
+        return 0 if mode == "ddp" else self.root_params * (self.weight_bytes + self.reduce_bytes)
 
     def optimizer_transient(self, mode: str, n: int) -> int:
         """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
@@ -82,16 +102,18 @@ class RankPlan:
         return self.fit.per_sequence(self.length) + self.fit.output_per_token * self.length
 
     def step_bytes(self, mode: str, n: int, batch: int) -> int:
-        """Predicted peak bytes of one rank during a training step at `batch` sequences per rank: its static
-        state plus the larger of backward's (units in flight, activations) and the optimizer step's transient."""
+        """Predicted peak tensor bytes of one rank during a training step at `batch` sequences per rank: its
+        static state plus the largest of backward's (units in flight, activations), FSDP's root reduce and the
+        optimizer step's transient."""
         backward = self.in_flight(mode, n) + self.fit.k + batch * self.per_sequence()
-        return int(self.static_per_rank(mode, n) + max(backward, self.optimizer_transient(mode, n)))
+        return int(self.static_per_rank(mode, n) + max(backward, self.root_reduce(mode, n),
+                                                       self.optimizer_transient(mode, n)))
 
     def largest_batch(self, mode: str, n: int, room: float) -> int:
-        static = self.static_per_rank(mode, n)
-        if static + self.optimizer_transient(mode, n) > room:
+        if self.step_bytes(mode, n, 0) > room:
             return 0
-        return max(0, int((room - static - self.in_flight(mode, n) - self.fit.k) // self.per_sequence()))
+        return max(0, int((room - self.static_per_rank(mode, n) - self.in_flight(mode, n) - self.fit.k)
+                          // self.per_sequence()))
 
 
 def rank_plan(adapter, precision, length: int) -> RankPlan:
@@ -101,10 +123,11 @@ def rank_plan(adapter, precision, length: int) -> RankPlan:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    cast = precision.param_dtype != precision.compute_dtype  # a mixed mode: FSDP casts, reduces in fp32
-    gathered = 2 * precision.compute_dtype.itemsize + (4 if cast else 0)  # weight + gradient (+ fp32 reduce copy)
+    policy = precision.mixed_precision_policy()  # what FSDP gathers in and reduces in (None: the stored dtype)
+    weight = (policy.param_dtype or precision.param_dtype).itemsize
+    reduce = policy.reduce_dtype.itemsize if policy.reduce_dtype is not None else weight
     (config,), _ = plan(adapter, [precision.name], length)
-    return RankPlan(static_bytes(model, precision), root, block, gathered, config.fit, length)
+    return RankPlan(static_bytes(model, precision), root, block, weight, reduce, config.fit, length)
 
 
 @dataclass(repr=False)
@@ -116,6 +139,17 @@ class RanksResult(Result):
     budget: Budget
     metadata: dict
 
+    @property
+    def process_bytes(self) -> int:
+        """What a rank here holds beyond its tensors: CPU_RANK_PROCESS_BYTES in this machine's RAM; 0 on a GPU,
+        whose process lives in host memory."""
+        return CPU_RANK_PROCESS_BYTES if self.budget.device == "cpu" else 0
+
+    def rank_bytes(self, mode: str, n: int, batch: int) -> int:
+        """A rank's predicted peak on this device during a step: its tensors (RankPlan.step_bytes) and, on a
+        CPU, its process's own (the figure bench/fsdp_cpu.py checks against each rank's peak RSS increase)."""
+        return self.plan.step_bytes(mode, n, batch) + self.process_bytes
+
     def _here(self, n: int) -> float:
         room = device_room(self.budget)
         return room / n if self.budget.device == "cpu" else room  # CPU ranks share this machine's RAM
@@ -125,18 +159,20 @@ class RanksResult(Result):
         p, rows = self.plan, []
         for mode in MODES:
             for n in self.ranks:
-                here = p.largest_batch(mode, n, self._here(n))
+                here = p.largest_batch(mode, n, self._here(n) - self.process_bytes)
                 row = {"mode": mode, "ranks": n, "static_per_rank_gib": p.static_per_rank(mode, n) / 2**30,
                        "in_flight_gib": p.in_flight(mode, n) / 2**30,
+                       "root_reduce_gib": p.root_reduce(mode, n) / 2**30,
                        "optimizer_step_gib": p.optimizer_transient(mode, n) / 2**30,
-                       "per_sample_gib": p.per_sequence() / 2**30,
+                       "per_sample_gib": p.per_sequence() / 2**30, "process_gib": self.process_bytes / 2**30,
                        "this_device": here}
                 row.update({f"{name} (predicted)": p.largest_batch(mode, n, gpu_room(mib))
                             for name, mib in GPUS.items()})
                 row["status"] = "PASS" if here >= 1 else "WARN"
-                row["detail"] = (f"{mode} on {n} rank(s): {gib(p.step_bytes(mode, n, max(here, 1)))} per rank at batch "
-                                 f"{max(here, 1)} per rank, T={p.length} (predicted); this device gives each rank "
-                                 f"{gib(self._here(n))}")
+                process = f", its process's own {gib(self.process_bytes)} included" if self.process_bytes else ""
+                row["detail"] = (f"{mode} on {n} rank(s): {gib(self.rank_bytes(mode, n, max(here, 1)))} per rank "
+                                 f"at batch {max(here, 1)} per rank, T={p.length} (predicted{process}); this device "
+                                 f"gives each rank {gib(self._here(n))}")
                 rows.append(row)
         return pd.DataFrame(rows)
 
@@ -176,7 +212,8 @@ class RanksResult(Result):
         return jsonable({"status": self.status, "seq_len": p.length, "precision": self.precision, "model": self.model,
                          "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": GPUS,
                          "static_bytes": p.static, "root_params": p.root_params, "block_params": p.block_params,
-                         "gathered_bytes_per_param": p.gathered_bytes, "activation_fit": p.fit,
+                         "weight_bytes_per_param": p.weight_bytes, "reduce_bytes_per_param": p.reduce_bytes,
+                         "process_bytes": self.process_bytes, "activation_fit": p.fit,
                          "table": self.table, "smallest": self.smallest(), "run_metadata": self.metadata})
 
     def plot(self):

@@ -113,11 +113,12 @@ class _Run(RunCheckpoints):
         # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
         self.precision: Precision = resolve_precision(cfg.precision, device)
         self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
+        allocator = sharding.host_allocator(env) if env.sharded else None  # before the model is built
         self.adapter = self._build(model, model_kwargs)
         self.model_name = self.adapter.name  # the model's own class: fully_shard subclasses it as FSDP<name>
         # FSDP shards the weights in place before the optimizer is built on them.
-        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward) \
-            if env.sharded else None
+        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward,
+                                       allocator) if env.sharded else None
         splits = self._datasets(data)
         self._loaders(splits)
         self._optimization()

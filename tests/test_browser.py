@@ -329,8 +329,9 @@ def test_a_users_folder_and_text_file_typed_into_the_panel_reach_every_cell(lab,
     assert errors[0]["ename"] == "ModelSpecError" and len(errors[0]["traceback"]) == 1, errors
     assert "/no/such/model" in errors[0]["traceback"][0] and "Traceback" not in errors[0]["traceback"][0]
     # Run All stops there: ipykernel aborts the cells queued behind an error. On a busy machine a request may
-    # reach the kernel after its abort window closed; that cell then runs and finds no result (NameError).
-    assert all(e["ename"] == "NameError" for e in errors[1:]), errors
+    # reach the kernel after its abort window closed; that cell then runs and finds no result (NameError), or builds
+    # the model again and stops with the same one line.
+    assert all(e["ename"] == "NameError" or e["traceback"] == errors[0]["traceback"] for e in errors[1:]), errors
     cell = browser.execute_script(_CELL_NODE, FIRST_RUN[name])
     shown = cell.find_element(By.CSS_SELECTOR, "[data-mime-type='application/vnd.jupyter.stderr']")
     assert len([line for line in shown.text.splitlines() if line.strip()]) == 1, shown.text

@@ -101,7 +101,14 @@ class SavedTensorMeter:
     def __init__(self, model: torch.nn.Module | None = None):
         self._param_storages = {p.untyped_storage().data_ptr() for p in (() if model is None else model.parameters())}
         self._seen: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Autograd gets a detached alias (the same storage and version counter), not the tensor itself: a saved
+        # output packed as itself closes a cycle (tensor -> its grad_fn -> the saved tensor) through C++ that
+        # Python's gc cannot see, and every measured graph (its activations, autocast's weight copies) would
+        # outlive its forward.
+        return self.add(tensor).detach()
 
     def add(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count `tensor`'s storage (once); the pack hook, and for memory kept outside autograd's saved tensors."""

@@ -5,11 +5,11 @@ on this device and predicted for common GPUs, and the cheapest mode that fits on
 A training step holds static bytes (per trainable parameter the precision's static_bytes_per_param(): weights,
 gradients, AdamW's two states; LoRA: the frozen base and the adapters) plus the activations autograd saves
 (budget.measure_activations: measured at three small sizes under the mode's forward context, fitted,
-extrapolated; on the first blocks only where the whole model's probe is over the budget: probe.py) plus, during backward, the output's gradient. With activation checkpointing the repeated blocks
-keep only their inputs, and one block's activations come back while it is recomputed. Nothing here is
-measured at the size it predicts: every figure but this device's free memory is predicted, and says so. On a
-GPU, `validate=True` finds the largest batch that really runs a training step by bisection, side by side with
-the prediction.
+extrapolated; on the first blocks only where the whole model's probe is over the budget: probe.py) plus,
+during backward, the output's gradient. With activation checkpointing the repeated blocks keep only their
+inputs, and one block's activations come back while it is recomputed. Nothing here is measured at the size it
+predicts: every figure but this device's free memory is predicted, and says so. On a GPU, `validate=True`
+finds the largest batch that really runs a training step by bisection, side by side with the prediction.
 """
 from __future__ import annotations
 

@@ -10,12 +10,13 @@ one-time allocations). Its optimizer is AdamW, except on the 1 B config, where A
 not fit beside the model on this machine: plain SGD there (the same forward and backward). Targets (issue 24)
 for GPT-2-small on a 2-core CPU: smoke <= 6 steps and <= 4 GiB peak RSS, analyze <= 6 steps; (issue 32)
 `all --fast` <= 4 GiB peak RSS on GPT-2-small, and on the 1 B config smoke's peak RSS within weights +
-gradients + the budget smoke states (the safe share of free memory its JSON records).
+gradients + the budget smoke states (the safe share of free memory its JSON records), fit's within weights + the
+budget it states (it runs no backward).
 
 The machine is watched while a child runs: if available RAM falls under --min-free-gib, the child is
 killed and the script stops (a shared machine must not be pushed into swap or the OOM killer).
 
-    python bench/scale.py [--models small,medium,llama-1b] [--threads N] [--json out.json]
+    python bench/scale.py [--models small,medium,llama-1b] [--verbs smoke,fit] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of every child, the plain step's included (default: one per core)")
+    parser.add_argument("--verbs", help="comma-separated: only these of each model's verbs (default: all)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     # The same count everywhere: tier_utils would otherwise pick its own from the load, which the previous
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
     rows, stopped = [], None
     try:
         for name in names:
-            measure_model(name, py, min_free, rows)
+            measure_model(name, py, min_free, rows, args.verbs.split(",") if args.verbs else None)
     except TooLittleMemory as exc:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
@@ -152,21 +154,24 @@ def main(argv=None) -> int:
               + ("met" if rss <= RSS_TARGET_GIB else "NOT met")
               + f" · all --fast peak RSS {all_rss:.2f} <= {RSS_TARGET_GIB:g} GiB: "
               + ("met" if all_rss <= RSS_TARGET_GIB else "NOT met"))
-    big = next((r for r in rows if r["model"] == NAMES["llama-1b"] and "smoke" in r), None)
-    if big:
-        s = big["smoke"]
-        print(f"target, {big['model']}: smoke peak RSS {s['peak_rss_gib']:.2f} <= weights + gradients + stated "
-              f"budget = {s['allowed_gib']:.2f} GiB: " + ("met" if s["peak_rss_gib"] <= s["allowed_gib"]
-                                                         else "NOT met"), flush=True)
+    big = next((r for r in rows if r["model"] == NAMES["llama-1b"]), None)
+    for verb, held in (("smoke", "weights + gradients"), ("fit", "weights")):
+        if big and verb in big:
+            s = big[verb]
+            print(f"target, {big['model']}: {verb} peak RSS {s['peak_rss_gib']:.2f} <= {held} + stated budget = "
+                  f"{s['allowed_gib']:.2f} GiB: " + ("met" if s["peak_rss_gib"] <= s["allowed_gib"] else "NOT met"),
+                  flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
                                "load_average_1m": load_average(), "rows": rows, "stopped": stopped})
     return 3 if stopped else 0
 
 
-def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
-    """One model's row, appended to `rows` before its verbs run: a run stopped half-way keeps what it measured."""
+def measure_model(name: str, py: str, min_free: int, rows: list, only: list | None = None) -> None:
+    """One model's row, appended to `rows` before its verbs run (those in `only`, if given): a run stopped
+    half-way keeps what it measured."""
     cls, kwargs, optimizer, verbs = CONFIGS[name]
+    verbs = [v for v in verbs if only is None or v in only]
     step = measure([py, "-c", _STEP.format(cls=cls, kwargs=kwargs, optimizer=optimizer)], min_free)
     first_s, step_s = map(float, step["stdout"].split())
     row = {"model": NAMES[name], "class": cls, **kwargs, "step_optimizer": optimizer, "step_s": step_s,
@@ -185,10 +190,11 @@ def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
                          "peak_rss_gib": got["peak_rss_gib"], "exit_code": got["rc"]}
             line = (f"  {verb:<11} {got['seconds']:7.1f} s = {got['seconds'] / step_s:5.2f} steps · peak RSS "
                     f"{got['peak_rss_gib']:.2f} GiB")
-            if verb == "smoke":  # next to what it states it may use
-                row[verb].update(stated_budget(json.loads(out.read_text())))
-                line += (f" (weights {row[verb]['weights_gib']:.2f} + gradients {row[verb]['weights_gib']:.2f} + "
-                         f"stated budget {row[verb]['budget_gib']:.2f} = {row[verb]['allowed_gib']:.2f} GiB)")
+            if verb in ("smoke", "fit"):  # next to what it states it may use
+                row[verb].update(stated_budget(json.loads(out.read_text()), gradients=verb == "smoke"))
+                held = (f" + gradients {row[verb]['weights_gib']:.2f}" if verb == "smoke" else "")
+                line += (f" (weights {row[verb]['weights_gib']:.2f}{held} + stated budget "
+                         f"{row[verb]['budget_gib']:.2f} = {row[verb]['allowed_gib']:.2f} GiB)")
             print(line + f" · exit {got['rc']} · load {load_average()}", flush=True)
             if verb == "all --fast":  # where its time went
                 tiers = json.loads(out.read_text())["tiers"]
@@ -196,11 +202,12 @@ def measure_model(name: str, py: str, min_free: int, rows: list) -> None:
                 print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
 
 
-def stated_budget(report: dict) -> dict:
-    """Smoke's JSON: its weights, and the safe share of free memory it says its probes plan for (GiB)."""
+def stated_budget(report: dict, gradients: bool) -> dict:
+    """Smoke's or fit's JSON: its weights, and the safe share of free memory it says its probes plan for (GiB);
+    what it may hold: weights, gradients where it runs a backward (smoke; fit runs forwards only), the share."""
     weights = report["model"]["parameter_bytes"] / 2**30
     limit = report["budget"]["limit_bytes"] / 2**30
-    return {"weights_gib": weights, "budget_gib": limit, "allowed_gib": 2 * weights + limit,
+    return {"weights_gib": weights, "budget_gib": limit, "allowed_gib": (1 + gradients) * weights + limit,
             "budget_source": report["budget"]["source"], "free_gib": report["budget"]["free_bytes"] / 2**30}
 
 

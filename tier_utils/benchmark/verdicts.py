@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..core.measure import Load, Stats
 from ..core.results import Check
+from ..engine.step import ROUNDING_SAMPLE_NOTE
 from .config import Mode, Thresholds
 
 # The fixed per-step cost's share of fp32's step that leaves room for AMP's arithmetic speedup to show:
@@ -192,7 +193,8 @@ def parity_check(precision: str, par: dict, diverged: str | None, t: Thresholds,
         scaler = (f"; {skipped} skipped step(s), each retried on the same batch" if skipped else "; no skipped step")
         scaler += trace
     if rounded is not None:
-        scaler += f"; {rounded:.1%} of non-zero parameter updates rounded away by the weights' dtype"
+        scaler += (f"; {rounded:.1%} of non-zero parameter updates rounded away by the weights' dtype "
+                   f"({ROUNDING_SAMPLE_NOTE})")
     if dev is None or not math.isfinite(dev):
         return PrecisionCheck(name, "FAIL", None, t.parity_tolerance,
                               f"a loss became NaN/inf within the {steps} applied updates compared{scaler}", precision)

@@ -74,7 +74,8 @@ class Budget:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "free_bytes": self.free_bytes, "source": self.source,
-                "safe_share": SAFE_SHARE[self.device], "limit_bytes": self.limit}
+                "safe_share": SAFE_SHARE[self.device], "limit_bytes": self.limit,
+                "probe_limit_bytes": self.probe_limit}
 
 
 def read_budget(device) -> Budget:
@@ -98,6 +99,28 @@ class ActivationFit:
     c: float
     output_per_token: float  # fp32 bytes of the output per token: its gradient is alive during backward
     measured: tuple  # ((B, T, bytes), ...) as measured
+    probe: str = ""  # how the bytes were had where not from the whole model (a shallower probe's, extrapolated)
+
+    @classmethod
+    def from_points(cls, measured, output_per_token: float, probe: str = "") -> ActivationFit:
+        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes."""
+        (_, t, b1), (_, t2, b2), (_, _, b3) = measured
+        per2 = max(0, b3 - b2)  # one sequence at t2
+        k = max(0, b2 - per2)
+        per1 = max(0, b1 - k)
+        c = max(0.0, (per2 * t - per1 * t2) / (t * t2 * (t2 - t))) if t2 > t else 0.0
+        a = max(0.0, (per2 - c * t2**2) / t2)
+        return cls(k, a, c, output_per_token, tuple(measured), probe)
+
+    def extrapolated(self, deeper: ActivationFit, depths: tuple[int, int], blocks: int) -> ActivationFit:
+        """The fit of a model with `blocks` repeated blocks, from this one measured with `depths[0]` of them and
+        `deeper` with `depths[1]`: each size's bytes grow by what one block added between the two."""
+        d1, d2 = depths
+        points = [(b, t, round(x1 + (x2 - x1) * (blocks - d1) / (d2 - d1)))
+                  for (b, t, x1), (_, _, x2) in zip(self.measured, deeper.measured)]
+        return ActivationFit.from_points(points, deeper.output_per_token,
+                                         f"with {d1} and {d2} of its {blocks} blocks, extrapolated to {blocks} "
+                                         "(predicted)")
 
     def per_sequence(self, length: int) -> float:
         return self.a * length + self.c * length**2
@@ -110,7 +133,13 @@ class ActivationFit:
         return int(self.output_per_token * batch * length)
 
     def where(self) -> str:
-        return "measured at " + ", ".join(f"B={b}, T={t}" for b, t, _ in self.measured)
+        return "measured at " + ", ".join(f"B={b}, T={t}" for b, t, _ in self.measured) + (
+            f" {self.probe}" if self.probe else "")
+
+    def probe_bytes(self) -> int:
+        """What the largest measuring forward held: its saved tensors and its output."""
+        b, t, saved = self.measured[-1]
+        return int(saved + self.transient(b, t))
 
     def largest_length(self, batch: int, room: float, up_to: int) -> int:
         """The longest length up to `up_to` whose activations at `batch` fit in `room` bytes (0: none)."""
@@ -139,13 +168,7 @@ def measure_activations(adapter, precision, length: int, context=contextlib.null
             measured.append((b, tt, meter.bytes))
     finally:
         adapter.model.train(was_training)
-    (_, _, b1), (_, _, b2), (_, _, b3) = measured
-    per2 = max(0, b3 - b2)  # one sequence at t2
-    k = max(0, b2 - per2)
-    per1 = max(0, b1 - k)
-    c = max(0.0, (per2 * t - per1 * t2) / (t * t2 * (t2 - t))) if t2 > t else 0.0
-    a = max(0.0, (per2 - c * t2**2) / t2)
-    return ActivationFit(k, a, c, output, tuple(measured))
+    return ActivationFit.from_points(measured, output)
 
 
 def out_of_memory_note(dev, fit: ActivationFit | None, batch: int, length: int, budget: Budget) -> str:

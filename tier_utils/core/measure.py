@@ -105,7 +105,14 @@ class SavedTensorMeter:
         self._sharded = model if any(hasattr(p, "to_local") for p in params) else None
         self._param_storages = {_storage_ptr(p.to_local() if hasattr(p, "to_local") else p) for p in params}
         self._seen: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Autograd gets a detached alias (the same storage and version counter), not the tensor itself: a saved
+        # output packed as itself closes a cycle (tensor -> its grad_fn -> the saved tensor) through C++ that
+        # Python's gc cannot see, and every measured graph (its activations, autocast's weight copies) would
+        # outlive its forward.
+        return self.add(tensor).detach()
 
     def add(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count `tensor`'s storage (once); the pack hook, and for memory kept outside autograd's saved tensors."""

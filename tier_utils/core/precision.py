@@ -295,21 +295,29 @@ def _default_dtype(dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def kept_dtypes(module: torch.nn.Module):
+def kept_dtypes(module: torch.nn.Module, exact: bool = False):
     """Each parameter and buffer of `module` back in its own dtype after the block, whatever precisions converted
-    it inside (a caller's bf16-stored model stays bf16 after a benchmark ran it as fp32 and bf16-true)."""
-    params = {name: p.dtype for name, p in module.named_parameters()}
-    buffers = {name: b.dtype for name, b in module.named_buffers()}
+    it inside (a caller's bf16-stored model stays bf16 after a benchmark ran it as fp32 and bf16-true).
+
+    `exact`: the original tensors themselves are held and put back, bit for bit (an fp32 weight converted to bf16
+    inside would otherwise come back rounded to bf16), at the cost of holding them beside the converted ones: for
+    a probe that must leave a caller's model as it was (the fit planner's)."""
+    params = {name: p.data if exact else p.dtype for name, p in module.named_parameters()}
+    buffers = {name: b if exact else b.dtype for name, b in module.named_buffers()}
     try:
         yield module
     finally:
         for name, p in module.named_parameters():
-            if p.dtype != params[name]:
-                p.data = p.data.to(params[name])
+            held = params[name]
+            if exact:
+                p.data = held
+            elif p.dtype != held:
+                p.data = p.data.to(held)
         for name, b in module.named_buffers():
-            if b.dtype != buffers[name]:
+            held = buffers[name]
+            if (b is not held) if exact else (b.dtype != held):
                 owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner), attr, b.to(buffers[name]))
+                setattr(module.get_submodule(owner), attr, held if exact else b.to(held))
 
 
 _REGISTRY: dict[str, type[Precision]] = {}

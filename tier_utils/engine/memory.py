@@ -18,13 +18,30 @@ import torch.nn as nn
 from ..core.errors import NoRepeatedBlocks
 
 
+def _block_list(model: nn.Module) -> nn.ModuleList | None:
+    best = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > max(1, len(best or ())) and len({type(c) for c in m}) == 1:
+            best = m
+    return best
+
+
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer's blocks: the longest nn.ModuleList whose children all have one type."""
-    best: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > max(1, len(best)) and len({type(c) for c in m}) == 1:
-            best = list(m)
-    return best
+    return list(_block_list(model) or ())
+
+
+@contextlib.contextmanager
+def fewer_blocks(model: nn.Module, n: int):
+    """`model` with only its first `n` repeated blocks for the block (a smaller probe of the same model: the
+    forward loops over the shorter list), yielding them; all of them back after. Nothing is copied."""
+    blocks = _block_list(model)
+    whole = blocks._modules
+    blocks._modules = dict(list(whole.items())[:n])
+    try:
+        yield list(blocks)
+    finally:
+        blocks._modules = whole
 
 
 def require_blocks(model: nn.Module) -> int:

@@ -81,8 +81,8 @@ class TrainStep:
     DDP passes one that skips the all-reduce on accumulation micro-steps. `track_scale=False`
     leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
     back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
-    `count_rounding`: also count the parameter updates the stored dtype rounded away (a copy of the
-    weights per step: for a measuring window, not a long run).
+    `count_rounding`: also count the parameter updates the stored dtype rounded away, over a fixed sample of
+    each parameter (ROUNDING_SAMPLE: its extra memory is bounded, whatever the model's size).
     """
 
     def __init__(self, adapter: ModelAdapter, precision: Precision, optimizer: torch.optim.Optimizer,
@@ -113,7 +113,7 @@ class TrainStep:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
         if hasattr(grad_norm, "full_tensor"):  # FSDP's sharded gradients: their global norm, replicated
             grad_norm = grad_norm.full_tensor()
-        before = [p.detach().clone() for p in self.params] if self.count_rounding else None
+        before = [rounding_sample(p).clone() for p in self.params] if self.count_rounding else None
         skipped = self.stepper.step(self.optimizer)
         # A skipped step (fp16 overflow) must not advance the LR schedule.
         if self.scheduler is not None and not skipped:
@@ -123,11 +123,24 @@ class TrainStep:
                           rounding)
 
 
+# The rounded-away count compares at most this many elements of each parameter, evenly spaced through it (all
+# of a smaller one): before each counted step it holds that sample, not a copy of every weight (+1 model).
+ROUNDING_SAMPLE = 1 << 16
+ROUNDING_SAMPLE_NOTE = f"over up to {ROUNDING_SAMPLE:,} evenly spaced elements of each parameter"
+
+
+def rounding_sample(t: torch.Tensor) -> torch.Tensor:
+    """A view of at most ROUNDING_SAMPLE elements of `t`, evenly spaced (every one of a smaller tensor)."""
+    flat = t.detach().reshape(-1)
+    return flat[::max(1, -(-flat.numel() // ROUNDING_SAMPLE))]
+
+
 def rounded_away(params: list[torch.Tensor], before: list[torch.Tensor],
                  optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
     """(elements whose AdamW update was non-zero but left the stored value unchanged, elements whose update was
-    non-zero), comparing each parameter with its copy `before` the step. AdamW moves an element when its first
-    moment is non-zero (the gradient's part) or, with weight decay, when the element is (the decay's part)."""
+    non-zero) among each parameter's rounding_sample, compared with its sample `before` the step. AdamW moves an
+    element when its first moment is non-zero (the gradient's part) or, with weight decay, when the element is
+    (the decay's part)."""
     decay = {p: g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     rounded = torch.zeros((), dtype=torch.long, device=params[0].device)
     updated = torch.zeros_like(rounded)
@@ -135,9 +148,9 @@ def rounded_away(params: list[torch.Tensor], before: list[torch.Tensor],
         state = optimizer.state.get(p, {})
         if "exp_avg" not in state:
             continue
-        moved = state["exp_avg"] != 0
+        moved = rounding_sample(state["exp_avg"]) != 0
         if decay[p]:
             moved |= old != 0
         updated += moved.sum()
-        rounded += (moved & (p.detach() == old)).sum()
+        rounded += (moved & (rounding_sample(p) == old)).sum()
     return rounded, updated

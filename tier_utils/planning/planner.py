@@ -5,15 +5,14 @@ on this device and predicted for common GPUs, and the cheapest mode that fits on
 A training step holds static bytes (per trainable parameter the precision's static_bytes_per_param(): weights,
 gradients, AdamW's two states; LoRA: the frozen base and the adapters) plus the activations autograd saves
 (budget.measure_activations: measured at three small sizes under the mode's forward context, fitted,
-extrapolated) plus, during backward, the output's gradient. With activation checkpointing the repeated blocks
-keep only their inputs, and one block's activations come back while it is recomputed. Nothing here is
-measured at the size it predicts: every figure but this device's free memory is predicted, and says so. On a
-GPU, `validate=True` finds the largest batch that really runs a training step by bisection, side by side with
-the prediction.
+extrapolated; on the first blocks only where the whole model's probe is over the budget: probe.py) plus,
+during backward, the output's gradient. With activation checkpointing the repeated blocks keep only their
+inputs, and one block's activations come back while it is recomputed. Nothing here is measured at the size it
+predicts: every figure but this device's free memory is predicted, and says so. On a GPU, `validate=True`
+finds the largest batch that really runs a training step by bisection, side by side with the prediction.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -21,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..adapter.adapter import resolve_model
-from ..core.budget import ActivationFit, Budget, gib, measure_activations, read_budget, without_oom
+from ..core.budget import ActivationFit, Budget, gib, read_budget, without_oom
 from ..core.files import jsonable
 from ..core.measure import static_memory
 from ..core.precision import PRECISIONS, Precision, capability_has, kept_dtypes, resolve_device, resolve_precision
@@ -30,9 +29,10 @@ from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine.lora import LoraSettings, lora_setting, lora_static_bytes, resolve_targets
-from ..engine.memory import checkpointed, memory_context, repeated_blocks
+from ..engine.memory import memory_context, repeated_blocks
 from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
+from .probe import size_probe
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN
@@ -215,7 +215,8 @@ class FitResult(Result):
     def headline(self) -> str:
         return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
                 f"T={self.seq_len} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
-                f"batch; GPU columns predicted ({MARGIN_NOTE})")
+                f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
+                f"{self.budget.describe()}")
 
     def overview(self) -> pd.DataFrame:
         """Indexed by mode, its verdict first; the mode's name already says its precision, checkpointing and LoRA."""
@@ -267,7 +268,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length = adapter.fit_length(cfg.seq_len or adapter.max_len)
-    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora)
+    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
                        batch_size=cfg.batch_size)
     if cfg.validate or (cfg.validate is None and dev.type == "cuda"):
@@ -280,11 +281,12 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
 
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
-         lora: LoraSettings | None = None) -> tuple[list[Config], int]:
+         lora: LoraSettings | None = None, budget: Budget | None = None) -> tuple[list[Config], int]:
     """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
     precision with checkpointing; with `lora`, LoRA under fp32 and each mixed precision (the modes whose
     weights are fp32), each with and without checkpointing alike; and how many blocks checkpointing wraps.
-    Measures on the adapter's device."""
+    Measures on the adapter's device, each (measured precision, checkpointing) once, with probes sized to
+    `budget` (None: the device's free memory now; see probe.py). The model is given back bit for bit."""
     dev = adapter.device
     blocks = len(repeated_blocks(adapter.model))
     switches = (False, True) if checkpointing and blocks else (False,)
@@ -292,32 +294,29 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
     combos = [(prec, ck, None) for prec in decided for ck in switches]
     if lora is not None and resolve_targets(adapter.model, lora):  # a model with no nn.Linear has nothing to adapt
         combos += [(prec, ck, lora) for prec in decided if prec.param_dtype == torch.float32 for ck in switches]
-    fits, configs = {}, []
+    # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
+    stand_ins = {p.name: resolve_precision(p.measured_as if p.measured_as and not p.native else p.name, dev,
+                                           warn=False) for p in decided}
+    probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev))
+    configs = []
     for prec, ck, adapters in progress_bar(combos, desc="fit", unit="config", enabled=progress):
-        p = prec.name
-        # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
-        measured_as = prec.measured_as if prec.measured_as and not prec.native else p
-        note = "" if measured_as == p else (f"; {p} uses {measured_as}'s measurement (the same ops in another "
-                                            f"2-byte type; {p} is emulated here)")
+        p, stand_in = prec.name, stand_ins[prec.name]
+        note = "" if stand_in.name == p else (f"; {p} uses {stand_in.name}'s measurement (the same ops in "
+                                              f"another 2-byte type; {p} is emulated here)")
         if adapters is not None:
             note += ("; activations: the full model's (an upper bound: a frozen layer keeps no input for a weight "
                      "gradient, the adapters' own are small)")
-        key = (measured_as, ck)
-        if key not in fits:
-            stand_in = resolve_precision(measured_as, dev, warn=False)
-            context = (lambda meter: checkpointed(adapter.model, meter)) if ck else contextlib.nullcontext
-            with kept_dtypes(adapter.model):
-                stand_in.convert_module(adapter.model)
-                fits[key] = measure_activations(adapter, stand_in, length, context)
+        note += probe.note()
         recompute, fixed = 0.0, 0.0
+        measured = probe.fit(adapter, stand_in, length, ck)
         if ck:  # one block's saved activations come back while it is recomputed
-            full, kept = fits[(measured_as, False)], fits[key]
+            full, kept = probe.fit(adapter, stand_in, length, False), measured
             # Per sequence from the fits' per-sequence parts only: the constants (autocast's weight copies) are
             # held once per recomputed block, not once per sequence. Taking them per sequence made bf16 with
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
             recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
-        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, adapters), fits[key], recompute, note,
+        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, adapters), measured, recompute, note,
                               fixed, adapters, prec))
     return configs, blocks
 

@@ -69,7 +69,7 @@ _SPIN = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end
 
 
 def test_a_run_killed_and_resumed_beside_a_busy_process_is_bitwise_the_uninterrupted_run(tmp_path, monkeypatch):
-    """No OMP_NUM_THREADS: the first process chooses its count on an idle machine, the resumed one starts
+    """No OMP_NUM_THREADS: the first process chooses its count from what the machine leaves free, the resumed one starts
     while a CPU-bound process runs (fewer free cores) and still continues on the checkpoint's count.
     (The count changes the last bits: 1 and 2 threads end apart on this run.)"""
     script, ckpt = tmp_path / "run.py", tmp_path / "ckpt"
@@ -81,7 +81,7 @@ def test_a_run_killed_and_resumed_beside_a_busy_process_is_bitwise_the_uninterru
                             text=True, env=env, timeout=600)
     assert killed.returncode == -9, (kill_at, killed.stderr[-2000:])
     chosen = load_checkpoint(ckpt / "last.pt")["threads"]
-    assert chosen == usable_cores()  # idle: one per core
+    assert 1 <= chosen <= usable_cores()  # the sample's choice: one per core the machine leaves free now
     spin = subprocess.Popen([sys.executable, "-c", _SPIN])
     try:
         resumed = subprocess.run([sys.executable, str(script), str(ckpt), "0", "busy"], capture_output=True,

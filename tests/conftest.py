@@ -8,7 +8,7 @@ from tiny import TINY, tiny
 # One torch thread count for the whole suite (torch's own, unless the caller fixed one): runs compared across
 # processes share it, and the suite's hundreds of runs don't each sample the machine for 0.2 s to choose.
 # tests/core/test_threads.py and the resume test in tests/training/test_repeatability.py clear it to test the choice.
-# Under pytest-xdist (the README's `-n 2`) the workers share the cores: a worker's share each, or two threads per
+# Under pytest-xdist (`-n N`) the workers share the cores: a worker's share each, or two threads per
 # worker spin-wait on each other (bench/threads.py measured 2 threads beside 2 busy processes 28x slower than 1).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, torch.get_num_threads() // _workers)))

@@ -27,17 +27,30 @@ ENV_VAR = "MALLOC_MMAP_THRESHOLD_"
 TUNABLE = "glibc.malloc.mmap_threshold"
 
 
-def glibc_mallopt() -> Callable[[int, int], int] | None:
-    """glibc's `mallopt(param, value)` (1 on success) where this process runs on glibc, else None."""
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc, else None."""
     try:
         version = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"; unset elsewhere
     except (AttributeError, ValueError, OSError):
         return None
-    if not version or not version.startswith("glibc"):
+    return ctypes.CDLL(None) if version and version.startswith("glibc") else None
+
+
+def glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's `mallopt(param, value)` (1 on success) where this process runs on glibc, else None."""
+    libc = _glibc()
+    if libc is None:
         return None
-    mallopt = ctypes.CDLL(None).mallopt
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt
+
+
+def trim_heap() -> None:
+    """Give the freed heap memory glibc keeps back to the OS (malloc_trim); nothing on another C library."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def users_threshold(env: Mapping[str, str]) -> str | None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .allocator import trim_heap
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -270,12 +272,10 @@ class PeakRSS:
         return int(line.split()[1]) * 1024  # kB
 
     def __enter__(self) -> PeakRSS:
-        import ctypes
         import gc
 
         gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim_heap()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS

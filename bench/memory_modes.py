@@ -22,9 +22,9 @@ import sys
 
 import psutil
 
+from tier_utils.core.device import CPU_FLAGS_ENV, cpu_flags, cpu_name
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import load_average
-from tier_utils.core.precision import CPU_FLAGS_ENV, cpu_flags, cpu_name
 
 # mode: (precision, activation checkpointing, LoRA rank or 0)
 MODES = {"fp32": ("fp32", False, 0), "fp32 + checkpointing": ("fp32", True, 0), "bf16": ("bf16", False, 0),

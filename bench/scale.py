@@ -33,9 +33,9 @@ from pathlib import Path
 
 import psutil
 
+from tier_utils.core.device import cpu_name
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import load_average
-from tier_utils.core.precision import cpu_name
 
 # name: (transformers class, its config's sizes, the optimizer of the plain step, the verbs measured)
 CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head": 12}, "AdamW",  # 124 M

@@ -23,9 +23,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tier_utils.core.device import device_name
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import summarize
-from tier_utils.core.precision import SlowPrecisionWarning, device_name, resolve_precision
+from tier_utils.core.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.core.results import run_metadata
 from tier_utils.data.datasets import build_datasets
 from tier_utils.engine.step import make_optimizer, make_scheduler

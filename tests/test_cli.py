@@ -14,6 +14,7 @@ import pytest
 import tier_utils
 from tier_utils.benchmark.config import BenchConfig, Thresholds
 from tier_utils.cli import build_parser, main
+from tier_utils.core.device import CPU_FLAGS_ENV
 from tier_utils.planning.ranks import RanksConfig
 from tier_utils.training.config import TrainConfig
 from tier_utils.tuning.study import SearchConfig
@@ -53,7 +54,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 def test_slow_precision_warning_is_one_line(capsys, monkeypatch):
     from tier_utils.core import precision
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))  # a CPU without native fp16
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2")  # a CPU without native fp16
     monkeypatch.setattr(precision, "_slow_warned", set())
     assert main(["info", "--precision", "fp16", "--device", "cpu"]) == 0
     err = capsys.readouterr().err

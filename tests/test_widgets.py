@@ -1,13 +1,13 @@
 """The notebooks' config panel: widgets write into a RunConfig, and the next run reads it."""
 import dataclasses
 from dataclasses import replace
-from unittest import mock
 
 import pytest
 import torch
 
 import tier_utils
 from tier_utils import TrainConfig
+from tier_utils.core.device import GPU_PROFILE_ENV
 from tier_utils.core.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
 from tier_utils.training.loop import train
@@ -45,11 +45,9 @@ def test_the_panel_takes_any_model_spec_and_a_data_choice(tmp_path):
         tier_utils.widgets.forget_panel_choices()
 
 
-def test_on_a_t4_the_choices_are_fp32_and_the_fp16_modes_and_auto_says_fp16():
-    fake_t4 = mock.patch.multiple(torch.cuda, is_available=lambda: True, get_device_capability=lambda d=None: (7, 5),
-                                  get_device_name=lambda d=None: "Tesla T4")
-    with fake_t4:
-        panel = config_panel(RunConfig(device="cuda"))
+def test_on_a_t4_the_choices_are_fp32_and_the_fp16_modes_and_auto_says_fp16(monkeypatch):
+    monkeypatch.setenv(GPU_PROFILE_ENV, "T4")  # decisions read a T4; the tensors stay on this CPU
+    panel = config_panel(RunConfig(device="cpu"))
     assert list(panel.precision_select.options) == ["auto", "fp32", "fp16", "fp16-true"]  # no bf16(-true) on a T4
     assert "Tesla T4" in panel.decision.value and "GradScaler" in panel.decision.value
 
@@ -142,10 +140,10 @@ def test_panel_reads_as_text_where_widgets_cannot_render():
     assert text == "settings: model tiny-gpt · precision fp32 → fp32 · batch size 4" and len(text) <= 110
 
 
-def test_sizes_left_at_none_follow_the_device():
-    fake_gpu = mock.patch.multiple(torch.cuda, is_available=lambda: True)
-    with fake_gpu:
-        gpu = RunConfig(device="cuda")
+def test_sizes_left_at_none_follow_the_device(monkeypatch):
+    monkeypatch.setenv(GPU_PROFILE_ENV, "T4")  # a T4's preset, the tensors still on this CPU
+    gpu = RunConfig(device="cpu")
+    monkeypatch.delenv(GPU_PROFILE_ENV)
     cpu = RunConfig(device="cpu")
     assert gpu.model_kwargs["d_model"] > cpu.model_kwargs["d_model"] and gpu.batch_size > cpu.batch_size
     assert (cpu.batch_size, cpu.seq_len) == (NOTEBOOK["cpu"].batch_size, NOTEBOOK["cpu"].seq_len)

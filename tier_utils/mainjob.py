@@ -19,6 +19,7 @@ from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.consistency import consistency, recorded_load
 from .benchmark.size import MEMORY_FRACTION, fp32_measure, grow_batch
+from .core.device import device_facts
 from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
@@ -257,10 +258,11 @@ def _benchmark(model, data, preset: Preset, dev, progress: bool,
 
 def _grown_batch(model, dev, batch_size: int, seq_len: int) -> dict | None:
     """On a GPU, `grow_batch`'s choice: grown until fp32's step is mostly arithmetic (a tiny model at the
-    default batch is launch-bound there, and every precision then times the same). None elsewhere."""
+    default batch is launch-bound there, and every precision then times the same). None elsewhere: growth is
+    measured on the tensors' device, so a CPU under a GPU profile keeps the preset's batch."""
     if dev.type != "cuda":
         return None
-    budget = int(MEMORY_FRACTION * torch.cuda.get_device_properties(dev).total_memory)
+    budget = int(MEMORY_FRACTION * device_facts(dev).total_bytes)
     was_training = model.training
     model.to(dev).train()
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
+from .core.device import device_facts
 from .core.settings import check_fields, setting
 from .planning.planner import FitConfig
 from .planning.ranks import RanksConfig
@@ -82,6 +83,7 @@ NOTEBOOK = {
 }
 
 
-def notebook_preset(device_type: str) -> Preset:
-    """The notebooks' preset for a device type (a device with no preset of its own gets the CPU's)."""
-    return NOTEBOOK.get(device_type, NOTEBOOK["cpu"])
+def notebook_preset(device) -> Preset:
+    """The notebooks' preset for the hardware `device` (a device, or its DeviceFacts) is decided for: a GPU's
+    (a TIER_UTILS_GPU_PROFILE card's too) or the CPU's (any other device's)."""
+    return NOTEBOOK["cuda" if device_facts(device).is_gpu else "cpu"]

@@ -98,7 +98,7 @@ class RunConfig:
     @property
     def preset(self) -> Preset:
         """The notebook preset of the device this config runs on: the lengths its tiers run for."""
-        return notebook_preset(resolve_device(self.device).type)
+        return notebook_preset(resolve_device(self.device))
 
     def build_model(self):
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts

@@ -12,6 +12,7 @@ from tiny import TINY_ARGS, tiny
 from tier_utils import amp_benchmark, fit, search, train
 from tier_utils.cli import main
 from tier_utils.core import precision as P
+from tier_utils.core.device import CPU_FLAGS_ENV
 
 QUICK = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=6, eval_batches=1,
              progress=False, device="cpu")
@@ -58,7 +59,7 @@ def held(seen, name):
 
 
 def test_bench_runs_each_mode_in_its_own_weight_dtype_from_a_bf16_stored_model(seen, monkeypatch):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")  # bf16 native: its modes run, not SKIP
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")  # bf16 native: its modes run, not SKIP
     model = tiny(seed=0).to(torch.bfloat16)
     result = amp_benchmark(model, precisions=("fp32", "bf16", "bf16-true"), **QUICK)
     assert held(seen, "fp32") == held(seen, "bf16") == ({torch.float32}, {torch.float32})  # fp32 master weights
@@ -77,7 +78,7 @@ def test_bench_runs_each_mode_in_its_own_weight_dtype_from_a_bf16_stored_model(s
 def test_rounded_away_share_is_most_updates_at_a_tiny_lr_and_few_at_a_normal_one(monkeypatch, lr, low, high):
     """bf16 keeps 8 bits of mantissa: an update of 1e-6 on a weight of ~0.02 is below half its step and is lost;
     one of 1e-3 is not. Weight decay off: its lr*wd-sized pulls are below bf16's step at either lr."""
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     result = amp_benchmark(tiny(seed=0), precisions=("bf16-true",), lr=lr, weight_decay=0.0, **QUICK)
     rec = {r.precision: r for r in result.records}
     share = rec["bf16-true"].accuracy["rounded_away_share"]
@@ -96,7 +97,7 @@ def test_train_fp16_on_an_fp16_stored_model_trains_fp32_master_weights(seen):
 
 
 def test_train_bf16_true_holds_bf16_weights_gradients_and_adamw_state(seen, monkeypatch):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     result = train(tiny(seed=0), precision="bf16-true", **TRAIN)
     assert held(seen, "bf16-true") == ({torch.bfloat16}, {torch.bfloat16})
     assert result.summary.precision == "bf16-true" and result.summary.skipped_steps is None
@@ -104,7 +105,7 @@ def test_train_bf16_true_holds_bf16_weights_gradients_and_adamw_state(seen, monk
 
 
 def test_bf16_true_without_native_bf16_skips_in_bench_and_is_one_line_in_train(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "")
     result = amp_benchmark(tiny(seed=0), precisions=("bf16-true",), **QUICK)
     rows = result.verdicts.query("precision == 'bf16-true'")
     assert set(rows.status) == {"SKIP"} and all("avx512_bf16" in d and "force=True" in d for d in rows.detail)
@@ -150,7 +151,7 @@ def test_a_mode_defined_outside_the_package_trains_and_benchmarks(fp64, seen):
 
 
 def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activations(monkeypatch):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     model = tiny(seed=0)
     n = sum(p.numel() for p in model.parameters())
     result = fit(model, precisions=("fp32", "bf16", "bf16-true"), checkpointing=False, lora=0, seq_len=16,
@@ -165,7 +166,7 @@ def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activation
 
 
 def test_search_trials_run_in_the_mode_asked(seen, monkeypatch):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, "avx512_bf16")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     model = tiny(seed=0).to(torch.bfloat16)  # stored bf16: the bf16 trials still train fp32 master weights
     search(model, space={"precision": ("choice", ["bf16", "bf16-true"])}, n_trials=2,
            start_with=[{"precision": "bf16"}, {"precision": "bf16-true"}], **TRAIN)

@@ -1,10 +1,12 @@
 import warnings
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
 from tier_utils.core import precision as P
+from tier_utils.core.device import CPU_FLAGS_ENV, _detected_cpu_flags, cpu_flags
 from tier_utils.core.precision import canonical_precision, resolve_precision, supported_precisions
 
 ALIASES = {
@@ -26,10 +28,11 @@ def test_unknown_precision_lists_valid_names(bad):
 
 
 def fake_gpu(cc, name):
-    """Pretend there is a CUDA device with compute capability `cc` (no GPU needed)."""
+    """Pretend there is a CUDA device with compute capability `cc` (no GPU needed): what core.device reads."""
+    props = SimpleNamespace(name=name, major=cc[0], minor=cc[1], total_memory=16 << 30)
     return mock.patch.multiple(
-        torch.cuda, is_available=lambda: True, get_device_capability=lambda d=None: cc,
-        get_device_name=lambda d=None: name, is_bf16_supported=lambda *a, **k: True,
+        torch.cuda, is_available=lambda: True, get_device_properties=lambda d=None: props,
+        is_bf16_supported=lambda *a, **k: True,
     )
 
 
@@ -44,7 +47,7 @@ def test_auto_on_t4_is_fp16_with_scaler_even_though_torch_claims_bf16():
 def test_auto_below_volta_is_fp32_not_unsupported_fp16():
     with fake_gpu((6, 0), "Tesla P100"):
         p = resolve_precision("auto", "cuda")
-    assert (p.name, p.native, p.needs_scaler) == ("fp32", True, False) and "< 7.0" in p.reason
+    assert (p.name, p.native, p.needs_scaler) == ("fp32", True, False) and "7.0" in p.reason
 
 
 @pytest.mark.parametrize("cc,name", [((8, 0), "NVIDIA A100"), ((9, 0), "NVIDIA H100")])
@@ -69,19 +72,18 @@ def test_explicit_bf16_on_t4_runs_but_warns_once():
 @pytest.mark.parametrize("flags,expected", [
     ({"avx512_bf16", "avx512f"}, "bf16"), ({"amx_bf16"}, "bf16"), ({"avx2"}, "fp32"), (set(), "fp32"),
 ])
-def test_auto_on_cpu_follows_native_bf16(flags, expected):
-    with mock.patch.object(P, "cpu_flags", lambda: frozenset(flags)):
-        assert resolve_precision("auto", "cpu").name == expected
+def test_auto_on_cpu_follows_native_bf16(monkeypatch, flags, expected):
+    monkeypatch.setenv(CPU_FLAGS_ENV, ",".join(flags))
+    assert resolve_precision("auto", "cpu").name == expected
 
 
-def test_fp16_on_cpu_without_native_fp16_warns_and_is_not_native():
+def test_fp16_on_cpu_without_native_fp16_warns_and_is_not_native(monkeypatch):
     P._slow_warned.clear()
-    with mock.patch.object(P, "cpu_flags", lambda: frozenset({"avx512_bf16"})), \
-            pytest.warns(P.SlowPrecisionWarning, match="fp16"):
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
+    with pytest.warns(P.SlowPrecisionWarning, match="fp16"):
         p = resolve_precision("16-mixed", "cpu")
     assert not p.native and p.needs_scaler and isinstance(p.stepper(), P.ScalerStepper)
-    with mock.patch.object(P, "cpu_flags", lambda: frozenset({"avx512_bf16"})):
-        assert supported_precisions("cpu") == ["fp32", "bf16", "bf16-true"]
+    assert supported_precisions("cpu") == ["fp32", "bf16", "bf16-true"]
 
 
 def test_fp32_has_no_autocast_and_a_disabled_scaler():
@@ -120,12 +122,12 @@ def test_to_dict_has_the_decision_and_reason():
     ("avx512_fp16", "fp32", ["fp32", "fp16", "fp16-true"]),
 ])
 def test_cpu_flags_env_replaces_the_detected_flags(monkeypatch, env, auto, supported):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, env)
-    assert P.cpu_flags() == frozenset(f.strip() for f in env.split(",") if f.strip())
+    monkeypatch.setenv(CPU_FLAGS_ENV, env)
+    assert cpu_flags() == frozenset(f.strip() for f in env.split(",") if f.strip())
     assert resolve_precision("auto", "cpu").name == auto
     assert supported_precisions("cpu") == supported
-    monkeypatch.delenv(P.CPU_FLAGS_ENV)
-    assert P.cpu_flags() == P._detected_cpu_flags()
+    monkeypatch.delenv(CPU_FLAGS_ENV)
+    assert cpu_flags() == _detected_cpu_flags()
 
 
 @pytest.mark.gpu
@@ -193,12 +195,12 @@ def test_fp16_true_says_it_has_no_loss_scaling_and_keeps_adamw_eps_representable
 
 @pytest.mark.parametrize("env,native", [("", False), ("avx512_bf16", True)])
 def test_true_modes_follow_the_hardware_rule_of_their_dtype(monkeypatch, env, native):
-    monkeypatch.setenv(P.CPU_FLAGS_ENV, env)
+    monkeypatch.setenv(CPU_FLAGS_ENV, env)
     p = resolve_precision("bf16-true", "cpu", warn=False)
     assert p.native is native and ("avx512_bf16" in p.reason)
     with fake_gpu((7, 5), "Tesla T4"):
         t4 = resolve_precision("bf16-true", "cuda", warn=False)
-        assert not t4.native and "< 8.0" in t4.reason
+        assert not t4.native and "compute capability 8.0" in t4.reason
         assert resolve_precision("fp16-true", "cuda", warn=False).native
         assert resolve_precision("auto", "cuda").name == "fp16"  # auto never picks a true mode
 

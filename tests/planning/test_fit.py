@@ -14,7 +14,7 @@ from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.memory import checkpointed
 from tier_utils.engine.step import TrainStep, make_optimizer
-from tier_utils.planning.planner import GPUS, FitConfig, bisect_batch, device_room, fit, static_bytes
+from tier_utils.planning.planner import GPU_COLUMNS, FitConfig, bisect_batch, device_room, fit, static_bytes
 
 T = 64
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)
@@ -48,7 +48,7 @@ def test_largest_batch_agrees_with_a_bisection_under_the_same_injected_budget(mo
         assert 10 <= found and abs(planned - found) <= max(1, 0.02 * found), (precision, planned, found)
         assert table.loc[(precision, "on"), "this_device"] > planned  # checkpointing fits more
     assert (table.status == "PASS").all()
-    assert (table[f"{next(iter(GPUS))} (predicted)"] > table.this_device).all()  # 15 GB holds more than 60 MiB
+    assert (table[next(iter(GPU_COLUMNS))] > table.this_device).all()  # 15 GB holds more than 60 MiB
 
 
 def test_static_bytes_match_a_real_adamw_step_without_allocating_one():
@@ -144,7 +144,7 @@ def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(mo
     assert "fit at B=16, T=64: cheapest mode that fits here bf16 + checkpointing (predicted" in result.summary_line()
     assert "T4 16 GB fp16" in result.summary_line()
     fig = result.plot()  # one bar per mode per device, and the batch asked as a line
-    assert len(fig.axes[0].patches) == len(table) * (1 + len(GPUS))
+    assert len(fig.axes[0].patches) == len(table) * (1 + len(GPU_COLUMNS))
     assert result.to_json()["cheapest"]["this_device"] == "bf16 + checkpointing"
 
 

@@ -8,7 +8,7 @@ import torch
 from tier_utils import TinyGPT
 from tier_utils.cli import main
 from tier_utils.core.budget import ActivationFit, Budget
-from tier_utils.planning.planner import GPUS, device_room, gpu_room, static_bytes
+from tier_utils.planning.planner import GPU_COLUMNS, device_room, gpu_room, static_bytes
 from tier_utils.planning.ranks import CPU_RANK_PROCESS_BYTES, RankPlan, RanksResult, plan_ranks
 
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=32)
@@ -83,11 +83,11 @@ def test_the_smallest_n_per_mode_is_where_batch_one_first_fits_per_card():
     budget = Budget("cpu", 64 * gib, "test")
     result = RanksResult(plan, (1, 2, 4, 8), "fp32", {"model": "m", "parameters": 10**9}, budget, {})
     smallest = result.smallest().set_index("mode")
-    for name, mib in GPUS.items():
-        want = next(n for n in (1, 2, 4, 8) if plan.step_bytes("fsdp", n, 1) <= gpu_room(mib))
-        assert smallest.loc["fsdp", f"{name} (predicted)"] == want
-        ddp = smallest.loc["ddp", f"{name} (predicted)"]  # DDP's copy per rank never shrinks: 1 or none
-        assert ddp == 1 if plan.step_bytes("ddp", 1, 1) <= gpu_room(mib) else pd_isna(ddp)
+    for column, card in GPU_COLUMNS.items():
+        want = next(n for n in (1, 2, 4, 8) if plan.step_bytes("fsdp", n, 1) <= gpu_room(card.memory_mib))
+        assert smallest.loc["fsdp", column] == want
+        ddp = smallest.loc["ddp", column]  # DDP's copy per rank never shrinks: 1 or none
+        assert ddp == 1 if plan.step_bytes("ddp", 1, 1) <= gpu_room(card.memory_mib) else pd_isna(ddp)
     assert smallest.loc["fsdp", "T4 16 GB (predicted)"] == 2 and pd_isna(smallest.loc["ddp", "L4 24 GB (predicted)"])
     assert "T4 16 GB DDP none up to 8, FSDP N=2" in result.summary_line()
 

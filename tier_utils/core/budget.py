@@ -1,7 +1,8 @@
 """What the device can hold and what a probe will need: free memory read once at a tier's start, a probe's
 bytes predicted from a small measured one, out-of-memory turned into a result, repeats sized to a time budget.
 
-Free memory: a CPU's available RAM (psutil), a GPU's free memory (torch.cuda.mem_get_info). The one override,
+Free memory: a CPU's available RAM (psutil), a GPU's free memory (torch.cuda.mem_get_info), a
+TIER_UTILS_GPU_PROFILE card's memory less the CUDA context (core.device decides which card). The one override,
 TIER_UTILS_FREE_MEMORY=BYTES (e.g. 2GiB), replaces that reading for every device: a test injects an
 out-of-memory through it, not through a mock of the tier.
 
@@ -21,10 +22,14 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from .device import GPU_PROFILE_ENV, device_facts
 from .errors import one_line
 from .measure import SavedTensorMeter
 
 FREE_MEMORY_ENV = "TIER_UTILS_FREE_MEMORY"
+# What torch's CUDA context takes of a card's memory before the allocator gets any: a profiled card's free
+# memory, and the planner's GPU columns, start from its memory less this.
+CUDA_CONTEXT = 512 << 20
 # The share of free memory a probe may plan to fill. A CPU shares its RAM with the OS, the notebook and
 # other jobs, and an overrun there is the OOM killer ending the kernel, not an exception: half. On a GPU an
 # overrun is a caught OutOfMemoryError, and the rest covers the allocator's fragmentation and workspaces.
@@ -56,9 +61,10 @@ def _parse_bytes(text: str) -> int:
 class Budget:
     """Free memory on one device, read once, and the share of it a probe may plan to use."""
 
-    device: str  # cpu or cuda
+    device: str  # cpu or cuda: the hardware decided for (a GPU profile's card is cuda)
     free_bytes: int
     source: str  # where the reading came from
+    on_cpu: bool | None = None  # the tensors are on a CPU (None: as `device` says; a profile's are on the CPU)
 
     @property
     def limit(self) -> int:
@@ -67,7 +73,8 @@ class Budget:
     @property
     def probe_limit(self) -> int:
         """What a measuring forward of smoke or analyze may hold (CPU_PROBE_BYTES on a CPU)."""
-        return min(self.limit, CPU_PROBE_BYTES) if self.device == "cpu" else self.limit
+        on_cpu = self.device == "cpu" if self.on_cpu is None else self.on_cpu
+        return min(self.limit, CPU_PROBE_BYTES) if on_cpu else self.limit
 
     def describe(self) -> str:
         return f"{gib(self.free_bytes)} free ({self.source}; probes plan for {SAFE_SHARE[self.device]:.0%} of it)"
@@ -79,15 +86,19 @@ class Budget:
 
 
 def read_budget(device) -> Budget:
-    """The device's free memory now: TIER_UTILS_FREE_MEMORY if set, else psutil / torch.cuda.mem_get_info."""
-    dev = torch.device(device)
-    kind = "cuda" if dev.type == "cuda" else "cpu"
+    """The device's free memory now: TIER_UTILS_FREE_MEMORY if set, else a GPU profile's card less the CUDA
+    context, else torch.cuda.mem_get_info / psutil. Its kind (and so SAFE_SHARE) follows the card decided for."""
+    facts = device_facts(device)
+    kind, on_cpu = ("cuda" if facts.is_gpu else "cpu"), facts.device.type == "cpu"
     override = os.environ.get(FREE_MEMORY_ENV)
     if override is not None:
-        return Budget(kind, _parse_bytes(override), FREE_MEMORY_ENV)
+        return Budget(kind, _parse_bytes(override), FREE_MEMORY_ENV, on_cpu)
+    if facts.profiled:
+        return Budget(kind, facts.total_bytes - CUDA_CONTEXT, f"{GPU_PROFILE_ENV}={facts.gpu.key}: "
+                      f"{gib(facts.total_bytes)} less {CUDA_CONTEXT >> 20} MiB for the CUDA context", on_cpu)
     if kind == "cuda":
-        return Budget(kind, torch.cuda.mem_get_info(dev)[0], "torch.cuda.mem_get_info")
-    return Budget(kind, psutil.virtual_memory().available, "available RAM")
+        return Budget(kind, torch.cuda.mem_get_info(facts.device)[0], "torch.cuda.mem_get_info", on_cpu)
+    return Budget(kind, psutil.virtual_memory().available, "available RAM", on_cpu)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,12 @@ _PRECISION_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp1
 # fp8. A T4 (7.5) runs bf16, but emulated: torch.cuda.is_bf16_supported() says True there, so ask the capability.
 TENSOR_CORES_FROM = {"fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}
 _TYPE_KEY = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / bf16 / fp16 (fp64), the short names results use; torch's own name for any other."""
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,12 @@ class DeviceFacts:
     name: str
     gpu: GpuProfile | None = None  # the card decided for: the real one's facts, or the profile's
     profiled: bool = False  # the card is TIER_UTILS_GPU_PROFILE's, not the one the tensors are on
+    tensors_on: str = ""  # the hardware the tensors are on, by name, where it is not `name` (under a profile)
+
+    @property
+    def measured_on(self) -> str:
+        """The hardware a figure measured here was measured on: under a profile, the real one, not the card."""
+        return self.tensors_on or self.name
 
     @property
     def is_gpu(self) -> bool:
@@ -125,7 +137,7 @@ class DeviceFacts:
         """Whether this device computes in `dtype` natively, and why (one line): the rule every mode shares."""
         key = _TYPE_KEY.get(dtype)
         if key is None:
-            return True, f"{str(dtype).replace('torch.', '')} runs everywhere"
+            return True, f"{dtype_name(dtype)} runs everywhere"
         if self.gpu is not None:
             if self.gpu.has(key):
                 return True, f"{self.describe()} has {key} tensor cores"
@@ -149,7 +161,7 @@ class DeviceFacts:
             facts.update({"compute_capability": f"{cc[0]}.{cc[1]}", "gpu_memory_bytes": self.total_bytes,
                           "tensor_cores": ", ".join(sorted(self.gpu.tensor_cores))})
             if self.profiled:
-                facts["gpu_profile"] = f"{self.gpu.key} (set by {GPU_PROFILE_ENV})"
+                facts["gpu_profile"] = f"{self.gpu.key} (set by {GPU_PROFILE_ENV}; tensors on {self.measured_on})"
         else:
             facts["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
             if CPU_FLAGS_ENV in os.environ:
@@ -157,14 +169,31 @@ class DeviceFacts:
         return facts
 
 
+def device_name(device) -> str:
+    """The name of the hardware `device`'s tensors are on (a run's figures were measured there)."""
+    return device_facts(device).measured_on
+
+
+def predicted_facts(card: GpuProfile) -> DeviceFacts:
+    """The facts of a card the planner predicts for, with no tensor on it (its GPU columns)."""
+    return DeviceFacts(torch.device("cuda"), "cuda", card.name, card)
+
+
 def device_facts(device) -> DeviceFacts:
     """The one reader of the hardware: TIER_UTILS_GPU_PROFILE's card if set, else the CUDA card `device` is on,
-    else the CPU (its flags: TIER_UTILS_CPU_FLAGS or /proc/cpuinfo)."""
+    else the CPU (its flags: TIER_UTILS_CPU_FLAGS or /proc/cpuinfo). Facts already read come back as they are."""
+    if isinstance(device, DeviceFacts):
+        return device
     dev = torch.device(device)
     profile = os.environ.get(GPU_PROFILE_ENV)
     if profile:
         card = gpu_profile(profile)
-        return DeviceFacts(dev, "cuda", card.name, card, profiled=True)
+        return DeviceFacts(dev, "cuda", card.name, card, profiled=True, tensors_on=_real_facts(dev).name)
+    return _real_facts(dev)
+
+
+def _real_facts(dev: torch.device) -> DeviceFacts:
+    """The facts of the hardware `dev` is on, whatever profile is set."""
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         card = GpuProfile("this GPU", props.name, (props.major, props.minor), props.total_memory >> 20, props.name)

@@ -10,116 +10,38 @@ instance once, at a tier's boundary; adding a mode is one subclass and `register
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import platform
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
 from .precision_steppers import ScalerStepper, Stepper
 
-# Ampere (8.0) is the first CUDA generation with bf16 tensor cores; Volta (7.0) the first with fp16 ones.
-_CUDA_BF16_MIN = (8, 0)
-_CUDA_FP16_MIN = (7, 0)
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
 _slow_warned: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How far a mode's logits may stray from fp32's, as max |Δ| / max |fp32 logits|: smoke's stability row
+    PASSes up to `logits`; export's parity PASSes up to export[0] and WARNs up to export[1], and wants
+    `agreement` (PASS, WARN) of the argmaxes where fp32's top-2 margin is decisive."""
+
+    logits: float
+    export: tuple[float, float]
+    agreement: tuple[float, float]
 
 
 class SlowPrecisionWarning(UserWarning):
     """An explicitly requested precision runs, but emulated or without hardware support."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """fp32 / bf16 / fp16 (fp64), the short names results use; torch's own name for any other."""
-    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
-
-
-# Flags that decide low-precision support on a CPU. TIER_UTILS_CPU_FLAGS (comma-separated) replaces the
-# detected set, so one machine can run every branch of the policy: `TIER_UTILS_CPU_FLAGS=` is a CPU
-# with neither native bf16 nor fp16, `TIER_UTILS_CPU_FLAGS=avx512_bf16` one with bf16 only.
-CPU_FLAGS_ENV = "TIER_UTILS_CPU_FLAGS"
-_PRECISION_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2"})
-
-
-def _cpuinfo(field: str) -> str:
-    """The first `field` line's value in Linux's /proc/cpuinfo; "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(field)), "")
-    except OSError:
-        return ""
-
-
-@functools.cache
-def _detected_cpu_flags() -> frozenset[str]:
-    return frozenset(_PRECISION_FLAGS & set(_cpuinfo("flags").split()))
-
-
-def cpu_flags() -> frozenset[str]:
-    """CPU feature flags that matter for low precision: TIER_UTILS_CPU_FLAGS if set, else Linux's
-    /proc/cpuinfo (empty elsewhere). Read at each call, so a test or notebook can switch profiles."""
-    override = os.environ.get(CPU_FLAGS_ENV)
-    if override is not None:
-        return frozenset(f.strip() for f in override.split(",") if f.strip())
-    return _detected_cpu_flags()
-
-
-def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine() or "cpu"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        return cpu_name()
-    return device.type
-
-
-def capability_has(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether a CUDA GPU of this compute capability has tensor cores for `dtype` (fp32: every GPU): the rule
-    dtype_support applies to the GPU it runs on, and the planner to the GPUs it predicts for."""
-    if dtype == torch.bfloat16:
-        return capability >= _CUDA_BF16_MIN
-    return capability >= _CUDA_FP16_MIN if dtype == torch.float16 else True
-
-
-def dtype_support(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
-    """Whether `device` computes in `dtype` natively, and why (one line): the hardware rule every mode shares."""
-    short = dtype_name(dtype)
-    if dtype not in (torch.bfloat16, torch.float16):
-        return True, f"{short} runs everywhere"
-    bf16 = dtype == torch.bfloat16
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        cc_s = f"{cc[0]}.{cc[1]}"
-        gpu = torch.cuda.get_device_name(device)
-        if bf16:
-            # is_bf16_supported() says True on a T4 (7.5) because bf16 is emulated there; ask the capability.
-            if capability_has(dtype, cc):
-                return True, f"{gpu} (compute capability {cc_s}) has bf16 tensor cores"
-            return False, f"{gpu} (compute capability {cc_s} < 8.0) has no bf16 tensor cores; bf16 is emulated and slow"
-        if capability_has(dtype, cc):
-            return True, f"{gpu} (compute capability {cc_s}) has fp16 tensor cores"
-        return False, f"{gpu} (compute capability {cc_s} < 7.0) has no fp16 tensor cores"
-    if device.type == "cpu":
-        wanted = {"avx512_bf16", "amx_bf16"} if bf16 else {"avx512_fp16", "amx_fp16"}
-        found = sorted(cpu_flags() & wanted)
-        if found:
-            return True, f"this CPU has native {short} ({', '.join(found)})"
-        if bf16:
-            return False, "this CPU has no avx512_bf16/AMX; bf16 is emulated and usually slower than fp32"
-        return False, "this CPU has no avx512_fp16/AMX-fp16; fp16 is emulated and slower than fp32"
-    return False, f"no native {short} rule for device type {device.type!r}"
-
-
 @dataclass(frozen=True)
 class Precision:
     """One mode, decided for one device: what was asked, whether the device runs it natively, and why.
 
+    `device` is where the tensors are (autocast's device type, the GradScaler's); `facts` the hardware the mode was
+    decided for (core.device: the same device, or a TIER_UTILS_GPU_PROFILE card while tensors stay on the CPU).
     The class attributes are the mode's facts; subclasses set them and override what differs.
     """
 
@@ -127,6 +49,7 @@ class Precision:
     device: torch.device
     native: bool
     reason: str
+    facts: DeviceFacts | None = field(default=None, compare=False, repr=False)  # None: read for `device`
 
     name = "fp32"
     aliases: tuple[str, ...] = ()  # other spellings of the name (Lightning's, torch's)
@@ -140,6 +63,14 @@ class Precision:
     # Whether the mode may run where its dtype is only emulated (slowly, with a warning): the mixed modes may, a
     # true mode may not (every weight, gradient and AdamW state emulated: no bf16-true on a T4).
     runs_emulated = True
+    # Where `auto` ranks the mode among those whose auto_eligible() says yes (highest wins); None: auto never
+    # picks it (a true mode trades accuracy, and is asked for by name).
+    auto_rank = 0
+    autocasts = False  # the forward runs under autocast over fp32 weights: compared with fp32 by smoke and analysis
+
+    def __post_init__(self):
+        if self.facts is None:
+            object.__setattr__(self, "facts", device_facts(self.device))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -147,24 +78,42 @@ class Precision:
         return self.compute_dtype
 
     @classmethod
-    def native_support(cls, device: torch.device) -> tuple[bool, str]:
-        """Whether `device` runs this mode natively, and why: the hardware rule of its compute dtype."""
-        return dtype_support(cls.compute_dtype, device)
+    def native_support(cls, device) -> tuple[bool, str]:
+        """Whether `device` (a device, or its DeviceFacts) runs this mode natively, and why: the hardware rule of
+        its compute dtype."""
+        return device_facts(device).dtype_support(cls.compute_dtype)
 
     @classmethod
-    def decide(cls, requested: str, device: torch.device, warn: bool = True) -> Precision:
-        """This mode on `device`, with the reason; warns once per (device, mode) if it runs emulated."""
-        native, why = cls.native_support(device)
+    def auto_eligible(cls, facts: DeviceFacts) -> tuple[bool, str]:
+        """Whether `auto` may pick this mode on `facts`' hardware, and why: by default where it runs natively."""
+        return cls.native_support(facts)
+
+    @classmethod
+    def tolerances(cls) -> Tolerances:
+        """How far this mode's logits may stray from fp32's. By default from the compute dtype's rounding: a few
+        units of its eps (a mode defined elsewhere gets sensible rows with no table to edit), never tighter than
+        fp32's own 1e-4 (different kernels summing in another order)."""
+        eps = torch.finfo(cls.compute_dtype).eps
+        return Tolerances(logits=max(1e-4, 8 * eps), export=(max(1e-4, 4 * eps), max(1e-3, 40 * eps)),
+                          agreement=(1.0, 0.99) if eps < 1e-6 else (0.98, 0.9))
+
+    @classmethod
+    def decide(cls, requested: str, device, warn: bool = True) -> Precision:
+        """This mode on `device` (or its DeviceFacts), with the reason; warns once per (device, mode) if it runs
+        emulated."""
+        facts = device_facts(device)
+        native, why = cls.native_support(facts)
         reason = f"{cls.name} requested: {why}" if native else f"{cls.name} requested: runs, but {why}"
-        if not native and warn and (str(device), cls.name) not in _slow_warned:
-            _slow_warned.add((str(device), cls.name))
+        key = (f"{facts.device}:{facts.name}", cls.name)
+        if not native and warn and key not in _slow_warned:
+            _slow_warned.add(key)
             warnings.warn(reason, SlowPrecisionWarning, stacklevel=3)
-        return cls(str(requested), device, native, reason + cls.note)
+        return cls(str(requested), facts.device, native, reason + cls.note, facts)
 
     def check_runnable(self) -> None:
         """A one-line ValueError where this mode may not run on its device (a true mode it only emulates)."""
         if not self.native and not self.runs_emulated:
-            why = self.native_support(self.device)[1]
+            why = self.native_support(self.facts)[1]
             raise ValueError(f"{self.name} needs native {dtype_name(self.param_dtype)} and {why}; use "
                              f"{dtype_name(self.compute_dtype)} (mixed) or fp32, or a device that has it")
 
@@ -212,7 +161,7 @@ class Precision:
     def to_dict(self) -> dict:
         return {"requested": self.requested, "precision": self.name, "dtype": str(self.dtype).replace("torch.", ""),
                 "param_dtype": str(self.param_dtype).replace("torch.", ""), "device": str(self.device),
-                "device_name": device_name(self.device), "native": self.native, "needs_scaler": self.needs_scaler,
+                "device_name": self.facts.measured_on, "native": self.native, "needs_scaler": self.needs_scaler,
                 "reason": self.reason}
 
 
@@ -223,29 +172,60 @@ class Fp32(Precision):
     aliases = ("32", "32-true", "float32")
 
 
+class _Bf16:
+    """bf16's tolerances (mixed and true): 8 mantissa bits, eps 7.8e-3; logits of a few layers stay within about
+    6 eps of fp32's."""
+
+    @classmethod
+    def tolerances(cls) -> Tolerances:
+        return Tolerances(logits=5e-2, export=(3e-2, 1e-1), agreement=(0.98, 0.9))
+
+
+class _Fp16:
+    """fp16's tolerances (mixed and true): 11 mantissa bits, eps 9.8e-4, about ten of them through a few layers."""
+
+    @classmethod
+    def tolerances(cls) -> Tolerances:
+        return Tolerances(logits=1e-2, export=(5e-3, 5e-2), agreement=(0.99, 0.95))
+
+
 class _Mixed(Precision):
     """fp32 master weights, gradients and AdamW state; the forward under torch.amp autocast."""
 
+    autocasts = True
+
     def forward_context(self):
+        # The tensors' device type (a CPU's under a GPU profile), whatever hardware the mode was decided for.
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _held(self) -> str:
         return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
 
 
-class Bf16Mixed(_Mixed):
+class Bf16Mixed(_Bf16, _Mixed):
     name = "bf16"
     aliases = ("bf16-mixed", "bfloat16")
     compute_dtype = torch.bfloat16
+    auto_rank = 20  # first where native: half the activations of fp32 and no loss scaler
 
 
-class Fp16Mixed(_Mixed):
+class Fp16Mixed(_Fp16, _Mixed):
     name = "fp16"
     aliases = ("16", "16-mixed", "fp16-mixed", "float16", "half")
     compute_dtype = torch.float16
     # fp16's 5-bit exponent underflows small gradients: a GradScaler scales the loss. bf16 has fp32's range.
     needs_scaler = True
     measured_as = "bf16"
+    auto_rank = 10  # after bf16: the same bytes, but a loss scaler and a narrower range
+
+    @classmethod
+    def auto_eligible(cls, facts: DeviceFacts) -> tuple[bool, str]:
+        """On a GPU with fp16 tensor cores (a T4); on a CPU auto keeps to bf16 or fp32: a CPU's fp16 is no faster
+        than its bf16 where both are native, and the loss scaler and 5-bit exponent are worth it for speed only."""
+        native, why = cls.native_support(facts)
+        if native and not facts.is_gpu:
+            return False, f"{why}, but auto takes fp16 on a GPU only"
+        return native, why
 
 
 class _True(Precision):
@@ -254,6 +234,7 @@ class _True(Precision):
     value is rounded away."""
 
     runs_emulated = False
+    auto_rank = None  # auto never trades accuracy: a true mode is asked for by name
 
     def forward_context(self):
         # Tensors the forward creates without a dtype (masks, positions) come out in the weights' dtype.
@@ -263,13 +244,13 @@ class _True(Precision):
         return f"{dtype_name(self.param_dtype)} weights, gradients and AdamW state ({self.name})"
 
 
-class Bf16True(_True):
+class Bf16True(_Bf16, _True):
     name = "bf16-true"
     param_dtype = compute_dtype = torch.bfloat16
     note = "; weights, gradients and AdamW state in bf16, no fp32 master copy: small updates are rounded away"
 
 
-class Fp16True(_True):
+class Fp16True(_Fp16, _True):
     name = "fp16-true"
     aliases = ("16-true",)
     param_dtype = compute_dtype = torch.float16
@@ -380,46 +361,49 @@ def resolve_device(device=None) -> torch.device:
     return dev
 
 
-def native_support(name: str, device: torch.device) -> tuple[bool, str]:
-    """Whether mode `name` runs natively on `device`, and why (one line)."""
+def native_support(name: str, device) -> tuple[bool, str]:
+    """Whether mode `name` runs natively on `device` (or its DeviceFacts), and why (one line)."""
     return precision_class(name).native_support(device)
 
 
-def _auto(device: torch.device) -> tuple[type[Precision], str]:
-    """auto picks among fp32 and the mixed modes only: a true mode trades accuracy, and is asked for by name."""
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        gpu = torch.cuda.get_device_name(device)
-        if cc >= _CUDA_BF16_MIN:
-            return Bf16Mixed, (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]}) has bf16 tensor cores -> bf16, "
-                               "no scaler")
-        if cc >= _CUDA_FP16_MIN:
-            return Fp16Mixed, (f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 8.0) emulates bf16 -> "
-                               "fp16 with a GradScaler")
-        return Fp32, f"auto: {gpu} (compute capability {cc[0]}.{cc[1]} < 7.0) has no fp16/bf16 tensor cores -> fp32"
-    if device.type == "cpu":
-        ok, why = Bf16Mixed.native_support(device)
+def autocast_precisions() -> tuple[str, ...]:
+    """The registered modes whose forward runs under autocast over fp32 weights (bf16, fp16 and any registered
+    like them): what smoke, analysis and `info` set beside fp32, in registry order."""
+    return tuple(name for name, cls in _REGISTRY.items() if cls.autocasts)
+
+
+def _auto(facts: DeviceFacts) -> tuple[type[Precision], str]:
+    """The registered mode of highest auto_rank that its own auto_eligible() admits on `facts`' hardware; the
+    reason says why each one ranked above it was passed over."""
+    ranked = sorted((c for c in _REGISTRY.values() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
+    passed = []
+    for cls in ranked:
+        ok, why = cls.auto_eligible(facts)
         if ok:
-            return Bf16Mixed, f"auto: {why} -> bf16 autocast, no scaler"
-        return Fp32, f"auto: {why} -> fp32"
-    return Fp32, f"auto: no mixed-precision rule for {device.type!r} -> fp32"
+            scaler = " with a GradScaler" if cls.needs_scaler else ""
+            return cls, f"auto: {cls.name}{scaler} ({why})" + "".join(f"; not {n}: {w}" for n, w in passed)
+        passed.append((cls.name, why))
+    raise ValueError(f"no registered precision may run on {facts.describe()}; register one whose auto_eligible() "
+                     "says yes (fp32 does)")
 
 
 def resolve_precision(requested="auto", device=None, *, warn: bool = True) -> Precision:
     """Decide what `requested` (a name, or a Precision of any subclass) means on `device`; warn once if it
-    will run emulated (slow). A Precision decided for this device comes back as is, so a job resolves once and
-    passes it down; one decided for another device is decided again from what was asked (auto stays auto)."""
+    will run emulated (slow). A Precision decided for this device and hardware comes back as is, so a job
+    resolves once and passes it down; one decided for another is decided again from what was asked (auto stays
+    auto)."""
     dev = resolve_device(device)
+    facts = device_facts(dev)
     if isinstance(requested, Precision):
-        if _same_device(requested.device, dev):
+        if _same_device(requested.device, dev) and requested.facts == facts:
             return requested
         if str(requested.requested).strip().lower() != "auto":  # its own class: it may be registered nowhere
-            return type(requested).decide(requested.requested, dev, warn)
+            return type(requested).decide(requested.requested, facts, warn)
         requested = requested.requested
     if canonical_precision(requested) == "auto":
-        cls, reason = _auto(dev)
-        return cls(str(requested), dev, True, reason)
-    return precision_class(requested).decide(str(requested), dev, warn)
+        cls, reason = _auto(facts)
+        return cls(str(requested), dev, True, reason, facts)
+    return precision_class(requested).decide(str(requested), facts, warn)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -431,5 +415,5 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def supported_precisions(device=None) -> list[str]:
     """fp32 plus the modes `device` runs natively (what a widget should offer besides auto)."""
-    dev = resolve_device(device)
-    return [n for n in PRECISIONS if native_support(n, dev)[0]]
+    facts = device_facts(resolve_device(device))
+    return [n for n in PRECISIONS if native_support(n, facts)[0]]

@@ -63,13 +63,17 @@ def verdict_line(statuses: dict) -> str:
 
 def run_metadata(device=None, dtype=None) -> dict:
     """What every measured figure is stamped with: device name, dtype, torch version, time."""
-    from .precision import device_name, resolve_device
+    from .device import device_facts
+    from .precision import resolve_device
     from .threads import threads_note
 
     dev = resolve_device(device)
-    meta = {"device": str(dev), "device_name": device_name(dev), "torch": torch.__version__,
+    facts = device_facts(dev)
+    meta = {"device": str(dev), "device_name": facts.measured_on, "torch": torch.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(), "threads_reason": threads_note(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if facts.profiled:  # measured here, decided for the profile's card: both are said
+        meta["gpu_profile"] = facts.to_dict()["gpu_profile"]
     if dtype is not None:
         meta["dtype"] = str(dtype).replace("torch.", "")
     return meta

@@ -2,19 +2,18 @@
 model summary."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
 from ..adapter.adapter import resolve_model
+from ..core.device import device_facts
 from ..core.display import html_table
 from ..core.files import jsonable, write_json
 from ..core.precision import (
-    CPU_FLAGS_ENV,
     Precision,
-    cpu_flags,
+    autocast_precisions,
     native_support,
     precision_setting,
     resolve_device,
@@ -66,17 +65,11 @@ def info(model=DEFAULT_MODEL, config: InfoConfig | dict | None = None, *, model_
     `model_kwargs`). config / overrides: an InfoConfig (or dict) and/or its field names as keywords."""
     cfg = merge(InfoConfig, config, overrides, "info")
     dev = resolve_device(cfg.device)
+    facts = device_facts(dev)
     env = run_metadata(dev)
-    if dev.type == "cuda":
-        cc = torch.cuda.get_device_capability(dev)
-        env["compute_capability"] = f"{cc[0]}.{cc[1]}"
-        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
-    else:
-        env["cpu_flags"] = ", ".join(sorted(cpu_flags())) or "none detected"
-        if CPU_FLAGS_ENV in os.environ:
-            env["cpu_flags"] += f" (set by {CPU_FLAGS_ENV})"
-    for name in ("bf16", "fp16"):
-        env[f"native_{name}"] = native_support(name, dev)[0]
+    env.update({k: v for k, v in facts.to_dict().items() if k not in env})  # the card (or CPU flags) decided for
+    for name in autocast_precisions():
+        env[f"native_{name}"] = native_support(name, facts)[0]
     adapter = resolve_model(model, **(model_kwargs or {}))
     # The environment section names the device once; the precision section says what was decided on it.
     decided = {k: v for k, v in resolve_precision(cfg.precision, dev).to_dict().items()

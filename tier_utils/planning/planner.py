@@ -20,10 +20,11 @@ import torch
 import torch.nn as nn
 
 from ..adapter.adapter import resolve_model
-from ..core.budget import ActivationFit, Budget, gib, read_budget, without_oom
+from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget, without_oom
+from ..core.device import GPU_PROFILES, predicted_facts
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, Precision, capability_has, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, Precision, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
@@ -34,14 +35,11 @@ from ..engine.step import TrainStep, make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 from .probe import size_probe
 
-# Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
-# allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN
-# workspaces and rounding: the margin stated with every prediction.
-GPUS = {"T4 16 GB": 15360, "L4 24 GB": 23034, "A100 40 GB": 40960, "A100 80 GB": 81920, "H100 80 GB": 81559}
-# Their compute capability: which 2-byte types have tensor cores there (core.precision.capability_has).
-GPU_CAPABILITY = {"T4 16 GB": (7, 5), "L4 24 GB": (8, 9), "A100 40 GB": (8, 0), "A100 80 GB": (8, 0),
-                  "H100 80 GB": (9, 0)}
-CUDA_CONTEXT = 512 << 20
+# The GPU columns: core.device's cards (memory as the driver reports it, capability), by the name they are sold
+# by. torch's CUDA context takes CUDA_CONTEXT of a card before the allocator gets any, and the allocator loses
+# ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN workspaces and rounding: the margin stated with
+# every prediction.
+GPU_COLUMNS = {f"{card.label} (predicted)": card for card in GPU_PROFILES.values()}
 ALLOCATOR_MARGIN = 0.10
 VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
@@ -127,6 +125,11 @@ class Config:
         return max(0, int((room - self.fixed()) // per)) if per > 0 else 0
 
 
+def gpus_mib() -> dict[str, int]:
+    """Each GPU column's card memory (MiB), for a result's JSON."""
+    return {card.label: card.memory_mib for card in GPU_PROFILES.values()}
+
+
 def gpu_room(total_mib: int) -> float:
     return (total_mib * 2**20 - CUDA_CONTEXT) * (1 - ALLOCATOR_MARGIN)
 
@@ -166,8 +169,8 @@ class FitResult(Result):
     def devices(self) -> dict[str, tuple[float, object]]:
         """Device column -> (the room a training step may use, whether a mode runs natively there)."""
         here = ("this_device", (device_room(self.budget), lambda c: c.mode.native))
-        gpus = [(f"{name} (predicted)", (gpu_room(mib), lambda c, cc=GPU_CAPABILITY[name]:
-                                         capability_has(c.mode.compute_dtype, cc))) for name, mib in GPUS.items()]
+        gpus = [(column, (gpu_room(card.memory_mib), lambda c, card=card: c.mode.native_support(
+            predicted_facts(card))[0])) for column, card in GPU_COLUMNS.items()]
         return dict([here, *gpus])
 
     def cheapest(self) -> dict[str, Config | None]:
@@ -209,8 +212,9 @@ class FitResult(Result):
 
     @property
     def table(self) -> pd.DataFrame:
-        """Modes as rows (indexed by the mode), at most 12 columns; the rest in full_table() (fit.csv)."""
-        return self.full_table().set_index("mode").iloc[:, :12]
+        """Modes as rows (indexed by the mode), at most 12 columns; the rest in full_table() (fit.csv). The lora
+        column is left out: the mode's name says it ("LoRA r=8 · bf16"), and six GPU columns need its place."""
+        return self.full_table().set_index("mode").drop(columns=["lora"]).iloc[:, :12]
 
     def headline(self) -> str:
         return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
@@ -235,7 +239,7 @@ class FitResult(Result):
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
-                         "gpus_mib": GPUS, "checkpointed_blocks": self.blocks,
+                         "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
                          "table": self.full_table(),
                          "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,

@@ -38,7 +38,7 @@ from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..engine.memory import repeated_blocks
 from ..models.builtins import DEFAULT_MODEL
-from .planner import GPUS, MARGIN_NOTE, device_room, gpu_room, plan, static_bytes
+from .planner import GPU_COLUMNS, MARGIN_NOTE, device_room, gpu_room, gpus_mib, plan, static_bytes
 
 MODES = ("ddp", "fsdp")
 # What a CPU rank's training run holds beyond its tensors (process group, data, Python objects, modules imported
@@ -166,8 +166,8 @@ class RanksResult(Result):
                        "optimizer_step_gib": p.optimizer_transient(mode, n) / 2**30,
                        "per_sample_gib": p.per_sequence() / 2**30, "process_gib": self.process_bytes / 2**30,
                        "this_device": here}
-                row.update({f"{name} (predicted)": p.largest_batch(mode, n, gpu_room(mib))
-                            for name, mib in GPUS.items()})
+                row.update({column: p.largest_batch(mode, n, gpu_room(card.memory_mib))
+                            for column, card in GPU_COLUMNS.items()})
                 row["status"] = "PASS" if here >= 1 else "WARN"
                 process = f", its process's own {gib(self.process_bytes)} included" if self.process_bytes else ""
                 row["detail"] = (f"{mode} on {n} rank(s): {gib(self.rank_bytes(mode, n, max(here, 1)))} per rank "
@@ -179,7 +179,7 @@ class RanksResult(Result):
     def smallest(self) -> pd.DataFrame:
         """Per mode, the smallest N (of those planned) at which batch 1 per rank fits, here and on each GPU."""
         t = self.table
-        columns = ["this_device", *(f"{name} (predicted)" for name in GPUS)]
+        columns = ["this_device", *GPU_COLUMNS]
         rows = []
         for mode in MODES:
             fits = t[t["mode"] == mode]
@@ -198,7 +198,7 @@ class RanksResult(Result):
     def summary_line(self) -> str:
         """One line for `all`: the smallest N per mode on the first GPU of the table and here."""
         s = self.smallest().set_index("mode")
-        gpu = f"{next(iter(GPUS))} (predicted)"
+        gpu = next(iter(GPU_COLUMNS))
 
         def said(v):
             return f"N={int(v)}" if pd.notna(v) else f"none up to {max(self.ranks)}"
@@ -210,7 +210,7 @@ class RanksResult(Result):
     def to_json(self) -> dict:
         p = self.plan
         return jsonable({"status": self.status, "seq_len": p.length, "precision": self.precision, "model": self.model,
-                         "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": GPUS,
+                         "budget": self.budget.to_dict(), "margin": MARGIN_NOTE, "gpus_mib": gpus_mib(),
                          "static_bytes": p.static, "root_params": p.root_params, "block_params": p.block_params,
                          "weight_bytes_per_param": p.weight_bytes, "reduce_bytes_per_param": p.reduce_bytes,
                          "process_bytes": self.process_bytes, "activation_fit": p.fit,
@@ -225,9 +225,10 @@ class RanksResult(Result):
         for mode in MODES:
             rows = t[t["mode"] == mode]
             ax.plot(rows.ranks, rows.static_per_rank_gib + rows.in_flight_gib, marker="o", label=f"{mode} (predicted)")
-        for name, mib in GPUS.items():
-            ax.axhline(gpu_room(mib) / 2**30, lw=0.6, ls=":", color="grey")
-            ax.annotate(name, (max(self.ranks), gpu_room(mib) / 2**30), fontsize=7, ha="right", va="bottom")
+        for card in GPU_COLUMNS.values():
+            ax.axhline(gpu_room(card.memory_mib) / 2**30, lw=0.6, ls=":", color="grey")
+            ax.annotate(card.label, (max(self.ranks), gpu_room(card.memory_mib) / 2**30), fontsize=7, ha="right",
+                        va="bottom")
         ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="static + in-flight GiB per rank")
         ax.set_xticks(self.ranks, [str(n) for n in self.ranks])
         ax.legend(fontsize=8)

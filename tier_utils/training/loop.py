@@ -17,10 +17,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..adapter.adapter import ModelAdapter, resolve_model
+from ..core.device import device_name
 from ..core.errors import DataError, TrainingDiverged
 from ..core.files import run_lock
 from ..core.inputs import writable_dir
-from ..core.precision import Precision, device_name, dtype_name, resolve_device, resolve_precision
+from ..core.precision import Precision, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.seeding import seed_everything

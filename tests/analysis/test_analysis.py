@@ -277,11 +277,14 @@ def test_cli_analyze(tmp_path, capsys):
 
 
 def test_headroom_subnormal_outputs_that_fp16_kept_close_do_not_contradict_the_drift():
-    from tier_utils.analysis.headroom import COLUMNS, recommend
+    from tier_utils.analysis.headroom import recommend
+
+    columns = ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal", "bf16_rel_dev",
+               "fp16_rel_dev", "fp16_nonfinite", "fp32_nonfinite"]
 
     def table(dev, abs_max=1.0):  # one layer with 20% of its outputs below fp16's smallest normal
         return pd.DataFrame([["attn.drop", "Dropout", 1, abs_max, 65504 / abs_max, 0.2, 0.004, dev, 0, 0]],
-                            columns=COLUMNS)
+                            columns=columns)
 
     assert recommend(table(0.001))[0] == "fp16 safe"  # measured: the underflow cost nothing
     assert recommend(table(0.2)) == ("fp16 needs scaling care", ["attn.drop"], "WARN")  # measured: it did

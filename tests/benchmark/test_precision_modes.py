@@ -9,10 +9,10 @@ import pytest
 import torch
 from tiny import TINY_ARGS, tiny
 
-from tier_utils import amp_benchmark, fit, search, train
+from tier_utils import amp_benchmark, export, fit, search, train
 from tier_utils.cli import main
 from tier_utils.core import precision as P
-from tier_utils.core.device import CPU_FLAGS_ENV
+from tier_utils.core.device import CPU_FLAGS_ENV, GPU_PROFILE_ENV
 
 QUICK = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=6, eval_batches=1,
              progress=False, device="cpu")
@@ -118,11 +118,19 @@ def test_bf16_true_without_native_bf16_skips_in_bench_and_is_one_line_in_train(t
 
 
 class Fp64True(P.Precision):
-    """A toy mode defined outside the package: everything in float64, counting its forwards."""
+    """A toy mode defined outside the package: everything in float64, counting its forwards; auto picks it first
+    on a CPU (its own rule) and never on a GPU."""
 
     name = "fp64-true"
     param_dtype = compute_dtype = torch.float64
     forwards = 0
+    auto_rank = 100
+
+    @classmethod
+    def auto_eligible(cls, facts):
+        if facts.is_gpu:
+            return False, f"fp64 has no tensor cores on {facts.describe()}"
+        return True, "the test's rule: on a CPU, exact arithmetic first"
 
     def forward_context(self):
         Fp64True.forwards += 1
@@ -148,6 +156,25 @@ def test_a_mode_defined_outside_the_package_trains_and_benchmarks(fp64, seen):
     assert rec.ran and rec.dtype == "float64" and held(seen, "fp64-true")[0] == {torch.float64}
     assert rec.memory["reduction"]["static"] == pytest.approx(-1.0, abs=0.01)  # twice fp32's static bytes
     assert rec.accuracy["parity"]["max_rel_dev"] < 1e-3  # float64 follows fp32's curve
+
+
+def test_a_mode_defined_outside_the_package_is_chosen_by_auto_under_its_own_rule(fp64, seen, tmp_path, monkeypatch):
+    """auto ranks the registry by each class's auto_rank and auto_eligible(): the test's mode wins on a CPU, and
+    under a T4 profile its rule declines and the reason says why; its tolerances come from its dtype."""
+    p = P.resolve_precision("auto", "cpu")
+    assert p.name == "fp64-true" and "the test's rule" in p.reason
+    result = train(tiny(seed=0), precision="auto", **TRAIN)
+    assert result.summary.precision == "fp64-true" and held(seen, "fp64-true")[0] == {torch.float64}
+    monkeypatch.setenv(GPU_PROFILE_ENV, "T4")
+    t4 = P.resolve_precision("auto", "cpu")
+    assert t4.name == "fp16" and "not fp64-true: fp64 has no tensor cores on Tesla T4" in t4.reason
+    monkeypatch.delenv(GPU_PROFILE_ENV)
+    tol = fp64.tolerances()  # no table anywhere names fp64-true: the default rule from float64's eps
+    assert tol.export == (1e-4, 1e-3) and tol.agreement == (1.0, 0.99)
+    exported = export(tiny(seed=0), tmp_path / "m.pt2", format="pt2", precision="fp64-true", repeats=1)
+    assert exported.config.rel_tolerance == tol.export and exported.config.argmax_agreement == tol.agreement
+    parity = exported.table[exported.table.check.str.startswith("logits rel max")]
+    assert len(parity) and (parity.threshold == tol.export[0]).all() and (parity.status == "PASS").all()
 
 
 def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activations(monkeypatch):

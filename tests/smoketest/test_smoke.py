@@ -10,6 +10,7 @@ from tiny import TINY
 from tier_utils import SmokeConfig, TinyEncoder, TinyGPT, load_model, smoke
 from tier_utils.cli import main
 from tier_utils.core import budget
+from tier_utils.core.precision import precision_class
 from tier_utils.core.results import CHECK_COLUMNS
 from tier_utils.smoketest import checks as smoke_checks
 
@@ -231,7 +232,7 @@ def test_forced_precision_runs_instead_of_skipping():
     else:
         assert "forced" in row.detail
     # fp16 rounding moves this model's logits by about 5e-4 of their range: measurable, and well inside 1e-2.
-    assert row.status == "PASS" and 0 < float(row.value) < smoke_checks.LOW_PRECISION_TOL["fp16"]
+    assert row.status == "PASS" and 0 < float(row.value) < precision_class("fp16").tolerances().logits
 
 
 def test_bad_arguments_raise_value_errors_naming_the_fix():

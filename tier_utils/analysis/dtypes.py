@@ -16,14 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..core.precision import resolve_precision
+from ..core.precision import autocast_precisions, resolve_precision
 from ..core.results import Check
 from .common import Context, Outcome, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
 
-LOW_PRECISIONS = ("bf16", "fp16")
 COLUMNS = ["autocast", "op", "dtype", "count"]
 SAMPLE_TOKENS = 16
 
@@ -67,18 +66,18 @@ def run(ctx: Context) -> Outcome:
 
 def _run(ctx: Context) -> Outcome:
     frames, checks = [], []
-    dtype_names = {"bf16": "bfloat16", "fp16": "float16"}
     # Which dtype an op computes in does not depend on the batch's size: one short sequence shows it, in a
     # fraction of the time (an emulated fp16 forward of a big model takes minutes on a CPU).
     sample = head(ctx.batches[0], 1, SAMPLE_TOKENS)
-    for precision in LOW_PRECISIONS:
+    for precision in autocast_precisions():  # the registered autocast modes (bf16, fp16)
         df = op_dtypes(ctx, sample, precision)
         frames.append(df)
         compute = df[df.op != "_to_copy"]
-        low = int(compute[compute.dtype == dtype_names[precision]]["count"].sum())
+        low_dtype = str(resolve_precision(precision, ctx.adapter.device, warn=False).compute_dtype)[len("torch."):]
+        low = int(compute[compute.dtype == low_dtype]["count"].sum())
         total = int(compute["count"].sum())
         casts = int(df[df.op == "_to_copy"]["count"].sum())
-        detail = (f"{dtype_names[precision]}: {_summary(df, dtype_names[precision])}; float32: "
+        detail = (f"{low_dtype}: {_summary(df, low_dtype)}; float32: "
                   f"{_summary(df, 'float32')}; {casts} casts")
         status = "PASS" if low else "WARN"
         if not low:
@@ -93,8 +92,9 @@ def plot(outcome: Outcome) -> Figure:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.5), layout="constrained")
-    axes = fig.subplots(1, len(LOW_PRECISIONS), squeeze=False)[0]
-    for ax, precision in zip(axes, LOW_PRECISIONS):
+    modes = list(dict.fromkeys(df.autocast))  # the modes run, in their order
+    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    for ax, precision in zip(axes, modes):
         sub = df[(df.autocast == precision) & (df.op != "_to_copy")]
         grid = sub.pivot_table(index="op", columns="dtype", values="count", aggfunc="sum", fill_value=0)
         grid = grid.loc[grid.sum(axis=1).sort_values().index]

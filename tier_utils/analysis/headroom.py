@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..core.budget import gib, row_chunks
 from ..core.plotting import category_ticks, decade_limits
-from ..core.precision import native_support, resolve_precision
+from ..core.precision import autocast_precisions, dtype_name, native_support, resolve_precision
 from ..core.results import Check
 from .common import Context, Outcome, first_tensor, head, on_fp32_weights
 
@@ -31,8 +31,24 @@ FP16_TINY = torch.finfo(torch.float16).tiny  # 6.1e-5, smallest normal
 CARE_FACTOR = 16  # abs-max within 16x (4 bits) of 65504 leaves too little room: fp16 needs care
 CARE_UNDERFLOW = 0.05  # more than 5% of a layer's non-zero outputs are fp16-subnormal: fp16 needs care
 DRIFT = 0.05  # relative deviation of the model output from fp32 above this: WARN
-COLUMNS = ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal", "bf16_rel_dev",
-           "fp16_rel_dev", "fp16_nonfinite", "fp32_nonfinite"]
+# The range columns are fp16's (the dtype whose range runs out); the deviation columns one per registered autocast
+# mode's compute dtype (bf16_rel_dev, fp16_rel_dev), where fp16's also counts its non-finite outputs.
+FP16 = dtype_name(torch.float16)
+
+
+def _columns(modes: dict) -> list[str]:
+    return ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal",
+            *(f"{dt}_rel_dev" for dt in modes), "fp16_nonfinite", "fp32_nonfinite"]
+
+
+def _autocast_modes(dev) -> dict:
+    """The registered autocast modes decided on `dev`, one per compute dtype (autocast's result depends on that
+    alone), by the dtype's short name."""
+    modes = {}
+    for name in autocast_precisions():
+        prec = resolve_precision(name, dev, warn=False)
+        modes.setdefault(dtype_name(prec.compute_dtype), prec)
+    return modes
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -118,17 +134,17 @@ def _run(ctx: Context) -> Outcome:
     n, scope = _compared_rows(ctx, row_bytes)
     sample = head(ctx.batches[0], n)
     ref = _outputs(ctx, sample, resolve_precision("fp32", dev, warn=False))
-    low = {name: _outputs(ctx, sample, resolve_precision(name, dev, warn=False)) for name in ("bf16", "fp16")}
+    modes = _autocast_modes(dev)
+    low = {dt: _outputs(ctx, sample, prec) for dt, prec in modes.items()}
     rows = []
     for name, s in stats.rows.items():
-        bf16_dev, _ = _deviation(ref.get(name, []), low["bf16"].get(name, []))
-        fp16_dev, fp16_bad = _deviation(ref.get(name, []), low["fp16"].get(name, []))
+        devs = {dt: _deviation(ref.get(name, []), out.get(name, [])) for dt, out in low.items()}
         rows.append({"layer": name, "type": s["type"], "calls": s["calls"], "abs_max": s["abs_max"],
                      "fp16_headroom": FP16_MAX / s["abs_max"] if s["abs_max"] else float("inf"),
                      "below_fp16_normal": s["tiny"] / s["nonzero"] if s["nonzero"] else 0.0,
-                     "bf16_rel_dev": bf16_dev, "fp16_rel_dev": fp16_dev, "fp16_nonfinite": fp16_bad,
-                     "fp32_nonfinite": s["nonfinite"]})
-    df = pd.DataFrame(rows, columns=COLUMNS)
+                     **{f"{dt}_rel_dev": d for dt, (d, _) in devs.items()},
+                     "fp16_nonfinite": devs.get(FP16, (0, 0))[1], "fp32_nonfinite": s["nonfinite"]})
+    df = pd.DataFrame(rows, columns=_columns(modes))
     broken = df[df.fp32_nonfinite > 0].layer.tolist()
     if broken or out_nonfinite:
         first = df[df.fp32_nonfinite > 0].iloc[0] if broken else None
@@ -137,7 +153,7 @@ def _run(ctx: Context) -> Outcome:
         reason = f"fp32 outputs are already NaN/inf {where}; no precision is safe until fp32 is finite"
         checks = [Check("recommendation", "FAIL", "fp32 is not finite", "finite fp32 outputs", reason)]
         checks += [Check(f"{prec} drift", "FAIL", None, f"<= {DRIFT} at the output",
-                         f"no finite fp32 reference: {reason}") for prec in ("bf16", "fp16")]
+                         f"no finite fp32 reference: {reason}") for prec in modes]
         return Outcome(checks, {"headroom": df}, {"drivers": broken})
     recommendation, drivers, status = recommend(df)
     if status == "WARN" and recommendation == "prefer bf16" and ctx.precision.compute_dtype == torch.float16:
@@ -145,7 +161,7 @@ def _run(ctx: Context) -> Outcome:
     checks = [Check("recommendation", status, recommendation,
                     f"abs_max < 65504/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below 6.1e-5",
                     _explain(df, recommendation, drivers, len(ctx.batches)))]
-    checks += [_drift_check(df, prec, scope) for prec in ("bf16", "fp16")]
+    checks += [_drift_check(df, prec, scope) for prec in modes]
     return Outcome(checks, {"headroom": df}, {"drivers": drivers})
 
 
@@ -159,7 +175,7 @@ def _compared_rows(ctx: Context, row_bytes: float) -> tuple[int, str]:
     if ctx.budget is not None and 3 * row_bytes * total > ctx.budget.probe_limit:
         n = max(1, int(ctx.budget.probe_limit // (3 * row_bytes)))
         why = f"every layer's output in 3 precisions, at most {gib(ctx.budget.probe_limit)} here"
-    emulated = [p for p in ("bf16", "fp16") if not native_support(p, ctx.adapter.device)[0]]
+    emulated = [p for p in autocast_precisions() if not native_support(p, ctx.adapter.device)[0]]
     if emulated and n > 1:
         n, why = 1, f"{' and '.join(emulated)} emulated on {ctx.adapter.device.type} (slow)"
     return n, f" (on {n} of the first batch's {total} sequences: {why})" if n < total else ""
@@ -241,8 +257,8 @@ def plot(outcome: Outcome) -> Figure:
     ax_range.set(yscale="log", ylabel="output abs-max (fp32)")
     keys = [Patch(color="C3", label="drives the recommendation")] if drivers else []
     ax_range.legend(handles=[*keys, Patch(color="C0", label="other layers" if drivers else "layer"), limit], fontsize=8)
-    for prec, color in (("bf16", "C2"), ("fp16", "C1")):
-        dev = df[f"{prec}_rel_dev"]
+    for i, prec in enumerate(c[:-len("_rel_dev")] for c in df.columns if c.endswith("_rel_dev")):
+        dev, color = df[f"{prec}_rel_dev"], f"C{(2 - i) % 10}"  # bf16 green, fp16 orange, as before
         ax_dev.plot(x, dev.where(dev > 0), marker=".", color=color, label=prec)  # exact (0) has no log: a gap
     ax_dev.set_yscale("log")
     decade_limits(ax_dev)

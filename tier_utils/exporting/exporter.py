@@ -26,7 +26,7 @@ from ..core.display import round_to_spread
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import StepTimer, summarize
-from ..core.precision import Precision, dtype_name, precision_setting, resolve_precision
+from ..core.precision import Precision, Tolerances, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..core.threads import chooses_threads
@@ -34,12 +34,9 @@ from ..data.datasets import DataDescription, make_loader
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
-# max |artifact - eager| / max |eager logits|: PASS up to the first, WARN up to the second, else FAIL.
-# Low precisions get room for different kernels rounding differently; by the weights' dtype (a mode's name is the
-# precision object's business).
-REL_TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (3e-2, 1e-1), "fp16": (5e-3, 5e-2)}
-# Argmax agreement at positions whose eager top-2 margin exceeds the difference (a near-tie may flip).
-AGREEMENT = {"fp32": (1.0, 0.99), "bf16": (0.98, 0.9), "fp16": (0.99, 0.95)}
+# Parity's tolerances are the precision's own (Precision.tolerances(): max |artifact - eager| / max |eager logits|
+# PASS up to the first, WARN up to the second; argmax agreement where eager's top-2 margin is decisive): low
+# precisions get room for different kernels rounding differently.
 
 
 @dataclass
@@ -189,13 +186,12 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
                                                                                        "argmax agreement")]
                 continue
-            checks += _parity(wrapper(*batch).float(), runner(batch).float(), dtype_name(prec.dtype), label)
+            checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.tolerances(), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
-                       rel_tolerance=REL_TOLERANCE[dtype_name(prec.dtype)],
-                       argmax_agreement=AGREEMENT[dtype_name(prec.dtype)])
+                       rel_tolerance=prec.tolerances().export, argmax_agreement=prec.tolerances().agreement)
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)
 
@@ -304,11 +300,11 @@ def _runner(fmt: str, payload: bytes, keys):
     return (lambda batch: torch.from_numpy(session.run(None, {k: v.numpy() for k, v in zip(keys, batch)})[0])), None
 
 
-def _parity(eager: torch.Tensor, out: torch.Tensor, prec: str, label: str) -> list[Check]:
+def _parity(eager: torch.Tensor, out: torch.Tensor, tolerances: Tolerances, label: str) -> list[Check]:
     diff = (out - eager).abs()
     max_abs = diff.max().item()
     rel = max_abs / max(eager.abs().max().item(), 1e-12)
-    pass_at, warn_at = REL_TOLERANCE[prec]
+    pass_at, warn_at = tolerances.export
     status = "PASS" if rel <= pass_at else "WARN" if rel <= warn_at else "FAIL"
     checks = [Check(f"logits rel max |Δ| ({label})", status, rel, pass_at,
                     f"max |Δ| {max_abs:.3g} over {eager.numel():,} logits, relative to max |eager| "
@@ -318,7 +314,7 @@ def _parity(eager: torch.Tensor, out: torch.Tensor, prec: str, label: str) -> li
     agree = out.argmax(-1) == eager.argmax(-1)
     n = int(decisive.sum())
     value = agree[decisive].float().mean().item() if n else 1.0
-    pass_at, warn_at = AGREEMENT[prec]
+    pass_at, warn_at = tolerances.agreement
     status = "PASS" if value >= pass_at else "WARN" if value >= warn_at else "FAIL"
     checks.append(Check(f"argmax agreement ({label})", status, value, pass_at,
                         f"over n={n} of {agree.numel()} positions not tied within 2 x max |Δ|; all positions: "

@@ -19,14 +19,20 @@ from ..adapter.adapter import ModelAdapter
 from ..core.budget import affordable_repeats, gib, measure_activations, row_chunks, size_note, sized_to
 from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
-from ..core.precision import Precision, dtype_name, native_support, resolve_precision
+from ..core.precision import (
+    Precision,
+    autocast_precisions,
+    dtype_name,
+    native_support,
+    precision_class,
+    resolve_precision,
+)
 from ..core.results import Check, failed_check
 from ..engine.distributed import is_sharded
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
-LOW_PRECISION_TOL = {"bf16": 5e-2, "fp16": 1e-2}  # max |logits - fp32 logits| / max |fp32 logits|
 PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
 INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
 EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
@@ -350,7 +356,7 @@ def _stability(adapter: ModelAdapter, report):
             except Exception as exc:
                 ref = exc
         rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
-                         batch, ref, reference, note) for low in ("bf16", "fp16")]
+                         batch, ref, reference, note) for low in autocast_precisions()]
     yield from rows
 
 
@@ -374,7 +380,7 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
                         ref: torch.Tensor | Exception, reference: str = "fp32", note: str = "") -> Check:
     if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
         raise ref
-    tol = LOW_PRECISION_TOL[low]
+    tol = precision_class(low).tolerances().logits  # max |logits - fp32 logits| / max |fp32 logits|
     native, why = native_support(low, adapter.device)
     forced = requested.name == low  # asked for by name; auto only ever picks a native one
     if not native and not forced:

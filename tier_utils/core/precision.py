@@ -220,8 +220,8 @@ class Fp16Mixed(_Fp16, _Mixed):
 
     @classmethod
     def auto_eligible(cls, facts: DeviceFacts) -> tuple[bool, str]:
-        """On a GPU with fp16 tensor cores (a T4); on a CPU auto keeps to bf16 or fp32: a CPU's fp16 is no faster
-        than its bf16 where both are native, and the loss scaler and 5-bit exponent are worth it for speed only."""
+        """On a GPU with fp16 tensor cores (a T4). On a CPU auto's rule is bf16 where native, else fp32: fp16, with
+        its loss scaler and 5-bit exponent, is asked for there by name."""
         native, why = cls.native_support(facts)
         if native and not facts.is_gpu:
             return False, f"{why}, but auto takes fp16 on a GPU only"

@@ -43,11 +43,13 @@ class ModelSource:
     # own tensors say it.
     stored_dtype: torch.dtype | None = None
     lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
+    # A 4-bit NF4 base's settings ({"compute_dtype": "bfloat16"}; engine/quantization.py), None for a plain one.
+    quantized: dict | None = None
 
     def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
         return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights,
-                "lora": lora}
+                "lora": lora, "quantized": self.quantized}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:
@@ -81,6 +83,34 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
                                           tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
                                           stored_dtype=stored or source.stored_dtype)
     return model
+
+
+def is_pretrained_spec(spec) -> bool:
+    """Does `spec` load through transformers' from_pretrained (a save_pretrained or peft adapter folder, a hub id),
+    which can quantise the weights as they load? `hf:<ModelClass>` builds random weights from a config instead."""
+    if not isinstance(spec, (str, Path)):
+        return False
+    text = str(spec).strip()
+    if text.startswith(HUB_PREFIX):
+        return _model_class(_transformers(), text[len(HUB_PREFIX):]) is None
+    path = Path(text).expanduser()
+    return path.is_dir() and any((path / name).is_file() for name in ("config.json", "adapter_config.json"))
+
+
+def _model_class(transformers, name: str):
+    """transformers' model class called `name` (one with a config class), else None."""
+    cls = getattr(transformers, name, None)
+    return cls if inspect.isclass(cls) and getattr(cls, "config_class", None) is not None else None
+
+
+def _quantization(kwargs: dict) -> tuple[dict, dict | None]:
+    """from_pretrained's kwargs less its quantization_config (an object, not a value a checkpoint can record), and
+    what the source records of it."""
+    config = kwargs.get("quantization_config")
+    if config is None:
+        return kwargs, None
+    rest = {k: v for k, v in kwargs.items() if k != "quantization_config"}
+    return rest, {"compute_dtype": str(config.bnb_4bit_compute_dtype).removeprefix("torch.")}
 
 
 def _build(spec, kwargs: dict) -> nn.Module:
@@ -121,9 +151,10 @@ def _build(spec, kwargs: dict) -> nn.Module:
 
 
 def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None,
-             stored: torch.dtype | None = None) -> nn.Module:
+             stored: torch.dtype | None = None, quantized: dict | None = None) -> nn.Module:
     """`stored`: what the spec's files say the weights are stored in; None: the parameters' dtype as built."""
-    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model))
+    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model),
+                                          quantized=quantized)
     return model
 
 
@@ -205,8 +236,8 @@ def _transformers():
 def _load_hf(name: str, kwargs: dict) -> nn.Module:
     """`hf:<ModelClass>` builds random weights from a config; anything else is a hub id."""
     transformers = _transformers()
-    cls = getattr(transformers, name, None)
-    if cls is not None and inspect.isclass(cls) and getattr(cls, "config_class", None) is not None:
+    cls = _model_class(transformers, name)
+    if cls is not None:
         try:
             model = cls(cls.config_class(**kwargs))
         except Exception as exc:
@@ -220,8 +251,9 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
     auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
     model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
+    kwargs, quantized = _quantization(kwargs)
     return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name,
-                    stored)
+                    stored, quantized)
 
 
 @contextmanager
@@ -264,7 +296,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     if tokenizer is None:
         warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
                       "tokenizer it was trained with", stacklevel=4)
-    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored)
+    kwargs, quantized = _quantization(kwargs)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored, quantized)
 
 
 def _load_dtype(kwargs: dict, stored: torch.dtype | None) -> dict:
@@ -292,7 +325,7 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32 adapters
     path = path.resolve()
     tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
-    return _sourced(model, str(path), {}, tokenizer)
+    return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:
@@ -324,7 +357,10 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
                              "build that module and load the checkpoint's 'model' weights into it, or give the "
                              "spec and --weights")
     # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).
-    source = ModelSource(**recorded, stored_dtype=tensors_dtype(state["model"].values()))
+    source = ModelSource(**{**recorded, "quantized": None}, stored_dtype=tensors_dtype(state["model"].values()))
+    if recorded.get("quantized"):  # its adapters fit the full-precision base too, which is what load_model builds
+        warnings.warn(f"{path} was trained over a 4-bit NF4 base; its adapters are loaded over the base in its stored "
+                      "dtype, whose outputs differ by the quantisation error", stacklevel=4)
     model = _build(recorded["spec"], dict(recorded["kwargs"]))
     _held_as_saved(model, state["model"])
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import pickle
 import sys
 import typing
 import warnings
@@ -18,7 +19,7 @@ from ..core.errors import CheckpointError, ModelSpecError, describe, one_line
 from ..core.hub import HUB_PREFIX, from_hub
 from ..data.tokenizer import is_tokenizer_folder
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
-from .checkpoint import load_checkpoint
+from .checkpoint import blocked_global, load_checkpoint
 from .demo import load_demo
 from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, safetensors_dtype, tensors_dtype
 
@@ -322,7 +323,18 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"{spec}/adapter_config.json names no base model (base_model_name_or_path); set it to "
                              "the base's folder or spec")
     base = _build(base_spec, kwargs)
-    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32 adapters
+    from safetensors import SafetensorError  # installed with peft
+
+    try:  # peft reads adapter_model.safetensors, else a pickled adapter_model.bin with torch.load(weights_only=True)
+        model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32
+    except pickle.UnpicklingError as exc:  # torch's message suggests weights_only=False: never for a foreign file
+        what = f"it references {blocked_global(exc)}" if blocked_global(exc) else "it holds pickle instructions"
+        raise ModelSpecError(f"refused to load the adapter in {spec}: {what}, which no adapter's weights hold "
+                             "(loading it could run code); use adapter folders from a source you trust, saved as "
+                             "safetensors") from exc
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, SafetensorError) as exc:
+        raise ModelSpecError(f"cannot read the adapter in {spec} ({describe(exc, limit=160)}); check the folder "
+                             "(adapter_config.json and adapter_model.safetensors or .bin)") from exc
     path = path.resolve()
     tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
     return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))

@@ -257,3 +257,23 @@ def test_without_bitsandbytes_the_line_names_the_extra(monkeypatch):
     with pytest.raises(QuantizationError, match=r"pip install 'tier_utils\[qlora\]'") as exc:
         require_bitsandbytes("QLoRA (bits=4)")
     assert str(exc.value).startswith("QLoRA (bits=4) needs bitsandbytes") and "\n" not in str(exc.value)
+
+
+def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16):
+    import tier_utils as tu
+
+    model = load_quantized(str(llama_bf16), torch.bfloat16)
+    report = tu.smoke(model, checks="init,stability", device="cpu", progress=False)
+    named = "NF4 4-bit base (14 Linear4bit)"
+    assert report.to_json()["model"]["quantized"].startswith(named)
+    rows = report.table.set_index("check")
+    assert rows.loc["init: weights dtype", "detail"].startswith(named)
+    # The packed 4-bit codes are not read as weights (they looked like 60-sigma matrices with dead rows).
+    assert rows.loc["init: weight scale", "status"] == "PASS" and "14 quantised" in rows.loc["init: weights dtype",
+                                                                                               "detail"]
+    assert not any("proj" in name for name in report.parameters["name"])
+    assert rows.loc["stability: bf16 vs fp32 logits", "status"] == "PASS"  # no .float() of a quantised model
+    assert len(quantized_layers(model)) == 14  # as loaded, still
+    analysis = tu.analyze(model, analyses="dtypes", device="cpu", progress=False)
+    assert analysis.to_json()["model"]["quantized"].startswith(named)
+    assert set(analysis.table.status) <= {"PASS", "WARN"}, analysis.table

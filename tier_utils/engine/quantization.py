@@ -146,6 +146,12 @@ def describe_quantized(model: nn.Module) -> str | None:
             f"{','.join(rest) or 'none'}, compute in {','.join(compute)}")
 
 
+def quantized_summary(model: nn.Module) -> dict:
+    """What a result's model summary adds for a 4-bit base ({"quantized": describe_quantized}); {} for any other."""
+    text = describe_quantized(model)
+    return {"quantized": text} if text else {}
+
+
 def load_quantized(spec, compute_dtype: torch.dtype, **kwargs) -> nn.Module:
     """load_model(spec, **kwargs) with a 4-bit NF4 base: a transformers folder or hub id quantised as it loads
     (BitsAndBytesConfig), any other spec built, then its block Linear layers quantised."""

@@ -20,6 +20,7 @@ from tier_utils.engine.quantization import (
     quantize_linears,
     quantized_bytes_per_param,
     quantized_layers,
+    require_adapters,
     require_bitsandbytes,
 )
 from tier_utils.engine.step import make_optimizer
@@ -230,6 +231,9 @@ def test_a_qlora_checkpoint_holds_the_adapters_only_and_resumes_bitwise(llama_bf
     _, optimizer = _train(cut, 3)
     state = {"model": model_state(cut), "optimizer": optimizer.state_dict()}
     assert state["model"] and all("lora_" in k for k in state["model"])  # no 4-bit base in it
+    require_adapters(cut)  # a QLoRA model passes; the bare 4-bit base would be written whole, so it is refused:
+    with pytest.raises(QuantizationError, match="no LoRA adapters"):
+        require_adapters(load_quantized(str(llama_bf16), torch.bfloat16))
     assert all(t.dtype == torch.float32 for t in state["model"].values())
     resumed = fresh()  # a new process's model: quantised again from the folder, adapters from the checkpoint
     load_model_state(resumed, state["model"])

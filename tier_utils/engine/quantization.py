@@ -146,6 +146,14 @@ def describe_quantized(model: nn.Module) -> str | None:
             f"{','.join(rest) or 'none'}, compute in {','.join(compute)}")
 
 
+def require_adapters(model: nn.Module) -> None:
+    """A 4-bit base trains through LoRA adapters only: its packed weights take no gradient, and a checkpoint of the
+    whole model would hold them; a 4-bit model without adapters is one line, before any step."""
+    if quantized_layers(model) and not is_lora(model):
+        raise QuantizationError(f"{type(model).__name__} has a 4-bit base and no LoRA adapters to train; give lora "
+                                "with bits=4 (QLoRA), or load the base without bits=4 for a full fine-tune")
+
+
 def quantized_summary(model: nn.Module) -> dict:
     """What a result's model summary adds for a 4-bit base ({"quantized": describe_quantized}); {} for any other."""
     text = describe_quantized(model)

@@ -61,10 +61,6 @@ def hf_quantization_config(compute_dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=QUANT_TYPE, bnb_4bit_compute_dtype=compute_dtype)
 
 
-def _linear4bit():
-    return require_bitsandbytes("a 4-bit base (QLoRA)").nn.Linear4bit
-
-
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The model's Linear4bit layers by full name (none: not quantised)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: nothing can be quantised, and the import costs seconds
@@ -102,23 +98,20 @@ def quantize_linears(model: nn.Module, compute_dtype: torch.dtype) -> list[str]:
     done = quantized_layers(model)
     if done:
         return list(done)
-    linear4bit = _linear4bit()
-    import bitsandbytes as bnb
-
+    bnb = require_bitsandbytes("a 4-bit base (QLoRA)")
     targets = _targets(model)
     if not targets:
         raise QuantizationError(f"{type(model).__name__} has no nn.Linear layer to quantise to 4 bits; drop bits=4 "
                                 "(QLoRA) and train LoRA on its base as it is")
     for name, linear in targets.items():
-        layer = linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                            compute_dtype=compute_dtype, compress_statistics=False, quant_type=QUANT_TYPE,
                            device="meta")
         layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=False,
                                          quant_type=QUANT_TYPE, module=layer)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-        layer.weight._quantize(linear.weight.device)  # bitsandbytes quantises when the weight reaches a device
-        model.set_submodule(name, layer)
+        model.set_submodule(name, layer.to(linear.weight.device))  # bitsandbytes quantises as it reaches a device
     trainable_layout(model)
     return list(targets)
 

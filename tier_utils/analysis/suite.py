@@ -25,6 +25,7 @@ from ..core.settings import check_fields, device_field, merge, precision_field, 
 from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, make_loader, to_device
 from ..engine.distributed import refuse_sharded
+from ..engine.quantization import quantized_summary
 from ..models.builtins import DEFAULT_MODEL
 from ..models.demo import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
@@ -207,5 +208,6 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
         module.train(was_training)
     data_info = AnalysedBatches(described, len(batches), cfg.batch_size, int(batches[0]["input_ids"].size(1)))
     provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
-    model_info = {**adapter.summary(), **({"provenance": provenance} if provenance else {})}
+    model_info = {**adapter.summary(), **quantized_summary(module),
+                  **({"provenance": provenance} if provenance else {})}
     return AnalysisReport(outcomes, seconds, model_info, prec, data_info, run_metadata(dev, prec.dtype))

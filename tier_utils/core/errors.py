@@ -85,6 +85,10 @@ class LoraError(TierError, ValueError):
     """LoRA was asked wrongly: a bad setting, a target that matches no layer, peft missing."""
 
 
+class QuantizationError(TierError, ValueError):
+    """A 4-bit base (QLoRA) was asked wrongly: bitsandbytes missing, or a model with no nn.Linear to quantise."""
+
+
 class TrainingDiverged(TierError):
     """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed.
     `.result` holds the run's partial TrainResult (its history up to the step before)."""

@@ -32,7 +32,23 @@ def from_hub(load, hub_id: str, what: str, **kwargs):
     try:
         return load(hub_id, local_files_only=not online, **kwargs)
     except OSError as exc:  # transformers' "not found", "no network" and "not cached" alike
+        if _gated(exc):
+            raise ModelSpecError(f"{HUB_PREFIX}{hub_id} is a gated model: accept its licence on "
+                                 f"huggingface.co/{hub_id}, then give a token with access (set HF_TOKEN, or run "
+                                 "`hf auth login`)") from exc
         why = "not reachable from here (no network) and not in the local cache" if not online else one_line(exc)[:160]
         raise ModelSpecError(f"cannot load the {what} {HUB_PREFIX}{hub_id} from the Hugging Face hub: {why}; "
                              "check the id, or save_pretrained it where there is network and pass the "
                              "folder") from exc
+
+
+def _gated(exc: BaseException) -> bool:
+    """Is huggingface_hub's GatedRepoError (a model whose licence must be accepted, read with a token) behind `exc`?
+    transformers wraps it in an OSError of its own, so its causes are followed."""
+    for _ in range(8):  # a chain is a few links long; a cycle must not hang the error
+        if exc is None:
+            return False
+        if type(exc).__name__ == "GatedRepoError":  # by name: huggingface_hub is imported only with transformers
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

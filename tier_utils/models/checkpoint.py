@@ -60,7 +60,7 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        blocked = _blocked_global(exc)
+        blocked = blocked_global(exc)
         if blocked is None:  # e.g. a raw pickle, or random bytes that happen to parse as one
             raise CheckpointError(f"refused to load {path}: it holds pickle instructions no tier_utils checkpoint "
                                   "uses (damaged, or not a tier_utils checkpoint); delete it to start over") from exc
@@ -77,7 +77,7 @@ def load_checkpoint(path, mmap: bool = False) -> dict:
     return state
 
 
-def _blocked_global(exc: Exception) -> str | None:
+def blocked_global(exc: Exception) -> str | None:
     """The global torch's weights-only unpickler refused, e.g. 'posix.system'; None if it names none."""
     found = re.search(r"GLOBAL ([\w.]+)", str(exc))
     return found.group(1) if found else None

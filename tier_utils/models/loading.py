@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import pickle
 import sys
 import typing
 import warnings
@@ -18,14 +19,13 @@ from ..core.errors import CheckpointError, ModelSpecError, describe, one_line
 from ..core.hub import HUB_PREFIX, from_hub
 from ..data.tokenizer import is_tokenizer_folder
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
-from .checkpoint import load_checkpoint
+from .checkpoint import blocked_global, load_checkpoint
 from .demo import load_demo
-from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, safetensors_dtype, tensors_dtype
+from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, tensors_dtype
+from .weights import load_weights
 
 # transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
 AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
-# The keys a wrapper puts in front of a state dict's names: torch.compile's module and DDP's.
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 @dataclass
@@ -43,11 +43,13 @@ class ModelSource:
     # own tensors say it.
     stored_dtype: torch.dtype | None = None
     lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
+    # A 4-bit NF4 base's settings ({"compute_dtype": "bfloat16"}; engine/quantization.py), None for a plain one.
+    quantized: dict | None = None
 
     def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
         return {"spec": self.spec, "kwargs": self.kwargs, "tokenizer": tokenizer, "weights": self.weights,
-                "lora": lora}
+                "lora": lora, "quantized": self.quantized}
 
 
 def source_of(model: nn.Module) -> ModelSource | None:
@@ -81,6 +83,34 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
                                           tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
                                           stored_dtype=stored or source.stored_dtype)
     return model
+
+
+def is_pretrained_spec(spec) -> bool:
+    """Does `spec` load through transformers' from_pretrained (a save_pretrained or peft adapter folder, a hub id),
+    which can quantise the weights as they load? `hf:<ModelClass>` builds random weights from a config instead."""
+    if not isinstance(spec, (str, Path)):
+        return False
+    text = str(spec).strip()
+    if text.startswith(HUB_PREFIX):
+        return _model_class(_transformers(), text[len(HUB_PREFIX):]) is None
+    path = Path(text).expanduser()
+    return path.is_dir() and any((path / name).is_file() for name in ("config.json", "adapter_config.json"))
+
+
+def _model_class(transformers, name: str):
+    """transformers' model class called `name` (one with a config class), else None."""
+    cls = getattr(transformers, name, None)
+    return cls if inspect.isclass(cls) and getattr(cls, "config_class", None) is not None else None
+
+
+def _quantization(kwargs: dict) -> tuple[dict, dict | None]:
+    """from_pretrained's kwargs less its quantization_config (an object, not a value a checkpoint can record), and
+    what the source records of it."""
+    config = kwargs.get("quantization_config")
+    if config is None:
+        return kwargs, None
+    rest = {k: v for k, v in kwargs.items() if k != "quantization_config"}
+    return rest, {"compute_dtype": str(config.bnb_4bit_compute_dtype).removeprefix("torch.")}
 
 
 def _build(spec, kwargs: dict) -> nn.Module:
@@ -121,9 +151,10 @@ def _build(spec, kwargs: dict) -> nn.Module:
 
 
 def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None,
-             stored: torch.dtype | None = None) -> nn.Module:
+             stored: torch.dtype | None = None, quantized: dict | None = None) -> nn.Module:
     """`stored`: what the spec's files say the weights are stored in; None: the parameters' dtype as built."""
-    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model))
+    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model),
+                                          quantized=quantized)
     return model
 
 
@@ -205,8 +236,8 @@ def _transformers():
 def _load_hf(name: str, kwargs: dict) -> nn.Module:
     """`hf:<ModelClass>` builds random weights from a config; anything else is a hub id."""
     transformers = _transformers()
-    cls = getattr(transformers, name, None)
-    if cls is not None and inspect.isclass(cls) and getattr(cls, "config_class", None) is not None:
+    cls = _model_class(transformers, name)
+    if cls is not None:
         try:
             model = cls(cls.config_class(**kwargs))
         except Exception as exc:
@@ -220,8 +251,9 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
     auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
     model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
+    kwargs, quantized = _quantization(kwargs)
     return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name,
-                    stored)
+                    stored, quantized)
 
 
 @contextmanager
@@ -264,7 +296,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     if tokenizer is None:
         warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
                       "tokenizer it was trained with", stacklevel=4)
-    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored)
+    kwargs, quantized = _quantization(kwargs)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored, quantized)
 
 
 def _load_dtype(kwargs: dict, stored: torch.dtype | None) -> dict:
@@ -289,10 +322,21 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"{spec}/adapter_config.json names no base model (base_model_name_or_path); set it to "
                              "the base's folder or spec")
     base = _build(base_spec, kwargs)
-    model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32 adapters
+    from safetensors import SafetensorError  # installed with peft
+
+    try:  # peft reads adapter_model.safetensors, else a pickled adapter_model.bin with torch.load(weights_only=True)
+        model = peft.PeftModel.from_pretrained(base, path, is_trainable=True, autocast_adapter_dtype=True)  # fp32
+    except pickle.UnpicklingError as exc:  # torch's message suggests weights_only=False: never for a foreign file
+        what = f"it references {blocked_global(exc)}" if blocked_global(exc) else "it holds pickle instructions"
+        raise ModelSpecError(f"refused to load the adapter in {spec}: {what}, which no adapter's weights hold "
+                             "(loading it could run code); use adapter folders from a source you trust, saved as "
+                             "safetensors") from exc
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, SafetensorError) as exc:
+        raise ModelSpecError(f"cannot read the adapter in {spec} ({describe(exc, limit=160)}); check the folder "
+                             "(adapter_config.json and adapter_model.safetensors or .bin)") from exc
     path = path.resolve()
     tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
-    return _sourced(model, str(path), {}, tokenizer)
+    return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:
@@ -324,7 +368,10 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
                              "build that module and load the checkpoint's 'model' weights into it, or give the "
                              "spec and --weights")
     # As trained: its spec, arguments and tokenizer; stored in the dtype its tensors are (fp32 master weights).
-    source = ModelSource(**recorded, stored_dtype=tensors_dtype(state["model"].values()))
+    source = ModelSource(**{**recorded, "quantized": None}, stored_dtype=tensors_dtype(state["model"].values()))
+    if recorded.get("quantized"):  # its adapters fit the full-precision base too, which is what load_model builds
+        warnings.warn(f"{path} was trained over a 4-bit NF4 base; its adapters are loaded over the base in its stored "
+                      "dtype, whose outputs differ by the quantisation error", stacklevel=4)
     model = _build(recorded["spec"], dict(recorded["kwargs"]))
     _held_as_saved(model, state["model"])
     try:
@@ -351,54 +398,3 @@ def _held_as_saved(model: nn.Module, state: dict) -> None:
         saved = state.get(name)
         if isinstance(saved, torch.Tensor) and saved.is_floating_point() and saved.dtype != param.dtype:
             param.data = param.data.to(saved.dtype)
-
-
-def load_weights(model: nn.Module, path) -> torch.dtype | None:
-    """Load a safetensors file or a torch state dict (or a training checkpoint's 'model'/'state_dict' entry)
-    into `model`; names a compiled or DDP module gave its weights are matched too. The values are copied into
-    the model's parameters, which keep their dtype. Returns the dtype the file stores them in (a safetensors
-    file's header says it)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ModelSpecError(f"weights file {str(path)!r} not found; give a .safetensors file or a torch state dict")
-    try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(file)
-        else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ModelSpecError(f"cannot read weights from {path} ({describe(exc, limit=160)}); give a .safetensors "
-                             "file or a torch state dict saved with torch.save") from exc
-    if isinstance(state, dict):
-        state = next((state[k] for k in ("model", "state_dict") if isinstance(state.get(k), dict)), state)
-    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ModelSpecError(f"{path} holds no state dict (a mapping of names to tensors)")
-    state = {_unwrapped(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shapes that differ: torch lists every one, the first says enough
-        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), one_line(exc))
-        raise ModelSpecError(f"{path} does not fit {type(model).__name__} ({detail[:200]}); give the weights of "
-                             "this architecture (and its arguments)") from exc
-    missing = _untied(model, missing, state)
-    if missing or unexpected:
-        parts = [f"{label} {len(keys)} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
-                 for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
-        raise ModelSpecError(f"{path} does not fit {type(model).__name__}: {'; '.join(parts)}; give the weights of "
-                             "this architecture (and its arguments)")
-    return safetensors_dtype(file) if file.suffix == ".safetensors" else tensors_dtype(state.values())
-
-
-def _unwrapped(key: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        key = key.removeprefix(prefix)
-    return key
-
-
-def _untied(model: nn.Module, missing: list[str], loaded: dict) -> list[str]:
-    """Missing keys less those tied to a loaded tensor (an LM head sharing the embedding is saved once)."""
-    own = model.state_dict()
-    loaded_ptrs = {own[k].data_ptr() for k in loaded if k in own}
-    return [k for k in missing if own[k].data_ptr() not in loaded_ptrs]

@@ -83,18 +83,25 @@ def folder_dtype(folder: Path, config) -> torch.dtype | None:
 def fp32_copy(model: nn.Module):
     """The model with every floating parameter and buffer in fp32 for the block: the comparison rows' fp32
     reference for weights stored in bf16/fp16. Each tensor is back in its own dtype afterwards, bit for bit
-    (bf16/fp16 -> fp32 -> back is exact; an fp32 buffer such as a rotary table never leaves fp32)."""
+    (bf16/fp16 -> fp32 -> back is exact; an fp32 buffer such as a rotary table never leaves fp32). Tensor by
+    tensor, not module.float(): a 4-bit base's packed integer weights stay as they are (transformers refuses
+    .float() on such a model), and its quantised layers keep computing in their own dtype."""
     with kept_dtypes(model):
-        yield model.float()
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+        yield model
 
 
 def fp32_reference(model: nn.Module, stored: torch.dtype | None) -> str:
     """How a comparison row names its fp32 reference: the model itself when it runs in fp32, else the copy."""
     held = parameters_dtype(model)
+    packed = sum(not p.is_floating_point() for p in model.parameters())  # a quantised base's integer weights
+    rest = f", its {packed} quantised weight tensors as loaded" if packed else ""
     if held in (None, torch.float32):
-        return "fp32"
+        return "fp32" + rest
     origin = f"{dtype_name(stored)}-stored" if stored == held else f"{dtype_name(held)}"
-    return f"an fp32 copy of the {origin} weights"
+    return f"an fp32 copy of the {origin} weights{rest}"
 
 
 def as_loaded(stored: torch.dtype | None, held: torch.dtype | None) -> str:

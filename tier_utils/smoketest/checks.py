@@ -29,6 +29,7 @@ from ..core.precision import (
 )
 from ..core.results import Check, failed_check
 from ..engine.distributed import is_sharded
+from ..engine.quantization import describe_quantized
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory import memory
 
@@ -411,6 +412,8 @@ def _init(adapter: ModelAdapter, report):
             owners.setdefault(id(p), []).append(m)
     rows = []
     for n, p in adapter.model.named_parameters():
+        if not p.is_floating_point():  # a 4-bit base's packed weights: codes, not values (the dtype row names them)
+            continue
         w = p.detach().float()
         tables = [m for m in owners[id(p)] if isinstance(m, nn.Embedding)]
         embedding = bool(tables)
@@ -469,8 +472,9 @@ def _weights_dtype(adapter: ModelAdapter) -> Check:
     held = adapter.weights_dtype
     reference = fp32_reference(adapter.model, adapter.stored_dtype)
     compared = "" if reference == "fp32" else f"; the bf16/fp16 stability rows compare with {reference}"
+    quantized = describe_quantized(adapter.model)
     return Check("init: weights dtype", "PASS", dtype_name(held), None,
-                 as_loaded(adapter.stored_dtype, held) + compared)
+                 (f"{quantized}; " if quantized else "") + as_loaded(adapter.stored_dtype, held) + compared)
 
 
 # --- inference latency --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ..core.results import Check, Result, checks_table, failed_check, run_metada
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine import distributed
+from ..engine.quantization import quantized_summary
 from ..models.builtins import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
 from .sharded import gathered, shard_for_smoke, sharded_groups, shared_budget
@@ -221,7 +222,8 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, env, start: float) -> Sm
         budget = shared_budget(budget, env)
     lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
                       for t in cfg.seq_lens or (adapter.max_len,)})
-    report = SmokeReport([], adapter.summary(), prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
+    summary = {**adapter.summary(), **quantized_summary(adapter.model)}  # a 4-bit base is run, and named, as loaded
+    report = SmokeReport([], summary, prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
                          budget=budget, rank=env.rank if env else 0, world_size=env.world_size if env else 1)
     checks = {name: CHECK_GROUPS[name] for name in groups}
     if env is not None:

@@ -16,10 +16,11 @@ from ..core.hub import HUB_PREFIX
 from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
+from ..engine.distributed import launch_hint
 from ..engine.lora import load_model_state, lora_record, model_state
 from ..models.checkpoint import CHECKPOINT_NAME, describe_data, load_checkpoint, save_checkpoint
 from ..models.loading import source_of
-from ..models.sharded import load_sharded, read_trainer, save_sharded
+from ..models.sharded import METADATA_FILE, load_sharded, read_trainer, save_sharded
 from .config import TRAJECTORY_FIELDS
 
 
@@ -31,7 +32,9 @@ class RunCheckpoints:
             return
         if self.ckpt_path.exists():
             self._load()
-        elif self.env.is_main:
+            return
+        check_other_format(self.ckpt_path, self.env.sharded)  # never pass over a checkpoint written another way
+        if self.env.is_main:
             warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
 
     def _save(self, last: bool = True, best: bool = False) -> None:
@@ -148,3 +151,24 @@ class RunCheckpoints:
     def _read(self, path: Path, mmap: bool = False) -> dict:
         """A checkpoint's state: last.pt / best.pt, or a sharded folder's trainer state (no weights)."""
         return read_trainer(path, mmap) if self.env.sharded else load_checkpoint(path, mmap=mmap)
+
+
+def check_other_format(path: Path, sharded: bool) -> None:
+    """Where `path` (this run's last.pt, or under FSDP its sharded last/ folder) is missing: a checkpoint of the
+    other format beside it is one line naming how to resume it, where starting over would silently drop it."""
+    if sharded and path.with_name(CHECKPOINT_NAME).is_file():
+        state = load_checkpoint(path.with_name(CHECKPOINT_NAME), mmap=True)  # a look at its entries, not its weights
+        if state.get("consolidated"):
+            raise CheckpointError(f"{path.parent} holds a sharded run's consolidated last.pt but not its sharded "
+                                  f"{path.name}/ folder (the optimizer state a resume needs); restore that folder, "
+                                  "load last.pt with load_model, or use a new checkpoint_dir")
+        ranks = state.get("world_size", 1)
+        how = "without torchrun" if ranks == 1 else f"under {launch_hint('train', 'ddp')} on {ranks} processes"
+        raise CheckpointError(f"{path.parent} holds a single-file checkpoint (last.pt, from a {state.get('strategy')} "
+                              f"run) and this run is sharded (fsdp); resume it {how} with --resume, or use a new "
+                              "checkpoint_dir")
+    folder = path.with_name(path.stem)
+    if not sharded and (folder / METADATA_FILE).is_file():
+        raise CheckpointError(f"{path.parent} holds a sharded (FSDP) checkpoint, {folder.name}/, and this run is not "
+                              f"sharded; resume it under {launch_hint('train', 'fsdp')} with --resume, or use a new "
+                              "checkpoint_dir")

@@ -8,7 +8,7 @@ import math
 
 import pandas as pd
 
-from .results import CHECK_COLUMNS, STATUSES
+from .status import CHECK_COLUMNS, STATUSES
 
 MAX_COLUMNS = 12  # wider than a notebook cell at ~1280 px: the rest stays in `.table`
 # The statuses' colours, declared once: the report page's CSS and the notebook tables both read them.

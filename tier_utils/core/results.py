@@ -10,11 +10,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .display import html_table
 from .errors import describe
 from .files import write_json
-
-STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
-CHECK_COLUMNS = ["check", "status", "value", "threshold", "detail"]
+from .status import CHECK_COLUMNS, STATUSES
 
 
 @dataclass
@@ -108,8 +107,6 @@ class Result(ABC):
 
     def _repr_html_(self) -> str:
         """A notebook shows the overview as a person reads it (core/display.py); `.table` is the full frame."""
-        from .display import html_table  # display reads this module's columns and statuses
-
         return html_table(self.overview(), self.headline() if hasattr(self, "headline") else None)
 
 

@@ -129,3 +129,22 @@ def test_no_import_circle_inside_the_package():
 def test_the_circle_check_finds_a_circle():
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+LAYOUT = PACKAGE.parent / "docs" / "layout.md"
+
+
+def _table_rows(marker: str) -> list[str]:
+    """The first cell (a `path`, backticks dropped) of each row between `<!-- marker -->` and `<!-- /marker -->`."""
+    text = LAYOUT.read_text()
+    body = text.split(f"<!-- {marker}:", 1)[1].split(f"<!-- /{marker} -->", 1)[0]
+    return [line.split("|")[1].strip().strip("`") for line in body.splitlines()
+            if line.startswith("| `")]
+
+
+def test_the_layout_page_has_a_row_for_every_module_and_no_other():
+    rows = _table_rows("modules")
+    modules = sorted(str(p.relative_to(PACKAGE)) for p in MODULES if p.name != "__init__.py")
+    assert len(rows) == len(set(rows)), "a module has two rows in docs/layout.md"
+    missing, stale = sorted(set(modules) - set(rows)), sorted(set(rows) - set(modules))
+    assert not missing and not stale, f"docs/layout.md's module table: add {missing}, remove {stale}"

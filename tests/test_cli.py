@@ -230,7 +230,15 @@ def test_every_verbs_help_says_each_default_once_in_the_users_words(verb):
     if verb in ("info", "export", "colab"):  # they show no progress bar
         assert "--no-progress" not in text
     else:
-        assert "--no-progress         turn off progress bars" in text
+        assert "--no-progress         turn off what is on by default: progress bars" in text
+
+
+def test_a_switch_on_by_default_says_it_turns_that_off():
+    """The issue's `fit --help` read "--no-checkpointing  turn off also plan each precision with ..."."""
+    said = " ".join(_verb_parsers()["fit"].format_help().split())
+    assert "--no-checkpointing turn off what is on by default: also plan each precision with activation " \
+           "checkpointing" in said
+    assert "turn off also" not in said
 
 
 @pytest.mark.parametrize("args,verb,near", [

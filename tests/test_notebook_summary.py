@@ -6,7 +6,8 @@ from tiny import TINY
 
 import tier_utils
 from tier_utils.notebook import about, summary
-from tier_utils.widgets import RunConfig, forget_panel_choices
+from tier_utils.run_config import RunConfig
+from tier_utils.widgets import forget_panel_choices
 
 
 @pytest.fixture

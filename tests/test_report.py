@@ -134,3 +134,26 @@ def test_the_page_opens_with_the_verdict_line(tmp_path):
     assert page.index("class='verdict'") < page.index("<section")
     only = write_report({"smoke": Fake(["PASS"])}, tmp_path / "b").read_text()
     assert "model checks: PASS · benchmark verdicts: not run" in only
+
+
+class Wide(Fake):
+    """A measurement table 17 columns wide, as the report page once showed whole."""
+
+    @property
+    def table(self):
+        return pd.DataFrame({f"column_{i}": [float(i), i + 0.5] for i in range(17)})
+
+
+def test_every_table_on_the_page_is_at_most_twelve_columns_and_the_csv_has_all(tmp_path):
+    page = write_report({"wide": Wide([]), "smoke": Fake(["PASS"])}, tmp_path).read_text()
+    for table in re.findall(r"<table.*?</table>", page, re.S):
+        head = re.search(r"<tr.*?</tr>", table, re.S).group(0)
+        assert 0 < head.count("<th") <= 12, head
+    assert "leaves out 5 columns; the CSV has all" in page
+    assert len(pd.read_csv(tmp_path / "wide.csv").columns) == 17
+
+
+def test_printing_a_result_shows_at_most_twelve_columns_and_says_where_the_rest_are():
+    text = repr(Wide([]))
+    assert "column_11" in text and "column_12" not in text
+    assert text.endswith("(5 more columns in .table)")

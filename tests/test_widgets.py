@@ -10,8 +10,9 @@ from tier_utils import TrainConfig
 from tier_utils.core.device import GPU_PROFILE_ENV
 from tier_utils.core.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
+from tier_utils.run_config import RunConfig
 from tier_utils.training.loop import train
-from tier_utils.widgets import ConfigPanel, RunConfig, config_panel, forget_panel_choices
+from tier_utils.widgets import ConfigPanel, config_panel, forget_panel_choices
 
 
 @pytest.fixture(autouse=True)
@@ -223,3 +224,44 @@ def test_the_memory_modes_fill_the_configs_train_the_benchmark_and_the_search_re
     panel.lora_input.value = 0
     assert cfg.lora is None and cfg.train_config().lora is None
     assert panel.checkpointing_box not in config_panel(RunConfig(), tier="analysis").children
+
+
+def test_a_copy_for_another_model_drops_the_old_models_sizes(tmp_path):
+    """dataclasses.replace(cfg, model=...) builds a new config: the sizes and tokenizer it copies were the old
+    model's, and go like setting cfg.model; given anew with the model, they stay."""
+    cfg = RunConfig(device="cpu")
+    assert cfg.model_kwargs == NOTEBOOK["cpu"].model_kwargs  # the built-in's preset sizes
+    folder = replace(cfg, model=str(tmp_path))
+    assert (folder.model_kwargs, folder.tokenizer) == ({}, None)
+    sized = RunConfig(model_kwargs={"d_model": 16, "n_layer": 1, "n_head": 2}, tokenizer="bytes", device="cpu")
+    assert (replace(sized, model=str(tmp_path)).model_kwargs, replace(sized, model=str(tmp_path)).tokenizer) == \
+        ({}, None)
+    assert replace(sized, precision="fp32").model_kwargs == {"d_model": 16, "n_layer": 1, "n_head": 2}
+    assert replace(folder, model="tiny-gpt").model_kwargs == NOTEBOOK["cpu"].model_kwargs  # back: its own again
+    given = replace(cfg, model=str(tmp_path), model_kwargs={"dtype": "float32"})
+    assert given.model_kwargs == {"dtype": "float32"}
+    cfg.model_kwargs = {"d_model": 8, "n_layer": 1, "n_head": 2}  # set after it was made: still the model's
+    assert replace(cfg, model=str(tmp_path)).model_kwargs == {}
+
+
+def test_a_copy_for_a_saved_folder_loads_it(tmp_path):
+    """The issue's case: replace(RunConfig(), model=folder) used to hand the folder tiny-gpt's sizes."""
+    from real import GPT2_SIZES, bpe_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = bpe_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **GPT2_SIZES))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    built = replace(RunConfig(device="cpu"), model=str(tmp_path)).build_model()
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_run_config_makes_each_tiers_config_with_presets_own_builders():
+    """RunConfig repeats none of Preset's builders: each of its six is Preset's, on `tiers`."""
+    from tier_utils.presets import Preset
+
+    cfg = RunConfig(device="cpu", precision="fp32", batch_size=2)
+    for name in ("smoke_config", "analysis_config", "train_config", "bench_config", "fit_config", "ranks_config"):
+        assert getattr(cfg, name)() == getattr(Preset, name)(cfg.tiers), name
+    assert cfg.tiers.train.max_steps == cfg.max_steps and cfg.tiers.precision == "fp32"

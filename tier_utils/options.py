@@ -71,7 +71,9 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
     text = meta.get("help", "")
     if kind is bool:
         if default:
-            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"turn off {text}")
+            # The help says what the switch, on by default, does; "turn off " + it read as one garbled sentence.
+            parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false",
+                                help=f"turn off what is on by default: {text}")
         else:
             parser.add_argument(flag, dest=name, action="store_true", help=text)
         return

@@ -2,9 +2,9 @@
 
 A preset is one batch shape (`batch_size` x `seq_len`) that every tier runs at, plus each tier's lengths at
 that shape: a TrainConfig (steps, evaluations), a BenchConfig (repeats, accuracy steps), how many batches the
-analysis reads and, for the notebooks, the size of a built-in model. The shape is declared once, here, and
-stamped into each tier's config by `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()` and
-`fit_config()`.
+analysis reads and, for the notebooks, the size of a built-in model. The shape (and, where a notebook's RunConfig
+decided them, the precision and device) is declared once, here, and stamped into each tier's config by
+`smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`, `fit_config()` and `ranks_config()`.
 """
 from __future__ import annotations
 
@@ -32,34 +32,45 @@ class Preset:
     bench: BenchConfig = field(default_factory=BenchConfig)
     # Sizes for the built-in models (None: their own defaults): a notebook sizes its fresh model to the device.
     model_kwargs: dict | None = None
+    # The run's precision and device, where a notebook's RunConfig decided them; None: each tier's own default.
+    precision: str | None = None
+    device: str | None = None
 
     def __post_init__(self):
         check_fields(self)
 
     def smoke_config(self, **given) -> SmokeConfig:
         """Smoke's memory and latency grid at one sequence and at the preset's shape; `given` on top."""
-        return SmokeConfig(**{"batch_sizes": (1, self.batch_size), "seq_lens": (self.seq_len,), **given})
+        return SmokeConfig(**{"batch_sizes": (1, self.batch_size), "seq_lens": (self.seq_len,),
+                              **self._decided("precision", "device"), **given})
 
     def analysis_config(self, **given) -> AnalysisConfig:
         """The analysis over `analysis_batches` batches of the preset's shape; `given` on top."""
         return AnalysisConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len,
-                                 "n_batches": self.analysis_batches, **given})
+                                 "n_batches": self.analysis_batches, **self._decided("precision", "device"), **given})
 
     def train_config(self, **given) -> TrainConfig:
         """The preset's training settings at its shape, with `given` TrainConfig fields on top."""
-        return replace(self.train, **{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
+        return replace(self.train, **{"batch_size": self.batch_size, "seq_len": self.seq_len,
+                                      **self._decided("precision", "device"), **given})
 
     def bench_config(self, **given) -> BenchConfig:
         """The preset's benchmark settings at its shape, with `given` BenchConfig fields on top."""
-        return replace(self.bench, **{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
+        return replace(self.bench, **{"batch_size": self.batch_size, "seq_len": self.seq_len,
+                                      **self._decided("device"), **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at the preset's shape; `given` on top."""
-        return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, **given})
+        return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, **self._decided("device"),
+                            **given})
 
     def ranks_config(self, **given) -> RanksConfig:
         """The per-rank planner (DDP and FSDP over 1, 2, 4, 8 ranks) at the preset's length; `given` on top."""
-        return RanksConfig(**{"seq_len": self.seq_len, **given})
+        return RanksConfig(**{"seq_len": self.seq_len, **self._decided("precision", "device"), **given})
+
+    def _decided(self, *names: str) -> dict:
+        """Those of `names` (precision, device) the preset decided: the others stay each tier's default."""
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 # FAST: CI, tests, a notebook on a CPU (`all --fast`): seconds per tier.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .benchmark.consistency import consistency, recorded_load
-from .core.display import STATUS_STYLE, verdict_columns
+from .core.display import STATUS_STYLE, readable
 from .core.files import atomic_write_bytes, write_json
 from .core.plotting import save_png
 from .core.results import STATUSES, checks_table, run_metadata, verdict_line
@@ -98,12 +98,12 @@ def _section(name: str, badge: str, table: pd.DataFrame, files: list[str], has_p
 
 
 def _for_page(table: pd.DataFrame) -> pd.DataFrame:
-    """The table as the page shows it: a verdict table's columns naming the row (left of `check`) and its
-    verdict columns, no column that is empty throughout, every cell as escaped HTML. The statuses are the
-    table's own: the page, `.table` and the CLI read alike."""
-    columns = verdict_columns(table)
-    shown = table[columns].astype(object).where(table[columns].notna(), None).map(_cell)
-    return shown.loc[:, [c for c in shown.columns if (shown[c] != "").any()]]
+    """The table as the page shows it, as a notebook does (core/display.readable): a verdict table's columns naming
+    the row (left of `check`) and its verdict columns, no column that is empty throughout, at most MAX_COLUMNS
+    (12: the CSV beside it has every one), every cell as escaped HTML. The statuses are the table's
+    own: the page, `.table` and the CLI read alike."""
+    shown = readable(table)[0]
+    return shown.astype(object).where(shown.notna(), None).map(_cell)
 
 
 def _cell(value) -> str:

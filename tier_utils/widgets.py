@@ -1,4 +1,4 @@
-"""The notebooks' settings: a `RunConfig` object and an ipywidgets panel that edits it.
+"""The notebooks' panel: ipywidgets that edit a `RunConfig` (run_config.py) in place.
 
 The panel's observers only write into the config; nothing runs until a run cell reads it.
 Once the user changes a widget, the panel is the source of truth for this kernel: re-running
@@ -9,26 +9,15 @@ Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import fields
 
 import ipywidgets as widgets
-import torch
 
-from .analysis import AnalysisConfig
-from .benchmark.config import BenchConfig
-from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
-from .core.settings import check_fields, check_switch, setting
-from .engine.lora import LoraSettings, lora_setting
-from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
-from .models.loading import load_model
-from .planning.planner import FitConfig
-from .planning.ranks import RanksConfig
-from .presets import Preset, notebook_preset
-from .smoketest.suite import SmokeConfig
-from .training.config import TrainConfig
-from .tuning.study import SearchConfig
+from .core.precision import canonical_precision, resolve_precision, supported_precisions
+from .engine.lora import lora_setting
+from .models.builtins import BUILTIN_MODELS
+from .run_config import MAX_BATCH_SIZE, RunConfig
 
-MAX_BATCH_SIZE = 4096
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "activation_checkpointing", "lora")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
@@ -38,118 +27,6 @@ _user_choices: dict[str, object] = {}
 def forget_panel_choices() -> None:
     """Drop the choices kept from earlier panels: the next panel starts from the parameters cell."""
     _user_choices.clear()
-
-
-@dataclass
-class RunConfig:
-    """What a notebook's run cells read: the model spec and its sizes, the data, precision, batch size, lengths,
-    and whether to torch.compile; `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`,
-    `fit_config()` and `search_config()` hand each tier its own config from them, so a run cell passes one object
-    and copies no setting by hand.
-
-    `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
-    (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other
-    defaults are the tiers' own. `model_kwargs` and `tokenizer` belong to the model they were set for: setting
-    `model` later resets them to the new model's own (`own_kwargs()`; the model's own tokenizer)."""
-
-    model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
-    model_kwargs: dict | None = None
-    tokenizer: str | None = None  # None: the model's own (bytes for built-ins)
-    data: str | None = None  # None: the bundled corpus; else a file, folder, table or hf-dataset:NAME
-    precision: str = TrainConfig.precision
-    batch_size: int | None = setting(None, low=1, high=MAX_BATCH_SIZE)
-    seq_len: int | None = setting(None, low=1)
-    max_steps: int | None = setting(None, low=1)
-    device: str | None = TrainConfig.device
-    seed: int = TrainConfig.seed
-    compile: bool = TrainConfig.compile
-    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
-    # "r=8,alpha=16" string or LoraSettings.
-    activation_checkpointing: bool = TrainConfig.activation_checkpointing
-    lora: LoraSettings | int | str | None = TrainConfig.lora
-
-    def __post_init__(self):
-        preset = self.preset
-        if self.model_kwargs is None:
-            self.model_kwargs = self.own_kwargs()
-        for name, value in (("batch_size", preset.batch_size), ("seq_len", preset.seq_len),
-                            ("max_steps", preset.train.max_steps)):
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
-        check_switch(self, "compile")
-        check_switch(self, "activation_checkpointing")
-        self.lora = lora_setting(self.lora)
-        check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
-
-    def __setattr__(self, name, value):
-        # A model's keyword arguments and tokenizer belong to the model they were set for (tiny-gpt's d_model means
-        # nothing to a GPT-2 folder's from_pretrained): a new model starts from its own, its own tokenizer included.
-        changed = name == "model" and "model" in self.__dict__ and value != self.model
-        super().__setattr__(name, value)
-        if changed:
-            super().__setattr__("model_kwargs", self.own_kwargs())
-            super().__setattr__("tokenizer", None)
-
-    def own_kwargs(self) -> dict:
-        """The model's own keyword arguments: the device preset's sizes for a built-in, none for any other spec."""
-        return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
-
-    @property
-    def preset(self) -> Preset:
-        """The notebook preset of the device this config runs on: the lengths its tiers run for."""
-        return notebook_preset(resolve_device(self.device))
-
-    def build_model(self):
-        """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
-        from the same weights, so re-running a cell with new settings compares like with like."""
-        torch.manual_seed(self.seed)
-        return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
-
-    def smoke_config(self, **given) -> SmokeConfig:
-        """Tier 1 at one sequence and at this config's shape, precision and device; `given` on top."""
-        return self._sized().smoke_config(**{**self._decided(), **given})
-
-    def analysis_config(self, **given) -> AnalysisConfig:
-        """Tier 2 over the preset's batches of this config's shape, at its precision and device; `given` on top."""
-        return self._sized().analysis_config(**{**self._decided(), **given})
-
-    def train_config(self, **given) -> TrainConfig:
-        """Training at this config's shape, precision, steps, device, seed and compile choice, with the preset's
-        evaluation lengths; `given` TrainConfig fields (e.g. checkpoint_dir) on top."""
-        return self._sized().train_config(**{**self._decided(), "max_steps": self.max_steps, "seed": self.seed,
-                                             "compile": self.compile, **self._memory(), **given})
-
-    def bench_config(self, **given) -> BenchConfig:
-        """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
-        precision runs eager and compiled, interleaved, so the table compares the two. `given` on top."""
-        return self._sized().bench_config(**{"device": self.device, "compile": "both" if self.compile else "off",
-                                             **self._memory(), **given})
-
-    def fit_config(self, **given) -> FitConfig:
-        """The fit planner at this config's length and device; `given` on top."""
-        return self._sized().fit_config(**{"device": self.device, **given})
-
-    def ranks_config(self, **given) -> RanksConfig:
-        """The per-rank planner at this config's length, precision and device; `given` on top."""
-        return self._sized().ranks_config(**{**self._decided(), **given})
-
-    def search_config(self, **given) -> SearchConfig:
-        """A study whose trials train as `train_config()` does, but eager: compiling every short trial would cost
-        more than the trial. `given` SearchConfig fields on top."""
-        return SearchConfig(trial=self.train_config(compile=False), **given)
-
-    def _sized(self) -> Preset:
-        return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)
-
-    def _memory(self) -> dict:
-        return {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
-
-    def _decided(self) -> dict:
-        return {"precision": self.precision, "device": self.device}
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # The boxes each tier's run cells read; None: every box.

@@ -80,3 +80,9 @@ def test_a_median_is_rounded_to_its_spread():
 def test_a_wide_table_is_cut_to_twelve_columns_and_says_so():
     page = html_table(pd.DataFrame([range(20)], columns=[f"c{i}" for i in range(20)]))
     assert len(_header(page)) == MAX_COLUMNS and "8 more columns" in page
+
+
+def test_a_named_index_counts_among_the_twelve_columns():
+    frame = pd.DataFrame([range(20)], columns=[f"c{i}" for i in range(20)])
+    page = html_table(frame.set_index(["c0", "c1"]))  # two index columns shown, then ten
+    assert len(_header(page)) == MAX_COLUMNS and "8 more columns" in page

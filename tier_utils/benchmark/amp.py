@@ -31,7 +31,21 @@ from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
 from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
-from .record import BatchFit, BenchRun, Outcome, OutcomeLog, Plan, PrecisionRecord, Speed, Step, make_record
+from .record import (
+    BatchFit,
+    BenchRun,
+    Loaded,
+    Measured,
+    Outcome,
+    OutcomeLog,
+    Plan,
+    PrecisionRecord,
+    Ready,
+    Sized,
+    Speed,
+    Step,
+    make_record,
+)
 from .verdicts import launch_bound, record_checks
 
 SCHEMA = "tier_utils.bench/1"
@@ -120,7 +134,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
 class BenchmarkRun:
     """One `amp_benchmark` run, inside kept_dtypes (each precision converts the model to its own weight dtype),
     as named steps in order: plan, fit (the batch), load (the data), compile, flops, memory, time, accuracy,
-    record. Each step reads the run's fields and sets its own.
+    record. Each step takes what it needs and returns what it made (a frozen record: `Sized`, `Loaded`, `Ready`,
+    `Measured`); the run itself holds only its inputs and its log, all set here.
 
     What was skipped or stopped, at which step and why, goes only to `log` (record.OutcomeLog, append-only):
     whether a plan still runs, and why not, is read from it, and the result carries it as `outcomes`.
@@ -130,11 +145,6 @@ class BenchmarkRun:
         self.adapter, self.cfg, self.dev, self.data = adapter, cfg, dev, data
         self.log = OutcomeLog()  # what was skipped or stopped, where and why: every step reads it
 
-    @property
-    def base(self) -> Plan:
-        """The baseline every ratio is taken against: fp32, or the best-fitting mode when fp32 does not fit."""
-        return self.plans[0]
-
     def run(self) -> BenchmarkResult:
         """Every step in order; the model's weights (the fp32 start) and train/eval mode restored."""
         model = self.adapter.model
@@ -142,63 +152,63 @@ class BenchmarkRun:
         model.train()
         self.adapter.require_trainable()
         self.adapter.check_forward()
-        self.seq_len = self.adapter.fit_length(self.cfg.seq_len)  # capped with a warning; config records it
-        self.plan()
-        self.fit_batch()
-        self.load()
-        self.compile()
-        steps_per_repeat = self.cfg.untimed_steps + self.cfg.timed_steps
-        total = (len(self.measured) * (self.cfg.repeats * steps_per_repeat + self.cfg.accuracy_steps)
-                 + self.cfg.repeats * steps_per_repeat)
+        seq_len = self.adapter.fit_length(self.cfg.seq_len)  # capped with a warning; config records it
+        sized = self.fit_batch(self.plan(), replace(self.cfg, seq_len=seq_len))
+        loaded = self.load(sized)
+        ready = self.compile(sized, loaded)
+        cfg = ready.cfg
+        steps_per_repeat = cfg.untimed_steps + cfg.timed_steps
+        total = (len(ready.measured) * (cfg.repeats * steps_per_repeat + cfg.accuracy_steps)
+                 + cfg.repeats * steps_per_repeat)
         # Every run reseeds (same dropout masks per precision): on a fork, so the caller's streams go on untouched.
         cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         try:
             with torch.random.fork_rng(devices=cuda_rngs), progress_bar(
-                    total=total, desc="amp benchmark", unit="step", enabled=self.cfg.progress) as self.bar:
-                self.count_flops()
-                self.measure_memory()
-                self.time()
-                self.accuracy()
+                    total=total, desc="amp benchmark", unit="step", enabled=cfg.progress) as bar:
+                flops = self.count_flops(ready)
+                measured, floor_ms = self.time(ready, self.measure_memory(ready), bar)
+                measured = self.accuracy(ready, measured, bar)
         finally:
-            convert_for(self.base.precision, model).load_state_dict(self.start)
+            convert_for(ready.base.precision, model).load_state_dict(loaded.start)
             model.train(was_training)
-        return self.record()
+        return self.record(ready, flops, measured, floor_ms)
 
-    def plan(self) -> None:
+    def plan(self) -> tuple[Plan, ...]:
         """Step "plan": a Plan per precision x mode (and each precision again, eager, with activation checkpointing
         when asked: its cost and saving). A precision this device can't run natively is skipped, unless forced."""
         cfg = self.cfg
         wanted = [(name, mode) for name in cfg.precisions for mode in COMPILE_CHOICES[cfg.compile]]
         if cfg.activation_checkpointing:
             wanted += [(name, CHECKPOINTED) for name in cfg.precisions]
-        self.plans = []
+        plans = []
         for name, mode in wanted:
             prec = resolve_precision(name, self.dev, warn=False)
             p = Plan(name, mode, prec, self.adapter, forced=cfg.force and not prec.native,
                      checkpointing=mode == CHECKPOINTED)
-            self.plans.append(p)
+            plans.append(p)
             if not (prec.native or cfg.force):
                 why = f"not native: {prec.native_support(self.dev)[1]}; force=True (CLI --force) runs it anyway"
                 self.log.skip(p, "plan", why)
+        return tuple(plans)
 
-    def fit_batch(self) -> None:
+    def fit_batch(self, planned: tuple[Plan, ...], cfg: BenchConfig) -> Sized:
         """Step "fit": the batch every compared precision fits here, by the fit planner (predicted): the one asked,
         or the largest all of them fit. A precision that fits not even batch 1 is skipped with the reason. When
         fp32 does not fit, the first mode in the order asked that fits (the closest to fp32: mixed modes, fp32
         master weights, come before the true ones) becomes the baseline, moved to the front, and fp32's reason
         says so; when none fits, none runs."""
-        cfg, seq_len, fp32 = self.cfg, self.seq_len, self.plans[0]
-        self.budget = budget = read_budget(self.dev)  # before anything of ours is allocated
-        names = list(dict.fromkeys(p.name for p in self.plans if self.log.runs(p)))
+        seq_len, fp32, plans = cfg.seq_len, planned[0], list(planned)
+        budget = read_budget(self.dev)  # before anything of ours is allocated
+        names = list(dict.fromkeys(p.name for p in plans if self.log.runs(p)))
         room = device_room(budget)
         configs = {c.precision: c for c in plan_fits(self.adapter, names, seq_len)[0]}
         largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
-        running = [p for p in self.plans if self.log.runs(p)]
+        running = [p for p in plans if self.log.runs(p)]
         fitting = [p for p in running if largest[p.name] >= 1]
         rebased = ""
         if fitting and fp32 in running and fp32 not in fitting:
-            self.plans.remove(fitting[0])
-            self.plans.insert(0, fitting[0])
+            plans.remove(fitting[0])
+            plans.insert(0, fitting[0])
             rebased = f"; the modes that fit are compared with {fitting[0].name}, the best-fitting baseline"
         for p in running:
             if p not in fitting:
@@ -207,157 +217,174 @@ class BenchmarkRun:
                                         f"({budget.describe()})" + (rebased if p is fp32 else ""))
         batch = min([cfg.batch_size, *(largest[p.name] for p in fitting)])
         if batch == cfg.batch_size:
-            self.sizing = BatchFit(cfg.batch_size, largest, room, budget, None)
-            return
+            return Sized(tuple(plans), cfg, BatchFit(cfg.batch_size, largest, room, budget, None))
         reason = (f"batch {cfg.batch_size} does not fit every compared precision here; run at {batch}, the largest "
                   "all of them fit (predicted: " + ", ".join(f"{n} {b}" for n, b in largest.items())
                   + f"; {budget.describe()})")
-        self.cfg, self.sizing = replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget, reason)
+        return Sized(tuple(plans), replace(cfg, batch_size=batch), BatchFit(cfg.batch_size, largest, room, budget,
+                                                                            reason))
 
-    def load(self) -> None:
-        """The data: the splits, the same speed batches for every plan, the floor step's (eager, baseline precision,
-        one short sequence: almost all fixed per-step cost, i.e. launches), and the fp32 start every run loads."""
-        cfg, base = self.cfg, self.base
-        self.splits = self.adapter.datasets(self.data, self.seq_len)
-        self.speed_batches = list(same_batches(self.splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
-        self.tokens_per_step = self.speed_batches[0]["input_ids"].numel()
-        self.start = copy.deepcopy(convert_for(base.precision, self.adapter.model).state_dict())
-        short = [{k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
-                 for b in self.speed_batches]
-        self.floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
+    def load(self, sized: Sized) -> Loaded:
+        """Step "load": the splits, the same speed batches for every plan, the floor step's (eager, baseline
+        precision, one short sequence: almost all fixed per-step cost, i.e. launches), and the fp32 start."""
+        cfg, base = sized.cfg, sized.plans[0]
+        splits = self.adapter.datasets(self.data, cfg.seq_len)
+        speed_batches = tuple(same_batches(splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
+        start = copy.deepcopy(convert_for(base.precision, self.adapter.model).state_dict())
+        short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
+                      for b in speed_batches)
+        floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
+        return Loaded(splits, speed_batches, speed_batches[0]["input_ids"].numel(), start, floor)
 
-    def compile(self) -> None:
+    def compile(self, sized: Sized, loaded: Loaded) -> Ready:
         """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
         autocast is timed as compile_s). One that can't compile is skipped when its eager twin is measured anyway,
         else runs eager. The plans still running then are the ones every later step measures."""
-        eager_too = "eager" in COMPILE_CHOICES[self.cfg.compile]
-        for p in self.plans:
-            if not self.log.runs(p) or p.mode != "compiled":
-                continue
-            convert_for(p.precision, self.adapter.model)
-            p.adapter, p.compile = compile_for_training(self.adapter, p.precision, self.speed_batches[0],
-                                                        self.cfg.compile_mode, self.cfg.progress)
-            if p.compile.compiled:
-                continue
-            if eager_too:
-                self.log.skip(p, "compile", "could not compile: see this precision's eager rows")
-            else:
-                p.mode = "eager"  # before any outcome names it: its log entries all say eager
-        self.measured = [p for p in self.plans if self.log.runs(p)]
+        eager_too = "eager" in COMPILE_CHOICES[sized.cfg.compile]
+        plans = []
+        for p in sized.plans:
+            if self.log.runs(p) and p.mode == "compiled":
+                convert_for(p.precision, self.adapter.model)
+                step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
+                                                          sized.cfg.compile_mode, sized.cfg.progress)
+                # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
+                # (its log entries all say eager).
+                p = replace(p, adapter=step_adapter, compile=info,
+                            mode="compiled" if info.compiled or eager_too else "eager")
+                if not info.compiled and eager_too:
+                    self.log.skip(p, "compile", "could not compile: see this precision's eager rows")
+            plans.append(p)
+        measured = tuple(p for p in plans if self.log.runs(p))
+        return Ready(tuple(plans), measured, sized.cfg, sized.fit, loaded)
 
-    def count_flops(self) -> None:
+    def count_flops(self, ready: Ready) -> dict:
         """Step "flops": one forward + backward of the baseline (fp32 where it fits), counted once: precision
         changes no FLOP count, and the baseline is what fits here. Nothing is timed on a loss that is not finite
         (its speed would be a verdict on NaN): a non-finite first loss stops every plan."""
-        base, adapter = self.base, self.adapter
+        base, adapter = ready.base, self.adapter
         first = []
 
         def forward_backward():
             with base.precision.autocast():
-                first.append(adapter.forward_loss(self.speed_batches[0])[0])
+                first.append(adapter.forward_loss(ready.data.speed_batches[0])[0])
             first[0].backward()
 
         convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
-        self.flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
+        flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
         adapter.model.zero_grad(set_to_none=True)
         why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None
-        for p in self.measured if why else ():
+        for p in ready.measured if why else ():
             self.log.stop(p, "flops", why)
+        return flops
 
-    def measure_memory(self) -> None:
+    def measure_memory(self, ready: Ready) -> tuple[Measured, ...]:
         """Step "memory": each plan's static split, activations and CUDA peaks (measurements.measure_memory); the
         loss of its second batch, non-finite, stops it. Not run when the first batch stopped every plan."""
-        if self.log.stopped(self.base):
-            return
-        for p in self.measured:
-            if not self.log.runs(p):  # the baseline ran out of memory
-                continue
-            got = self._measure(p, "memory", measure_memory, self.speed_batches)
+        measured = []
+        for p in ready.measured:
+            # Not run after the first batch stopped the baseline; none for a plan out of memory.
+            got = (self._measure(ready, p, "memory", measure_memory, ready.data.speed_batches)
+                   if self.log.runs(p) and not self.log.stopped(ready.base) else None)
             if got is None:
+                measured.append(Measured(p))
                 continue
-            p.memory, loss = got
+            memory, loss = got
             if why := nonfinite(p.name, loss, "on the second batch"):
                 self.log.stop(p, "memory", why)
-            p.probe_size = probe_size(self.dev, p.precision.dtype)
+            measured.append(Measured(p, memory, probe_size(self.dev, p.precision.dtype)))
+        return tuple(measured)
 
-    def time(self) -> None:
+    def time(self, ready: Ready, measured: tuple[Measured, ...], bar) -> tuple[tuple[Measured, ...], tuple]:
         """Step "time": `repeats` timed repeats of every plan not stopped, interleaved (drift hits all alike),
         with the floor step beside a running baseline and the peak probe riding along with every repeat. A
-        non-finite loss stops a plan; a stopped baseline, every plan (no baseline: no verdict). Then each plan
-        still running gets its speed."""
-        base, cfg = self.base, self.cfg
-        live = [p for p in self.measured if self.log.runs(p) and not self.log.stopped(p)]
-        timed = live + [self.floor] if self.log.runs(base) and not self.log.stopped(base) else live
+        non-finite loss stops a plan; a stopped baseline, every plan (no baseline: no verdict). Gives each plan's
+        repeats (and its speed, when it is still running) and the floor step's repeats."""
+        base, cfg, floor = ready.base, ready.cfg, ready.data.floor
+        live = [m.plan for m in measured if self.log.runs(m.plan) and not self.log.stopped(m.plan)]
+        timed = live + [floor] if self.log.runs(base) and not self.log.stopped(base) else live
+        samples, probes = {p: [] for p in timed}, {m.plan: [] for m in measured}
+        sizes = {m.plan: m.probe_size for m in measured}
         for _, p in interleave(timed, cfg.repeats):
             if not self.log.runs(p):  # out of memory in an earlier repeat
                 continue
-            got = self._measure(p, "time", timed_repeat, p.batches or self.speed_batches, self.bar)
+            got = self._measure(ready, p, "time", timed_repeat, p.batches or ready.data.speed_batches, bar)
             if got is None:
                 continue
             ms, losses = got
-            p.step_samples.append(sum(ms) / len(ms))
-            if p is self.floor:
+            samples[p].append(sum(ms) / len(ms))
+            if p is floor:
                 continue
             if not self.log.stopped(p) and (why := nonfinite(p.name, losses, "during the timed steps")):
                 self.log.stop(p, "time", why)
             # The peak probe rides along with every repeat, so load drift hits it like the steps.
-            p.probe_ms += probe_ms(self.dev, p.precision.dtype, p.probe_size, _PROBE_REPS)
+            probes[p] += probe_ms(self.dev, p.precision.dtype, sizes[p], _PROBE_REPS)
         last = self.log.last(base, "stopped")
-        for p in self.measured:
-            if last and self.log.stopped(p) != last.why:
-                self.log.stop(p, last.step, last.why)
-            if self.log.runs(p) and not self.log.stopped(p):
-                p.speed = Speed(summarize(p.step_samples),
-                                summarize(self.tokens_per_step / (ms / 1e3) for ms in p.step_samples),
-                                p.step_samples, cfg.timed_steps)
+        for m in measured:
+            if last and self.log.stopped(m.plan) != last.why:
+                self.log.stop(m.plan, last.step, last.why)
+        return tuple(self._timed(m, tuple(samples.get(m.plan, ())), tuple(probes[m.plan]), ready.data.tokens_per_step,
+                                 cfg.timed_steps) for m in measured), tuple(samples.get(floor, ()))
 
-    def accuracy(self) -> None:
+    def _timed(self, m: Measured, step_samples: tuple, probe: tuple, tokens: int, timed_steps: int) -> Measured:
+        """`m` with its repeats, and its speed when its plan is still running."""
+        speed = None
+        if self.log.runs(m.plan) and not self.log.stopped(m.plan):
+            speed = Speed(summarize(step_samples), summarize(tokens / (ms / 1e3) for ms in step_samples),
+                          list(step_samples), timed_steps)
+        return replace(m, step_samples=step_samples, probe_ms=probe, speed=speed)
+
+    def accuracy(self, ready: Ready, measured: tuple[Measured, ...], bar) -> tuple[Measured, ...]:
         """Step "accuracy": each plan still running trains `accuracy_steps` applied updates from the shared start,
         then validates (measurements._accuracy_run)."""
-        for p in self.measured if self.cfg.accuracy_steps else ():
-            if self.log.runs(p) and not self.log.stopped(p):
-                p.accuracy = self._measure(p, "accuracy", _accuracy_run, self.splits, self.bar)
+        if not ready.cfg.accuracy_steps:
+            return measured
+        return tuple(replace(m, accuracy=self._measure(ready, m.plan, "accuracy", _accuracy_run, ready.data.splits,
+                                                       bar))
+                     if self.log.runs(m.plan) and not self.log.stopped(m.plan) else m for m in measured)
 
-    def _measure(self, p: Plan, step: Step, fn, data, *extra):
+    def _measure(self, ready: Ready, p: Plan, step: Step, fn, data, *extra):
         """fn(adapter, precision, start, data, cfg, *extra, the adapter p's steps call), with activation
         checkpointing for a checkpointing plan. A CUDA out-of-memory instead skips `p` at `step` with the size
         and the free memory (every plan, when `p` is the baseline: nothing to compare with) and gives None, its
         memory released."""
+        cfg = ready.cfg
         with memory_context(p.adapter.model, p.checkpointing):
-            got, error = without_oom(fn, self.adapter, p.precision, self.start, data, self.cfg, *extra, p.adapter)
+            got, error = without_oom(fn, self.adapter, p.precision, ready.data.start, data, cfg, *extra, p.adapter)
         if error is None:
             return got
-        why = f"{out_of_memory_note(p.adapter.device, None, self.cfg.batch_size, self.seq_len, self.budget)} " \
+        why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, cfg.seq_len, ready.fit.budget)} " \
               f"({error[:120]})"
         self.log.skip(p, step, why)
-        if p is self.base:
-            for other in self.plans[1:]:
+        if p is ready.base:
+            for other in ready.plans[1:]:
                 self.log.skip(other, step, f"{p.name}, the baseline, {why}")
         return None
 
-    def record(self) -> BenchmarkResult:
+    def record(self, ready: Ready, flops: dict, measured: tuple[Measured, ...], floor_ms: tuple) -> BenchmarkResult:
         """Step "record": each plan's record, derived from its measurements and the log; the overhead (the floor
         step against fp32's); the verdict rows; the result, logged to the experiment loggers asked."""
-        cfg, base, adapter = self.cfg, self.base, self.adapter
-        eager = {p.name: p for p in self.plans if p.mode == "eager" and self.log.runs(p)}
-        records = [make_record(p, base, self.flops, self.dev, cfg.thresholds, eager.get(p.name), ran=self.log.runs(p),
-                               stopped=self.log.stopped(p)) for p in self.plans]
+        cfg, adapter = ready.cfg, self.adapter
+        of = {m.plan: m for m in measured}
+        got = [of.get(p) or Measured(p) for p in ready.plans]
+        eager = {m.plan.name: m for m in got if m.plan.mode == "eager" and self.log.runs(m.plan)}
+        records = [make_record(m, got[0], flops, self.dev, cfg.thresholds, eager.get(m.plan.name),
+                               ran=self.log.runs(m.plan), stopped=self.log.stopped(m.plan)) for m in got]
         overhead = None
         if records[0].speed is not None:
-            floor_ms = summarize(self.floor.step_samples)
-            overhead = {"floor_step_ms": floor_ms.to_dict(),
-                        "floor_shape": list(self.floor.batches[0]["input_ids"].shape),
-                        **launch_bound(records[0].speed.step_ms.median, floor_ms.median, records[0].mfu["mfu"],
+            floor = summarize(floor_ms)
+            overhead = {"floor_step_ms": floor.to_dict(),
+                        "floor_shape": list(ready.data.floor.batches[0]["input_ids"].shape),
+                        **launch_bound(records[0].speed.step_ms.median, floor.median, records[0].mfu["mfu"],
                                        cfg.batch_size, cfg.thresholds)}
-        verdicts = [c for p, r in zip(self.plans, records)
+        verdicts = [c for p, r in zip(ready.plans, records)
                     for c in record_checks(r, records[0], self.log.skip_reason(p), cfg.thresholds, cfg.accuracy_steps,
                                            overhead, cpu_load())]
-        config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], self.splits.describe(),
-                          settings=replace(cfg, seq_len=self.seq_len), tokens_per_step=self.tokens_per_step,
-                          fit=self.sizing, lora=describe_lora(adapter.model))
+        config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], ready.data.splits.describe(),
+                          settings=cfg, tokens_per_step=ready.data.tokens_per_step, fit=ready.fit,
+                          lora=describe_lora(adapter.model))
         metadata = {**run_metadata(self.dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                     "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
-        result = BenchmarkResult(config, metadata, self.flops, records, verdicts, overhead, self.log.outcomes)
+        result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead, self.log.outcomes)
         if cfg.loggers:
             log_result_tables(cfg.loggers, cfg.log_dir, f"amp_benchmark-{adapter.name}-{run_stamp()}",
                               {"amp_benchmark": result.table, "verdicts": result.verdicts},

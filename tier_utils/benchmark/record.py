@@ -1,9 +1,10 @@
-"""The AMP benchmark's records: per precision x mode the `Plan` a run fills in and the `PrecisionRecord`
-it becomes (one entry of the JSON's "precisions", one row of `.table`) with its `Speed`; per run the
-`BenchRun` (the JSON's "config") with its `BatchFit`, and its `OutcomeLog` of `Outcome`s (the result's `outcomes`)."""
+"""The AMP benchmark's records: per precision x mode the `Plan` a run measures, what it `Measured`, and the
+`PrecisionRecord` they become (one entry of the JSON's "precisions", one row of `.table`) with its `Speed`; per run
+the `BenchRun` (the JSON's "config") with its `BatchFit`, and its `OutcomeLog` of `Outcome`s (the result's
+`outcomes`); and the frozen records a run's steps hand on (`Sized`, `Loaded`, `Ready`)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from ..core.budget import Budget
@@ -123,10 +124,10 @@ class OutcomeLog:
         return last and last.why
 
 
-@dataclass(eq=False)  # a plan is itself: two are never equal by value
+@dataclass(frozen=True, eq=False)  # a plan is itself: two are never equal by value
 class Plan:
-    """One precision x mode: how it runs, then what it measured, raw. Whether it still runs, and why not, is
-    in the run's log of `Outcome`s, not here."""
+    """One precision x mode: how it runs. Whether it still runs, and why not, is in the run's log of `Outcome`s;
+    what it measured is its `Measured`."""
 
     name: str
     mode: Mode
@@ -134,14 +135,62 @@ class Plan:
     adapter: object  # what the steps call: the compiled model where compiling worked
     forced: bool = False
     compile: CompileInfo | None = None  # once compiled (or the reason it could not be)
-    batches: list | None = None  # its own speed batches (the floor step's); None: the shared ones
+    batches: tuple | None = None  # its own speed batches (the floor step's); None: the shared ones
+    checkpointing: bool = False  # its steps run with activation checkpointing (engine/memory.py)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one plan measured, raw: the memory step's split and probe size, the time step's repeats (each
+    repeat's mean timed step, the peak probe's matmuls) and speed, the accuracy step's run. Each step returns
+    a new one with its own fields; None/empty: not measured (skipped or stopped before that step)."""
+
+    plan: Plan
     memory: dict | None = None
     probe_size: int | None = None
-    probe_ms: list = field(default_factory=list)
-    step_samples: list = field(default_factory=list)  # mean timed step (ms) of each repeat
+    step_samples: tuple[float, ...] = ()  # mean timed step (ms) of each repeat
+    probe_ms: tuple[float, ...] = ()
     speed: Speed | None = None
     accuracy: dict | None = None
-    checkpointing: bool = False  # its steps run with activation checkpointing (engine/memory.py)
+
+
+@dataclass(frozen=True)
+class Sized:
+    """Step "fit"'s answer: the plans, the baseline first, and the settings as run (the batch every compared
+    precision fits here, the length capped at the model's)."""
+
+    plans: tuple[Plan, ...]
+    cfg: BenchConfig
+    fit: BatchFit
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Step "load"'s answer: the splits, the same speed batches for every plan (and their tokens), the fp32 start
+    every run loads, and the floor plan (its own short batches)."""
+
+    splits: object
+    speed_batches: tuple
+    tokens_per_step: int
+    start: dict
+    floor: Plan
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What the measuring steps share: step "compile"'s plans (the baseline first) and the ones it left running,
+    the settings as run, the batch's sizing and the data."""
+
+    plans: tuple[Plan, ...]
+    measured: tuple[Plan, ...]
+    cfg: BenchConfig
+    fit: BatchFit
+    data: Loaded
+
+    @property
+    def base(self) -> Plan:
+        """The baseline every ratio is taken against: fp32, or the best-fitting mode when fp32 does not fit."""
+        return self.plans[0]
 
 
 @dataclass
@@ -203,26 +252,26 @@ class PrecisionRecord:
         }
 
 
-def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Plan | None = None, *,
+def make_record(m: Measured, base: Measured, flops: dict, dev, t: Thresholds, eager: Measured | None = None, *,
                 ran: bool = True, stopped: str | None = None) -> PrecisionRecord:
-    """`p`'s record: measurements, comparisons with the baseline `base` (fp32 in the first mode) and,
-    compiled, with the same precision `eager`; metadata. `ran`, `stopped`: what the run's log says of `p`."""
-    prec = p.precision
+    """`m`'s record: measurements, comparisons with the baseline `base` (fp32 in the first mode) and,
+    compiled, with the same precision `eager`; metadata. `ran`, `stopped`: what the run's log says of its plan."""
+    p, prec = m.plan, m.plan.precision
     rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, ran, p.forced,
                           prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=stopped,
                           weights=prec.describe_weights(p.adapter.stored_dtype), checkpointing=p.checkpointing)
     if not ran or stopped:
         return rec
-    step_ms = p.speed.step_ms
+    step_ms = m.speed.step_ms
     vs_eager = p.mode != "eager" and eager is not None and eager.speed is not None
-    rec.speed = replace(p.speed, speedup=None if p is base else speedup(base.speed.step_ms, step_ms),
+    rec.speed = replace(m.speed, speedup=None if p is base.plan else speedup(base.speed.step_ms, step_ms),
                         speedup_vs_eager=speedup(eager.speed.step_ms, step_ms) if vs_eager else None)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
-    probe = probe_summary(prec.dtype, p.probe_size, p.probe_ms)
+    probe = probe_summary(prec.dtype, m.probe_size, list(m.probe_ms))
     # The best probe matmul: a peak is what the device reached, and other load only slows it.
     peak = probe["tflops"]["max"]
     rec.mfu = {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak, "probe": probe}
-    mem = rec.memory = dict(p.memory)
+    mem = rec.memory = dict(m.memory)
     mem["reduction"] = {"static": reduction(_static(base.memory), _static(mem)),
                         "activations": reduction(base.memory["activation_bytes"], mem["activation_bytes"]),
                         "total": reduction(base.memory["total_bytes"], mem["total_bytes"]),
@@ -232,8 +281,8 @@ def make_record(p: Plan, base: Plan, flops: dict, dev, t: Thresholds, eager: Pla
                           "activation_bytes": mem["activation_bytes"],
                           "activation_bytes_without": eager.memory["activation_bytes"],
                           "activation_reduction": reduction(eager.memory["activation_bytes"], mem["activation_bytes"])}
-    if p.accuracy is not None:
-        acc = rec.accuracy = dict(p.accuracy)
+    if m.accuracy is not None:
+        acc = rec.accuracy = dict(m.accuracy)
         acc["val_loss_diff"] = acc["val_loss"] - base.accuracy["val_loss"]
         acc["val_accuracy_diff"] = acc["val_accuracy"] - base.accuracy["val_accuracy"]
         acc["parity"] = parity(base.accuracy["loss_curve"], acc["loss_curve"], t.parity_tolerance)

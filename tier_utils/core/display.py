@@ -8,7 +8,7 @@ import math
 
 import pandas as pd
 
-from .results import CHECK_COLUMNS, STATUSES
+from .status import CHECK_COLUMNS, STATUSES
 
 MAX_COLUMNS = 12  # wider than a notebook cell at ~1280 px: the rest stays in `.table`
 # The statuses' colours, declared once: the report page's CSS and the notebook tables both read them.
@@ -55,12 +55,13 @@ def _decimals(spread) -> int | None:
 
 
 def readable(table: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """The table to show: its verdict columns, no column empty throughout, at most MAX_COLUMNS; and how many
-    columns were left out."""
+    """The table to show: its verdict columns, no column empty throughout, at most MAX_COLUMNS with a named index's
+    columns (shown too) counted among them; and how many columns were left out."""
     shown = round_to_spread(table[verdict_columns(table)])
     shown = shown.loc[:, [c for c in shown.columns if not shown[c].map(is_empty).all()]]
-    hidden = len(table.columns) - min(len(shown.columns), MAX_COLUMNS)
-    return shown.iloc[:, :MAX_COLUMNS], hidden
+    room = MAX_COLUMNS - len([n for n in table.index.names if n is not None])
+    hidden = len(table.columns) - min(len(shown.columns), room)
+    return shown.iloc[:, :room], hidden
 
 
 def cell_text(value) -> str:

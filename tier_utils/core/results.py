@@ -10,11 +10,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .display import html_table, readable
 from .errors import describe
 from .files import write_json
-
-STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
-CHECK_COLUMNS = ["check", "status", "value", "threshold", "detail"]
+from .status import CHECK_COLUMNS, STATUSES
 
 
 @dataclass
@@ -105,15 +104,16 @@ class Result(ABC):
         """The short table that printing the result shows; `.table` is the full one."""
         return self.table
 
-    # print(result), a REPL and a notebook show the overview, rounded, reasons whole; never a dump of the fields.
+    # print(result), a REPL and a notebook show the overview, rounded, reasons whole, at most 12 columns as the
+    # HTML shows it (core/display.readable); never a dump of the fields.
     def __repr__(self) -> str:
         head = self.headline() if hasattr(self, "headline") else type(self).__name__
-        return f"{head}\n{self.overview().to_string(index=False, float_format=_short, max_colwidth=200)}"
+        shown, hidden = readable(self.overview())
+        more = f"\n({hidden} more column{'s' * (hidden != 1)} in .table)" if hidden else ""
+        return f"{head}\n{shown.to_string(index=False, float_format=_short, max_colwidth=200)}{more}"
 
     def _repr_html_(self) -> str:
         """A notebook shows the overview as a person reads it (core/display.py); `.table` is the full frame."""
-        from .display import html_table  # display reads this module's columns and statuses
-
         return html_table(self.overview(), self.headline() if hasattr(self, "headline") else None)
 
 

@@ -1,0 +1,140 @@
+"""The notebooks' settings: `RunConfig`, what a notebook's run cells read (the panel in widgets.py edits it).
+
+Its tiers' configs are `Preset`'s own builders (presets.py), called on the device's notebook preset with this
+config's choices stamped in (`tiers`): no tier's config is assembled here a second time.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from .core.precision import canonical_precision, resolve_device
+from .core.settings import check_fields, check_switch, setting
+from .engine.lora import LoraSettings, lora_setting
+from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
+from .models.loading import load_model
+from .presets import Preset, notebook_preset
+from .training.config import TrainConfig
+from .tuning.study import SearchConfig
+
+MAX_BATCH_SIZE = 4096
+# What a model's keyword arguments and tokenizer go with: set for one model, they mean nothing to another.
+_OWNED = ("model_kwargs", "tokenizer")
+
+
+def _preset_builder(name: str):
+    """RunConfig's `name`: `Preset.name` itself, called on this config's preset (`RunConfig.tiers`)."""
+    def build(self, **given):
+        return getattr(self.tiers, name)(**given)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (f"`Preset.{name}` on this config's preset (`tiers`): the device's lengths at this config's "
+                     "shape, precision, device, steps, seed, compile choice and memory modes; `given` on top.")
+    return build
+
+
+@dataclass
+class RunConfig:
+    """What a notebook's run cells read: the model spec and its sizes, the data, precision, batch size, lengths,
+    and whether to torch.compile; `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`,
+    `fit_config()`, `ranks_config()` (Preset's builders) and `search_config()` hand each tier its own config, so a
+    run cell passes one object and copies no setting by hand.
+
+    `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
+    (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other
+    defaults are the tiers' own. `model_kwargs` and `tokenizer` belong to the model they were set for: a config
+    with another model, by setting `model` or by `dataclasses.replace(cfg, model=...)`, starts from the new
+    model's own (`own_kwargs()`; the model's own tokenizer), unless they are given anew with it."""
+
+    model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
+    model_kwargs: dict | None = None
+    tokenizer: str | None = None  # None: the model's own (bytes for built-ins)
+    data: str | None = None  # None: the bundled corpus; else a file, folder, table or hf-dataset:NAME
+    precision: str = TrainConfig.precision
+    batch_size: int | None = setting(None, low=1, high=MAX_BATCH_SIZE)
+    seq_len: int | None = setting(None, low=1)
+    max_steps: int | None = setting(None, low=1)
+    device: str | None = TrainConfig.device
+    seed: int = TrainConfig.seed
+    compile: bool = TrainConfig.compile
+    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
+    # "r=8,alpha=16" string or LoraSettings.
+    activation_checkpointing: bool = TrainConfig.activation_checkpointing
+    lora: LoraSettings | int | str | None = TrainConfig.lora
+    # (model, model_kwargs, tokenizer) as this config holds them: replace() copies it, so a config made for another
+    # model sees which of the two were the old model's (the same objects) and drops them. Not a setting.
+    _owner: tuple | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self._owner is not None and self._owner[0] != self.model:  # replace(cfg, model=...)
+            for name, old in zip(_OWNED, self._owner[1:]):
+                if getattr(self, name) is old:
+                    object.__setattr__(self, name, None)
+        preset = self.preset
+        if self.model_kwargs is None:
+            self.model_kwargs = self.own_kwargs()
+        for name, value in (("batch_size", preset.batch_size), ("seq_len", preset.seq_len),
+                            ("max_steps", preset.train.max_steps)):
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
+        check_switch(self, "compile")
+        check_switch(self, "activation_checkpointing")
+        self.lora = lora_setting(self.lora)
+        check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
+        self._own()
+
+    def __setattr__(self, name, value):
+        # A model's keyword arguments and tokenizer belong to the model they were set for (tiny-gpt's d_model means
+        # nothing to a GPT-2 folder's from_pretrained): a new model starts from its own, its own tokenizer included.
+        changed = name == "model" and "model" in self.__dict__ and value != self.model
+        super().__setattr__(name, value)
+        if changed:
+            super().__setattr__("model_kwargs", self.own_kwargs())
+            super().__setattr__("tokenizer", None)
+        if name in ("model", *_OWNED) and "_owner" in self.__dict__:
+            self._own()
+
+    def _own(self) -> None:
+        super().__setattr__("_owner", (self.model, self.model_kwargs, self.tokenizer))
+
+    def own_kwargs(self) -> dict:
+        """The model's own keyword arguments: the device preset's sizes for a built-in, none for any other spec."""
+        return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
+
+    @property
+    def preset(self) -> Preset:
+        """The notebook preset of the device this config runs on: the lengths its tiers run for."""
+        return notebook_preset(resolve_device(self.device))
+
+    @property
+    def tiers(self) -> Preset:
+        """The device's preset with this config's choices in it, whose builders make each tier's config: its shape,
+        precision and device; training's steps, seed, compile choice and memory modes; the benchmark's memory
+        modes, and with compile on each precision eager and compiled, interleaved, so its table compares the two."""
+        p, memory = self.preset, {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
+        return replace(p, batch_size=self.batch_size, seq_len=self.seq_len, precision=self.precision,
+                       device=self.device, bench=replace(p.bench, compile="both" if self.compile else "off", **memory),
+                       train=replace(p.train, max_steps=self.max_steps, seed=self.seed, compile=self.compile, **memory))
+
+    smoke_config = _preset_builder("smoke_config")
+    analysis_config = _preset_builder("analysis_config")
+    train_config = _preset_builder("train_config")
+    bench_config = _preset_builder("bench_config")
+    fit_config = _preset_builder("fit_config")
+    ranks_config = _preset_builder("ranks_config")
+
+    def search_config(self, **given) -> SearchConfig:
+        """A study whose trials train as `train_config()` does, but eager: compiling every short trial would cost
+        more than the trial. `given` SearchConfig fields on top."""
+        return SearchConfig(trial=self.train_config(compile=False), **given)
+
+    def build_model(self):
+        """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
+        from the same weights, so re-running a cell with new settings compares like with like."""
+        torch.manual_seed(self.seed)
+        return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "_owner"}

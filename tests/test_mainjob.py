@@ -50,6 +50,7 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
         assert head in printed
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
     assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only
+    assert data["plan"]["train_steps"] == TINY_SIZES.train.max_steps and data["plan"]["growth"] is None
     assert len(printed.splitlines()) < 60  # one screen
 
 

@@ -18,7 +18,7 @@ from .adapter.adapter import adapt
 from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.consistency import consistency, recorded_load
-from .benchmark.size import MEMORY_FRACTION, fp32_measure, grow_batch
+from .benchmark.size import fp32_measure, grow_batch
 from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
@@ -27,6 +27,7 @@ from .core.precision import dtype_name, resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
 from .core.threads import chooses_threads
 from .engine.lora import LoraSettings
+from .jobplan import Growth, JobPlan, job_plan
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
@@ -49,6 +50,7 @@ class AllResult(Result):
     index: Path
     metadata: dict
     bench_size: dict | None = None  # grow_batch()'s choice on a GPU; None where the default size was used
+    plan: JobPlan | None = None  # what the job planned to run (batches, steps, probes), before it ran
 
     @property
     def model_status(self) -> str:
@@ -72,7 +74,8 @@ class AllResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata,
+                         "index": self.index, "bench_size": self.bench_size,
+                         "plan": self.plan.to_dict() if self.plan else None, "run_metadata": self.metadata,
                          "consistency": checks_table(consistency(self.results, recorded_load(self.metadata)))})
 
     def summary_text(self, width: int = 110) -> str:
@@ -176,6 +179,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     preset, ran_on = _fit_to_model(base, data, preset, seed)
+    plan = job_plan(preset, dev)  # every cap decided here, the same on every card
     memory = {"activation_checkpointing": activation_checkpointing, "lora": lora}  # train's and the benchmark's
     steps = {
         "smoke": lambda: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
@@ -190,7 +194,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     }
     if "data" not in ran_on:  # the forward raised: smoke and analyze report it; nothing else can run
         del steps["train"], steps["fit"], steps["ranks"]
-    results, seconds, bench_size = _run_tiers(steps, lambda: _benchmark(base, data, preset, dev, progress, memory))
+    results, seconds, bench_size = _run_tiers(steps, lambda: _benchmark(base, data, plan, dev, progress, memory))
     # The 1-minute load average at the end (training, the last timed tier): above the core count, other jobs
     # slowed the timings.
     meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
@@ -198,7 +202,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     title = f"tier_utils report: {type(base).__name__}" + (f", tier 2 on {DEMO_MODEL}" if analysed is not base else "")
     index = write_report(results, out_dir, title=title, metadata=meta)
     statuses = {name: result.status for name, result in results.items()}
-    return AllResult(results, statuses, seconds, index, meta, bench_size)
+    return AllResult(results, statuses, seconds, index, meta, bench_size, plan)
 
 
 def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
@@ -246,25 +250,27 @@ def _attempt(name: str, run) -> tuple:
     return outcome, time.perf_counter() - start
 
 
-def _benchmark(model, data, preset: Preset, dev, progress: bool,
+def _benchmark(model, data, plan: JobPlan, dev, progress: bool,
                memory: dict) -> tuple[BenchmarkResult, dict | None]:
     """The AMP benchmark at its batch (`_grown_batch` on a GPU), and that batch's choice (None: the preset's)."""
-    grown = _grown_batch(model, dev, preset.batch_size, preset.seq_len)
+    preset = plan.preset
+    grown = _grown_batch(model, dev, plan.growth, preset.seq_len)
     size = grown["batch_size"] if grown else preset.batch_size
     return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress,
                                                            **memory)), grown
 
 
-def _grown_batch(model, dev, batch_size: int, seq_len: int) -> dict | None:
-    """On a GPU, `grow_batch`'s choice: grown until fp32's step is mostly arithmetic (a tiny model at the
-    default batch is launch-bound there, and every precision then times the same). None elsewhere."""
-    if dev.type != "cuda":
+def _grown_batch(model, dev, growth: Growth | None, seq_len: int) -> dict | None:
+    """On a GPU, `grow_batch`'s choice within the plan's caps: grown until fp32's step is mostly arithmetic (a
+    tiny model at the default batch is launch-bound there, and every precision then times the same). None
+    elsewhere, and under a GPU profile whose tensors are on the CPU (the caps are planned, nothing is measured)."""
+    if growth is None or dev.type != "cuda":
         return None
-    budget = int(MEMORY_FRACTION * torch.cuda.get_device_properties(dev).total_memory)
     was_training = model.training
     model.to(dev).train()
     try:
-        return grow_batch(batch_size, fp32_measure(adapt(model), seq_len), budget)
+        return grow_batch(growth.from_batch, fp32_measure(adapt(model), seq_len), growth.budget_bytes,
+                          max_batch=growth.max_batch)
     finally:
         model.train(was_training)
 

@@ -14,7 +14,8 @@ from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.memory import checkpointed
 from tier_utils.engine.step import TrainStep, make_optimizer
-from tier_utils.planning.planner import GPUS, FitConfig, bisect_batch, device_room, fit, static_bytes
+from tier_utils.planning.planner import GPUS, FitConfig, device_room, fit, static_bytes
+from tier_utils.planning.validation import bisect_batch
 
 T = 64
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)

@@ -20,19 +20,20 @@ import torch
 import torch.nn as nn
 
 from ..adapter.adapter import resolve_model
-from ..core.budget import ActivationFit, Budget, gib, read_budget, without_oom
+from ..core.budget import ActivationFit, Budget, gib, read_budget
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, Precision, capability_has, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, Precision, capability_has, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine.lora import LoraSettings, lora_setting, lora_static_bytes, resolve_targets
-from ..engine.memory import memory_context, repeated_blocks
-from ..engine.step import TrainStep, make_optimizer
+from ..engine.memory import repeated_blocks
+from ..engine.step import make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 from .probe import size_probe
+from .validation import VALIDATE_CHOICES, VALIDATE_LIMIT, Validation, validate
 
 # Memory as the driver reports each card (MiB). torch's CUDA context takes CUDA_CONTEXT of it before the
 # allocator gets any, and the allocator loses ALLOCATOR_MARGIN of the rest to fragmentation, cuBLAS/cuDNN
@@ -43,7 +44,6 @@ GPU_CAPABILITY = {"T4 16 GB": (7, 5), "L4 24 GB": (8, 9), "A100 40 GB": (8, 0), 
                   "H100 80 GB": (9, 0)}
 CUDA_CONTEXT = 512 << 20
 ALLOCATOR_MARGIN = 0.10
-VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
                f"{ALLOCATOR_MARGIN:.0%} for the allocator's fragmentation and kernel workspaces")
 
@@ -61,16 +61,21 @@ class FitConfig:
     lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over the frozen base, under fp32 and each "
                                                         "mixed precision: r=N,alpha=X[,targets=...] (0: none)")
     device: str | torch.device | None = device_field()
-    validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
-                                          "on a GPU only)")
+    validate: str | bool | None = setting(None, "find the largest batch that really runs a step, by bisection: on "
+                                                "(the recommended mode and fp32), all (every mode), off (none: on "
+                                                "on a GPU, off elsewhere)", choices=VALIDATE_CHOICES)
+    validate_seconds: float = setting(60.0, "validation's time cap: the rows left after it stay predicted", above=0)
     progress: bool = progress_field()
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
         self.lora = lora_setting(self.lora)
         check_switch(self, "checkpointing")
-        if self.validate is not None:
-            check_switch(self, "validate")
+        if isinstance(self.validate, bool):  # the API's True/False: on/off
+            self.validate = "on" if self.validate else "off"
+        if self.validate is not None and self.validate not in VALIDATE_CHOICES:
+            raise ValueError(f"validate must be one of {', '.join(VALIDATE_CHOICES)} (or True/False), "
+                             f"got {self.validate!r}")
         check_fields(self)
 
 
@@ -156,7 +161,7 @@ class FitResult(Result):
     model: dict
     budget: Budget
     metadata: dict
-    validated: dict = field(default_factory=dict)  # mode name -> largest batch that ran a step
+    validation: Validation = field(default_factory=Validation)  # what ran a real step, and what stayed predicted
     blocks: int = 0  # how many repeated blocks checkpointing wraps
     batch_size: int = 1  # the batch the plan is for
 
@@ -196,7 +201,9 @@ class FitResult(Result):
             runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
             row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
             row.update({"static_gib": c.static / 2**30, "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
-                        "per_sample_gib": c.per_sequence(T) / 2**30, "validated": self.validated.get(c.name)})
+                        "per_sample_gib": c.per_sequence(T) / 2**30,
+                        "validated": self.validation.found.get(c.name),
+                        "validation": self.validation.describe(c.name)})
             b = row["this_device"] or 0
             row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
                              f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}); "
@@ -242,7 +249,8 @@ class FitResult(Result):
                                       "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,
                                       "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
                                       "recompute_fixed": c.recompute_fixed} for c in self.configs],
-                         "validated": [{"mode": m, "largest_batch": b} for m, b in self.validated.items()],
+                         "validated": [{"mode": m, "largest_batch": b} for m, b in self.validation.found.items()],
+                         "validation_seconds": self.validation.seconds,
                          "run_metadata": self.metadata})
 
     def plot(self):
@@ -260,7 +268,8 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
 
     model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
     config / overrides: a FitConfig (or dict) and/or its field names as keywords; validate (None: on a GPU
-    only): find the largest batch that really runs a training step, by bisection, for each row but LoRA's."""
+    only): find the largest batch that really runs a training step, by bisection, for the recommended mode and
+    fp32 ("all": every row but LoRA's), for at most `validate_seconds` (validation.py)."""
     cfg = merge(FitConfig, config, overrides, "fit")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
@@ -271,13 +280,22 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
                        batch_size=cfg.batch_size)
-    if cfg.validate or (cfg.validate is None and dev.type == "cuda"):
-        for c in configs:
-            if c.lora is None and (c.mode.native or c.mode.runs_emulated):
-                start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
-                result.validated[c.name] = bisect_batch(lambda b, c=c: step_runs(adapter, c, b, length), start,
-                                                        VALIDATE_LIMIT)
+    asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
+    if asked != "off":
+        runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
+        chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
+        result.validation = validate(adapter, configs, chosen, length,
+                                     lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
+                                     cfg.validate_seconds, cfg.progress)
     return result
+
+
+def _recommended_and_baseline(result: FitResult) -> set[str]:
+    """The modes validation checks by default: the one recommended here (the cheapest that fits) and fp32's."""
+    recommended = result.cheapest()["this_device"]
+    baseline = next((c for c in result.configs if c.precision == "fp32" and not c.checkpointing and c.lora is None),
+                    None)
+    return {c.name for c in (recommended, baseline) if c is not None}
 
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
@@ -329,42 +347,3 @@ def mode_static_bytes(model: nn.Module, precision: Precision, lora: LoraSettings
         return sum(lora_static_bytes(model, lora).values())
     per = sum(precision.static_bytes_per_param().values())
     return sum(p.numel() * (per if p.requires_grad else precision.param_dtype.itemsize) for p in model.parameters())
-
-
-def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
-    """Whether one real training step (forward, backward, AdamW step) at (batch, length) runs without running
-    out of memory; whatever it allocated is released."""
-    prec = config.mode or resolve_precision(config.precision, adapter.device, warn=False)
-    state = {k: v.detach().clone() for k, v in adapter.model.state_dict().items()}
-
-    def one_step():
-        with kept_dtypes(adapter.model):
-            prec.convert_module(adapter.model)
-            optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
-            with memory_context(adapter.model, config.checkpointing):
-                TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
-        return True
-
-    ran, _ = without_oom(one_step)
-    adapter.model.load_state_dict(state)
-    adapter.model.zero_grad(set_to_none=True)
-    return bool(ran)
-
-
-def bisect_batch(runs, start: int, limit: int = VALIDATE_LIMIT) -> int:
-    """The largest batch b with runs(b) True (0: not even 1), assuming runs is monotone: up from `start` by
-    doubling until one fails, then bisection."""
-    lo, hi = 0, None
-    b = max(1, start)
-    while hi is None:
-        if runs(b):
-            lo = b
-            if b >= limit:
-                return b
-            b = min(2 * b, limit)
-        else:
-            hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
-    return lo

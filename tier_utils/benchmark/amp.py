@@ -67,6 +67,12 @@ class BenchmarkResult(Result):
     def overview(self) -> pd.DataFrame:
         return self.verdicts  # the answer per precision; the measurements are in .table
 
+    def speedups(self) -> dict[str, float]:
+        """Precision -> its eager step's median speedup over the baseline as measured here (the baseline 1.0);
+        only the precisions that ran without checkpointing."""
+        return {r.precision: r.speed.speedup.median if r.speed.speedup else 1.0 for r in self.records
+                if r.mode == "eager" and not r.checkpointing and r.speed is not None}
+
     def plot(self):
         from .plot import plot_benchmark
 

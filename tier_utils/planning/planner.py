@@ -13,7 +13,7 @@ finds the largest batch that really runs a training step by bisection, side by s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -154,6 +154,15 @@ def cost_rank(c: Config, native: bool) -> tuple:
     return technique + c.checkpointing, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
 
 
+def speed_rank(c: Config, native: bool) -> tuple:
+    """Where precision mode `c` stands by predicted speed, fastest first (the rule where nothing was measured): a
+    2-byte compute with native tensor cores (or CPU instructions) before fp32 before an emulated one, then a true
+    mode (2-byte weights, nothing cast per step) before a mixed one, no loss scaler before one, the wider range."""
+    low = c.mode.compute_dtype.itemsize < 4
+    compute = 0 if low and native else 2 if low else 1
+    return compute, c.mode.param_dtype.itemsize, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+
+
 @dataclass(repr=False)
 class FitResult(Result):
     configs: list[Config]
@@ -164,6 +173,10 @@ class FitResult(Result):
     validation: Validation = field(default_factory=Validation)  # what ran a real step, and what stayed predicted
     blocks: int = 0  # how many repeated blocks checkpointing wraps
     batch_size: int = 1  # the batch the plan is for
+    # precision -> step speedup over fp32 measured on this device in the same run (the AMP benchmark's, in `all`);
+    # None: this device's fastest is predicted, as every GPU's is.
+    measured_speedups: dict | None = None
+    speed_source: str = ""  # where measured_speedups were measured, in words
 
     def largest(self, c: Config, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -175,14 +188,33 @@ class FitResult(Result):
                                          capability_has(c.mode.compute_dtype, cc))) for name, mib in GPUS.items()]
         return dict([here, *gpus])
 
+    def _fitting(self, room: float, native) -> list[Config]:
+        """The modes that run on a device (natively, or emulated where the mode allows) and fit the batch asked."""
+        return [c for c in self.configs if (native(c) or c.mode.runs_emulated)
+                and c.step_bytes(self.batch_size, self.seq_len) <= room]
+
     def cheapest(self) -> dict[str, Config | None]:
         """Device column -> the cheapest mode that fits the batch asked there (None: none does)."""
+        return {column: min(self._fitting(room, native), key=lambda c: cost_rank(c, native(c)), default=None)
+                for column, (room, native) in self.devices().items()}
+
+    def fastest(self) -> dict[str, Config | None]:
+        """Device column -> the fastest precision mode (no checkpointing, no LoRA) that fits the batch asked there
+        (None: none does). Here: by `measured_speedups` where the run measured them (only the modes it measured
+        compete), else predicted; on every GPU predicted (speed_rank)."""
         picked = {}
         for column, (room, native) in self.devices().items():
-            runs = [c for c in self.configs if (native(c) or c.mode.runs_emulated)
-                    and c.step_bytes(self.batch_size, self.seq_len) <= room]
-            picked[column] = min(runs, key=lambda c: cost_rank(c, native(c)), default=None)
+            measured = self.measured_speedups if column == "this_device" else None
+            runs = [c for c in self._fitting(room, native) if c.lora is None and not c.checkpointing
+                    and (measured is None or c.precision in measured)]
+            rank = (lambda c, m=measured: -m[c.precision]) if measured else (lambda c, n=native: speed_rank(c, n(c)))
+            picked[column] = min(runs, key=rank, default=None)
         return picked
+
+    def with_measured_speedups(self, speedups: dict, source: str) -> FitResult:
+        """This plan with this device's fastest mode read from `speedups` (precision -> step speedup over fp32,
+        fp32 1.0), measured as `source` says; an empty `speedups` leaves it predicted."""
+        return replace(self, measured_speedups=dict(speedups) or None, speed_source=source if speedups else "")
 
     def full_table(self) -> pd.DataFrame:
         """Every column (fit.csv): the table's, and static and activation bytes, validation and the detail."""
@@ -212,7 +244,10 @@ class FitResult(Result):
                                 f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")
                              + f"; activations {c.fit.where()}" + c.note)
             rows.append(row)
-        return pd.DataFrame(rows)
+        table = pd.DataFrame(rows)
+        # Whole numbers, with SKIP rows' "none" as <NA>: a None among ints would make the column floats (1.193e+04).
+        batches = [*self.devices(), "validated"]
+        return table.astype(dict.fromkeys(batches, "Int64"))
 
     @property
     def table(self) -> pd.DataFrame:
@@ -225,25 +260,45 @@ class FitResult(Result):
                 f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
                 f"{self.budget.describe()}")
 
+    # The overview's columns about this device; the rest are the GPUs' (predicted), each headed by the card.
+    HERE_COLUMNS = ("status", "step GiB", "here", "validated")
+
     def overview(self) -> pd.DataFrame:
-        """Indexed by mode, its verdict first; the mode's name already says its precision, checkpointing and LoRA."""
-        t = self.table
-        return t[["status", *[c for c in t.columns if c not in ("status", "precision", "checkpointing", "lora")]]]
+        """What a notebook shows and the CLI prints: indexed by mode (its name says its precision, checkpointing and
+        LoRA), HERE_COLUMNS (its verdict, its step in GiB predicted, the largest batch here, what validation found),
+        then the largest batch on each GPU, headed by the card alone (the headline says they are predicted).
+        Every column, the cheapest per device and the details: full_table() (fit.csv, --json)."""
+        t = self.full_table().set_index("mode")
+        gpus = [c for c in self.devices() if c != "this_device"]
+        shown = t[["status", "step_gib", "this_device", "validated", *gpus]]
+        return shown.set_axis([*self.HERE_COLUMNS, *(c.replace(" (predicted)", "").replace(" GB", "") for c in gpus)],
+                              axis=1)
 
     def summary_line(self) -> str:
-        """One line for `all`'s summary: the cheapest mode that fits here, and on each GPU (predicted)."""
-        named = {col.replace(" (predicted)", ""): (c.name if c else "none fits")
-                 for col, c in self.cheapest().items()}
-        here = named.pop("this_device")
-        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here {here} (predicted, "
-                f"{self.budget.describe()}); predicted " + ", ".join(f"{k} {v}" for k, v in named.items())
-                + "; every mode: fit.csv")
+        """One line: the cheapest and the fastest mode that fit here (the fastest measured where the run measured
+        it), and on each GPU (predicted)."""
+        cheapest, fastest = self.cheapest(), self.fastest()
+        gpus = "; ".join(f"{col.replace(' (predicted)', '')} {_named(cheapest[col])} / {_named(fastest[col])}"
+                         for col in cheapest if col != "this_device")
+        here = fastest["this_device"]
+        speed = (f"{self.measured_speedups[here.precision]:.2f}x fp32, measured {self.speed_source}"
+                 if here and self.measured_speedups else "predicted")
+        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here "
+                f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); fastest here "
+                f"{_named(here)} ({speed}); cheapest / fastest predicted on {gpus}; every mode: fit.csv")
+
+    @property
+    def verdict(self) -> str:
+        """fit's verdict: PASS when the batch asked fits here in some mode, WARN when none does."""
+        return "PASS" if self.cheapest()["this_device"] else "WARN"
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": GPUS, "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
+                         "fastest": {k: c.name if c else None for k, c in self.fastest().items()},
+                         "measured_speedups": self.measured_speedups, "speed_source": self.speed_source,
                          "table": self.full_table(),
                          "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,
                                       "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,
@@ -257,6 +312,10 @@ class FitResult(Result):
         from .plot import plot_fit
 
         return plot_fit(self)
+
+
+def _named(c: Config | None) -> str:
+    return c.name if c else "none fits"
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts

@@ -51,6 +51,7 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     # fit's fastest here is what the benchmark measured in the same run; the last line leads with the answer
     assert "measured by this run's benchmark at batch 4 x 16)" in printed or "fastest here fp32" in printed
     last = printed.splitlines()[-1]
+    assert data["summary"] == last
     assert last.split(" here: ")[0] in BenchConfig().precisions and last.index(" here: ") < last.index("model checks")
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
     assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only

@@ -124,6 +124,7 @@ def _run_bench(args) -> tuple[dict, int]:
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)
+    print(result.answer())  # the mode to use here, the faster one's cost, the failed verdicts
     print(f"worst status: {result.status}")
     return result.to_json(), 1 if result.status == "FAIL" else 0
 

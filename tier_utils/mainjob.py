@@ -75,7 +75,8 @@ class AllResult(Result):
         return self.results[name].plot()
 
     def to_json(self) -> dict:
-        return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
+        return jsonable({"status": self.status, "model_status": self.model_status, "summary": self.summary_line(),
+                         "tiers": self.table,
                          "index": self.index, "bench_size": self.bench_size,
                          "plan": self.plan.to_dict() if self.plan else None, "run_metadata": self.metadata,
                          "consistency": checks_table(consistency(self.results, recorded_load(self.metadata)))})

@@ -1,6 +1,7 @@
 import copy
 import json
 import math
+import re
 import types
 
 import pytest
@@ -295,6 +296,7 @@ def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     assert doc["config"]["eval_batches"] == 3
     text = capsys.readouterr().out
     assert "speedup vs fp32" in text and "worst status" in text
+    assert re.search(r"^(bf16|fp32) here: ", text, re.M)  # the answer, the mode first
     if BF16_NATIVE:
         rows = {(r["check"]): r for r in doc["verdicts"] if r["precision"] == "bf16"}
         accuracy = rows["val accuracy diff"]

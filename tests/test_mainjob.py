@@ -3,7 +3,7 @@ import json
 
 import pandas as pd
 import pytest
-from test_report import Fake
+from test_report import Fake, FakeBench
 from tiny import TINY, TINY_ARGS
 
 from tier_utils import BenchConfig, TrainConfig, mainjob
@@ -44,12 +44,18 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     # the job decided `auto` once; training runs that decision, so its reason still says auto (not "bf16 requested")
     assert train["summary"]["precision_reason"].startswith("auto: ")
     printed = capsys.readouterr().out
-    for head in ("smoke: ", "analysis: ", "train: 4 steps, global batch 4",
+    for head in ("smoke TinyGPT: ", "analysis TinyGPT: ", "train: 4 steps, global batch 4",
                  "fit at B=4, T=16: cheapest mode that fits here", "ranks: smallest N that trains at T=16",
-                 "amp_benchmark: ", "model checks: ", "  at batch 4 x 16 tokens"):
+                 "benchmark TinyGPT: ", "model checks: ", " at batch 4 x 16 tokens"):
         assert head in printed
+    # fit's fastest here is what the benchmark measured in the same run; the last line leads with the answer
+    assert "measured by this run's benchmark at batch 4 x 16)" in printed or "fastest here fp32" in printed
+    last = printed.splitlines()[-1]
+    assert data["summary"] == last
+    assert last.split(" here: ")[0] in BenchConfig().precisions and last.index(" here: ") < last.index("model checks")
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
     assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only
+    assert data["plan"]["train_steps"] == TINY_SIZES.train.max_steps and data["plan"]["growth"] is None
     assert len(printed.splitlines()) < 60  # one screen
 
 
@@ -80,9 +86,30 @@ def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, mo
     monkeypatch.setattr(mainjob, "smoke", lambda *a, **k: Fake(["PASS"]))
     monkeypatch.setattr(mainjob, "analyze", lambda *a, **k: Fake(["WARN"]))
     monkeypatch.setattr(mainjob, "_train", lambda *a, **k: Fake(["PASS"]))
-    monkeypatch.setattr(mainjob, "amp_benchmark", lambda *a, **k: Fake(["FAIL"]))
+    monkeypatch.setattr(mainjob, "amp_benchmark", lambda *a, **k: FakeBench(["FAIL"]))
     result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, model_kwargs=TINY)
     assert (result.status, result.model_status) == ("FAIL", "WARN")
+    # The last line: the answer first, then the modes whose verdicts failed, then the verdicts.
+    last = result.summary_text().splitlines()[-1]
+    assert last.startswith("bf16 here: 1.45× fp32 · failed: bf16 (c0) · model checks: WARN · benchmark verdicts: "
+                           "FAIL · report: ")
+
+
+TIER_NAMES = set(mainjob.SHOWN) | {"analyze", "bench", "benchmark"}
+
+
+def test_the_main_job_has_no_branch_on_a_tier_name():
+    """Issue 43: mainjob.py asks each result (summary_line, verdict, problems, answer); a table naming the tiers
+    it runs is fine, a comparison with a tier's name is not."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(mainjob.__file__).read_text())
+    compared = [(node.lineno, c.value) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                for c in (node.left, *node.comparators)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in TIER_NAMES]
+    matched = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.MatchValue)]
+    assert not compared and not matched, compared or matched
 
 
 def test_ctrl_c_in_training_stops_the_job_with_130(tmp_path, tiny_sizes, monkeypatch, capsys):

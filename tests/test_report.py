@@ -124,14 +124,25 @@ def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far
     assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()
 
 
-def test_the_page_opens_with_the_verdict_line(tmp_path):
-    """The CLI's "model checks: … · benchmark verdicts: …" line at the top: a FAILing benchmark on a CPU does not
-    read as a broken model."""
-    page = write_report({"smoke": Fake(["PASS"]), "train": Fake(["PASS", "WARN"]), "amp_benchmark": Fake(["FAIL"])},
+class FakeBench(Fake):
+    """A benchmark's stand-in: its verdicts judge the device, and it answers the question."""
+
+    judges = "device"
+
+    def answer(self):
+        return "bf16 here: 1.45× fp32 · failed: bf16 (c0)"
+
+
+def test_the_page_opens_with_the_answer_and_the_verdict_line(tmp_path):
+    """The main job's last line at the top: the answer first, then "model checks: … · benchmark verdicts: …" (a
+    FAILing benchmark on a CPU does not read as a broken model); each section says its result's own line."""
+    page = write_report({"smoke": Fake(["PASS"]), "train": Fake(["PASS", "WARN"]), "bench": FakeBench(["FAIL"])},
                         tmp_path).read_text()
     first = re.search(r"<h1>.*?</h1>\s*<p class='verdict'>(.*?)</p>", page, re.S)
-    assert first and first.group(1) == "model checks: WARN · benchmark verdicts: FAIL"
+    assert first and first.group(1) == ("bf16 here: 1.45× fp32 · failed: bf16 (c0) · model checks: WARN · "
+                                        "benchmark verdicts: FAIL")
     assert page.index("class='verdict'") < page.index("<section")
+    assert "<p class='summary'>FakeBench: FAIL (1 FAIL)</p>" in page
     only = write_report({"smoke": Fake(["PASS"])}, tmp_path / "b").read_text()
     assert "model checks: PASS · benchmark verdicts: not run" in only
 

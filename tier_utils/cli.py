@@ -10,9 +10,12 @@ import functools
 import inspect
 import shutil
 import sys
+import textwrap
 import warnings
 from dataclasses import fields
 from pathlib import Path
+
+import pandas as pd
 
 from .analysis import AnalysisConfig, analyze
 from .benchmark.amp import amp_benchmark
@@ -20,7 +23,7 @@ from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
 from .benchmark.strategies import strategy_benchmark
 from .colab import point_at
 from .core.errors import TierError, TrainingDiverged, one_line
-from .core.files import jsonable, write_json
+from .core.files import atomic_write_bytes, jsonable, write_json
 from .core.inputs import writable_dir, writable_file
 from .core.threads import machine_load, run_threads
 from .exporting.exporter import ExportConfig, export
@@ -121,6 +124,7 @@ def _run_bench(args) -> tuple[dict, int]:
     _show(result.table.set_index(["precision", "mode"]).T, index=True)
     print()
     _show(result.verdicts)
+    print(result.answer())  # the mode to use here, the faster one's cost, the failed verdicts
     print(f"worst status: {result.status}")
     return result.to_json(), 1 if result.status == "FAIL" else 0
 
@@ -166,8 +170,17 @@ def _run_export(args) -> tuple[dict, int]:
 
 def _run_fit(args) -> tuple[dict, int]:
     result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
-    print(result.headline())
-    _show(result.overview())
+    width = shutil.get_terminal_size((FALLBACK_WIDTH, 24)).columns
+    print(textwrap.fill(result.headline(), width))
+    table = result.overview()  # indexed by mode: every row says which
+    here = list(result.HERE_COLUMNS)
+    _show(table[here], index=True)
+    print("largest batch on each GPU (predicted):")
+    _show(table.drop(columns=here), index=True)
+    print(textwrap.fill(result.summary_line(), width))
+    if args.json:  # every column and each row's detail, beside the JSON
+        csv = atomic_write_bytes(Path(args.json).with_suffix(".csv"), result.full_table().to_csv(index=False).encode())
+        print(f"every column and each row's detail: {csv} (and {args.json})")
     return result.to_json(), 0
 
 
@@ -206,7 +219,8 @@ def _show(table, index: bool = False) -> None:
     """A table on the terminal: floats to 4 significant digits, as wide as the terminal at most (the longest
     texts cut with "…"; the full text is in --json and the CSV)."""
     width = shutil.get_terminal_size((FALLBACK_WIDTH, 24)).columns
-    print(fit_width(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v), width, index))
+    shown = table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else "-" if v is pd.NA else v)
+    print(fit_width(shown, width, index))
 
 
 def fit_width(table, width: int, index: bool = False) -> str:

@@ -18,26 +18,30 @@ from .adapter.adapter import adapt
 from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.consistency import consistency, recorded_load
-from .benchmark.size import MEMORY_FRACTION, fp32_measure, grow_batch
-from .core.device import device_facts
+from .benchmark.size import fp32_measure, grow_batch
 from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
 from .core.precision import dtype_name, resolve_device, resolve_precision
-from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
+from .core.results import Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
 from .core.threads import chooses_threads
 from .engine.lora import LoraSettings
+from .jobplan import Growth, JobPlan, job_plan
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
-from .planning.planner import fit
+from .planning.planner import FitResult, fit
 from .planning.ranks import plan_ranks
 from .presets import FAST, JOB, Preset
 from .report import write_report
 from .smoketest.suite import smoke
 from .training.config import TrainConfig
-from .training.history import TrainSummary
 from .training.loop import train
+
+# The order the summary and the report show the tiers in (they run in run_all's order); without data (the model's
+# forward raised) only those that need none run.
+SHOWN = ("smoke", "analysis", "train", "fit", "ranks", "amp_benchmark")
+NEEDS_NO_DATA = ("smoke", "analysis")
 
 
 @dataclass(repr=False)
@@ -50,15 +54,14 @@ class AllResult(Result):
     index: Path
     metadata: dict
     bench_size: dict | None = None  # grow_batch()'s choice on a GPU; None where the default size was used
+    plan: JobPlan | None = None  # what the job planned to run (batches, steps, probes), before it ran
 
     @property
     def model_status(self) -> str:
-        """The worst status of the model's own checks (smoke, analysis, training), not the benchmark's.
-
-        The benchmark's verdicts judge this device's precisions against targets (a CPU seldom
-        reaches a 1.5x bf16 speedup); they are reported, but don't make the model's run fail.
-        """
-        return worst_status(s for n, s in self.statuses.items() if s and n != "amp_benchmark")
+        """The worst verdict of the results that judge the model (smoke, analysis, training, ...), not of those
+        that judge the device (the benchmark's: this device's precisions against targets a CPU seldom reaches;
+        they are reported, but don't make the model's run fail)."""
+        return worst_status(r.verdict for r in self.results.values() if r.verdict and r.judges == "model")
 
     @property
     def table(self) -> pd.DataFrame:
@@ -72,13 +75,16 @@ class AllResult(Result):
         return self.results[name].plot()
 
     def to_json(self) -> dict:
-        return jsonable({"status": self.status, "model_status": self.model_status, "tiers": self.table,
-                         "index": self.index, "bench_size": self.bench_size, "run_metadata": self.metadata,
+        return jsonable({"status": self.status, "model_status": self.model_status, "summary": self.summary_line(),
+                         "tiers": self.table,
+                         "index": self.index, "bench_size": self.bench_size,
+                         "plan": self.plan.to_dict() if self.plan else None, "run_metadata": self.metadata,
                          "consistency": checks_table(consistency(self.results, recorded_load(self.metadata)))})
 
     def summary_text(self, width: int = 110) -> str:
-        """The one-screen summary the CLI prints: non-PASS rows of tiers 1-2, training, benchmark verdicts."""
-        r, m = self.results, self.metadata
+        """The one-screen summary the CLI prints: the machine and model, each result's own line and the rows behind
+        a verdict other than PASS, the job's own notes, then the last line (`summary_line`: the answer first)."""
+        m = self.metadata
         busy = m.get("load_average_1m") is not None and m["load_average_1m"] > m["cpu_count"]
         threads = m.get("threads_reason") or f"{m['threads']} torch threads"
         lines = [f"{m['device_name']} · torch {m['torch']} · {threads}"
@@ -87,63 +93,35 @@ class AllResult(Result):
         if "tokenizer" in m:
             lines.append(f"{m['model']} · weights stored {m['stored_dtype']} · tokenizer {m['tokenizer']} · "
                          f"data: {m['data']}")
-        r = {n: t for n, t in r.items() if not isinstance(t, TierFailure)}
-        lines += [f"{f.tier}: FAIL, it raised {f.error}" for f in self.results.values() if isinstance(f, TierFailure)]
-        if "smoke" in r:
-            lines += _verdict_block("smoke", self, r["smoke"].table[["check", "status", "value", "detail"]], width)
-        if "analysis" in r:
-            block = _verdict_block("analysis", self, r["analysis"].table[["analysis", "check", "status", "value",
-                                                                          "detail"]], width)
-            if provenance := r["analysis"].model.get("provenance"):  # the shipped demo model, not fresh weights
-                block.insert(1, f"  on {provenance['summary']}")
-            lines += block
-        if "train" in r:
-            lines.append(_train_line(r["train"].summary, self.seconds["train"]))
-        if "fit" in r:
-            lines.append(r["fit"].summary_line())
-        if "ranks" in r:
-            lines.append(r["ranks"].summary_line())
-        if "amp_benchmark" in r:
-            v, run = r["amp_benchmark"].verdicts, r["amp_benchmark"].config
-            lines += _verdict_block("amp_benchmark", self, v[v["precision"] != "fp32"], width, only_problems=False)
-            size = f"  at batch {run.settings.batch_size} x {run.settings.seq_len} tokens"
-            if self.bench_size:
-                size += f", grown from batch {self.bench_size['from_batch_size']}: {self.bench_size['reason']}"
-            if run.fit.reason:
-                size += f"; {run.fit.reason}"
-            lines += [size, _bench_weights(r["amp_benchmark"])]
-        lines += [f"consistency: {c.status} {c.detail}" for c in consistency(r, recorded_load(m))]
-        lines.append(f"{verdict_line(self.statuses)} · report: {self.index}")
+        for name, result in self.results.items():
+            lines.append(f"{result.summary_line()} · {self.seconds[name]:.1f} s")
+            lines += _rows_block(result.problems(), width)
+        if self.bench_size:
+            lines.append(f"  the benchmark's batch grew from {self.bench_size['from_batch_size']} to "
+                         f"{self.bench_size['batch_size']}: {self.bench_size['reason']}")
+        lines += [f"consistency: {c.status} {c.detail}" for c in consistency(self.results, recorded_load(m))]
+        lines.append(self.summary_line())
         return "\n".join(lines)
 
+    def summary_line(self) -> str:
+        """The job's last line, the answer first (the benchmark's: the mode to train in here and what it buys),
+        then the verdicts and the report."""
+        return f"{verdict_line(self.results)} · report: {self.index}"
 
-def _verdict_block(name: str, res: AllResult, table, width: int, only_problems: bool = True) -> list[str]:
-    counts = table["status"].value_counts()
-    head = f"{name}: {res.statuses[name]} ({', '.join(f'{counts[s]} {s}' for s in STATUSES if s in counts)}) " \
-           f"in {res.seconds[name]:.1f} s"
-    rows = table[table["status"] != "PASS"] if only_problems else table
+
+def _rows_block(rows: pd.DataFrame, width: int) -> list[str]:
+    """A result's problem rows, indented, each detail cut to what is left of `width`."""
     if rows.empty:
-        return [head]
-    shown = rows.drop(columns="detail")
-    shown["value"] = shown["value"].map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+        return []
+    shown = rows.drop(columns="detail", errors="ignore")
+    if "value" in shown.columns:
+        shown["value"] = shown["value"].map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
     lines = shown.to_string(index=False).splitlines()
+    if "detail" not in rows.columns:
+        return [f"  {line}" for line in lines]
     room = max(20, width - 2 - max(len(line) for line in lines) - 2)
     details = ["detail"] + [d if len(d) <= room else d[:room - 3] + "..." for d in map(str, rows["detail"])]
-    return [head] + [f"  {line}  {d}" for line, d in zip(lines, details)]
-
-
-def _bench_weights(bench: BenchmarkResult) -> str:
-    """What each benchmarked precision held the weights in (measured in its run), after the stored dtype."""
-    held = [f"{r.precision} {r.mode}: {r.memory['weights_dtype']}" for r in bench.records if r.memory]
-    return f"  weights stored {bench.metadata['stored_dtype']}, held in the runs as " + (", ".join(held) or "none ran")
-
-
-def _train_line(s: TrainSummary, seconds: float) -> str:
-    losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
-    line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
-    if t := s.tokens_per_s:
-        line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
-    return line + f" · {seconds:.1f} s"
+    return [f"  {line}  {d}" for line, d in zip(lines, details)]
 
 
 @chooses_threads  # one thread count for every tier, chosen as the job starts
@@ -177,29 +155,34 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     preset, ran_on = _fit_to_model(base, data, preset, seed)
+    plan = job_plan(preset, dev)  # every cap decided here, the same on every card
     memory = {"activation_checkpointing": activation_checkpointing, "lora": lora}  # train's and the benchmark's
+    grown = {}  # the benchmark's grown batch on a GPU (grow_batch's choice), for the summary and JSON
+    # In the order they run, each given the results so far: the benchmark before training (the trained copy the
+    # report keeps is not held beside it), fit after it (its fastest mode here is what the benchmark measured).
     steps = {
-        "smoke": lambda: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
-        "analysis": lambda: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
-                                                                            progress=progress)),
-        # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
-        "train": lambda: _train(copy.deepcopy(base), data, preset.train_config(precision=prec, device=dev, seed=seed,
-                                                                               progress=progress, **memory)),
-        # predictions only
-        "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
-        "ranks": lambda: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
+        "smoke": lambda done: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
+        "analysis": lambda done: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
+                                                                                 progress=progress)),
+        "amp_benchmark": lambda done: _benchmark(base, data, plan, dev, progress, memory, grown),
+        # A copy: training changes weights, and every tier must start from the same ones.
+        "train": lambda done: _train(copy.deepcopy(base), data, preset.train_config(
+            precision=prec, device=dev, seed=seed, progress=progress, **memory)),
+        "fit": lambda done: _measured(fit(base, preset.fit_config(device=dev, validate=plan.fit_validate,
+                                                                  progress=progress)), done),
+        "ranks": lambda done: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
     }
     if "data" not in ran_on:  # the forward raised: smoke and analyze report it; nothing else can run
-        del steps["train"], steps["fit"], steps["ranks"]
-    results, seconds, bench_size = _run_tiers(steps, lambda: _benchmark(base, data, preset, dev, progress, memory))
+        steps = {name: steps[name] for name in NEEDS_NO_DATA}
+    results, seconds = _run_tiers(steps)
     # The 1-minute load average at the end (training, the last timed tier): above the core count, other jobs
     # slowed the timings.
     meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
             "cpu_count": os.cpu_count()}
     title = f"tier_utils report: {type(base).__name__}" + (f", tier 2 on {DEMO_MODEL}" if analysed is not base else "")
     index = write_report(results, out_dir, title=title, metadata=meta)
-    statuses = {name: result.status for name, result in results.items()}
-    return AllResult(results, statuses, seconds, index, meta, bench_size)
+    statuses = {name: result.verdict for name, result in results.items()}
+    return AllResult(results, statuses, seconds, index, meta, grown or None, plan)
 
 
 def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
@@ -217,19 +200,13 @@ def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
                     "stored_dtype": dtype_name(adapter.stored_dtype)}
 
 
-def _run_tiers(steps: dict, bench) -> tuple[dict, dict, dict | None]:
-    """Each tier's result and seconds, each `_attempt`ed in order, with the benchmark (`bench`) run just before
-    training and shown last; and the benchmark's grown batch (None: the preset's, or no benchmark)."""
-    results, seconds, outcome = {}, {}, None
+def _run_tiers(steps: dict) -> tuple[dict, dict]:
+    """Each tier's result and seconds, each `_attempt`ed in the order of `steps` (each given the results so far),
+    then put in the order the summary and the report show them (SHOWN)."""
+    results, seconds = {}, {}
     for name, run in steps.items():
-        if name == "train":  # the benchmark first: the trained copy the report keeps is not held beside it
-            outcome, bench_s = _attempt("amp_benchmark", bench)
-        results[name], seconds[name] = _attempt(name, run)
-    bench_size = None
-    if outcome is not None:  # shown last, as before
-        results["amp_benchmark"], bench_size = outcome if isinstance(outcome, tuple) else (outcome, None)
-        seconds["amp_benchmark"] = bench_s
-    return results, seconds, bench_size
+        results[name], seconds[name] = _attempt(name, lambda run=run: run(results))
+    return {n: results[n] for n in SHOWN if n in results}, seconds
 
 
 def _attempt(name: str, run) -> tuple:
@@ -247,26 +224,36 @@ def _attempt(name: str, run) -> tuple:
     return outcome, time.perf_counter() - start
 
 
-def _benchmark(model, data, preset: Preset, dev, progress: bool,
-               memory: dict) -> tuple[BenchmarkResult, dict | None]:
-    """The AMP benchmark at its batch (`_grown_batch` on a GPU), and that batch's choice (None: the preset's)."""
-    grown = _grown_batch(model, dev, preset.batch_size, preset.seq_len)
-    size = grown["batch_size"] if grown else preset.batch_size
-    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress,
-                                                           **memory)), grown
+def _benchmark(model, data, plan: JobPlan, dev, progress: bool, memory: dict, grown: dict) -> BenchmarkResult:
+    """The AMP benchmark at its batch: `_grown_batch`'s on a GPU (its choice put in `grown`), else the preset's."""
+    preset = plan.preset
+    grown.update(_grown_batch(model, dev, plan.growth, preset.seq_len) or {})
+    size = grown.get("batch_size", preset.batch_size)
+    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress, **memory))
 
 
-def _grown_batch(model, dev, batch_size: int, seq_len: int) -> dict | None:
-    """On a GPU, `grow_batch`'s choice: grown until fp32's step is mostly arithmetic (a tiny model at the
-    default batch is launch-bound there, and every precision then times the same). None elsewhere: growth is
-    measured on the tensors' device, so a CPU under a GPU profile keeps the preset's batch."""
-    if dev.type != "cuda":
+def _measured(planned: FitResult, done: dict) -> FitResult:
+    """fit's plan with this device's fastest mode read from the speedups the benchmark measured in this run
+    (where it ran and its baseline was fp32); else as planned (predicted)."""
+    bench = next((r for r in done.values() if isinstance(r, BenchmarkResult)), None)
+    if bench is None:
+        return planned
+    s = bench.config.settings
+    return planned.with_measured_speedups(bench.speedups(), f"by this run's benchmark at batch {s.batch_size} x "
+                                                            f"{s.seq_len}")
+
+
+def _grown_batch(model, dev, growth: Growth | None, seq_len: int) -> dict | None:
+    """On a GPU, `grow_batch`'s choice within the plan's caps: grown until fp32's step is mostly arithmetic (a
+    tiny model at the default batch is launch-bound there, and every precision then times the same). None
+    elsewhere, and under a GPU profile whose tensors are on the CPU (the caps are planned, nothing is measured)."""
+    if growth is None or dev.type != "cuda":
         return None
-    budget = int(MEMORY_FRACTION * device_facts(dev).total_bytes)
     was_training = model.training
     model.to(dev).train()
     try:
-        return grow_batch(batch_size, fp32_measure(adapt(model), seq_len), budget)
+        return grow_batch(growth.from_batch, fp32_measure(adapt(model), seq_len), growth.budget_bytes,
+                          max_batch=growth.max_batch)
     finally:
         model.train(was_training)
 

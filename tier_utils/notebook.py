@@ -14,7 +14,7 @@ import pandas as pd
 
 from .adapter.adapter import adapt
 from .core.display import html_table
-from .core.results import STATUSES, verdict_line
+from .core.results import verdict_line
 from .models.builtins import BUILTIN_MODELS
 from .report import write_report
 from .training.history import TrainResult
@@ -101,11 +101,12 @@ class Summary:
 
     @property
     def verdicts(self) -> str:
-        return verdict_line({name: r.status for name, r in self.results.items()})
+        return verdict_line(self.results)
 
     def table(self) -> pd.DataFrame:
-        return pd.DataFrame([(name, r.status or "", _what(r)) for name, r in self.results.items()],
-                            columns=["ran", "status", "what"])
+        """Each result's verdict and its own summary line."""
+        return pd.DataFrame([(name, r.verdict or "", r.summary_line()) for name, r in self.results.items()],
+                            columns=["ran", "verdict", "summary"])
 
     def __repr__(self) -> str:
         files = "\n".join(f"  {_shown(f)}" for f in self.files)
@@ -120,16 +121,6 @@ class Summary:
         return (f"<h3>Summary</h3><p>{facts}</p>{html_table(self.table())}<p><b>{html.escape(self.verdicts)}</b></p>"
                 f"<p>Files this notebook wrote (they open in JupyterLab):</p><ul>{links}</ul>"
                 f"<p>What to try next:</p><ul>{steps}</ul>")
-
-
-def _what(result) -> str:
-    if hasattr(result, "headline"):
-        return result.headline()
-    table = result.table
-    if "status" not in table.columns:
-        return type(result).__name__
-    counts = table["status"].value_counts()
-    return f"{type(result).__name__}: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if s in counts)
 
 
 def _shown(path: Path) -> str:

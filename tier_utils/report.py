@@ -61,27 +61,27 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         fig = result.plot()
         if fig is not None:
             save_png(fig, out / f"{name}.png")
-        status = result.status
-        badge = f" <span class='{status}'>{status}</span>" if status else ""
+        verdict = result.verdict
+        badge = f" <span class='{verdict}'>{verdict}</span>" if verdict else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
         shown = result.verdicts if hasattr(result, "verdicts") else result.table
         files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
-        sections.append(_section(name, badge, shown, files, fig is not None))
+        sections.append(_section(name, badge, result.summary_line(), shown, files, fig is not None))
     meta = metadata if metadata is not None else run_metadata()
     agreement = checks_table(consistency(results, recorded_load(meta)))
     if len(agreement):  # before the tiers: it says how far to trust their timings
         atomic_write_bytes(out / "consistency.csv", agreement.to_csv(index=False).encode())
-        sections.insert(0, _section("consistency", "", agreement, ["consistency.csv"], False))
+        sections.insert(0, _section("consistency", "", "", agreement, ["consistency.csv"], False))
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
-            f"<p class='verdict'>{verdict_line({n: r.status for n, r in results.items()})}</p>\n"
+            f"<p class='verdict'>{html.escape(verdict_line(results))}</p>\n"
             f"<p class='meta'>{meta_line}</p>\n<p>{' · '.join(nav)}</p>\n" + "\n".join(sections)
             + "\n</body></html>\n")
     return atomic_write_bytes(out / "index.html", page.encode())
 
 
-def _section(name: str, badge: str, table: pd.DataFrame, files: list[str], has_plot: bool) -> str:
+def _section(name: str, badge: str, summary: str, table: pd.DataFrame, files: list[str], has_plot: bool) -> str:
     shown = _for_page(table)
     hidden = len(table.columns) - len(shown.columns)
     note = f" (the page leaves out {hidden} column{'s' if hidden != 1 else ''}; the CSV has all)" if hidden else ""
@@ -89,7 +89,8 @@ def _section(name: str, badge: str, table: pd.DataFrame, files: list[str], has_p
     rows = shown.to_html(index=False, border=0, escape=False)
     for s in STATUSES:  # colour the verdict cells
         rows = rows.replace(f"<td>{s}</td>", f"<td class='{s}'>{s}</td>")
-    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>", f"<p>{links}{note}</p>",
+    parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>",
+             *([f"<p class='summary'>{html.escape(summary)}</p>"] if summary else []), f"<p>{links}{note}</p>",
              f"<div class='scroll'>{rows}</div>"]
     if has_plot:
         parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")

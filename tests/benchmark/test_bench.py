@@ -1,6 +1,7 @@
 import copy
 import json
 import math
+import re
 import types
 
 import pytest
@@ -11,6 +12,7 @@ from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils.adapter.adapter import adapt
 from tier_utils.benchmark import amp as bench
+from tier_utils.benchmark import size
 from tier_utils.benchmark.amp import amp_benchmark, interleave
 from tier_utils.benchmark.config import BENCH_RUN_ONLY, BenchConfig
 from tier_utils.benchmark.size import fp32_measure, grow_batch
@@ -27,6 +29,7 @@ from tier_utils.benchmark.verdicts import (
     speedup,
 )
 from tier_utils.cli import main
+from tier_utils.core.device import GPU_PROFILES
 from tier_utils.core.errors import LoggerError, ModelSpecError
 from tier_utils.core.measure import SavedTensorMeter, Stats
 from tier_utils.core.precision import native_support, resolve_precision
@@ -293,6 +296,7 @@ def test_cli_bench_writes_json_and_exit_code(tmp_path, capsys):
     assert doc["config"]["eval_batches"] == 3
     text = capsys.readouterr().out
     assert "speedup vs fp32" in text and "worst status" in text
+    assert re.search(r"^(bf16|fp32) here: ", text, re.M)  # the answer, the mode first
     if BF16_NATIVE:
         rows = {(r["check"]): r for r in doc["verdicts"] if r["precision"] == "bf16"}
         accuracy = rows["val accuracy diff"]
@@ -536,9 +540,9 @@ def _fake_gpu(fixed_ms=4.0, per_seq_ms=0.05, bytes_per_seq=2**20, oom_at=None):
 
 
 def test_grow_batch_until_the_step_is_mostly_arithmetic():
-    grown = grow_batch(8, _fake_gpu(), budget_bytes=2**40)
+    grown = grow_batch(8, _fake_gpu(), budget_bytes=2**40, max_batch=1024)
     assert [r["batch_size"] for r in grown["trail"]] == [8, 16, 32, 64, 128, 256, 512]
-    assert grown["batch_size"] == 512 and grown["trail"][0]["fixed_share"] > 0.9
+    assert grown["batch_size"] == 512 and grown["trail"][0]["fixed_share"] > 0.9 and not grown["capped"]
     assert grown["trail"][-1]["fixed_share"] <= 0.2 and "fixed per-step cost at batch 512" in grown["reason"]
     # Already compute-bound: measured once, kept.
     big = grow_batch(8, _fake_gpu(fixed_ms=1.0, per_seq_ms=10.0), budget_bytes=2**40)
@@ -547,11 +551,25 @@ def test_grow_batch_until_the_step_is_mostly_arithmetic():
 
 def test_grow_batch_stops_at_the_memory_budget_and_at_out_of_memory():
     capped = grow_batch(8, _fake_gpu(), budget_bytes=100 * 2**20)
-    assert capped["batch_size"] == 64 and "memory budget" in capped["reason"]  # 128 MiB predicted at batch 128
+    assert capped["batch_size"] == 64 and "growth budget" in capped["reason"]  # 128 MiB predicted at batch 128
+    assert capped["capped"] and f"still {capped['fixed_share_left']:.0%} fixed cost" in capped["reason"]
     oom = grow_batch(8, _fake_gpu(oom_at=32), budget_bytes=None)
-    assert oom["batch_size"] == 16 and oom["reason"] == "batch 32 ran out of memory"
-    few = grow_batch(8, _fake_gpu(), budget_bytes=None, max_doublings=2)
-    assert few["batch_size"] == 32 and "after 2 doublings" in few["reason"]
+    assert oom["batch_size"] == 16 and oom["reason"] == "batch 32 ran out of memory" and not oom["capped"]
+
+
+def test_grow_batch_stops_at_a_cap_that_does_not_grow_with_the_card_and_says_what_it_left():
+    """The fake card never stops being launch-bound below 512: the default cap stops growth at 256 and the
+    reason says the share of fixed cost left; a batch asked above the cap is measured as asked."""
+    grown = grow_batch(8, _fake_gpu(), budget_bytes=None)
+    assert grown["batch_size"] == size.GROWTH_MAX_BATCH == 256 and grown["capped"]
+    share = grown["trail"][-1]["fixed_share"]
+    assert share > 0.2 and f"cap of 256 sequences (the same on every card); fp32's step is still {share:.0%}" \
+        in grown["reason"]
+    asked = grow_batch(300, _fake_gpu(), budget_bytes=None)
+    assert asked["batch_size"] == 300 and len(asked["trail"]) == 1
+    # Half of a card, at most GROWTH_BUDGET_BYTES: a T4 and an H200 plan the same budget.
+    t4, h200 = (size.growth_budget(GPU_PROFILES[k].memory_mib << 20) for k in ("T4", "H200"))
+    assert t4 == h200 == size.GROWTH_BUDGET_BYTES and size.growth_budget(2 << 30) == 1 << 30
 
 
 def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():

@@ -8,7 +8,7 @@ from tiny import TINY
 
 import tier_utils
 from tier_utils.core.display import MAX_COLUMNS, STATUS_STYLE, html_table, round_to_spread
-from tier_utils.core.results import TierFailure
+from tier_utils.core.results import STATUSES, TierFailure
 
 SMALL = dict(batch_size=2, seq_len=16, progress=False, device="cpu")
 
@@ -48,6 +48,16 @@ def test_the_notebook_display_is_a_readable_verdict_table(results, name):
     for status in set(result.table["status"]) if "status" in result.table.columns else ():
         assert f"<td style='{STATUS_STYLE[status]}'>{status}</td>" in page  # coloured as on the report page
     assert len(result.table.columns) >= len(_header(page)) - 2  # the full frame stays one attribute away
+
+
+@pytest.mark.parametrize("name", ["smoke", "analysis", "train", "fit", "bench", "export", "search", "failure"])
+def test_every_result_says_its_own_summary_line_and_verdict(results, name):
+    """Issue 43: the main job, the report and the notebooks' summary ask each result; none looks inside."""
+    result = results[name]
+    line = result.summary_line()
+    assert line and "\n" not in line and result.verdict in (*STATUSES, None)
+    assert result.verdict == result.status and result.judges == ("device" if name == "bench" else "model")
+    assert result.problems().empty or set(result.problems()["status"]) <= {"WARN", "FAIL", "SKIP"}
 
 
 def test_the_benchmark_shows_its_verdicts_and_keeps_its_measurements(results):

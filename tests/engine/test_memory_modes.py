@@ -17,7 +17,8 @@ from tier_utils.engine.lora import LoraSettings, apply_lora, lora_setting, lora_
 from tier_utils.engine.memory import checkpointed, repeated_blocks
 from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
-from tier_utils.planning.planner import bisect_batch, device_room, fit, static_bytes
+from tier_utils.planning.planner import device_room, fit, static_bytes
+from tier_utils.planning.validation import bisect_batch
 
 pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,6 +1,8 @@
 """The fit planner: its largest batch against a bisection under the same budget, checkpointing, CLI."""
 import json
+import re
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -14,7 +16,8 @@ from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.memory import checkpointed
 from tier_utils.engine.step import TrainStep, make_optimizer
-from tier_utils.planning.planner import GPU_COLUMNS, FitConfig, bisect_batch, device_room, fit, static_bytes
+from tier_utils.planning.planner import GPU_COLUMNS, FitConfig, device_room, fit, static_bytes
+from tier_utils.planning.validation import bisect_batch
 
 T = 64
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)
@@ -94,16 +97,28 @@ def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
     assert [(c.precision, c.checkpointing) for c in result.configs] == [("fp32", False)]
 
 
-def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
-    code = main(["fit", *TINY_ARGS, "--model-arg", "n_layer=2", "--seq-len", "16", "--precisions", "bf16",
+def test_cli_fit_prints_every_mode_with_whole_batches_in_100_columns_and_writes_json_and_csv(tmp_path, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "")  # no native bf16/fp16: the true modes are SKIP rows (no batch)
+    code = main(["fit", *TINY_ARGS, "--model-arg", "n_layer=2", "--seq-len", "16", "--precisions", "bf16,bf16-true",
                  "--no-progress", "--json", str(tmp_path / "fit.json")])
     out = capsys.readouterr().out
     assert code == 0 and "predicted" in out and "for the CUDA context" in out
+    assert max(len(line) for line in out.splitlines() if not line.startswith("every column")) <= 100  # not the path
+    modes = ["fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "bf16-true", "bf16-true + checkpointing",
+             "LoRA r=8 · fp32", "LoRA r=8 · fp32 + checkpointing", "LoRA r=8 · bf16", "LoRA r=8 · bf16 + checkpointing"]
+    rows = [line for line in out.splitlines() if any(line.startswith(m + " ") for m in modes)]
+    assert len(rows) == 2 * len(modes)  # the table here and the GPUs' table, each row naming its mode
+    assert not re.search(r"\d\.\d+e[+-]\d+|\d\.0\b", "\n".join(rows))  # no 1.193e+04, no 12.0: whole batches
+    skip = next(r for r in rows if r.startswith("bf16-true ") and "SKIP" in r)
+    assert skip.split()[-2:] == ["-", "-"]  # no batch here, none validated
     data = json.loads((tmp_path / "fit.json").read_text())
-    assert [r["mode"] for r in data["table"]] == [  # fp32, the baseline, always; LoRA over each
-        "fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "LoRA r=8 · fp32",
-        "LoRA r=8 · fp32 + checkpointing", "LoRA r=8 · bf16", "LoRA r=8 · bf16 + checkpointing"]
+    assert [r["mode"] for r in data["table"]] == modes  # fp32, the baseline, always; LoRA over each
     assert data["budget"]["device"] == "cpu" and data["seq_len"] == 16
+    assert data["table"][4]["this_device"] is None and isinstance(data["table"][0]["this_device"], int)
+    csv = pd.read_csv(tmp_path / "fit.csv")
+    assert list(csv["mode"]) == modes and "detail" in csv.columns and "validation" in csv.columns
 
 
 @pytest.mark.gpu
@@ -111,7 +126,7 @@ def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_on_a_gpu_the_prediction_is_validated_by_bisection():
     torch.manual_seed(0)
     result = fit(TinyGPT(d_model=256, n_layer=4, n_head=4, max_len=1024), seq_len=1024, precisions="fp32,bf16",
-                 lora=0, device="cuda", progress=False)
+                 lora=0, device="cuda", validate="all", progress=False)
     table = result.full_table()
     assert table.validated.notna().all()
     for r in table.itertuples():  # predicted within 25 % of what really ran (bench/RESULTS.md: GPT-2-small)

@@ -20,7 +20,7 @@ from ..core.inputs import select_names
 from ..core.plotting import readable_legends
 from ..core.precision import Precision, precision_setting, resolve_device, resolve_precision
 from ..core.progress import progress_bar
-from ..core.results import Check, Result, failed_check, run_metadata
+from ..core.results import Check, Result, failed_check, problem_rows, run_metadata, status_counts
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, make_loader, to_device
@@ -122,6 +122,16 @@ class AnalysisReport(Result):
     def table(self) -> pd.DataFrame:
         rows = [{"analysis": name, **asdict(c)} for name, o in self.outcomes.items() for c in o.checks]
         return pd.DataFrame(rows, columns=TABLE_COLUMNS)
+
+    def summary_line(self) -> str:
+        """"analysis: WARN (5 PASS, 1 WARN) in 3.2 s", and the model it analysed where it is the shipped demo one."""
+        line = (f"analysis {self.model['model']}: {self.verdict} ({status_counts(self.table['status'])}) in "
+                f"{sum(self.seconds.values()):.1f} s")
+        provenance = self.model.get("provenance")  # the shipped demo model, not fresh weights
+        return line + (f" on {provenance['summary']}" if provenance else "")
+
+    def problems(self) -> pd.DataFrame:
+        return problem_rows(self.table, ["analysis", "check", "status", "value", "detail"])
 
     @property
     def frames(self) -> dict[str, pd.DataFrame]:

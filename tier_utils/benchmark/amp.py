@@ -21,7 +21,7 @@ from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
-from ..core.results import Result, checks_table, run_metadata, worst_status
+from ..core.results import Result, checks_table, problem_rows, run_metadata, status_counts, worst_status
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.compiling import compile_for_training
@@ -29,6 +29,7 @@ from ..engine.lora import apply_lora, convert_for, describe_lora, unload
 from ..engine.memory import memory_context, require_blocks
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
+from .answer import answer_line
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
 from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
 from .record import (
@@ -80,6 +81,34 @@ class BenchmarkResult(Result):
 
     def overview(self) -> pd.DataFrame:
         return self.verdicts  # the answer per precision; the measurements are in .table
+
+    judges = "device"  # its verdicts judge how this device runs each precision, not the model
+
+    def speedups(self) -> dict[str, float]:
+        """Precision -> its eager step's median speedup over fp32 as measured here (fp32 1.0); only the precisions
+        that ran without checkpointing, and none where the baseline was not fp32 (fp32 did not fit)."""
+        ran = [r for r in self.records if r.mode == "eager" and not r.checkpointing and r.speed is not None]
+        if not any(r.precision == "fp32" and r.speed.speedup is None for r in ran):
+            return {}
+        return {r.precision: r.speed.speedup.median if r.speed.speedup else 1.0 for r in ran}
+
+    def summary_line(self) -> str:
+        """"benchmark TinyGPT: FAIL (9 PASS, 1 FAIL) at batch 8 x 64 tokens on ...; weights stored float32, ..."."""
+        run, s = self.config, self.config.settings
+        held = ", ".join(f"{r.precision} {r.mode}: {r.memory['weights_dtype']}" for r in self.records if r.memory)
+        return (f"benchmark {run.model}: {self.verdict} ({status_counts(self.verdicts['status'])})"
+                f" at batch {s.batch_size} x {s.seq_len} tokens on {self.metadata['device_name']}"
+                + (f"; {run.fit.reason}" if run.fit.reason else "")
+                + f"; weights stored {self.metadata['stored_dtype']}, held in the runs as {held or 'none ran'}")
+
+    def problems(self) -> pd.DataFrame:
+        # Not the SKIP rows: the baseline's own, and the modes this device doesn't run (the answer names them).
+        return problem_rows(self.verdicts, ["precision", "mode", "check", "status", "value", "detail"],
+                            ("WARN", "FAIL"))
+
+    def answer(self) -> str:
+        """The mode to train in here and what it buys, the faster one's cost, the failed verdicts (answer.py)."""
+        return answer_line(self.records, self.checks)
 
     def plot(self):
         from .plot import plot_benchmark

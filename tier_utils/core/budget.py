@@ -37,6 +37,9 @@ SAFE_SHARE = {"cpu": 0.5, "cuda": 0.9}
 # On a CPU, smoke's and analyze's measuring forwards hold at most this many bytes of activations: the
 # saved-tensor count is exact and its fit predicts bigger sizes, so running them would add time, not facts.
 CPU_PROBE_BYTES = 512 << 20
+# On a GPU, at most this many: a probe answers the same question on a T4 and an H200, so its cap doesn't grow
+# with the card (a T4's safe share, 13.5 GiB, holds it).
+GPU_PROBE_BYTES = 2 << 30
 PROFILE_LENGTH = 32  # the short length the activation fit measures at (and twice it)
 # A comparison or statistic over a vocabulary x length tensor walks it in slices this big, so its
 # temporaries (differences, masks, upcasts) stay small next to the tensor itself.
@@ -72,9 +75,10 @@ class Budget:
 
     @property
     def probe_limit(self) -> int:
-        """What a measuring forward of smoke or analyze may hold (CPU_PROBE_BYTES on a CPU)."""
+        """What a measuring forward of smoke, analyze or fit may hold: the safe share, at most CPU_PROBE_BYTES where
+        the tensors are on a CPU (a GPU profile's too) and GPU_PROBE_BYTES on a GPU, whatever the card's size."""
         on_cpu = self.device == "cpu" if self.on_cpu is None else self.on_cpu
-        return min(self.limit, CPU_PROBE_BYTES) if on_cpu else self.limit
+        return min(self.limit, CPU_PROBE_BYTES if on_cpu else GPU_PROBE_BYTES)
 
     def describe(self) -> str:
         return f"{gib(self.free_bytes)} free ({self.source}; probes plan for {SAFE_SHARE[self.device]:.0%} of it)"

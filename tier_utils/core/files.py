@@ -38,6 +38,8 @@ def jsonable(obj):
         return jsonable(obj.tolist())
     if isinstance(obj, (torch.dtype, torch.device, Path)):
         return str(obj).replace("torch.", "")
+    if obj is pd.NA:  # a nullable column's missing value (whole-number batches with a SKIP row)
+        return None
     if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):

@@ -49,15 +49,29 @@ def worst_status(statuses) -> str:
     return next((s for s in ("FAIL", "WARN", "PASS") if s in statuses), "SKIP")
 
 
-BENCHMARK = "amp_benchmark"  # the result name whose verdicts judge the device's precisions, not the model
+def verdict_line(results: dict) -> str:
+    """"bf16 here: 1.45× fp32, ... · model checks: PASS · benchmark verdicts: FAIL": each result's answer first
+    (`answer()`, where it has one), then the model's own checks apart from those that judge the device (the
+    benchmark's, whose targets, a 1.5x bf16 speedup, a CPU seldom reaches); `results` by name, each asked its
+    `verdict` (None: no verdicts) and what it `judges`. The main job's last line, the report's first, the
+    notebooks' summary."""
+    answers = [a for r in results.values() if (a := r.answer())]
+    model = [r.verdict for r in results.values() if r.verdict and r.judges == "model"]
+    device = [r.verdict for r in results.values() if r.verdict and r.judges == "device"]
+    return " · ".join([*answers, f"model checks: {worst_status(model) if model else 'none run'}",
+                       f"benchmark verdicts: {worst_status(device) if device else 'not run'}"])
 
 
-def verdict_line(statuses: dict) -> str:
-    """"model checks: PASS · benchmark verdicts: FAIL": the model's own checks apart from the benchmark's, whose
-    targets (a 1.5x bf16 speedup) a CPU seldom reaches; `statuses` by result name (None: no verdicts)."""
-    model = [s for name, s in statuses.items() if s and name != BENCHMARK]
-    return (f"model checks: {worst_status(model) if model else 'none run'} · "
-            f"benchmark verdicts: {statuses.get(BENCHMARK) or 'not run'}")
+def status_counts(statuses) -> str:
+    """"9 PASS, 1 FAIL": each status counted, in STATUSES' order."""
+    counts = pd.Series(list(statuses), dtype=object).value_counts()
+    return ", ".join(f"{counts[s]} {s}" for s in STATUSES if s in counts)
+
+
+def problem_rows(table: pd.DataFrame, columns: list[str], statuses=("WARN", "FAIL", "SKIP")) -> pd.DataFrame:
+    """`table`'s rows with one of `statuses`, in `columns` (those it has): what a summary shows under its line."""
+    rows = table[table["status"].isin(statuses)] if "status" in table.columns else table.iloc[:0]
+    return rows[[c for c in columns if c in rows.columns]]
 
 
 def run_metadata(device=None, dtype=None) -> dict:
@@ -79,7 +93,13 @@ def run_metadata(device=None, dtype=None) -> dict:
 
 
 class Result(ABC):
-    """Base for every tier's result: `.table` (DataFrame), `.plot()` (Figure), `.to_json()` (dict)."""
+    """Base for every tier's result: `.table` (DataFrame), `.plot()` (Figure), `.to_json()` (dict), and what it
+    says in a summary: `verdict`, `summary_line()`, the rows behind it (`problems()`) and, where it answers a
+    question, `answer()`. The main job, the report page and the notebooks' summary ask these; none looks inside."""
+
+    # What the verdicts judge: "model" (the model's own checks) or "device" (how this device runs the precisions,
+    # against targets a CPU seldom reaches): the main job's exit code follows the model's only.
+    judges = "model"
 
     @property
     @abstractmethod
@@ -99,6 +119,27 @@ class Result(ABC):
         """The worst PASS/WARN/FAIL/SKIP of the table's verdicts; None for a table without any."""
         table = self.table
         return worst_status(table["status"]) if "status" in table.columns else None
+
+    @property
+    def verdict(self) -> str | None:
+        """The result's verdict: its worst PASS/WARN/FAIL/SKIP (`status`); None for a result without verdicts."""
+        return self.status
+
+    def summary_line(self) -> str:
+        """One line for a summary (the main job's, the report's, a notebook's): its headline or name and verdict,
+        with each status counted. A result with more to say in one line overrides it."""
+        head = self.headline() if hasattr(self, "headline") else type(self).__name__
+        table = self.table
+        return f"{head}: {self.verdict} ({status_counts(table['status'])})" if "status" in table.columns else head
+
+    def problems(self) -> pd.DataFrame:
+        """The rows behind a verdict other than PASS, for a summary to show under the line (none by default)."""
+        return pd.DataFrame()
+
+    def answer(self) -> str | None:
+        """The result's answer to its question in one line, where it answers one (the benchmark: the mode to use);
+        the main job's last line leads with it. None: no question of its own."""
+        return None
 
     def overview(self) -> pd.DataFrame:
         """The short table that printing the result shows; `.table` is the full one."""
@@ -135,6 +176,9 @@ class TierFailure(Result):
 
     def plot(self):
         return None
+
+    def summary_line(self) -> str:
+        return f"{self.tier}: FAIL, it raised {self.error}"
 
     def to_json(self) -> dict:
         return {"status": "FAIL", "tier": self.tier, "error": self.error}

@@ -118,6 +118,10 @@ class ExportResult(Result):
         """Parity rows: relative max |Δ| and argmax agreement per batch shape."""
         return checks_table(self.checks)
 
+    def summary_line(self) -> str:
+        c = self.config
+        return f"export {c.model} to {self.path} ({c.format}, {c.precision}): parity {self.verdict}"
+
     @property
     def latency_table(self) -> pd.DataFrame:
         """Per batch shape and runner (the index), n and the milliseconds rounded to their spread; `.latency`

@@ -13,27 +13,28 @@ finds the largest batch that really runs a training step by bisection, side by s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
 import torch.nn as nn
 
 from ..adapter.adapter import resolve_model
-from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget, without_oom
+from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget
 from ..core.device import GPU_PROFILES, predicted_facts
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, Precision, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import PRECISIONS, Precision, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine.lora import LoraSettings, lora_setting, lora_static_bytes, resolve_targets
-from ..engine.memory import memory_context, repeated_blocks
-from ..engine.step import TrainStep, make_optimizer
+from ..engine.memory import repeated_blocks
+from ..engine.step import make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 from .probe import size_probe
+from .validation import VALIDATE_CHOICES, VALIDATE_LIMIT, Validation, validate
 
 # The GPU columns: core.device's cards (memory as the driver reports it, capability), by the name they are sold
 # by. torch's CUDA context takes CUDA_CONTEXT of a card before the allocator gets any, and the allocator loses
@@ -41,7 +42,6 @@ from .probe import size_probe
 # every prediction.
 GPU_COLUMNS = {f"{card.label} (predicted)": card for card in GPU_PROFILES.values()}
 ALLOCATOR_MARGIN = 0.10
-VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
 MARGIN_NOTE = (f"GPU predictions: the card's memory less {CUDA_CONTEXT >> 20} MiB for the CUDA context, then "
                f"{ALLOCATOR_MARGIN:.0%} for the allocator's fragmentation and kernel workspaces")
 
@@ -59,16 +59,21 @@ class FitConfig:
     lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over the frozen base, under fp32 and each "
                                                         "mixed precision: r=N,alpha=X[,targets=...] (0: none)")
     device: str | torch.device | None = device_field()
-    validate: bool | None = setting(None, "find the largest batch that really runs a step, by bisection (default: "
-                                          "on a GPU only)")
+    validate: str | bool | None = setting(None, "find the largest batch that really runs a step, by bisection: on "
+                                                "(the recommended mode and fp32), all (every mode), off (none: on "
+                                                "on a GPU, off elsewhere)", choices=VALIDATE_CHOICES)
+    validate_seconds: float = setting(60.0, "validation's time cap: the rows left after it stay predicted", above=0)
     progress: bool = progress_field()
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
         self.lora = lora_setting(self.lora)
         check_switch(self, "checkpointing")
-        if self.validate is not None:
-            check_switch(self, "validate")
+        if isinstance(self.validate, bool):  # the API's True/False: on/off
+            self.validate = "on" if self.validate else "off"
+        if self.validate is not None and self.validate not in VALIDATE_CHOICES:
+            raise ValueError(f"validate must be one of {', '.join(VALIDATE_CHOICES)} (or True/False), "
+                             f"got {self.validate!r}")
         check_fields(self)
 
 
@@ -152,6 +157,15 @@ def cost_rank(c: Config, native: bool) -> tuple:
     return technique + c.checkpointing, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
 
 
+def speed_rank(c: Config, native: bool) -> tuple:
+    """Where precision mode `c` stands by predicted speed, fastest first (the rule where nothing was measured): a
+    2-byte compute with native tensor cores (or CPU instructions) before fp32 before an emulated one, then a true
+    mode (2-byte weights, nothing cast per step) before a mixed one, no loss scaler before one, the wider range."""
+    low = c.mode.compute_dtype.itemsize < 4
+    compute = 0 if low and native else 2 if low else 1
+    return compute, c.mode.param_dtype.itemsize, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+
+
 @dataclass(repr=False)
 class FitResult(Result):
     configs: list[Config]
@@ -159,9 +173,13 @@ class FitResult(Result):
     model: dict
     budget: Budget
     metadata: dict
-    validated: dict = field(default_factory=dict)  # mode name -> largest batch that ran a step
+    validation: Validation = field(default_factory=Validation)  # what ran a real step, and what stayed predicted
     blocks: int = 0  # how many repeated blocks checkpointing wraps
     batch_size: int = 1  # the batch the plan is for
+    # precision -> step speedup over fp32 measured on this device in the same run (the AMP benchmark's, in `all`);
+    # None: this device's fastest is predicted, as every GPU's is.
+    measured_speedups: dict | None = None
+    speed_source: str = ""  # where measured_speedups were measured, in words
 
     def largest(self, c: Config, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -173,14 +191,33 @@ class FitResult(Result):
             predicted_facts(card))[0])) for column, card in GPU_COLUMNS.items()]
         return dict([here, *gpus])
 
+    def _fitting(self, room: float, native) -> list[Config]:
+        """The modes that run on a device (natively, or emulated where the mode allows) and fit the batch asked."""
+        return [c for c in self.configs if (native(c) or c.mode.runs_emulated)
+                and c.step_bytes(self.batch_size, self.seq_len) <= room]
+
     def cheapest(self) -> dict[str, Config | None]:
         """Device column -> the cheapest mode that fits the batch asked there (None: none does)."""
+        return {column: min(self._fitting(room, native), key=lambda c: cost_rank(c, native(c)), default=None)
+                for column, (room, native) in self.devices().items()}
+
+    def fastest(self) -> dict[str, Config | None]:
+        """Device column -> the fastest precision mode (no checkpointing, no LoRA) that fits the batch asked there
+        (None: none does). Here: by `measured_speedups` where the run measured them (only the modes it measured
+        compete), else predicted; on every GPU predicted (speed_rank)."""
         picked = {}
         for column, (room, native) in self.devices().items():
-            runs = [c for c in self.configs if (native(c) or c.mode.runs_emulated)
-                    and c.step_bytes(self.batch_size, self.seq_len) <= room]
-            picked[column] = min(runs, key=lambda c: cost_rank(c, native(c)), default=None)
+            measured = self.measured_speedups if column == "this_device" else None
+            runs = [c for c in self._fitting(room, native) if c.lora is None and not c.checkpointing
+                    and (measured is None or c.precision in measured)]
+            rank = (lambda c, m=measured: -m[c.precision]) if measured else (lambda c, n=native: speed_rank(c, n(c)))
+            picked[column] = min(runs, key=rank, default=None)
         return picked
+
+    def with_measured_speedups(self, speedups: dict, source: str) -> FitResult:
+        """This plan with this device's fastest mode read from `speedups` (precision -> step speedup over fp32,
+        fp32 1.0), measured as `source` says; an empty `speedups` leaves it predicted."""
+        return replace(self, measured_speedups=dict(speedups) or None, speed_source=source if speedups else "")
 
     def full_table(self) -> pd.DataFrame:
         """Every column (fit.csv): the table's, and static and activation bytes, validation and the detail."""
@@ -199,7 +236,9 @@ class FitResult(Result):
             runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
             row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
             row.update({"static_gib": c.static / 2**30, "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
-                        "per_sample_gib": c.per_sequence(T) / 2**30, "validated": self.validated.get(c.name)})
+                        "per_sample_gib": c.per_sequence(T) / 2**30,
+                        "validated": self.validation.found.get(c.name),
+                        "validation": self.validation.describe(c.name)})
             b = row["this_device"] or 0
             row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
                              f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}); "
@@ -208,7 +247,10 @@ class FitResult(Result):
                                 f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")
                              + f"; activations {c.fit.where()}" + c.note)
             rows.append(row)
-        return pd.DataFrame(rows)
+        table = pd.DataFrame(rows)
+        # Whole numbers, with SKIP rows' "none" as <NA>: a None among ints would make the column floats (1.193e+04).
+        batches = [*self.devices(), "validated"]
+        return table.astype(dict.fromkeys(batches, "Int64"))
 
     @property
     def table(self) -> pd.DataFrame:
@@ -222,37 +264,62 @@ class FitResult(Result):
                 f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
                 f"{self.budget.describe()}")
 
+    # The overview's columns about this device; the rest are the GPUs' (predicted), each headed by the card.
+    HERE_COLUMNS = ("status", "step GiB", "here", "validated")
+
     def overview(self) -> pd.DataFrame:
-        """Indexed by mode, its verdict first; the mode's name already says its precision, checkpointing and LoRA."""
-        t = self.table
-        return t[["status", *[c for c in t.columns if c not in ("status", "precision", "checkpointing", "lora")]]]
+        """What a notebook shows and the CLI prints: indexed by mode (its name says its precision, checkpointing and
+        LoRA), HERE_COLUMNS (its verdict, its step in GiB predicted, the largest batch here, what validation found),
+        then the largest batch on each GPU, headed by the card alone (the headline says they are predicted).
+        Every column, the cheapest per device and the details: full_table() (fit.csv, --json)."""
+        t = self.full_table().set_index("mode")
+        gpus = [c for c in self.devices() if c != "this_device"]
+        shown = t[["status", "step_gib", "this_device", "validated", *gpus]]
+        return shown.set_axis([*self.HERE_COLUMNS, *(c.replace(" (predicted)", "").replace(" GB", "") for c in gpus)],
+                              axis=1)
 
     def summary_line(self) -> str:
-        """One line for `all`'s summary: the cheapest mode that fits here, and on each GPU (predicted)."""
-        named = {col.replace(" (predicted)", ""): (c.name if c else "none fits")
-                 for col, c in self.cheapest().items()}
-        here = named.pop("this_device")
-        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here {here} (predicted, "
-                f"{self.budget.describe()}); predicted " + ", ".join(f"{k} {v}" for k, v in named.items())
-                + "; every mode: fit.csv")
+        """One line: the cheapest and the fastest mode that fit here (the fastest measured where the run measured
+        it), and on each GPU (predicted)."""
+        cheapest, fastest = self.cheapest(), self.fastest()
+        gpus = "; ".join(f"{col.replace(' (predicted)', '')} {_named(cheapest[col])} / {_named(fastest[col])}"
+                         for col in cheapest if col != "this_device")
+        here = fastest["this_device"]
+        speed = (f"{self.measured_speedups[here.precision]:.2f}x fp32, measured {self.speed_source}"
+                 if here and self.measured_speedups else "predicted")
+        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here "
+                f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); fastest here "
+                f"{_named(here)} ({speed}); cheapest / fastest predicted on {gpus}; every mode: fit.csv")
+
+    @property
+    def verdict(self) -> str:
+        """fit's verdict: PASS when the batch asked fits here in some mode, WARN when none does."""
+        return "PASS" if self.cheapest()["this_device"] else "WARN"
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
+                         "fastest": {k: c.name if c else None for k, c in self.fastest().items()},
+                         "measured_speedups": self.measured_speedups, "speed_source": self.speed_source,
                          "table": self.full_table(),
                          "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,
                                       "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,
                                       "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
                                       "recompute_fixed": c.recompute_fixed} for c in self.configs],
-                         "validated": [{"mode": m, "largest_batch": b} for m, b in self.validated.items()],
+                         "validated": [{"mode": m, "largest_batch": b} for m, b in self.validation.found.items()],
+                         "validation_seconds": self.validation.seconds,
                          "run_metadata": self.metadata})
 
     def plot(self):
         from .plot import plot_fit
 
         return plot_fit(self)
+
+
+def _named(c: Config | None) -> str:
+    return c.name if c else "none fits"
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts
@@ -264,7 +331,8 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
 
     model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
     config / overrides: a FitConfig (or dict) and/or its field names as keywords; validate (None: on a GPU
-    only): find the largest batch that really runs a training step, by bisection, for each row but LoRA's."""
+    only): find the largest batch that really runs a training step, by bisection, for the recommended mode and
+    fp32 ("all": every row but LoRA's), for at most `validate_seconds` (validation.py)."""
     cfg = merge(FitConfig, config, overrides, "fit")
     dev = resolve_device(cfg.device)
     adapter = resolve_model(model, **(model_kwargs or {}))
@@ -275,13 +343,22 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
                        batch_size=cfg.batch_size)
-    if cfg.validate or (cfg.validate is None and dev.type == "cuda"):
-        for c in configs:
-            if c.lora is None and (c.mode.native or c.mode.runs_emulated):
-                start = min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget))))
-                result.validated[c.name] = bisect_batch(lambda b, c=c: step_runs(adapter, c, b, length), start,
-                                                        VALIDATE_LIMIT)
+    asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
+    if asked != "off":
+        runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
+        chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
+        result.validation = validate(adapter, configs, chosen, length,
+                                     lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
+                                     cfg.validate_seconds, cfg.progress)
     return result
+
+
+def _recommended_and_baseline(result: FitResult) -> set[str]:
+    """The modes validation checks by default: the one recommended here (the cheapest that fits) and fp32's."""
+    recommended = result.cheapest()["this_device"]
+    baseline = next((c for c in result.configs if c.precision == "fp32" and not c.checkpointing and c.lora is None),
+                    None)
+    return {c.name for c in (recommended, baseline) if c is not None}
 
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
@@ -333,42 +410,3 @@ def mode_static_bytes(model: nn.Module, precision: Precision, lora: LoraSettings
         return sum(lora_static_bytes(model, lora).values())
     per = sum(precision.static_bytes_per_param().values())
     return sum(p.numel() * (per if p.requires_grad else precision.param_dtype.itemsize) for p in model.parameters())
-
-
-def step_runs(adapter, config: Config, batch: int, length: int) -> bool:
-    """Whether one real training step (forward, backward, AdamW step) at (batch, length) runs without running
-    out of memory; whatever it allocated is released."""
-    prec = config.mode or resolve_precision(config.precision, adapter.device, warn=False)
-    state = {k: v.detach().clone() for k, v in adapter.model.state_dict().items()}
-
-    def one_step():
-        with kept_dtypes(adapter.model):
-            prec.convert_module(adapter.model)
-            optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
-            with memory_context(adapter.model, config.checkpointing):
-                TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
-        return True
-
-    ran, _ = without_oom(one_step)
-    adapter.model.load_state_dict(state)
-    adapter.model.zero_grad(set_to_none=True)
-    return bool(ran)
-
-
-def bisect_batch(runs, start: int, limit: int = VALIDATE_LIMIT) -> int:
-    """The largest batch b with runs(b) True (0: not even 1), assuming runs is monotone: up from `start` by
-    doubling until one fails, then bisection."""
-    lo, hi = 0, None
-    b = max(1, start)
-    while hi is None:
-        if runs(b):
-            lo = b
-            if b >= limit:
-                return b
-            b = min(2 * b, limit)
-        else:
-            hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
-    return lo

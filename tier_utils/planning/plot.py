@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def plot_fit(result):
+    import pandas as pd
     from matplotlib.figure import Figure
 
     t = result.full_table().set_index("mode")
@@ -14,7 +15,7 @@ def plot_fit(result):
     width = 0.8 / len(t)
     for i, (mode, row) in enumerate(t.iterrows()):
         xs = [x + i * width for x in range(len(columns))]
-        values = [row[c] if row[c] is not None and row[c] == row[c] else 0 for c in columns]
+        values = [int(row[c]) if pd.notna(row[c]) else 0 for c in columns]  # <NA>: the mode doesn't run there
         bars = ax.bar(xs, [max(v, 0.5) for v in values], width, label=mode, color=f"C{i % 10}",
                       hatch="//" if row["checkpointing"] == "on" else None)
         for bar, column in zip(bars, columns):

@@ -23,7 +23,7 @@ from ..core.measure import percentile, summarize
 from ..core.plotting import category_ticks
 from ..core.precision import Precision, precision_setting, resolve_precision
 from ..core.progress import progress_bar
-from ..core.results import Check, Result, checks_table, failed_check, run_metadata
+from ..core.results import Check, Result, checks_table, failed_check, problem_rows, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine import distributed
@@ -113,6 +113,12 @@ class SmokeReport(Result):
         return (f"smoke {self.model.get('model')}: {self.status} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}"
                 + (f", sharded over {self.world_size} ranks (rows per rank)" if self.sharding else ""))
+
+    def summary_line(self) -> str:
+        return self.headline()  # it says the verdict and counts each status
+
+    def problems(self) -> pd.DataFrame:
+        return problem_rows(self.table, ["check", "status", "value", "detail"])
 
     def to_json(self) -> dict:
         return jsonable({"passed": self.passed, "status": self.status, "checks": [asdict(c) for c in self.checks],

@@ -313,6 +313,17 @@ class TrainResult(Result):
     def headline(self) -> str:
         return f"TrainResult: {self.summary.model} · {self.summary.precision}"
 
+    def summary_line(self) -> str:
+        """"train: 60 steps, global batch 8, bf16 (...), train_loss 2.1 · val_loss 2.3 · 41,000 tokens/s median"."""
+        s = self.summary
+        losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
+        line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
+        if t := s.tokens_per_s:
+            line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
+        if s.diverged_at_step is not None:
+            line += f" · FAIL: diverged at step {s.diverged_at_step}"
+        return line
+
     def plot(self):
         from matplotlib.figure import Figure
 

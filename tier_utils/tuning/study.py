@@ -150,6 +150,17 @@ class SearchResult(Result):
                          "diverged": t.user_attrs.get("diverged")})
         return pd.DataFrame(rows)
 
+    def summary_line(self) -> str:
+        """"search: 8 trials (6 COMPLETE, 2 PRUNED), best trial 3: val loss 2.1 with lr=..."."""
+        best = self.to_json()["best"]
+        states = self.table["state"].value_counts() if len(self.study.trials) else {}
+        line = (f"search: {len(self.study.trials)} trials ("
+                + ", ".join(f"{n} {state}" for state, n in dict(states).items()) + ")")
+        if best is None:
+            return line + ", none completed"
+        params = ", ".join(f"{k}={_setting(v)}" for k, v in best["params"].items())
+        return line + f", best trial {best['trial']}: val loss {best['val_loss']:.4f} with {params}"
+
     @property
     def best_config(self) -> TrainConfig:
         """The base config with the best trial's parameters: ready for `train(model, config=...)`."""

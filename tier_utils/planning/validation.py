@@ -1,0 +1,122 @@
+"""fit's validation: the largest batch that really runs a training step, found by bisection, beside the prediction.
+
+Work sized to the question, not to the card: by default only the recommended mode and the fp32 baseline are
+validated (`validate="all"`: every mode), under a time cap (FitConfig.validate_seconds) after which the rows left
+stay predicted and say so, with the memory each probe held released before the next and at the end. LoRA rows
+are not validated (a step of them needs the adapters applied; their bytes are predicted).
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.budget import without_oom
+from ..core.precision import kept_dtypes, resolve_precision
+from ..core.progress import progress_bar
+from ..engine.memory import memory_context
+from ..engine.step import TrainStep, make_optimizer
+
+VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long
+VALIDATE_CHOICES = ("on", "off", "all")  # on: the recommended mode and fp32; all: every mode but LoRA's
+
+
+class _TimeUp(Exception):
+    """Validation's time cap passed during a bisection: the mode stays predicted."""
+
+
+@dataclass
+class Validation:
+    """What validation found: mode name -> the largest batch that ran a step, and for each mode left predicted,
+    why (not chosen, LoRA, the time cap); the seconds it took."""
+
+    found: dict[str, int] = field(default_factory=dict)
+    predicted: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def describe(self, mode: str) -> str:
+        """The row's words: which figure was validated, or why it is predicted."""
+        if mode in self.found:
+            return f"largest batch validated: {self.found[mode]} ran a step"
+        return f"predicted ({self.predicted.get(mode, 'validation off')})"
+
+
+def validate(adapter, configs: list, chosen: set[str], length: int, start_of, cap_s: float,
+             progress: bool = False) -> Validation:
+    """Bisect the largest batch of each config named in `chosen` (by `.name`), from `start_of(config)`, until
+    `cap_s` seconds have passed; every other config gets the reason it stays predicted."""
+    result, begun = Validation(), time.monotonic()
+    deadline = begun + cap_s
+    todo = [c for c in configs if c.name in chosen and c.lora is None]
+    for c in configs:
+        if c not in todo:
+            result.predicted[c.name] = ("LoRA rows are not validated" if c.lora is not None else
+                                        "not validated: validate='all' runs every mode that runs here")
+    for c in progress_bar(todo, desc="fit: validating", unit="mode", enabled=progress):
+        if time.monotonic() > deadline:
+            result.predicted[c.name] = f"validation's {cap_s:g} s cap was reached before it"
+            continue
+        try:
+            result.found[c.name] = bisect_batch(lambda b, c=c: _in_time(deadline) and step_runs(adapter, c, b, length),
+                                                start_of(c), VALIDATE_LIMIT)
+        except _TimeUp:
+            result.predicted[c.name] = f"validation's {cap_s:g} s cap was reached during its bisection"
+    _release(adapter.device)
+    result.seconds = time.monotonic() - begun
+    return result
+
+
+def _in_time(deadline: float) -> bool:
+    if time.monotonic() > deadline:
+        raise _TimeUp
+    return True
+
+
+def _release(device) -> None:
+    """What a probe left cached goes back: collected, and on a GPU the allocator's cache emptied."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def step_runs(adapter, config, batch: int, length: int) -> bool:
+    """Whether one real training step (forward, backward, AdamW step) at (batch, length) of `config` (a planner
+    row) runs without running out of memory; whatever it allocated is released before the next probe."""
+    prec = config.mode or resolve_precision(config.precision, adapter.device, warn=False)
+    state = {k: v.detach().clone() for k, v in adapter.model.state_dict().items()}
+
+    def one_step():
+        with kept_dtypes(adapter.model):
+            prec.convert_module(adapter.model)
+            optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
+            with memory_context(adapter.model, config.checkpointing):
+                TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
+        return True
+
+    ran, _ = without_oom(one_step)
+    adapter.model.load_state_dict(state)
+    adapter.model.zero_grad(set_to_none=True)
+    del state
+    _release(adapter.device)
+    return bool(ran)
+
+
+def bisect_batch(runs, start: int, limit: int = VALIDATE_LIMIT) -> int:
+    """The largest batch b with runs(b) True (0: not even 1), assuming runs is monotone: up from `start` by
+    doubling until one fails, then bisection."""
+    lo, hi = 0, None
+    b = max(1, start)
+    while hi is None:
+        if runs(b):
+            lo = b
+            if b >= limit:
+                return b
+            b = min(2 * b, limit)
+        else:
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+    return lo

@@ -39,6 +39,7 @@ from .checkpointing import RunCheckpoints
 from .config import FINE_LOG_STEPS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .out_of_memory import answered
 from .tracking import open_train_run
 
 
@@ -99,7 +100,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
             else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
-            return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
+            # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
+            return answered(lambda: _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device), cfg, device)
     finally:
         env.close()
 

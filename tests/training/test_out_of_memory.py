@@ -11,6 +11,7 @@ import textwrap
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
 from tier_utils import TinyGPT, search, train
@@ -186,3 +187,16 @@ def test_all_records_the_out_of_memory_line_whole_as_the_train_row():
     outcome, _ = _attempt("train", train_step)
     assert outcome.status == "FAIL" and outcome.error.endswith("cheapest mode that fits is fp32")
     assert re.search("train raised TrainingOutOfMemory: out of memory", outcome.table.detail.iloc[0])
+
+
+class _NoRoomForTheWeights(TinyGPT):
+    def to(self, *args, **kwargs):  # moving the weights to the device is the first thing to run out
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+
+def test_out_of_memory_before_the_first_step_says_so_and_points_at_fit():
+    with pytest.raises(TrainingOutOfMemory) as caught:
+        train(_NoRoomForTheWeights(**SIZE), **RUN)
+    assert str(caught.value).startswith("out of memory before the first step at B=8, T=32, fp32, ")
+    assert str(caught.value).endswith("; no step ran: fit (tier_utils.fit, python -m tier_utils fit) predicts what "
+                                      "fits once memory is free")

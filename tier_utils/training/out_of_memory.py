@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from ..core.budget import gib, read_budget, release_memory
+from ..core.budget import gib, read_budget, release_memory, without_oom
 from ..core.device import device_facts
 from ..core.errors import TrainingOutOfMemory
 from ..core.precision import PRECISIONS, canonical_precision
@@ -70,8 +70,10 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
     if adapter is not None:
         adapter.model.zero_grad(set_to_none=True)
     release_memory(device)
-    fits = what_fits(adapter, ran, device) if adapter is not None else (
-        "no step ran, so nothing was measured: fit (tier_utils.fit, python -m tier_utils fit) predicts what fits")
+    fits, again = without_oom(what_fits, adapter, ran, device) if adapter is not None else (None, None)
+    if fits is None:  # no step ran, or the prediction's own small forwards found no room (another process)
+        fits = ("the prediction's small forwards ran out of memory too" if again else "no step ran") + \
+            ": fit (tier_utils.fit, python -m tier_utils fit) predicts what fits once memory is free"
     del adapter
     release_memory(device)
     raise TrainingOutOfMemory(answer_line(ran, fits)) from None

@@ -200,3 +200,13 @@ def test_out_of_memory_before_the_first_step_says_so_and_points_at_fit():
     assert str(caught.value).startswith("out of memory before the first step at B=8, T=32, fp32, ")
     assert str(caught.value).endswith("; no step ran: fit (tier_utils.fit, python -m tier_utils fit) predicts what "
                                       "fits once memory is free")
+
+
+def test_a_lora_run_out_of_memory_is_planned_as_lora(oom_class, budget):
+    """The model already holds its adapters: the modes the line names are LoRA's, the base frozen."""
+    with pytest.raises(TrainingOutOfMemory) as caught:
+        train(oom_class(fail_at=2, **SIZE), lora="r=4", activation_checkpointing=True, **RUN)
+    line = str(caught.value)
+    assert "activation checkpointing on, LoRA r=4 on " in line
+    assert re.search(r": LoRA r=4 · fp32 \+ checkpointing up to B=\d+;", line), line
+    assert re.search(r"the cheapest mode that fits is LoRA r=4 · ", line), line

@@ -6,7 +6,7 @@ becomes `TrainingOutOfMemory`, whose one line says:
   the budget reading: available RAM or TIER_UTILS_FREE_MEMORY);
 - what ran out: the batch x length, the precision and the memory settings (activation checkpointing, LoRA);
 - what fits here: the largest batch in that mode and the cheapest mode that fits the batch asked, from the fit
-  planner's prediction (planning/planner.py: activations measured at small sizes, seconds), not a bisection;
+  planner's prediction (planning/planner.py: activations measured at batch 1 and 2), not a bisection;
 - the checkpoint a `--resume` continues from, when a checkpoint folder is set (it is written whole or not at all:
   models/checkpoint.py's temp file + rename, so the last one is intact).
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from nbclient import NotebookClient
 
-from tier_utils import TinyGPT, search, train
+from tier_utils import TinyGPT, mainjob, search, train
 from tier_utils.adapter.adapter import adapt
 from tier_utils.core.budget import read_budget
 from tier_utils.core.errors import TrainingOutOfMemory
-from tier_utils.mainjob import _attempt
+from tier_utils.mainjob import _attempt, run_all
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.planning.planner import device_room, plan
 
@@ -176,6 +176,21 @@ def test_a_search_trial_out_of_memory_is_failed_with_its_line_and_the_study_goes
     warned = [line for line in logged.splitlines() if "Trial 0 failed" in line]
     assert warned and "TrainingOutOfMemory('out of memory" in warned[0] and "Traceback" not in logged
     assert json.dumps(result.to_json()["trials"])  # the line goes to --json with the trial
+
+
+def test_all_records_training_out_of_memory_as_its_train_row_and_goes_on(oom_class, budget, tmp_path, monkeypatch):
+    from test_mainjob import TINY_SIZES
+    from test_report import Fake
+
+    monkeypatch.setattr(mainjob, "FAST", TINY_SIZES)  # training at batch 4
+    for tier in ("smoke", "analyze", "amp_benchmark"):  # only training and what follows it matter here
+        monkeypatch.setattr(mainjob, tier, lambda *a, **k: Fake(["PASS"]))
+    result = run_all(oom_class(fail_at=2, at_batch=4, **SIZE), tmp_path, fast=True, progress=False,
+                     precision="fp32")
+    assert result.statuses["train"] == "FAIL" and {"fit", "ranks"} <= set(result.statuses)
+    error = result.results["train"].error
+    assert error.startswith("TrainingOutOfMemory: out of memory after 1 of 4 steps at B=4, T=16, fp32")
+    assert re.search(r"fp32 up to B=\d+", error) and "cheapest mode that fits" in error
 
 
 def test_all_records_the_out_of_memory_line_whole_as_the_train_row():

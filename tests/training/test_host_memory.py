@@ -74,3 +74,12 @@ def test_cli_refuses_with_exit_2_and_writes_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: training tiny-gpt on the CPU")
     assert not out.exists()
+
+
+def test_a_module_on_a_gpu_adds_no_host_memory_to_load():
+    from tier_utils.training.config import TrainConfig
+    from tier_utils.training.host_memory import _peak
+
+    weights = weights_of(TinyGPT(**TINY).to("meta"), {})  # held off the host, as on a GPU
+    assert weights.stored_bytes == weights.resident == 0
+    assert _peak(weights, None, TrainConfig(), torch.device("cuda"))[0] == 0

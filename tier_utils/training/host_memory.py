@@ -40,7 +40,7 @@ class Weights:
 
     name: str
     parameters: int
-    stored_bytes: int  # as loaded: in the dtype stored, or built
+    stored_bytes: int  # in host RAM once loaded: in the dtype stored, or built (the caller's module: what it holds)
     module: nn.Module | None  # the caller's module or a meta-device build, for the planner's count (None: headers)
     resident: int = 0  # bytes the caller's module already holds in host RAM
 
@@ -80,10 +80,9 @@ def weights_of(model, model_kwargs: dict) -> Weights | None:
     """`model`'s weights without loading them (see the module's docstring); None where they cannot be sized so."""
     if isinstance(model, ModelAdapter):
         model = model.model
-    if isinstance(model, nn.Module):
-        held = [t for t in (*model.parameters(), *model.buffers())]
-        return Weights(type(model).__name__, sum(p.numel() for p in model.parameters()), _bytes(held), model,
-                       _bytes([t for t in held if t.device.type == "cpu"]))
+    if isinstance(model, nn.Module):  # loaded already: in host RAM only what sits on the CPU (a GPU's adds none)
+        on_host = _bytes([t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"])
+        return Weights(type(model).__name__, sum(p.numel() for p in model.parameters()), on_host, model, on_host)
     if not isinstance(model, (str, Path)):
         return None
     spec, path = str(model).strip(), Path(str(model).strip()).expanduser()

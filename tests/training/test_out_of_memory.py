@@ -100,8 +100,8 @@ def test_out_of_memory_is_one_line_with_what_fits_the_checkpoint_and_the_memory_
     assert f"fp32 up to B={budget};" in line  # the planner's largest batch in the mode that ran out
     assert "at B=8 the cheapest mode that fits is fp32 + checkpointing;" in line
     # The last checkpoint is whole, and a resume with checkpointing on keeps the run's trajectory.
-    assert f"{tmp_path / 'ckpt' / 'last.pt'} is intact at step 2: --resume --activation-checkpointing continues " \
-           "from step 2" in line
+    assert f"{tmp_path / 'ckpt' / 'last.pt'} is intact at step 2: --resume --activation-checkpointing (resume=True, " \
+           "activation_checkpointing=True) continues from step 2" in line
     assert load_checkpoint(tmp_path / "ckpt" / "last.pt")["step"] == 2
     # Frames released: nothing holds the failing forward's tensors, nor the error's cause.
     assert error.__cause__ is None and error.__context__ is None and error.__suppress_context__
@@ -131,7 +131,7 @@ def test_cli_train_out_of_memory_exits_2_with_one_line(oom_file, budget, tmp_pat
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"fp32 up to B={budget};" in errors[0] and "cheapest mode that fits is fp32 + checkpointing" in errors[0]
-    assert "is intact at step 2: --resume --activation-checkpointing continues from step 2" in errors[0]
+    assert "is intact at step 2: --resume --activation-checkpointing (" in errors[0]
     assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == 2
     assert not (tmp_path / "train.json").exists()  # no result to write: the one line is the answer
 
@@ -225,3 +225,29 @@ def test_a_lora_run_out_of_memory_is_planned_as_lora(oom_class, budget):
     assert "activation checkpointing on, LoRA r=4 on " in line
     assert re.search(r": LoRA r=4 · fp32 \+ checkpointing up to B=\d+;", line), line
     assert re.search(r"the cheapest mode that fits is LoRA r=4 · ", line), line
+
+
+class _FullFromStepTwo(TinyGPT):
+    """Every training forward from the second on runs out of memory, the prediction's small ones too (as when
+    another process has taken the card)."""
+
+    calls = 0
+
+    def forward(self, input_ids=None, **kwargs):
+        if torch.is_grad_enabled() and self.training:
+            self.calls += 1
+            if self.calls >= 3:  # from a training step on (the run's own checks may call it first)
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return super().forward(input_ids, **kwargs)
+
+
+def test_a_prediction_that_runs_out_of_memory_too_is_said_and_the_checkpoint_still_named(budget, tmp_path):
+    with pytest.raises(TrainingOutOfMemory) as caught:
+        train(_FullFromStepTwo(**SIZE), checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1, **RUN)
+    line = str(caught.value)
+    assert "; the prediction's small forwards ran out of memory too: fit (tier_utils.fit, python -m tier_utils " \
+           "fit) predicts what fits once memory is free; " in line
+    after = re.search(r"after (\d+) of 6 steps", line)
+    assert after and int(after.group(1)) >= 1, line
+    assert f"is intact at step {after.group(1)}: --resume (resume=True) with the same batch and precision " \
+           f"continues from step {after.group(1)} " in line

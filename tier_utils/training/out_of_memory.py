@@ -70,13 +70,15 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
     if adapter is not None:
         adapter.model.zero_grad(set_to_none=True)
     release_memory(device)
-    fits, again = without_oom(what_fits, adapter, ran, device) if adapter is not None else (None, None)
-    if fits is None:  # no step ran, or the prediction's own small forwards found no room (another process)
-        fits = ("the prediction's small forwards ran out of memory too" if again else "no step ran") + \
-            ": fit (tier_utils.fit, python -m tier_utils fit) predicts what fits once memory is free"
+    predicted, again = without_oom(what_fits, adapter, ran, device) if adapter is not None else (None, None)
+    if predicted is None:  # no step ran, or the prediction's own small forwards found no room (another process)
+        why = "the prediction's small forwards ran out of memory too" if again else "no step ran"
+        predicted = (f"{why}: fit (tier_utils.fit, python -m tier_utils fit) predicts what fits once memory is free",
+                     None)
     del adapter
     release_memory(device)
-    raise TrainingOutOfMemory(answer_line(ran, fits)) from None
+    fits, cheapest = predicted
+    raise TrainingOutOfMemory(answer_line(ran, fits) + _resume(ran, cheapest)) from None
 
 
 def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
@@ -103,9 +105,10 @@ def memory_in_use(device: torch.device) -> str:
     return f"{facts.describe()} with {gib(max(0, total - free))} of {gib(total)} in use ({source})"
 
 
-def what_fits(adapter, ran: RanOut, device: torch.device) -> str:
-    """The planner's prediction for this model at the length that ran: the largest batch in the mode that ran
-    out, and the cheapest mode that fits the batch asked (cost_rank's order, as `fit` says it)."""
+def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, Config | None]:
+    """The planner's prediction for this model at the length that ran, in words: the largest batch in the mode
+    that ran out, and the cheapest mode that fits the batch asked (cost_rank's order, as `fit` says it); and that
+    mode (None: none fits)."""
     budget = read_budget(device)
     room = device_room(budget)  # what `fit` says a training step may use here
     # A LoRA run's model already has its adapters: planned as it is, its trainable parameters are theirs.
@@ -126,7 +129,7 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> str:
     cheapest = fit.cheapest()["this_device"]
     parts.append(f"at B={ran.batch} the cheapest mode that fits is {cheapest.name}" if cheapest is not None else
                  f"no mode fits B={ran.batch}" + _most(configs, ran.length, room))
-    return "; ".join(parts[:1]) + ": " + "; ".join(parts[1:]) + _resume(ran, cheapest)
+    return "; ".join(parts[:1]) + ": " + "; ".join(parts[1:]), cheapest
 
 
 def _most(configs: list[Config], length: int, room: float) -> str:
@@ -150,8 +153,9 @@ def _resume(ran: RanOut, cheapest: Config | None) -> str:
     if ran.saved_step is None:
         return "; no checkpoint was written before it (checkpoint_every sets how often), so a rerun starts over"
     same_run = cheapest is not None and cheapest.precision == ran.precision and cheapest.lora == ran.lora
-    how = "--resume --activation-checkpointing" if same_run and cheapest.checkpointing and not ran.checkpointing \
-        else "--resume with the same batch and precision"
+    how = "--resume --activation-checkpointing (resume=True, activation_checkpointing=True)" if (
+        same_run and cheapest.checkpointing and not ran.checkpointing) else \
+        "--resume (resume=True) with the same batch and precision"
     return (f"; {ran.checkpoint} is intact at step {ran.saved_step}: {how} continues from step {ran.saved_step} "
             "(another batch or precision starts over in a new checkpoint folder)")
 

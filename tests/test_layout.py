@@ -10,8 +10,9 @@ PACKAGE = Path(tier_utils.__file__).parent
 # Lowest first. A module may import from its own folder and from folders of a lower rank only; the tiers of one
 # rank know nothing of each other. The modules at the top of the package are the surfaces (cli, widgets, report,
 # presets, the demo recipe) and may import anything.
+# training sits above planning (5.5): its out-of-memory answer is the planner's prediction.
 RANK = {"core": 0, "data": 1, "models": 2, "adapter": 3, "engine": 4,
-        "smoketest": 5, "analysis": 5, "training": 5, "planning": 5, "exporting": 5, "benchmark": 6, "tuning": 6}
+        "smoketest": 5, "analysis": 5, "training": 5.5, "planning": 5, "exporting": 5, "benchmark": 6, "tuning": 6}
 TOP = 7
 
 

@@ -10,11 +10,13 @@ from .core.errors import (
     CheckpointError,
     DataError,
     ExportError,
+    HostMemoryShort,
     LaunchError,
     LoggerError,
     ModelSpecError,
     TierError,
     TrainingDiverged,
+    TrainingOutOfMemory,
     debug,
 )
 from .core.precision import (
@@ -59,6 +61,7 @@ __all__ = [
     "Check", "SmokeConfig", "SmokeReport", "smoke", "AnalysisConfig", "AnalysisReport", "analyze",
     # tier 3
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
+    "TrainingOutOfMemory", "HostMemoryShort",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "StrategyBenchResult", "strategy_benchmark",
     "SearchConfig", "SearchResult", "search",
     "FitConfig", "FitResult", "fit", "LoraSettings", "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",

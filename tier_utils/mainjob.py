@@ -19,7 +19,7 @@ from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.consistency import consistency, recorded_load
 from .benchmark.size import fp32_measure, grow_batch
-from .core.errors import ModelForwardError, TierError, TrainingDiverged
+from .core.errors import HostMemoryShort, ModelForwardError, TierError, TrainingDiverged, TrainingOutOfMemory, describe
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
@@ -211,10 +211,13 @@ def _run_tiers(steps: dict) -> tuple[dict, dict]:
 
 def _attempt(name: str, run) -> tuple:
     """`run()` and its seconds. The model breaking a tier is a FAIL in the report (a TierFailure) and the
-    other tiers run; the user's input (any other TierError) raises: one line, its exit code (2), no report."""
+    other tiers run, and so is running out of memory (training's line, whole: it says what fits); the user's
+    input (any other TierError) raises: one line, its exit code (2), no report."""
     start = time.perf_counter()
     try:
         outcome = run()
+    except (TrainingOutOfMemory, HostMemoryShort) as exc:
+        outcome = TierFailure(name, describe(exc, limit=None))
     except TierError as exc:
         if not isinstance(exc, ModelForwardError):
             raise

@@ -225,10 +225,15 @@ def without_oom(fn, *args, **kwargs) -> tuple[object, str | None]:
     except torch.cuda.OutOfMemoryError as exc:
         message = one_line(exc)
     # Outside the except block: the traceback, and the tensors its frames held, are gone.
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_memory()
     return None, message
+
+
+def release_memory(device=None) -> None:
+    """Give back what dropped tensors held: gc (reference cycles) and, on CUDA, the allocator's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.empty_cache()
 
 
 def affordable_repeats(call_s: float, budget_s: float, high: int) -> int:

@@ -103,6 +103,18 @@ class TrainingDiverged(TierError):
         self.quantity = quantity
 
 
+class TrainingOutOfMemory(TierError):
+    """A training step ran out of device memory. The message says where, what ran out, what fits (the planner's
+    prediction) and where a resume continues; the memory is released before it is raised."""
+
+    exit_code = 2  # a setting to change: the batch, the mode
+
+
+class HostMemoryShort(TierError):
+    """A run predicted to need more host RAM than is available, refused before it loads or trains (on a Colab CPU
+    runtime the kernel would otherwise be killed without a word)."""
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message folded onto one line, for messages that embed it."""
     return " ".join(str(exc).split()) or type(exc).__name__

@@ -51,8 +51,9 @@ def config_dtype(config) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
-def safetensors_dtype(path) -> torch.dtype | None:
-    """The dominant floating dtype of a .safetensors file, from its header alone (no tensor is read)."""
+def safetensors_counts(path) -> Counter:
+    """How many floating elements a .safetensors file holds in each dtype, from its header alone (no tensor is
+    read)."""
     from safetensors import safe_open
 
     counts = Counter()
@@ -62,7 +63,12 @@ def safetensors_dtype(path) -> torch.dtype | None:
             dtype = _SAFETENSORS.get(view.get_dtype())
             if dtype is not None:
                 counts[dtype] += math.prod(view.get_shape())
-    return _dominant(counts)
+    return counts
+
+
+def safetensors_dtype(path) -> torch.dtype | None:
+    """The dominant floating dtype of a .safetensors file, from its header alone."""
+    return _dominant(safetensors_counts(path))
 
 
 def folder_dtype(folder: Path, config) -> torch.dtype | None:

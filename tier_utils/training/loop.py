@@ -40,6 +40,8 @@ from .checkpointing import RunCheckpoints
 from .config import FINE_LOG_STEPS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
 from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .host_memory import refuse_past_host_memory
+from .out_of_memory import answered
 from .tracking import open_train_run
 
 
@@ -91,16 +93,18 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     cfg = merge(TrainConfig, config, overrides, "training")
     env = distributed.setup(cfg.device, cfg.strategy)  # fsdp without torchrun: refused before anything is written
     try:
+        device = env.device or resolve_device(cfg.device)
+        refuse_past_host_memory(model, model_kwargs or {}, cfg, device)  # one line, before anything loads or is written
         if cfg.checkpoint_dir is not None:
             writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
         if cfg.save_hf is not None:
             writable_dir(cfg.save_hf, "save_hf")
-        device = env.device or resolve_device(cfg.device)
         # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
         locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
             else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
-            return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
+            # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
+            return answered(lambda: _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device), cfg, device)
     finally:
         env.close()
 

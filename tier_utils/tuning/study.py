@@ -6,6 +6,7 @@ the study lives in a database and running `search` again with the same name cont
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -18,7 +19,7 @@ import pandas as pd
 
 from ..adapter.adapter import resolve_model
 from ..core.display import html_table
-from ..core.errors import SearchStorageError, TrainingDiverged, one_line
+from ..core.errors import SearchStorageError, TrainingDiverged, TrainingOutOfMemory, one_line
 from ..core.files import jsonable
 from ..core.plotting import integer_axis
 from ..core.precision import canonical_precision
@@ -147,7 +148,8 @@ class SearchResult(Result):
             last_step = max(t.intermediate_values) if t.intermediate_values else None
             rows.append({"trial": t.number, **t.params, "val_loss": t.value, "state": t.state.name,
                          "last_reported_step": last_step, "duration_s": duration,
-                         "diverged": t.user_attrs.get("diverged")})
+                         "diverged": t.user_attrs.get("diverged"),
+                         "out_of_memory": t.user_attrs.get("out_of_memory")})
         return pd.DataFrame(rows)
 
     def summary_line(self) -> str:
@@ -214,6 +216,27 @@ class SearchResult(Result):
                          "states": states, "best": best, "trials": self.table, "meta": self.meta})
 
 
+class _NoOutOfMemoryTraceback(logging.Filter):
+    """Optuna logs a caught trial error with its traceback; an out-of-memory trial's line says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], TrainingOutOfMemory):
+            record.exc_info = None
+        return True
+
+
+@contextlib.contextmanager
+def _one_line_out_of_memory():
+    """Optuna's "Trial N failed ... TrainingOutOfMemory(...)" warning on one line, during one search only. The
+    filter sits on the logger that writes it (a parent's filters do not see its children's records)."""
+    logger, quiet = logging.getLogger("optuna.study._optimize"), _NoOutOfMemoryTraceback()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def _open_study(study_cfg: SearchConfig, pruner, sampler) -> optuna.Study:
     """The study to add trials to: new, or continued from `storage` (a bad URL or a maximizing study: one line)."""
     import optuna
@@ -248,7 +271,8 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
     a continued study with storage runs only what is left. Overrides naming TrainConfig fields set the trials'
     fixed settings (`SearchConfig.trial`: short runs evaluated often); any other name is refused.
     `start_with`: parameter dicts to try first (e.g. your current settings), before the sampler's.
-    A trial whose training diverges ends PRUNED with the reason in its `diverged` column.
+    A trial whose training diverges ends PRUNED with the reason in its `diverged` column; one that runs out of
+    memory ends FAIL with train's line (what fits) in its `out_of_memory` column, and the study goes on.
     """
     import optuna
 
@@ -283,11 +307,16 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
             # (unlike a failed one) tells the sampler this region is bad.
             trial.set_user_attr("diverged", str(exc))
             raise optuna.TrialPruned(f"diverged: {exc}") from exc
+        except TrainingOutOfMemory as exc:  # failed for memory: train's line (what fits) kept with the trial
+            trial.set_user_attr("out_of_memory", str(exc))
+            raise
         if result.interrupted:
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
         return result.summary.val_loss
 
     if done < study_cfg.n_trials:
-        study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,
-                       show_progress_bar=study_cfg.progress and interactive())  # Optuna's bar redraws: terminals only
+        # catch: a trial out of memory ends FAIL and the study goes on. Optuna's bar redraws: terminals only.
+        with _one_line_out_of_memory():
+            study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,
+                           catch=(TrainingOutOfMemory,), show_progress_bar=study_cfg.progress and interactive())
     return SearchResult(study, base, run_metadata(base.device))

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import nbformat
+import optuna
 import pytest
 import torch
 from nbclient import NotebookClient
@@ -161,18 +162,24 @@ def test_out_of_memory_in_a_notebook_cell_is_one_line_and_the_next_cell_retries(
     assert "made alive: False" in printed and f"steps: {RUN['max_steps']}" in printed, nb.cells[2].outputs
 
 
-def test_a_search_trial_out_of_memory_is_failed_with_its_line_and_the_study_goes_on(oom_class, budget, capfd):
+def test_a_search_trial_out_of_memory_is_failed_with_its_line_and_the_study_goes_on(oom_class, budget, caplog):
     model = oom_class(fail_at=1, at_batch=16, **SIZE)  # every trial's copy runs out at batch 16, not at 8
     fast = {**RUN, "max_steps": 4, "eval_every": 2}
-    result = search(model, space={"batch_size": ("choice", [8, 16])}, n_trials=2,
-                    start_with=[{"batch_size": 16}, {"batch_size": 8}], **fast)
+    # Optuna's own handler keeps the stderr of the test that first logged (under xdist, another test's capture):
+    # read its records through propagation instead.
+    optuna.logging.enable_propagation()
+    try:
+        result = search(model, space={"batch_size": ("choice", [8, 16])}, n_trials=2,
+                        start_with=[{"batch_size": 16}, {"batch_size": 8}], **fast)
+    finally:
+        optuna.logging.disable_propagation()
     table = result.table.sort_values("trial")
     assert list(table.state) == ["FAIL", "COMPLETE"]
     assert table.iloc[0].out_of_memory.startswith("out of memory after 0 of 4 steps at B=16")
     most = re.search(r"no mode fits B=16; the most is B=(\d+) in ", table.iloc[0].out_of_memory)
     assert most and 8 <= int(most.group(1)) < 16  # fp32 + checkpointing fits 8: some mode fits at least that
     assert f"fp32 up to B={budget};" in table.iloc[0].out_of_memory and result.best_config.batch_size == 8
-    logged = capfd.readouterr().err
+    logged = caplog.text
     warned = [line for line in logged.splitlines() if "Trial 0 failed" in line]
     assert warned and "TrainingOutOfMemory('out of memory" in warned[0] and "Traceback" not in logged
     assert json.dumps(result.to_json()["trials"])  # the line goes to --json with the trial

@@ -16,10 +16,10 @@ from ..core.hub import HUB_PREFIX
 from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
-from ..engine.lora import load_model_state, lora_record, model_state
-from ..models.checkpoint import CHECKPOINT_NAME, describe_data, load_checkpoint, save_checkpoint
+from ..engine.lora import lora_record, model_state
+from ..engine.strategies import saved_strategy
+from ..models.checkpoint import CHECKPOINT_NAME, describe_data, save_checkpoint
 from ..models.loading import source_of
-from ..models.sharded import load_sharded, read_trainer, save_sharded
 from .config import TRAJECTORY_FIELDS
 
 
@@ -42,11 +42,7 @@ class RunCheckpoints:
         self._check(self.hist.sync())  # never write a diverged state
         trainer = self._trainer_state()
         paths = [self.ckpt_path] * last + [self.best_path] * best
-        if self.env.sharded:  # every rank writes its shard
-            save_sharded(paths, self.adapter.model, self.optimizer, trainer, self.env)
-        elif self.env.is_main:
-            save_checkpoint(paths, {**trainer, "model": model_state(self.adapter.model),
-                                    "optimizer": self.optimizer.state_dict()})
+        self.strategy.save(paths, self.adapter.model, self.optimizer, trainer)
         if last:
             self.last_saved = self.step
 
@@ -55,7 +51,7 @@ class RunCheckpoints:
         rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
         return {"step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
-                "world_size": self.env.world_size, "strategy": self.env.strategy,
+                "world_size": self.env.world_size, "strategy": self.strategy.name,
                 "global_batch": self.global_batch, "precision": self.precision.name,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
                 "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
@@ -99,19 +95,13 @@ class RunCheckpoints:
 
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved, now, sharded = state["config"], self.cfg.to_dict(), state.get("strategy") == "fsdp"
-        # DCP reshards a sharded checkpoint: another world size resumes it if the global batch is the same.
-        fields = [k for k in TRAJECTORY_FIELDS if not (sharded and k == "batch_size")]
+        saved, now = state["config"], self.cfg.to_dict()
+        # A checkpoint that reshards on load resumes on another world size if the global batch is the same.
+        fields = [k for k in TRAJECTORY_FIELDS if not (saved_strategy(state).sharded and k == "batch_size")]
         differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != now[k]]
         if state["precision"] != self.precision.name:
             differ.append(f"precision={state['precision']!r}")
-        if sharded != self.env.sharded:
-            differ.append(f"strategy={state.get('strategy', 'ddp')!r}")
-        elif sharded and state["global_batch"] != self.global_batch:
-            differ.append(f"global batch {state['global_batch']}")
-        elif not sharded and state["world_size"] != self.env.world_size:
-            differ.append(f"world size {state['world_size']}")
-        return differ
+        return differ + self.strategy.resume_differences(state, self.global_batch)
 
     def _load(self) -> None:
         state = self._read(self.ckpt_path)
@@ -123,15 +113,7 @@ class RunCheckpoints:
             raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
                                   f"{describe_data(self.data_info)}; resume with the same data or use a new "
                                   "checkpoint_dir")
-        if self.env.sharded:
-            load_sharded(self.ckpt_path, self.adapter.model, self.optimizer)
-        else:
-            try:
-                load_model_state(self.adapter.model, state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
-                                      f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load(self.ckpt_path, state, self.adapter.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_fn.stepper.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
@@ -147,4 +129,4 @@ class RunCheckpoints:
 
     def _read(self, path: Path, mmap: bool = False) -> dict:
         """A checkpoint's state: last.pt / best.pt, or a sharded folder's trainer state (no weights)."""
-        return read_trainer(path, mmap) if self.env.sharded else load_checkpoint(path, mmap=mmap)
+        return self.strategy.read(path, mmap)

@@ -33,8 +33,8 @@ from ..engine.evaluation import evaluate
 from ..engine.lora import apply_lora, convert_for, describe_lora
 from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
-from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
-from ..models.sharded import full_model_state
+from ..engine.strategies import Strategy, resolve_strategy
+from ..models.checkpoint import data_fingerprint
 from .checkpointing import RunCheckpoints
 from .config import FINE_LOG_STEPS, TrainConfig
 from .finetune import Selection, check_save_hf, restore_best, save_hf
@@ -88,7 +88,9 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = merge(TrainConfig, config, overrides, "training")
-    env = distributed.setup(cfg.device, cfg.strategy)  # fsdp without torchrun: refused before anything is written
+    # Decided once, here: a strategy that needs torchrun is refused without it before anything is written.
+    strategy = resolve_strategy(cfg.strategy, cfg.device, "train", reshard_after_forward=cfg.reshard_after_forward)
+    env = strategy.env
     try:
         if cfg.checkpoint_dir is not None:
             writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
@@ -99,26 +101,25 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
             else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
-            return _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device).run()
+            return _Run(model, model_kwargs or {}, data, cfg, on_eval, strategy, device).run()
     finally:
-        env.close()
+        strategy.close()
 
 
 class _Run(RunCheckpoints):
     """One call of train(): the state the loop, evaluation and checkpoints share, set up in the order below."""
 
-    def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
+    def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, strategy: Strategy,
                  device: torch.device):
-        self.cfg, self.on_eval, self.env, self.device = cfg, on_eval, env, device
+        self.cfg, self.on_eval, self.strategy, self.env, self.device = cfg, on_eval, strategy, strategy.env, device
         # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
         self.precision: Precision = resolve_precision(cfg.precision, device)
         self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
-        allocator = sharding.host_allocator(env) if env.sharded else None  # before the model is built
+        allocator = strategy.prepare_host()  # before the model is built
         self.adapter = self._build(model, model_kwargs)
         self.model_name = self.adapter.name  # the model's own class: fully_shard subclasses it as FSDP<name>
         # FSDP shards the weights in place before the optimizer is built on them.
-        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward,
-                                       allocator) if env.sharded else None
+        self.placement = strategy.setup_module(self.adapter.model, self.precision, allocator)
         splits = self._datasets(data)
         self._loaders(splits)
         self._optimization()
@@ -129,7 +130,7 @@ class _Run(RunCheckpoints):
         self.step_fn = self._step()
         self._resume()  # it restores the RNG states: only the compile below (which puts them back) follows
         self.compile_info = self._compile(splits) if cfg.compile else None
-        self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
+        self.log = open_train_run(self.cfg, self.env.is_main, self.resumed_from is not None, {
             "model": self.model_name, "precision": self.precision.name, "precision_reason": self.precision.reason,
             "weights": self.precision.describe_weights(self.adapter.stored_dtype),
             **run_metadata(self.device, self.precision.dtype)})
@@ -168,7 +169,7 @@ class _Run(RunCheckpoints):
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
         self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
-        names = (CHECKPOINT_NAME, BEST_NAME) if not self.env.sharded else ("last", "best")  # FSDP: DCP folders
+        names = self.strategy.checkpoint_names
         self.ckpt_path = Path(cfg.checkpoint_dir) / names[0] if cfg.checkpoint_dir is not None else None
         self.best_path = self.ckpt_path.with_name(names[1]) if self.ckpt_path is not None else None
         self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
@@ -180,9 +181,9 @@ class _Run(RunCheckpoints):
                                   seed=cfg.seed, drop_last=True, sampler=self.sampler)
         self.val_loader = make_loader(distributed.eval_shard(splits.val, self.env), cfg.batch_size, shuffle=False,
                                       device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
-        # FSDP: every rank runs the same number of evaluation forwards (each gathers weights with the others).
+        # Sharded: every rank runs the same number of evaluation forwards (each gathers weights with the others).
         self.eval_forwards = self.env.all_max(min(len(self.val_loader), cfg.eval_batches or len(self.val_loader))) \
-            if self.env.sharded else None
+            if self.strategy.sharded else None
 
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
@@ -192,13 +193,10 @@ class _Run(RunCheckpoints):
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
     def _step(self) -> TrainStep:
-        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation), or
-        on the FSDP-sharded model."""
-        if self.sharding is not None:
-            return sharding.train_step(self.adapter, self.precision, self.optimizer, self.scheduler, self.cfg.grad_clip)
-        ddp = distributed.wrap(self.adapter.model, self.env)
-        return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
-                         self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
+        """The optimizer step on what the strategy wraps (DDP: its wrapper, which skips the all-reduce on
+        accumulation), with its GradScaler and clipping."""
+        return TrainStep(self.strategy.wrap(self.adapter), self.precision, self.optimizer, self.scheduler,
+                         self.cfg.grad_clip, strategy=self.strategy)
 
     def _compile(self, splits: DataSplits):
         """The step calls the compiled model; evaluation and checkpoints use the eager one."""
@@ -315,9 +313,9 @@ class _Run(RunCheckpoints):
         if self.cfg.restore_best:
             self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
             self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path,
-                                                  self.env.sharded)
-        full = full_model_state(self.adapter.model) if self.env.sharded and (
-            self.cfg.save_hf or self.cfg.consolidate) else None  # gathered by every rank, onto rank 0
+                                                  self.strategy)
+        full = self.strategy.full_state(self.adapter.model) if (
+            self.cfg.save_hf or self.cfg.consolidate) else None  # sharded: gathered by every rank, onto rank 0
         if self.cfg.consolidate:
             self._consolidate(full, weights)
         if self.cfg.save_hf is not None and self.env.is_main:
@@ -345,8 +343,8 @@ class _Run(RunCheckpoints):
             optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",
-            global_batch=self.global_batch, world_size=env.world_size, strategy=env.strategy,
-            sharding=self.sharding and self.sharding.describe(), param_bytes_per_rank=sharding.param_bytes(
+            global_batch=self.global_batch, world_size=env.world_size, strategy=self.strategy.name,
+            sharding=self.placement, param_bytes_per_rank=sharding.param_bytes(
                 self.adapter.model), consolidated=self.consolidated and str(self.consolidated),
             rank=env.rank, resumed_from_step=self.resumed_from,
             checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,

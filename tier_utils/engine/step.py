@@ -97,14 +97,14 @@ class TrainStep:
         self.strategy = strategy or Single()
         self.stepper = precision.stepper(track=track_scale, grad_scaler=self.strategy.grad_scaler)
         self.params = [p for p in adapter.model.parameters() if p.requires_grad]
-        self.synced = adapter.model  # the module the strategy syncs (a compiled adapter calls it, wrapped)
 
     def __call__(self, micro_batches: list[dict]) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
         total = torch.zeros((), device=self.adapter.device)
         for i, batch in enumerate(micro_batches):
-            with self.strategy.no_sync(self.synced, i < n - 1):
+            # a compiled module hands the strategy's calls (no_sync, set_requires_gradient_sync) to the one it wraps
+            with self.strategy.no_sync(self.adapter.model, i < n - 1):
                 with self.precision.forward_context():
                     loss, _ = self.adapter.forward_loss(batch)
                 self.stepper.backward(loss / n)

@@ -79,6 +79,10 @@ class Strategy:
         """The context around one micro-step's backward; `accumulating`: not the last micro-batch of the step."""
         return contextlib.nullcontext()
 
+    def eval_forwards(self, batches: int) -> int | None:
+        """How many evaluation forwards every rank runs, where they must run as many (None: each its own share)."""
+        return None
+
     def clip_gradients(self, params: list, max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: not at all) and return the total norm before clipping (inf still measures)."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)
@@ -225,6 +229,10 @@ class FSDP(Strategy):
     def no_sync(self, model, accumulating: bool):
         """Accumulation micro-steps skip the reduce-scatter."""
         return sharding.gradient_sync(model, not accumulating)
+
+    def eval_forwards(self, batches: int) -> int:
+        """The most any rank has: every rank runs as many forwards (each gathers weights with the others)."""
+        return self.env.all_max(batches)
 
     def clip_gradients(self, params, max_norm):
         """The sharded (DTensor) gradients clipped by their global norm, which comes back replicated."""

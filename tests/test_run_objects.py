@@ -10,6 +10,7 @@ import pytest
 
 RUNS = [
     ("tier_utils.training.loop", "_Run"),
+    ("tier_utils.training.checkpointing", "RunCheckpoints"),  # once a mixin reading 16 attributes it never defined
     pytest.param("tier_utils.benchmark.amp", "BenchmarkRun",
                  marks=pytest.mark.xfail(strict=True, reason="its steps set its fields; helper house rebuilds it "
                                                              "complete (issue 43 §3): then drop this mark")),

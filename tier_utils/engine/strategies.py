@@ -142,9 +142,6 @@ class Strategy:
         this rank steps."""
         return plan.static["weights_bytes"]
 
-    def to_dict(self) -> dict:
-        return {"strategy": self.name, "world_size": self.env.world_size, "rank": self.env.rank}
-
 
 class Single(Strategy):
     """One process without torchrun (and what a DDP run on one rank decides it is)."""
@@ -294,11 +291,6 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 for _cls in (Single, DDP, FSDP):
     register_strategy(_cls)
 STRATEGIES = tuple(_REGISTRY)  # the strategies tier_utils ships
-
-
-def strategy_names() -> tuple[str, ...]:
-    """Every registered strategy, shipped or added."""
-    return tuple(_REGISTRY)
 
 
 def launched_strategies() -> tuple[str, ...]:

@@ -78,9 +78,10 @@ sys.exit(max(codes))
 """
 
 
-def worker_script(rank0_writes_only: bool = False, cheap_compile: bool = False) -> str:
-    """The source of a rank's entry point: `python worker.py VERB ...` runs the CLI."""
-    parts = ["import os, signal, sys", "from tier_utils import cli"]
+def worker_script(rank0_writes_only: bool = False, cheap_compile: bool = False, preamble: str = "") -> str:
+    """The source of a rank's entry point: `python worker.py VERB ...` runs the CLI. `preamble`: code each rank runs
+    first (e.g. registering a strategy a test defines)."""
+    parts = ["import os, signal, sys", "from tier_utils import cli", preamble]
     parts += [_RANK0_WRITES_ONLY] * rank0_writes_only + [_CHEAP_COMPILE] * cheap_compile
     parts += [_KILL_AT, _COMMANDS]
     return "\n".join(textwrap.dedent(p) for p in parts) + "\n"

@@ -36,8 +36,8 @@ def seen(monkeypatch):
     steps = []
     original = P.Precision.stepper
 
-    def stepper(self, track=True):
-        inner = original(self, track)
+    def stepper(self, track=True, **kwargs):
+        inner = original(self, track, **kwargs)
         step = inner.step
 
         def recording(optimizer):

@@ -213,8 +213,8 @@ def test_save_hf_with_its_own_tokenizer_and_the_best_weights(tmp_path):
 
 
 def test_save_hf_on_a_model_without_save_pretrained_is_refused_before_any_step(tmp_path, monkeypatch, capsys):
-    train_module = sys.modules["tier_utils.training.loop"]
-    monkeypatch.setattr(train_module.TrainStep, "__call__", lambda *a: pytest.fail("a step ran"))
+    step_module = sys.modules["tier_utils.engine.step"]  # the step every run calls
+    monkeypatch.setattr(step_module.TrainStep, "__call__", lambda *a: pytest.fail("a step ran"))
     folder = tmp_path / "hf"
     with pytest.raises(OutputError, match="save_hf needs a transformers model .* TinyGPT is not one") as info:
         tu.train(tiny(), rows(), **OVERFIT, max_steps=2, save_hf=str(folder), checkpoint_dir=tmp_path / "ck")

@@ -5,8 +5,8 @@ from tiny import TINY_ARGS
 
 from tier_utils.cli import main
 from tier_utils.core.errors import CheckpointError
+from tier_utils.engine.strategies import other_format_checkpoint, strategy_class
 from tier_utils.models.checkpoint import save_checkpoint
-from tier_utils.training.checkpointing import check_other_format
 
 
 def test_a_single_process_resume_over_a_sharded_checkpoint_is_one_line(tmp_path, capsys):
@@ -30,6 +30,6 @@ def test_a_single_process_resume_over_a_sharded_checkpoint_is_one_line(tmp_path,
 def test_a_sharded_resume_over_a_single_file_checkpoint_is_one_line(tmp_path, state, needle):
     save_checkpoint(tmp_path / "last.pt", state)
     with pytest.raises(CheckpointError, match="") as exc:
-        check_other_format(tmp_path / "last", sharded=True)
+        other_format_checkpoint(strategy_class("fsdp")(), tmp_path / "last")
     assert needle in str(exc.value) and "\n" not in str(exc.value)
-    check_other_format(tmp_path / "last.pt", sharded=False)  # a single-process run finds its own format: no line
+    other_format_checkpoint(strategy_class("single")(), tmp_path / "last.pt")  # its own format: no line

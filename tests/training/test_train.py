@@ -311,7 +311,7 @@ def test_bf16_nan_loss_raises_at_its_step_and_keeps_last_good_checkpoint(tmp_pat
 
 
 def test_history_is_bounded(monkeypatch):
-    train_module = importlib.import_module("tier_utils.training.loop")
+    train_module = importlib.import_module("tier_utils.training.parts")
     monkeypatch.setattr(train_module, "MAX_STEP_ROWS", 4)
     result = train(tiny(), precision="fp32", max_steps=20, log_every=1, eval_every=0, **FAST)
     steps = result.history.query("kind == 'step'")

@@ -12,8 +12,8 @@ from ..core.loggers import logger_names
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.distributed import STRATEGIES
 from ..engine.lora import LoraSettings, lora_setting
+from ..engine.strategies import launched_strategies
 
 Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs
 CHECKPOINTED: Mode = "eager+checkpointing"  # activation_checkpointing's rows: eager, compared with eager
@@ -100,7 +100,7 @@ class BenchConfig:
         self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
         self.lora = lora_setting(self.lora)
         if self.strategy is not None:
-            self.strategy = tuple(select_names(self.strategy, STRATEGIES, "strategy"))
+            self.strategy = tuple(select_names(self.strategy, launched_strategies(), "strategy"))
         check_switch(self, "activation_checkpointing")
         check_switch(self, "force")
         check_switch(self, "progress")

@@ -1,8 +1,8 @@
-"""DDP vs FSDP2 under torchrun: `strategy_benchmark`, the multi-rank layer beside the single-process AMP benchmark
-(amp.py).
+"""The strategies that run on ranks (DDP, FSDP2 and any registered) side by side under torchrun:
+`strategy_benchmark`, the multi-rank layer beside the single-process AMP benchmark (amp.py).
 
 Each strategy x precision x mode is one short `train()` on every rank, so it shards, wraps and steps exactly as a
-training run does (engine/distributed.py, engine/sharding.py), from the same initial weights (a spec is rebuilt
+training run does (engine/strategies.py), from the same initial weights (a spec is rebuilt
 from the seed, a module copied) on the same batches. Repeats are interleaved across the runs, so drift on a shared
 machine hits all of them alike. Per rank, over the timed steps (the first `untimed_steps` of each run are warm-up):
 step time (median, IQR, n: a training step as train() runs it, its batch's transfer included), tokens/s of the
@@ -35,6 +35,7 @@ from ..core.results import Result, run_metadata
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine import distributed
+from ..engine.strategies import launched_strategies, strategy_class
 from ..training.config import TrainConfig
 from ..training.loop import train
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
@@ -84,7 +85,7 @@ class StrategyBenchResult(Result):
 
     def headline(self) -> str:
         c, s = self.config, self.config["settings"]
-        return (f"{c['model']} · DDP vs FSDP on {c['world_size']} ranks · {self.metadata['device_name']} · batch "
+        return (f"{c['model']} · {c['compared']} on {c['world_size']} ranks · {self.metadata['device_name']} · batch "
                 f"{s['batch_size']} x {c['seq_len']} tokens per rank · {s['repeats']} x {s['timed_steps']} timed "
                 f"steps per rank · memory: {self.memory}")
 
@@ -121,18 +122,20 @@ class StrategyBenchResult(Result):
 @chooses_threads  # the run's torch thread count, chosen as it starts
 def strategy_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                        model_kwargs: dict | None = None, **overrides) -> StrategyBenchResult:
-    """DDP vs FSDP2 on `model` (a load_model spec, an nn.Module or an adapter; a module is copied for every run),
-    under torchrun: every rank calls it and gets the same result, every rank's figures in it.
+    """The strategies side by side on `model` (a load_model spec, an nn.Module or an adapter; a module is copied
+    for every run), under torchrun: every rank calls it and gets the same result, every rank's figures in it.
 
     Settings: `config` (a BenchConfig, a dict of its fields or None) with `overrides` by field name; `strategy`
-    (None: ddp and fsdp) names the strategies compared. Outside torchrun: a LaunchError saying how to launch.
+    (None: every registered strategy that runs on ranks) names the strategies compared. Outside torchrun: a
+    LaunchError saying how to launch.
     """
     cfg = merge(BenchConfig, config, overrides, "benchmark")
-    strategies = cfg.strategy or distributed.STRATEGIES
+    strategies = cfg.strategy or launched_strategies()
     if not distributed.launched_by_torchrun():
         raise LaunchError("the strategy benchmark compares ranks under torchrun; launch with "
                           + distributed.launch_hint("bench", ",".join(strategies)))
-    env = distributed.setup(cfg.device, "fsdp")  # the process group every run joins, and the figures' gathering
+    # The process group every run joins, and the figures' gathering.
+    env = distributed.join(cfg.device, "bench", ",".join(strategies))
     try:
         return _benchmark(model, model_kwargs or {}, data, cfg, strategies, env)
     finally:
@@ -168,6 +171,7 @@ def _benchmark(model, model_kwargs: dict, data, cfg: BenchConfig, strategies, en
             for run in [*runs, *skipped] for rank, got in enumerate(every)]
     first = next(iter(measured.values()), {}).get("run", {})
     config = {**first, "model": first.get("model", _name(model)), "world_size": env.world_size,
+              "compared": " vs ".join(strategy_class(name).label for name in strategies),
               "settings": {k: v for k, v in replace(cfg, strategy=tuple(strategies)).to_dict().items() if k in USED}}
     metadata = {**run_metadata(dev), "load_average_1m": load_average()}
     return StrategyBenchResult(rows, config, metadata, memory, env.rank)
@@ -216,8 +220,8 @@ def _measure(into: dict, run: tuple, model, model_kwargs: dict, data, cfg: Bench
     peak = rss.increase if dev.type != "cuda" else steps["max_memory_mb"].max() * MIB
     into["peak_bytes"] = None if peak is None or into["peak_bytes"] is None else max(into["peak_bytes"], peak)
     s = result.summary
-    detail = [s.sharding or f"{strategy}: every rank holds the whole model ({s.world_size} rank(s))",
-              s.weights_detail, s.precision_reason, s.compile_reason] + ([s.lora["detail"]] if s.lora else [])
+    detail = [s.sharding or f"{s.strategy}: one process, the whole model", s.weights_detail, s.precision_reason,
+              s.compile_reason] + ([s.lora["detail"]] if s.lora else [])
     into.update(param_bytes=s.param_bytes_per_rank, loss=s.train_loss, detail="; ".join(detail),
                 run={"model": s.model, "task": s.task, "parameters": s.parameters, "data": s.data,
                      "tokenizer": s.tokenizer, "seq_len": result.config.seq_len})

@@ -130,10 +130,14 @@ class Precision:
         """forward_context() by the name the tiers' forwards (smoke, analysis, evaluation) call it."""
         return self.forward_context()
 
-    def stepper(self, track: bool = True) -> Stepper:
+    def stepper(self, track: bool = True, grad_scaler=None) -> Stepper:
         """A fresh Stepper for one run: backward, unscale, optimizer step and their state. `track`: a scaling
-        stepper reads the loss scale around each step (two host syncs) to say whether it was skipped."""
-        return ScalerStepper(self.device, track) if self.needs_scaler else Stepper()
+        stepper reads the loss scale around each step (two host syncs) to say whether it was skipped.
+        `grad_scaler(device_type)`: makes the GradScaler a scaling mode steps through (the distributed strategy's
+        choice; None: torch.amp's)."""
+        if not self.needs_scaler:
+            return Stepper()
+        return ScalerStepper(self.device, track, grad_scaler(self.device.type) if grad_scaler else None)
 
     def mixed_precision_policy(self):
         """FSDP2's casts for this mode (torch.distributed.fsdp.MixedPrecisionPolicy): a mixed mode gathers the

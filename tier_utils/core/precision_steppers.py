@@ -39,10 +39,11 @@ class Stepper:
 class ScalerStepper(Stepper):
     """fp16 mixed: scale the loss -> backward -> unscale_ -> (clip) -> step (skipped on inf/NaN) -> update.
     `track`: read the scale before and after each step (two host syncs) to know whether it was skipped; a
-    timed loop leaves them out."""
+    timed loop leaves them out. `scaler`: the GradScaler itself, the distributed strategy's choice (FSDP's agrees
+    its inf check across ranks); None: torch.amp's for the device."""
 
-    def __init__(self, device: torch.device, track: bool = True):
-        self.scaler = torch.amp.GradScaler(device.type)
+    def __init__(self, device: torch.device, track: bool = True, scaler: torch.amp.GradScaler | None = None):
+        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type)
         self.track = track
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,14 +1,13 @@
-"""The distributed strategy under torchrun: process group and device mesh, DDP wrapping, sharded data order,
-cross-rank reductions. FSDP2's sharding itself is in sharding.py.
+"""The ranks under torchrun: process group and device mesh, sharded data order, cross-rank reductions. The
+strategies that run on them are classes in strategies.py; FSDP2's sharding itself is in sharding.py.
 
 Everything is torch.distributed, and rank, world size and local rank come only from torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK), on one machine or several. A plain (non-torchrun) process gets a one-rank
 `DistEnv` whose collectives are no-ops, so the training loop has a single code path. FSDP needs the process
-group even on one rank (its mesh is a process group), so `strategy="fsdp"` joins one whatever the world size.
+group even on one rank (its mesh is a process group): `join` joins one whatever the world size.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -20,10 +19,8 @@ from torch.utils.data import DistributedSampler, Subset
 from ..core.errors import LaunchError
 from ..core.precision import resolve_device
 
-STRATEGIES = ("ddp", "fsdp")  # under torchrun; one process without torchrun is always a single-device run
 
-
-def launch_hint(verb: str = "train", strategy: str = "fsdp") -> str:
+def launch_hint(verb: str, strategy: str) -> str:
     """How to launch `verb` on torchrun's ranks, for the one-line error a plain process gets."""
     return f"torchrun --nproc_per_node N -m tier_utils {verb} ... --strategy {strategy} (several machines: " \
            "docs/distributed.md)"
@@ -33,6 +30,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def torchrun_world() -> int:
+    """How many ranks this process is one of, without joining them: 1 outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
 @dataclass
 class DistEnv:
     rank: int = 0
@@ -40,15 +44,10 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device | None = None  # the device this rank must use; None: the caller decides
     owns_group: bool = False  # we initialised the process group, so we tear it down
-    strategy: str = "single"  # single (one process), ddp or fsdp
 
     @property
     def active(self) -> bool:
         return self.world_size > 1
-
-    @property
-    def sharded(self) -> bool:
-        return self.strategy == "fsdp"
 
     def mesh(self):
         """The explicit 1-D device mesh FSDP shards over: CPU ranks (gloo) or one GPU per rank (nccl)."""
@@ -94,21 +93,15 @@ class DistEnv:
             self.owns_group = False
 
 
-def setup(device=None, strategy: str = "ddp", verb: str = "train") -> DistEnv:
-    """Join the torchrun job if there is one: nccl on CUDA (one GPU per local rank), gloo on CPU. `strategy`
-    ddp needs more than one rank to matter; fsdp needs torchrun (one line saying how to launch `verb`, else)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+def join(device, verb: str, strategy: str) -> DistEnv:
+    """Join the torchrun job: nccl on CUDA (one GPU per local rank), gloo on CPU. Without torchrun, a LaunchError
+    saying how to launch `verb` with `strategy`."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     elif launched_by_torchrun() and dist.is_available():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    elif strategy == "fsdp":
-        raise LaunchError(f"strategy='fsdp' shards over torchrun's ranks; launch with {launch_hint(verb)}")
     else:
-        return DistEnv()
-    if world == 1 and strategy == "ddp":
-        return DistEnv()
+        raise LaunchError(f"strategy={strategy!r} runs on torchrun's ranks; launch with {launch_hint(verb, strategy)}")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     wants_cuda = resolve_device(device).type == "cuda"
     if wants_cuda:
@@ -119,25 +112,7 @@ def setup(device=None, strategy: str = "ddp", verb: str = "train") -> DistEnv:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None)
-    return DistEnv(rank, world, local_rank, dev, owns, strategy)
-
-
-def wrap(module: torch.nn.Module, env: DistEnv):
-    """DistributedDataParallel around `module` (whose weights all ranks already hold), or None on one rank
-    and under FSDP (whose sharded module needs no wrapper)."""
-    if not env.active or env.sharded:
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids)
-
-
-def no_sync_for(ddp):
-    """TrainStep's `no_sync`: skip DDP's gradient all-reduce on accumulation micro-steps."""
-    if ddp is None:
-        return None
-    return lambda accumulating: ddp.no_sync() if accumulating else contextlib.nullcontext()
+    return DistEnv(rank, world, local_rank, dev, owns)
 
 
 def eval_shard(dataset, env: DistEnv):

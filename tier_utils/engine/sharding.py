@@ -1,11 +1,11 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for `train(strategy="fsdp")` under torchrun.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the FSDP strategy (strategies.py) under torchrun.
 
 `fully_shard` goes on each repeated block (memory.repeated_blocks), then on the root, over the run's explicit
 1-D device mesh (gloo on CPU ranks, nccl with one GPU per rank): each rank keeps 1/N of every weight, gradient
 and AdamW state, and a block's full weights exist only while it runs. The decided precision becomes FSDP's
 MixedPrecisionPolicy (Precision.mixed_precision_policy: the mixed modes gather weights in the compute dtype and
-reduce gradients in fp32; fp32 and the true modes cast nothing). fp16 steps through torch's ShardedGradScaler,
-whose inf check is agreed across ranks, and `clip_grad_norm_` clips the sharded (DTensor) gradients by their
+reduce gradients in fp32; fp32 and the true modes cast nothing). The strategy gives fp16 torch's
+ShardedGradScaler, whose inf check is agreed across ranks, and clips the sharded (DTensor) gradients by their
 global norm. On CPU ranks the run first fixes glibc's mmap threshold (host_allocator, core/allocator.py), so the
 buffers FSDP frees every step leave the rank's resident memory.
 """
@@ -17,13 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ..core.allocator import return_freed_memory
 from ..core.precision import Precision
-from ..core.precision_steppers import ScalerStepper
 from .memory import repeated_blocks
-from .step import TrainStep
 
 
 def describe_policy(policy: MixedPrecisionPolicy) -> str:
@@ -79,23 +76,13 @@ def host_allocator(env) -> str | None:
 
 
 @contextlib.contextmanager
-def _gradient_sync(model, on: bool):
+def gradient_sync(model, on: bool):
+    """The sharded model's reduce-scatter on (the step's last micro-batch) or off, for one backward."""
     model.set_requires_gradient_sync(on)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def train_step(adapter, precision: Precision, optimizer, scheduler, grad_clip) -> TrainStep:
-    """TrainStep on a sharded model: accumulation micro-steps skip the reduce-scatter, fp16 scales through
-    ShardedGradScaler."""
-    model = adapter.model
-    step = TrainStep(adapter, precision, optimizer, scheduler, grad_clip,
-                     no_sync=lambda accumulating: _gradient_sync(model, not accumulating))
-    if isinstance(step.stepper, ScalerStepper):  # fp16 mixed: a GradScaler whose inf check every rank agrees on
-        step.stepper.scaler = ShardedGradScaler(adapter.device.type)
-    return step
 
 
 def unsharded_class(model: torch.nn.Module) -> type:

@@ -7,7 +7,6 @@ object, never a precision's name, and knows nothing of the loops around it.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch
 
 from ..adapter.adapter import ModelAdapter
 from ..core.precision import Precision
+from .strategies import Single, Strategy
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
@@ -77,8 +77,8 @@ class StepOutput:
 class TrainStep:
     """One optimizer step over one or more micro-batches (gradient accumulation).
 
-    `no_sync` is a callable taking "is this not the last micro-batch" and returning a context;
-    DDP passes one that skips the all-reduce on accumulation micro-steps. `track_scale=False`
+    `strategy` (default: one process) gives the GradScaler, the context that skips the gradient sync on
+    accumulation micro-steps, and the clipping; `adapter` is what it wrapped for the step. `track_scale=False`
     leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
     back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
     `count_rounding`: also count the parameter updates the stored dtype rounded away, over a fixed sample of
@@ -86,33 +86,31 @@ class TrainStep:
     """
 
     def __init__(self, adapter: ModelAdapter, precision: Precision, optimizer: torch.optim.Optimizer,
-                 scheduler=None, grad_clip: float | None = 1.0, no_sync=None, track_scale: bool = True,
-                 count_rounding: bool = False):
+                 scheduler=None, grad_clip: float | None = 1.0, strategy: Strategy | None = None,
+                 track_scale: bool = True, count_rounding: bool = False):
         if scheduler is not None and not track_scale:
             raise ValueError("track_scale=False cannot hold a scheduler back on skipped fp16 steps; "
                              "pass scheduler=None or keep track_scale=True")
         self.adapter, self.precision = adapter, precision
         self.optimizer, self.scheduler = optimizer, scheduler
         self.grad_clip, self.count_rounding = grad_clip, count_rounding
-        self.stepper = precision.stepper(track=track_scale)
+        self.strategy = strategy or Single()
+        self.stepper = precision.stepper(track=track_scale, grad_scaler=self.strategy.grad_scaler)
         self.params = [p for p in adapter.model.parameters() if p.requires_grad]
-        self.no_sync = no_sync or (lambda accumulating: contextlib.nullcontext())
 
     def __call__(self, micro_batches: list[dict]) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
         total = torch.zeros((), device=self.adapter.device)
         for i, batch in enumerate(micro_batches):
-            with self.no_sync(i < n - 1):
+            # a compiled module hands the strategy's calls (no_sync, set_requires_gradient_sync) to the one it wraps
+            with self.strategy.no_sync(self.adapter.model, i < n - 1):
                 with self.precision.forward_context():
                     loss, _ = self.adapter.forward_loss(batch)
                 self.stepper.backward(loss / n)
             total += loss.detach().float()
         self.stepper.unscale(self.optimizer)
-        # clip with max_norm=inf still returns the norm: one code path whether or not clipping is on.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or math.inf)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP's sharded gradients: their global norm, replicated
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.strategy.clip_gradients(self.params, self.grad_clip)
         before = [rounding_sample(p).clone() for p in self.params] if self.count_rounding else None
         skipped = self.stepper.step(self.optimizer)
         # A skipped step (fp16 overflow) must not advance the LR schedule.

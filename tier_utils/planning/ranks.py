@@ -1,6 +1,7 @@
-"""The planner per rank: for N ranks under DDP and under FSDP2, the bytes each rank holds and the largest batch
-per rank, on this machine and predicted on the GPU table with 2, 4 and 8 of each card; the smallest N at which
-the model trains in each mode.
+"""The planner per rank: for N ranks under each strategy that runs on ranks (DDP, FSDP2 and any registered), the
+bytes each rank holds and the largest batch per rank, on this machine and predicted on the GPU table with 2, 4 and
+8 of each card; the smallest N at which the model trains under each. Each strategy class owns its formula
+(engine/strategies.py); this module measures the pieces it reads (RankPlan) and tabulates.
 
 Per rank, at batch B and length T (S: the static bytes of the fit planner, weights + gradients + AdamW state):
 - DDP: every rank holds S, plus DDP's gradient buckets (one more copy of the gradients: torch's default
@@ -25,7 +26,7 @@ table's margin covers the CUDA context). Every figure but this device's free mem
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
@@ -37,10 +38,10 @@ from ..core.precision import resolve_device, resolve_precision
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..engine.memory import repeated_blocks
+from ..engine.strategies import launched_strategies, strategy_class
 from ..models.builtins import DEFAULT_MODEL
 from .planner import GPU_COLUMNS, MARGIN_NOTE, device_room, gpu_room, gpus_mib, plan, static_bytes
 
-MODES = ("ddp", "fsdp")
 # What a CPU rank's training run holds beyond its tensors (process group, data, Python objects, modules imported
 # as the run starts): measured by bench/fsdp_cpu.py on a 74,688-parameter GPT-2 (bench/RESULTS.md, issue 33): a
 # rank's peak RSS increase 0.081-0.082 GiB under DDP and FSDP, of which its tensors 0.003 GiB.
@@ -76,43 +77,37 @@ class RankPlan:
     fit: ActivationFit
     length: int
 
-    def static_per_rank(self, mode: str, n: int) -> int:
-        total = sum(self.static.values())
-        return total + self.static["grads_bytes"] if mode == "ddp" else -(-total // n)
+    def static_per_rank(self, strategy, n: int) -> int:
+        """The weights, gradients and AdamW state a rank holds under `strategy` (a class, or its name)."""
+        return strategy_class(strategy).static_per_rank(self, n)
 
-    def in_flight(self, mode: str, n: int) -> int:
-        """FSDP's unsharded buffers while a block runs its backward: the root's and the running block's weights
-        and gradients, the next block's all-gather output, the previous block's reduce-scatter input."""
-        if mode == "ddp":
-            return 0
-        w, r = self.weight_bytes, self.reduce_bytes
-        return self.root_params * 2 * w + self.block_params * (2 * w + w + r)
+    def in_flight(self, strategy, n: int) -> int:
+        """What a rank holds beside its static state while a block runs its backward (FSDP's units in flight)."""
+        return strategy_class(strategy).in_flight(self, n)
 
-    def root_reduce(self, mode: str, n: int) -> int:
-        """FSDP's last reduce, after backward's activations are gone: the root's unsharded gradients and their
-        reduce-scatter input (its gathered weights are freed first)."""
-        return 0 if mode == "ddp" else self.root_params * (self.weight_bytes + self.reduce_bytes)
+    def root_reduce(self, strategy, n: int) -> int:
+        """What a rank holds after backward's activations are gone, before the optimizer step (FSDP's root reduce)."""
+        return strategy_class(strategy).root_reduce(self, n)
 
-    def optimizer_transient(self, mode: str, n: int) -> int:
-        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
-        this rank steps."""
-        return self.static["weights_bytes"] if mode == "ddp" else -(-self.static["weights_bytes"] // n)
+    def optimizer_transient(self, strategy, n: int) -> int:
+        """foreach AdamW's temporary during the step: one copy of the weights this rank steps."""
+        return strategy_class(strategy).optimizer_transient(self, n)
 
     def per_sequence(self) -> float:
         return self.fit.per_sequence(self.length) + self.fit.output_per_token * self.length
 
-    def step_bytes(self, mode: str, n: int, batch: int) -> int:
+    def step_bytes(self, strategy, n: int, batch: int) -> int:
         """Predicted peak tensor bytes of one rank during a training step at `batch` sequences per rank: its
         static state plus the largest of backward's (units in flight, activations), FSDP's root reduce and the
         optimizer step's transient."""
-        backward = self.in_flight(mode, n) + self.fit.k + batch * self.per_sequence()
-        return int(self.static_per_rank(mode, n) + max(backward, self.root_reduce(mode, n),
-                                                       self.optimizer_transient(mode, n)))
+        backward = self.in_flight(strategy, n) + self.fit.k + batch * self.per_sequence()
+        return int(self.static_per_rank(strategy, n) + max(backward, self.root_reduce(strategy, n),
+                                                           self.optimizer_transient(strategy, n)))
 
-    def largest_batch(self, mode: str, n: int, room: float) -> int:
-        if self.step_bytes(mode, n, 0) > room:
+    def largest_batch(self, strategy, n: int, room: float) -> int:
+        if self.step_bytes(strategy, n, 0) > room:
             return 0
-        return max(0, int((room - self.static_per_rank(mode, n) - self.in_flight(mode, n) - self.fit.k)
+        return max(0, int((room - self.static_per_rank(strategy, n) - self.in_flight(strategy, n) - self.fit.k)
                           // self.per_sequence()))
 
 
@@ -138,6 +133,8 @@ class RanksResult(Result):
     model: dict
     budget: Budget
     metadata: dict
+    # The strategies planned (every registered one that runs on torchrun's ranks), decided as the result is made.
+    strategies: tuple = field(default_factory=lambda: tuple(strategy_class(n) for n in launched_strategies()))
 
     @property
     def process_bytes(self) -> int:
@@ -145,10 +142,10 @@ class RanksResult(Result):
         whose process lives in host memory."""
         return CPU_RANK_PROCESS_BYTES if self.budget.device == "cpu" else 0
 
-    def rank_bytes(self, mode: str, n: int, batch: int) -> int:
+    def rank_bytes(self, strategy, n: int, batch: int) -> int:
         """A rank's predicted peak on this device during a step: its tensors (RankPlan.step_bytes) and, on a
         CPU, its process's own (the figure bench/fsdp_cpu.py checks against each rank's peak RSS increase)."""
-        return self.plan.step_bytes(mode, n, batch) + self.process_bytes
+        return self.plan.step_bytes(strategy, n, batch) + self.process_bytes
 
     def _here(self, n: int) -> float:
         room = device_room(self.budget)
@@ -157,20 +154,21 @@ class RanksResult(Result):
     @property
     def table(self) -> pd.DataFrame:
         p, rows = self.plan, []
-        for mode in MODES:
+        for strategy in self.strategies:
+            mode = strategy.name
             for n in self.ranks:
-                here = p.largest_batch(mode, n, self._here(n) - self.process_bytes)
-                row = {"mode": mode, "ranks": n, "static_per_rank_gib": p.static_per_rank(mode, n) / 2**30,
-                       "in_flight_gib": p.in_flight(mode, n) / 2**30,
-                       "root_reduce_gib": p.root_reduce(mode, n) / 2**30,
-                       "optimizer_step_gib": p.optimizer_transient(mode, n) / 2**30,
+                here = p.largest_batch(strategy, n, self._here(n) - self.process_bytes)
+                row = {"mode": mode, "ranks": n, "static_per_rank_gib": p.static_per_rank(strategy, n) / 2**30,
+                       "in_flight_gib": p.in_flight(strategy, n) / 2**30,
+                       "root_reduce_gib": p.root_reduce(strategy, n) / 2**30,
+                       "optimizer_step_gib": p.optimizer_transient(strategy, n) / 2**30,
                        "per_sample_gib": p.per_sequence() / 2**30, "process_gib": self.process_bytes / 2**30,
                        "this_device": here}
-                row.update({column: p.largest_batch(mode, n, gpu_room(card.memory_mib))
+                row.update({column: p.largest_batch(strategy, n, gpu_room(card.memory_mib))
                             for column, card in GPU_COLUMNS.items()})
                 row["status"] = "PASS" if here >= 1 else "WARN"
                 process = f", its process's own {gib(self.process_bytes)} included" if self.process_bytes else ""
-                row["detail"] = (f"{mode} on {n} rank(s): {gib(self.rank_bytes(mode, n, max(here, 1)))} per rank "
+                row["detail"] = (f"{mode} on {n} rank(s): {gib(self.rank_bytes(strategy, n, max(here, 1)))} per rank "
                                  f"at batch {max(here, 1)} per rank, T={p.length} (predicted{process}); this device "
                                  f"gives each rank {gib(self._here(n))}")
                 rows.append(row)
@@ -181,7 +179,7 @@ class RanksResult(Result):
         t = self.table
         columns = ["this_device", *GPU_COLUMNS]
         rows = []
-        for mode in MODES:
+        for mode in (strategy.name for strategy in self.strategies):
             fits = t[t["mode"] == mode]
             rows.append({"mode": mode, **{c: next((int(n) for n, b in zip(fits.ranks, fits[c]) if b >= 1), None)
                                           for c in columns}})
@@ -189,8 +187,8 @@ class RanksResult(Result):
 
     def headline(self) -> str:
         return (f"ranks: {self.model['model']} ({self.model['parameters']:,} parameters) at T={self.plan.length}, "
-                f"{self.precision}: per-rank bytes and largest batch per rank under DDP and FSDP (predicted; "
-                f"{MARGIN_NOTE})")
+                f"{self.precision}: per-rank bytes and largest batch per rank under {self._labels(' and ')} "
+                f"(predicted; {MARGIN_NOTE})")
 
     def overview(self) -> pd.DataFrame:
         return self.table.drop(columns=["detail"])
@@ -203,9 +201,14 @@ class RanksResult(Result):
         def said(v):
             return f"N={int(v)}" if pd.notna(v) else f"none up to {max(self.ranks)}"
 
+        def each(column):
+            return ", ".join(f"{c.label} {said(s.loc[c.name, column])}" for c in self.strategies)
+
         return (f"ranks: smallest N that trains at T={self.plan.length} ({self.precision}), predicted: "
-                f"{gpu.replace(' (predicted)', '')} DDP {said(s.loc['ddp', gpu])}, FSDP {said(s.loc['fsdp', gpu])}; "
-                f"here DDP {said(s.loc['ddp', 'this_device'])}, FSDP {said(s.loc['fsdp', 'this_device'])}")
+                f"{gpu.replace(' (predicted)', '')} {each(gpu)}; here {each('this_device')}")
+
+    def _labels(self, between: str) -> str:
+        return between.join(c.label for c in self.strategies)
 
     def to_json(self) -> dict:
         p = self.plan
@@ -222,9 +225,10 @@ class RanksResult(Result):
         t = self.table
         fig = Figure(figsize=(8, 4), layout="constrained")
         ax = fig.add_subplot()
-        for mode in MODES:
-            rows = t[t["mode"] == mode]
-            ax.plot(rows.ranks, rows.static_per_rank_gib + rows.in_flight_gib, marker="o", label=f"{mode} (predicted)")
+        for strategy in self.strategies:
+            rows = t[t["mode"] == strategy.name]
+            ax.plot(rows.ranks, rows.static_per_rank_gib + rows.in_flight_gib, marker="o",
+                    label=f"{strategy.label} (predicted)")
         for card in GPU_COLUMNS.values():
             ax.axhline(gpu_room(card.memory_mib) / 2**30, lw=0.6, ls=":", color="grey")
             ax.annotate(card.label, (max(self.ranks), gpu_room(card.memory_mib) / 2**30), fontsize=7, ha="right",
@@ -238,8 +242,9 @@ class RanksResult(Result):
 
 def plan_ranks(model=DEFAULT_MODEL, config: RanksConfig | dict | None = None, *, model_kwargs: dict | None = None,
                **overrides) -> RanksResult:
-    """What each rank holds under DDP and FSDP for each N in `ranks`, and the largest batch per rank here and
-    predicted on the GPU table; `.smallest()` names the smallest N per mode. It reads no data.
+    """What each rank holds under each strategy that runs on ranks (DDP, FSDP and any registered) for each N in
+    `ranks`, and the largest batch per rank here and predicted on the GPU table; `.smallest()` names the smallest N
+    per strategy. It reads no data.
 
     model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
     config / overrides: a RanksConfig (or dict) and/or its field names as keywords."""

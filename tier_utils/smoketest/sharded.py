@@ -1,4 +1,4 @@
-"""smoke(strategy="fsdp") under torchrun: the model sharded as training shards it (engine/sharding.py), its
+"""smoke with a sharded strategy under torchrun: the model sharded as training shards it (engine/strategies.py), its
 gradient and memory checks run on every rank, every rank's rows gathered into the report.
 
 Each rank checks its own shards: its gradients (finite, non-zero, layer norms over its part of each layer) after
@@ -21,13 +21,6 @@ PER_RANK = ("gradients", "memory")  # the groups that run on the sharded model, 
 def shared_budget(budget: Budget, env) -> Budget:
     """The smallest free memory of any rank: every rank then sizes its forwards alike."""
     return min(env.gather(budget), key=lambda b: b.free_bytes)
-
-
-def shard_for_smoke(adapter, env, precision, report) -> sharding.Sharding:
-    """Shard the model in place; the report's model summary, taken before, keeps the unsharded sizes."""
-    held = sharding.shard(adapter.model, env, precision)
-    report.sharding = held.describe()
-    return held
 
 
 def sharded_groups(groups: dict, env) -> dict:

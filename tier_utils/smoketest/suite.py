@@ -26,11 +26,11 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, problem_rows, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
-from ..engine import distributed
 from ..engine.quantization import quantized_summary
+from ..engine.strategies import canonical_strategy, resolve_strategy, sharded_strategies
 from ..models.builtins import DEFAULT_MODEL
 from .checks import CHECK_GROUPS
-from .sharded import gathered, shard_for_smoke, sharded_groups, shared_budget
+from .sharded import gathered, sharded_groups, shared_budget
 
 
 @dataclass
@@ -52,8 +52,11 @@ class SmokeConfig:
         if self.seq_lens is not None:
             self.seq_lens = _positive_ints(self.seq_lens, "seq_lens")
         self.precision = precision_setting(self.precision)
-        if self.strategy not in (None, "fsdp"):  # ddp would check the same whole model on every rank
-            raise ValueError(f"smoke's strategy is fsdp or none, got {self.strategy!r}")
+        if self.strategy is not None:  # a strategy that holds the whole model would check it again on every rank
+            sharded = sharded_strategies()
+            if canonical_strategy(self.strategy) not in sharded:
+                raise ValueError(f"smoke's strategy is {' or '.join(sharded)} or none, got {self.strategy!r}")
+            self.strategy = canonical_strategy(self.strategy)
         if self.checks is not None:  # None stays "all", as the CLI's default shows it
             self.checks = tuple(select_names(self.checks, CHECK_GROUPS, "check group"))
         check_fields(self)
@@ -202,15 +205,16 @@ def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, mode
     """
     start = time.perf_counter()
     cfg = merge(SmokeConfig, config, overrides, "smoke")
-    env = distributed.setup(cfg.device, cfg.strategy, "smoke") if cfg.strategy else None  # without torchrun: one line
+    strategy = resolve_strategy(cfg.strategy, cfg.device, "smoke") if cfg.strategy else None  # no torchrun: one line
     try:
-        return _smoke(model, cfg, model_kwargs or {}, env, start)
+        return _smoke(model, cfg, model_kwargs or {}, strategy, start)
     finally:
-        if env is not None:
-            env.close()
+        if strategy is not None:
+            strategy.close()
 
 
-def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, env, start: float) -> SmokeReport:
+def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) -> SmokeReport:
+    env = strategy and strategy.env
     groups = list(cfg.checks or CHECK_GROUPS)
     batch_sizes = list(cfg.batch_sizes)
     prec = resolve_precision(cfg.precision, env.device if env else cfg.device)
@@ -233,7 +237,7 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, env, start: float) -> Sm
                          budget=budget, rank=env.rank if env else 0, world_size=env.world_size if env else 1)
     checks = {name: CHECK_GROUPS[name] for name in groups}
     if env is not None:
-        shard_for_smoke(adapter, env, prec, report)
+        report.sharding = strategy.setup_module(adapter.model, prec)  # the summary, taken before, stays unsharded
         checks = sharded_groups(checks, env)
     ran = _run_groups(adapter, report, checks, cfg.progress and (env is None or env.is_main))
     report.checks = gathered(ran, env) if env is not None else [row for _, rows in ran for row in rows]

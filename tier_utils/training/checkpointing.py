@@ -1,4 +1,5 @@
-"""The run's checkpoints (a mixin of train()'s `_Run`): what they hold, writing them, resuming from them.
+"""The run's checkpoints: what they hold, writing them, resuming from them. `RunCheckpoints` is given everything it
+reads and restores (the run's parts and its Progress), and the strategy writes and reads them.
 
 One process and DDP: rank 0 writes last.pt / best.pt (models/checkpoint.py). FSDP: every rank writes its shard of
 the sharded folders last/ and best/ (models/sharded.py), which a resume may read on another number of ranks when
@@ -11,63 +12,67 @@ from pathlib import Path
 
 import torch
 
+from ..adapter.adapter import ModelAdapter
 from ..core.errors import CheckpointError
 from ..core.hub import HUB_PREFIX
 from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
-from ..engine.distributed import launch_hint
-from ..engine.lora import load_model_state, lora_record, model_state
-from ..models.checkpoint import CHECKPOINT_NAME, describe_data, load_checkpoint, save_checkpoint
+from ..engine.lora import lora_record, model_state
+from ..engine.strategies import Strategy, other_format_checkpoint, saved_strategy
+from ..models.checkpoint import CHECKPOINT_NAME, describe_data, save_checkpoint
 from ..models.loading import source_of
-from ..models.sharded import METADATA_FILE, load_sharded, read_trainer, save_sharded
-from .config import TRAJECTORY_FIELDS
+from .config import TRAJECTORY_FIELDS, TrainConfig
+from .finetune import Selection
+from .history import History
+from .parts import Optimization, Progress, RunData
 
 
 class RunCheckpoints:
-    """Checkpoint methods of `_Run` (loop.py), which holds the state they read and restore."""
+    """The checkpoints of one run: last (and best) in cfg.checkpoint_dir, named by the strategy."""
 
-    def _resume(self) -> None:
+    def __init__(self, cfg: TrainConfig, strategy: Strategy, precision: str, adapter: ModelAdapter, data: RunData,
+                 optimization: Optimization, hist: History, selection: Selection, progress: Progress):
+        self.cfg, self.strategy, self.precision, self.adapter = cfg, strategy, precision, adapter
+        self.data, self.optimization, self.hist, self.selection, self.progress = (data, optimization, hist, selection,
+                                                                                  progress)
+        folder, (last, best) = cfg.checkpoint_dir, strategy.checkpoint_names
+        self.last_path = Path(folder) / last if folder is not None else None
+        self.best_path = Path(folder) / best if folder is not None else None
+
+    def resume(self) -> None:
+        """With cfg.resume: the run's state from last, or a warning that there is none (a fresh start)."""
         if not self.cfg.resume:
             return
-        if self.ckpt_path.exists():
+        if self.last_path.exists():
             self._load()
             return
-        check_other_format(self.ckpt_path, self.env.sharded)  # never pass over a checkpoint written another way
-        if self.env.is_main:
-            warnings.warn(f"resume=True but {self.ckpt_path} does not exist; starting from step 0", stacklevel=4)
+        other_format_checkpoint(self.strategy, self.last_path)  # never pass over a checkpoint written another way
+        if self.strategy.env.is_main:
+            warnings.warn(f"resume=True but {self.last_path} does not exist; starting from step 0", stacklevel=4)
 
-    def _save(self, last: bool = True, best: bool = False) -> None:
+    def save(self, last: bool = True, best: bool = False) -> None:
         """Write last and/or best (one state; best: this step has the lowest val loss so far): last.pt / best.pt
-        from rank 0, or under FSDP the sharded folders last/ / best/ from every rank."""
+        from rank 0, or a sharded strategy's folders last/ / best/ from every rank (the run checks divergence first)."""
         if not (last or best):
             return
-        self._check(self.hist.sync())  # never write a diverged state
-        trainer = self._trainer_state()
-        paths = [self.ckpt_path] * last + [self.best_path] * best
-        if self.env.sharded:  # every rank writes its shard
-            save_sharded(paths, self.adapter.model, self.optimizer, trainer, self.env)
-        elif self.env.is_main:
-            save_checkpoint(paths, {**trainer, "model": model_state(self.adapter.model),
-                                    "optimizer": self.optimizer.state_dict()})
+        paths = [self.last_path] * last + [self.best_path] * best
+        self.strategy.save(paths, self.adapter.model, self.optimization.optimizer, self._trainer_state())
         if last:
-            self.last_saved = self.step
+            self.progress.last_saved = self.progress.step
 
     def _trainer_state(self) -> dict:
         """Everything a checkpoint holds but the weights and optimizer state (every rank calls it)."""
-        rng = self.env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
-        return {"step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "batch_in_epoch": self.step % self.steps_per_epoch * self.cfg.grad_accum_steps,
-                "world_size": self.env.world_size, "strategy": self.env.strategy,
-                "global_batch": self.global_batch, "precision": self.precision.name,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.step_fn.stepper.state_dict(),
-                "rng": rng, "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
-                "history": self.hist.state_dict(), "data": self.data_info, "source": self._source(),
+        env, step, spe = self.strategy.env, self.progress.step, self.data.steps_per_epoch
+        rng = env.gather(rng_state())  # every rank's RNG; rank r resumes with rng[r]
+        return {"step": step, "epoch": step // spe, "batch_in_epoch": step % spe * self.cfg.grad_accum_steps,
+                "world_size": env.world_size, "strategy": self.strategy.name,
+                "global_batch": self.data.global_batch, "precision": self.precision,
+                "scheduler": self.optimization.scheduler.state_dict(),
+                "scaler": self.optimization.step.stepper.state_dict(), "rng": rng,
+                "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
+                "history": self.hist.state_dict(), "data": self.data.fingerprint, "source": self._source(),
                 "selection": self.selection.state_dict(), "threads": torch.get_num_threads()}
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.cfg.grad_accum_steps * self.env.world_size
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -80,7 +85,7 @@ class RunCheckpoints:
         if name != BYTES and not (name.startswith(HUB_PREFIX) or Path(name).is_dir()):
             # A tokenizer made in memory has no folder or hub id to load it from: keep its files beside the
             # checkpoints, so load_model(checkpoint) finds the same ids.
-            folder = self.ckpt_path.parent / "tokenizer"
+            folder = self.last_path.parent / "tokenizer"
             if not folder.is_dir():
                 tokenizer.save(folder)
             name = str(folder.resolve())
@@ -88,87 +93,53 @@ class RunCheckpoints:
 
     def _epoch_start_generator(self) -> torch.Tensor:
         """The loader generator's state at the start of the epoch a resume re-enters."""
-        at_boundary = self.step % self.steps_per_epoch == 0
-        return self.loader.generator.get_state() if at_boundary else self.epoch_gen
+        at_boundary = self.progress.step % self.data.steps_per_epoch == 0
+        return self.data.loader.generator.get_state() if at_boundary else self.progress.epoch_generator
 
-    def _consolidate(self, full: dict, weights: str) -> None:
+    def consolidate(self, full: dict, weights: str) -> Path | None:
         """A sharded run's last.pt: the unsharded weights (a LoRA run's adapters), in the single-file format
-        load_model reads (no optimizer state: a resume reads the sharded last/)."""
+        load_model reads (no optimizer state: a resume reads the sharded last/). Rank 0's path; None elsewhere."""
         trainer = self._trainer_state()
-        if self.env.is_main:
-            self.consolidated = self.ckpt_path.with_name(CHECKPOINT_NAME)
-            save_checkpoint(self.consolidated, {**trainer, "model": model_state(self.adapter.model, full),
-                                                "optimizer": None, "consolidated": weights})
+        if not self.strategy.env.is_main:
+            return None
+        path = self.last_path.with_name(CHECKPOINT_NAME)
+        save_checkpoint(path, {**trainer, "model": model_state(self.adapter.model, full), "optimizer": None,
+                               "consolidated": weights})
+        return path
 
     def _differences(self, state: dict) -> list[str]:
-        """The trajectory settings, precision and world size in which a checkpoint's run differs from this one."""
-        saved, now, sharded = state["config"], self.cfg.to_dict(), state.get("strategy") == "fsdp"
-        # DCP reshards a sharded checkpoint: another world size resumes it if the global batch is the same.
-        fields = [k for k in TRAJECTORY_FIELDS if not (sharded and k == "batch_size")]
+        """The trajectory settings, precision and ranks in which a checkpoint's run differs from this one."""
+        saved, now = state["config"], self.cfg.to_dict()
+        # A checkpoint that reshards on load resumes on another world size if the global batch is the same.
+        fields = [k for k in TRAJECTORY_FIELDS if not (saved_strategy(state).sharded and k == "batch_size")]
         differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != now[k]]
-        if state["precision"] != self.precision.name:
+        if state["precision"] != self.precision:
             differ.append(f"precision={state['precision']!r}")
-        if sharded != self.env.sharded:
-            differ.append(f"strategy={state.get('strategy', 'ddp')!r}")
-        elif sharded and state["global_batch"] != self.global_batch:
-            differ.append(f"global batch {state['global_batch']}")
-        elif not sharded and state["world_size"] != self.env.world_size:
-            differ.append(f"world size {state['world_size']}")
-        return differ
+        return differ + self.strategy.resume_differences(state, self.data.global_batch)
 
     def _load(self) -> None:
-        state = self._read(self.ckpt_path)
+        state = self.strategy.read(self.last_path)
         differ = self._differences(state)
         if differ:
-            raise CheckpointError(f"{self.ckpt_path} is from a run with {', '.join(differ)}; resume with the same "
+            raise CheckpointError(f"{self.last_path} is from a run with {', '.join(differ)}; resume with the same "
                                   "settings or use a new checkpoint_dir")
-        if state.get("data") != self.data_info:
-            raise CheckpointError(f"{self.ckpt_path} was trained on {describe_data(state.get('data'))}, this run has "
-                                  f"{describe_data(self.data_info)}; resume with the same data or use a new "
+        if state.get("data") != self.data.fingerprint:
+            raise CheckpointError(f"{self.last_path} was trained on {describe_data(state.get('data'))}, this run has "
+                                  f"{describe_data(self.data.fingerprint)}; resume with the same data or use a new "
                                   "checkpoint_dir")
-        if self.env.sharded:
-            load_sharded(self.ckpt_path, self.adapter.model, self.optimizer)
-        else:
-            try:
-                load_model_state(self.adapter.model, state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"{self.ckpt_path} holds weights for a different model ("
-                                      f"{str(exc).splitlines()[0]}); use a new checkpoint_dir") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step_fn.stepper.load_state_dict(state["scaler"])
+        opt = self.optimization
+        self.strategy.load(self.last_path, state, self.adapter.model, opt.optimizer)
+        opt.scheduler.load_state_dict(state["scheduler"])
+        opt.step.stepper.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
-        later = self._read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights
-        if later and not self._differences(later) and later["data"] == self.data_info:
+        later = self.strategy.read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights
+        if later and not self._differences(later) and later["data"] == self.data.fingerprint:
             self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
-        self._resume_gen = state["loader_generator"]
-        self.step = self.last_saved = self.resumed_from = state["step"]
-        set_rng_state(state["rng"][self.env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
+        p = self.progress
+        p.resume_generator = state["loader_generator"]
+        p.step = p.last_saved = p.resumed_from = state["step"]
+        env = self.strategy.env
+        set_rng_state(state["rng"][env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
         if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now
             resume_threads(state["threads"], state["step"])
-
-    def _read(self, path: Path, mmap: bool = False) -> dict:
-        """A checkpoint's state: last.pt / best.pt, or a sharded folder's trainer state (no weights)."""
-        return read_trainer(path, mmap) if self.env.sharded else load_checkpoint(path, mmap=mmap)
-
-
-def check_other_format(path: Path, sharded: bool) -> None:
-    """Where `path` (this run's last.pt, or under FSDP its sharded last/ folder) is missing: a checkpoint of the
-    other format beside it is one line naming how to resume it, where starting over would silently drop it."""
-    if sharded and path.with_name(CHECKPOINT_NAME).is_file():
-        state = load_checkpoint(path.with_name(CHECKPOINT_NAME), mmap=True)  # a look at its entries, not its weights
-        if state.get("consolidated"):
-            raise CheckpointError(f"{path.parent} holds a sharded run's consolidated last.pt but not its sharded "
-                                  f"{path.name}/ folder (the optimizer state a resume needs); restore that folder, "
-                                  "load last.pt with load_model, or use a new checkpoint_dir")
-        ranks = state.get("world_size", 1)
-        how = "without torchrun" if ranks == 1 else f"under {launch_hint('train', 'ddp')} on {ranks} processes"
-        raise CheckpointError(f"{path.parent} holds a single-file checkpoint (last.pt, from a {state.get('strategy')} "
-                              f"run) and this run is sharded (fsdp); resume it {how} with --resume, or use a new "
-                              "checkpoint_dir")
-    folder = path.with_name(path.stem)
-    if not sharded and (folder / METADATA_FILE).is_file():
-        raise CheckpointError(f"{path.parent} holds a sharded (FSDP) checkpoint, {folder.name}/, and this run is not "
-                              f"sharded; resume it under {launch_hint('train', 'fsdp')} with --resume, or use a new "
-                              "checkpoint_dir")

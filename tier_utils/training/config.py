@@ -9,8 +9,8 @@ from ..core.loggers import logger_names
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.distributed import STRATEGIES
 from ..engine.lora import LoraSettings, lora_setting
+from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "lora")
@@ -77,9 +77,9 @@ class TrainConfig:
                                  "folded in, plain transformers loads it), not peft's adapter folder")
     # Under torchrun. Not trajectory settings: ddp and fsdp take the same steps (to float rounding); a resume
     # keeps the checkpoint's form (last.pt or the sharded last/) all the same.
-    strategy: str = setting("ddp", "under torchrun: ddp (each rank holds the whole model) or fsdp (FSDP2: weights, "
-                                   "gradients and AdamW state sharded over the ranks; needs torchrun)",
-                            choices=STRATEGIES)
+    strategy: str = setting(DDP.name, "under torchrun: ddp (each rank holds the whole model) or fsdp (FSDP2: "
+                                      "weights, gradients and AdamW state sharded over the ranks; needs torchrun); "
+                                      "ddp on one process is a single-process run")
     reshard_after_forward: bool = setting(True, "fsdp: free each block's gathered weights after its forward (less "
                                                 "memory; backward gathers them again)")
     consolidate: bool = setting(False, "fsdp: at the end, also write one unsharded last.pt (rank 0) that --model "
@@ -103,13 +103,15 @@ class TrainConfig:
             raise ValueError("resume=True needs checkpoint_dir=DIR, the folder holding the run's checkpoint")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
-        if self.strategy == "fsdp" and self.lora is not None and self.save_hf is not None:
-            raise ValueError("save_hf of a LoRA run under fsdp is not supported (its adapters are sharded); drop "
-                             "save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') gives the model "
-                             "with its adapters")
-        if self.consolidate and (self.strategy != "fsdp" or self.checkpoint_dir is None):
-            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs strategy='fsdp' "
-                             "and checkpoint_dir=DIR")
+        self.strategy = canonical_strategy(self.strategy)
+        sharded = strategy_class(self.strategy).sharded
+        if sharded and self.lora is not None and self.save_hf is not None:
+            raise ValueError(f"save_hf of a LoRA run under {self.strategy} is not supported (its adapters are "
+                             "sharded); drop save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') "
+                             "gives the model with its adapters")
+        if self.consolidate and (not sharded or self.checkpoint_dir is None):
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs a sharded "
+                             f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
 

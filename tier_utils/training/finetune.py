@@ -17,10 +17,9 @@ from pathlib import Path
 
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
 from ..data.tokenizer import BYTES
-from ..engine.lora import is_lora, load_model_state, merged_copy
+from ..engine.lora import is_lora, merged_copy
 from ..engine.sharding import unsharded_class
-from ..models.checkpoint import load_checkpoint
-from ..models.sharded import load_sharded, read_trainer
+from ..engine.strategies import Strategy
 
 
 @dataclass
@@ -78,19 +77,17 @@ class Selection:
             setattr(self, key, value)
 
 
-def restore_best(model, selection: Selection, step: int, best_path: Path, sharded: bool = False) -> str:
-    """restore_best at a run's end: best.pt's (or, `sharded`, the best/ folder's) weights into `model` (unless the
-    last step was the best); says which weights the model now holds. Sharded: every rank calls it."""
+def restore_best(model, selection: Selection, step: int, best_path: Path, strategy: Strategy) -> str:
+    """restore_best at a run's end: the best checkpoint's weights (best.pt, or a sharded strategy's best/ folder)
+    into `model` (unless the last step was the best); says which weights the model now holds. Sharded: every rank
+    calls it."""
     if selection.best_step is None or selection.best_step == step:
         return f"final weights (step {step}{', also the best' if selection.best_step == step else ''})"
-    state = read_trainer(best_path) if sharded else load_checkpoint(best_path)
+    state = strategy.read(best_path)
     if state["step"] != selection.best_step:  # replaced by another run since: never restore the wrong weights
         raise CheckpointError(f"{best_path} holds step {state['step']}, not this run's best step "
                               f"{selection.best_step}; drop restore_best or use a checkpoint_dir of its own")
-    if sharded:
-        load_sharded(best_path, model)
-    else:
-        load_model_state(model, state["model"])
+    strategy.load(best_path, state, model)
     return f"best weights (step {selection.best_step}, val loss {selection.best_loss:.4f}, from {best_path.name})"
 
 

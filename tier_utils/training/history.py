@@ -231,8 +231,10 @@ class TrainSummary:
     weights_detail: str | None = None  # the precision's statement: "weights stored bf16 → fp32 master weights, ..."
     activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
     lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
-    strategy: str = "single"  # single (one process), ddp or fsdp (torchrun)
-    sharding: str | None = None  # fsdp: what fully_shard wrapped, the MixedPrecisionPolicy, reshard_after_forward
+    strategy: str | None = None  # the distributed strategy's name (engine/strategies.py)
+    # How the strategy holds the model on its ranks (its own description; None: one process). FSDP: what
+    # fully_shard wrapped, the MixedPrecisionPolicy, reshard_after_forward.
+    sharding: str | None = None
     param_bytes_per_rank: int | None = None  # the parameter bytes this rank holds (its shard under fsdp)
     consolidated: str | None = None  # fsdp with consolidate: the unsharded last.pt rank 0 wrote
 
@@ -283,9 +285,9 @@ class TrainResult(Result):
             ("device", s.device_name),
             ("steps", f"{s.steps} of {s.total_steps}"),
             ("global_batch", s.global_batch),
-            ("strategy", None if s.strategy == "single" else f"{s.strategy} over {s.world_size} rank(s)"),
+            ("strategy", None if s.sharding is None else f"{s.strategy} over {s.world_size} rank(s)"),
             ("sharding", s.sharding),
-            ("param_bytes_per_rank", None if s.strategy == "single" else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
+            ("param_bytes_per_rank", None if s.sharding is None else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
             ("train_loss", number(s.train_loss, ".4f")),
             ("val_loss", number(s.val_loss, ".4f")),
             ("perplexity", number(s.perplexity, ".4g")),

@@ -2,46 +2,52 @@
 
 `train()` adds the loop around that step: data order from (seed, epoch), metrics
 kept on the device between log points, evaluation, checkpoints with exact resume, torchrun (DDP or FSDP2).
-History rows and `TrainResult` live in history.py, the distributed strategy in engine/distributed.py and
-engine/sharding.py, checkpoint I/O in models/checkpoint.py (single files) and models/sharded.py (FSDP's folders).
+The run's parts are made in parts.py (each a function returning a frozen record) and the run object is built
+complete from them; its checkpoints are checkpointing.py's RunCheckpoints. History rows and `TrainResult` live in
+history.py, the distributed strategy in engine/strategies.py (which writes and reads the checkpoints).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..adapter.adapter import ModelAdapter, resolve_model
 from ..core.device import device_name
-from ..core.errors import DataError, TrainingDiverged
+from ..core.errors import TrainingDiverged
 from ..core.files import run_lock
 from ..core.inputs import writable_dir
 from ..core.precision import Precision, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
-from ..core.seeding import seed_everything
 from ..core.settings import merge
 from ..core.threads import chooses_threads
-from ..data.datasets import DataSplits, make_loader, to_device
-from ..engine import distributed, sharding
-from ..engine.compiling import compile_for_training
+from ..data.datasets import to_device
+from ..engine import sharding
 from ..engine.evaluation import evaluate
-from ..engine.lora import apply_lora, convert_for, describe_lora
-from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
-from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
-from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
-from ..models.sharded import full_model_state
+from ..engine.lora import describe_lora
+from ..engine.memory import disable_checkpointing
+from ..engine.step import optimizer_impl
+from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
-from .config import FINE_LOG_STEPS, TrainConfig
-from .finetune import Selection, check_save_hf, restore_best, save_hf
-from .history import MAX_STEP_ROWS, History, TrainResult, TrainSummary, step_stats
+from .config import TrainConfig
+from .finetune import Selection, restore_best, save_hf
+from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
 from .out_of_memory import answered
+from .parts import (
+    BuiltModel,
+    Optimization,
+    Progress,
+    RunData,
+    build_model,
+    fitted_config,
+    make_optimization,
+    prepare_data,
+)
 from .tracking import open_train_run
 
 
@@ -91,7 +97,9 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     refuses a checkpoint written with other trajectory settings or other data.
     """
     cfg = merge(TrainConfig, config, overrides, "training")
-    env = distributed.setup(cfg.device, cfg.strategy)  # fsdp without torchrun: refused before anything is written
+    # Decided once, here: a strategy that needs torchrun is refused without it before anything is written.
+    strategy = resolve_strategy(cfg.strategy, cfg.device, "train", reshard_after_forward=cfg.reshard_after_forward)
+    env = strategy.env
     try:
         device = env.device or resolve_device(cfg.device)
         refuse_past_host_memory(model, model_kwargs or {}, cfg, device)  # one line, before anything loads or is written
@@ -104,129 +112,59 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
             else contextlib.nullcontext()
         with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
-            return answered(lambda: _Run(model, model_kwargs or {}, data, cfg, on_eval, env, device), cfg, device)
+            return answered(lambda: _start(model, model_kwargs or {}, data, cfg, on_eval, strategy, device), cfg,
+                            device)
     finally:
-        env.close()
+        strategy.close()
 
 
-class _Run(RunCheckpoints):
-    """One call of train(): the state the loop, evaluation and checkpoints share, set up in the order below."""
+def _start(model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, strategy: Strategy,
+           device: torch.device) -> _Run:
+    """The run built complete from its parts, each made in the order it needs (training/parts.py)."""
+    # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
+    precision = resolve_precision(cfg.precision, device)
+    precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
+    built = build_model(model, model_kwargs, cfg, precision, strategy, device)
+    cfg = fitted_config(cfg, built.adapter)
+    run_data = prepare_data(built.adapter, data, cfg, strategy, device)
+    return _Run(cfg, precision, strategy, built, run_data, make_optimization(built, run_data, cfg, precision, strategy),
+                on_eval)
 
-    def __init__(self, model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, env: distributed.DistEnv,
-                 device: torch.device):
-        self.cfg, self.on_eval, self.env, self.device = cfg, on_eval, env, device
-        # Resolved here, once: a Precision already decided for this device comes back as is, reason included.
-        self.precision: Precision = resolve_precision(cfg.precision, device)
-        self.precision.check_runnable()  # e.g. bf16-true where bf16 is only emulated: one line, before any work
-        allocator = sharding.host_allocator(env) if env.sharded else None  # before the model is built
-        self.adapter = self._build(model, model_kwargs)
-        self.model_name = self.adapter.name  # the model's own class: fully_shard subclasses it as FSDP<name>
-        # FSDP shards the weights in place before the optimizer is built on them.
-        self.sharding = sharding.shard(self.adapter.model, env, self.precision, cfg.reshard_after_forward,
-                                       allocator) if env.sharded else None
-        splits = self._datasets(data)
-        self._loaders(splits)
-        self._optimization()
-        self.step, self.last_saved, self.resumed_from, self._resume_gen = 0, None, None, None
-        self.val_targets = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
-        self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
-        self.weights = self.saved_hf = self.consolidated = None  # the model's weights, what save_hf wrote (at the end)
-        self.step_fn = self._step()
-        self._resume()  # it restores the RNG states: only the compile below (which puts them back) follows
-        self.compile_info = self._compile(splits) if cfg.compile else None
-        self.log = open_train_run(self.cfg, env.is_main, self.resumed_from is not None, {
-            "model": self.model_name, "precision": self.precision.name, "precision_reason": self.precision.reason,
-            "weights": self.precision.describe_weights(self.adapter.stored_dtype),
-            **run_metadata(self.device, self.precision.dtype)})
 
-    def _build(self, model, model_kwargs: dict) -> ModelAdapter:
-        """The model on the device in train mode, in the precision's weight dtype (fp32 master weights for the
-        mixed modes, whatever dtype the checkpoint was stored in), checked: trainable, and its forward runs."""
-        seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
-        adapter = resolve_model(model, **model_kwargs)
-        cfg = self.cfg
-        if cfg.activation_checkpointing:
-            require_blocks(adapter.model)  # before LoRA changes a caller's module
-        if cfg.lora is not None:
-            adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
-        check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
-        convert_for(self.precision, adapter.model.to(self.device)).train()
-        # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
-        self.checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
-        adapter.require_trainable()
-        adapter.check_forward()
-        return adapter
+class _Run:
+    """One call of train(): the parts the loop, evaluation and checkpoints share, all given to it; `progress` is
+    the one record that moves."""
 
-    def _datasets(self, data) -> DataSplits:
-        """The splits at the run's length, this rank's sampler over them, and the run's length in steps."""
-        cfg = self.cfg
-        if cfg.seq_len > self.adapter.max_len:  # capped with a warning; the result's config says what ran
-            self.cfg = cfg = replace(cfg, seq_len=self.adapter.fit_length(cfg.seq_len))
-        splits = self.adapter.datasets(data, cfg.seq_len, cfg.seed)
-        self.data = splits.describe()
-        self.sampler = distributed.ShardedSampler(splits.train, self.env.world_size, self.env.rank, cfg.seed)
-        self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
-        if self.steps_per_epoch < 1:
-            need = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
-            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
-                            f"of {need}; lower batch_size or grad_accum_steps, or give more data")
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        log_every = cfg.log_every or (1 if self.total_steps <= FINE_LOG_STEPS else 10)
-        self.stride = max(log_every, math.ceil(self.total_steps / MAX_STEP_ROWS))
-        names = (CHECKPOINT_NAME, BEST_NAME) if not self.env.sharded else ("last", "best")  # FSDP: DCP folders
-        self.ckpt_path = Path(cfg.checkpoint_dir) / names[0] if cfg.checkpoint_dir is not None else None
-        self.best_path = self.ckpt_path.with_name(names[1]) if self.ckpt_path is not None else None
-        self.data_info = data_fingerprint(splits) if self.ckpt_path is not None else None
-        return splits
-
-    def _loaders(self, splits: DataSplits) -> None:
-        cfg = self.cfg
-        self.loader = make_loader(splits.train, cfg.batch_size, device=self.device, num_workers=cfg.num_workers,
-                                  seed=cfg.seed, drop_last=True, sampler=self.sampler)
-        self.val_loader = make_loader(distributed.eval_shard(splits.val, self.env), cfg.batch_size, shuffle=False,
-                                      device=self.device, num_workers=cfg.num_workers, seed=cfg.seed)
-        # FSDP: every rank runs the same number of evaluation forwards (each gathers weights with the others).
-        self.eval_forwards = self.env.all_max(min(len(self.val_loader), cfg.eval_batches or len(self.val_loader))) \
-            if self.env.sharded else None
-
-    def _optimization(self) -> None:
-        """AdamW, the LR schedule over the run's steps, and the history that records them."""
-        cfg = self.cfg
-        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay, self.precision.adamw_eps)
-        self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
+    def __init__(self, cfg: TrainConfig, precision: Precision, strategy: Strategy, built: BuiltModel, data: RunData,
+                 optimization: Optimization, on_eval):
+        self.cfg, self.precision, self.strategy, self.env = cfg, precision, strategy, strategy.env
+        self.built, self.adapter, self.device = built, built.adapter, built.adapter.device
+        self.data, self.optimization, self.on_eval = data, optimization, on_eval
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
-
-    def _step(self) -> TrainStep:
-        """The optimizer step, on the DDP wrapper under torchrun (which skips the all-reduce on accumulation), or
-        on the FSDP-sharded model."""
-        if self.sharding is not None:
-            return sharding.train_step(self.adapter, self.precision, self.optimizer, self.scheduler, self.cfg.grad_clip)
-        ddp = distributed.wrap(self.adapter.model, self.env)
-        return TrainStep(replace(self.adapter, model=ddp) if ddp else self.adapter, self.precision, self.optimizer,
-                         self.scheduler, self.cfg.grad_clip, no_sync=distributed.no_sync_for(ddp))
-
-    def _compile(self, splits: DataSplits):
-        """The step calls the compiled model; evaluation and checkpoints use the eager one."""
-        shaped = next(iter(make_loader(splits.train, self.cfg.batch_size, shuffle=False, device=self.device)))
-        self.step_fn.adapter, info = compile_for_training(self.step_fn.adapter, self.precision,
-                                                          to_device(shaped, self.device), self.cfg.compile_mode,
-                                                          self.cfg.progress and self.env.is_main)
-        return info
+        self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
+        self.progress = Progress()
+        self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
+                                          self.selection, self.progress)
+        self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
+        self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
+            "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
+            "weights": precision.describe_weights(self.adapter.stored_dtype),
+            **run_metadata(self.device, precision.dtype)})
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                                enabled=self.cfg.progress and self.env.is_main)
-        interrupted = False
+        bar = progress_bar(total=self.data.total_steps, initial=self.progress.step, desc="train", unit="step",
+                           enabled=self.cfg.progress and self.env.is_main)
+        interrupted, finished = False, None
         try:
-            self._loop()
-            self._finish()
+            self._loop(bar)
+            finished = self._finish()
         except KeyboardInterrupt:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
             # never reach another collective, so only what is already on the host is kept there.
             if self.env.active or self.hist.sync() is None:
-                self.hist.emit(self.step, self.step / self.steps_per_epoch)
+                self._emit(self.progress.step)
         except TrainingDiverged as exc:
             exc.result = self._logged(self.result(diverged_at=exc.step), "FAILED")
             raise
@@ -234,135 +172,149 @@ class _Run(RunCheckpoints):
             self.log.close("KILLED")
             raise
         finally:
-            self.bar.close()
+            bar.close()
             self.adapter.model.train()
-            if self.checkpointing:
+            if self.built.checkpointing:
                 disable_checkpointing(self.adapter.model)  # the returned model runs as it came
-        return self._logged(self.result(interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
+        return self._logged(self.result(finished, interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
         self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)
-        self.log.finish(result.summary.to_dict(), self.step, status)
+        self.log.finish(result.summary.to_dict(), self.progress.step, status)
         return result
 
-    def _loop(self) -> None:
-        cfg, spe, accum = self.cfg, self.steps_per_epoch, self.cfg.grad_accum_steps
-        while self.step < self.total_steps and not self.selection.stop:  # a resumed early stop stays stopped
-            epoch, pos = divmod(self.step, spe)
-            self.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch) alone
-            self.sampler.start = pos * accum * cfg.batch_size
-            if self._resume_gen is not None:
-                self.loader.generator.set_state(self._resume_gen)
-                self._resume_gen = None
-            self.epoch_gen = self.loader.generator.get_state()  # seeds this epoch's workers
-            batches = iter(self.loader)
-            for _ in range(pos, spe):
+    def _emit(self, step: int) -> dict | None:
+        return self.hist.emit(step, step / self.data.steps_per_epoch)
+
+    def _loop(self, bar) -> None:
+        cfg, data, p, accum = self.cfg, self.data, self.progress, self.cfg.grad_accum_steps
+        loader, step_fn = data.loader, self.optimization.step
+        while p.step < data.total_steps and not self.selection.stop:  # a resumed early stop stays stopped
+            epoch, pos = divmod(p.step, data.steps_per_epoch)
+            data.sampler.set_epoch(epoch)  # the order is a function of (seed, epoch) alone
+            data.sampler.start = pos * accum * cfg.batch_size
+            if p.resume_generator is not None:
+                loader.generator.set_state(p.resume_generator)
+                p.resume_generator = None
+            p.epoch_generator = loader.generator.get_state()  # seeds this epoch's workers
+            batches = iter(loader)
+            for _ in range(pos, data.steps_per_epoch):
                 with self.hist.timer.region():
                     micro = [to_device(next(batches), self.device) for _ in range(accum)]
-                    lr = self.optimizer.param_groups[0]["lr"]
-                    out = self.step_fn(micro)
-                    self.step += 1
+                    lr = self.optimization.optimizer.param_groups[0]["lr"]
+                    out = step_fn(micro)
+                    p.step += 1
                     tokens = sum(b["input_ids"].numel() for b in micro) * self.env.world_size
-                    self.hist.record(self.step, out, lr, tokens)
-                    self.bar.update()
-                self._after_step()
+                    self.hist.record(p.step, out, lr, tokens)
+                    bar.update()
+                self._after_step(bar)
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
-                if self.step >= self.total_steps or self.selection.stop:
+                if p.step >= data.total_steps or self.selection.stop:
                     break
 
-    def _after_step(self) -> None:
-        cfg, s = self.cfg, self.step
-        epoch_end = s % self.steps_per_epoch == 0 or s == self.total_steps
-        if s % self.stride == 0 or epoch_end:
+    def _after_step(self, bar) -> None:
+        cfg, s, spe = self.cfg, self.progress.step, self.data.steps_per_epoch
+        epoch_end = s % spe == 0 or s == self.data.total_steps
+        if s % self.data.stride == 0 or epoch_end:
             self._check(self.hist.sync())
-            row = self.hist.emit(s, s / self.steps_per_epoch)
+            row = self._emit(s)
             if row is not None:
-                self.bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
         if cfg.eval_every and s % cfg.eval_every == 0 and not epoch_end:
             metrics = self._evaluate()
-            self.hist.eval_row(s, s / self.steps_per_epoch, metrics, self.optimizer.param_groups[0]["lr"])
+            self.hist.eval_row(s, s / spe, metrics, self.optimization.optimizer.param_groups[0]["lr"])
             self._report(metrics)
         if epoch_end:
             metrics = self._evaluate()
-            self.hist.epoch_row(s, s / self.steps_per_epoch, metrics)
+            self.hist.epoch_row(s, s / spe, metrics)
             self._report(metrics)
         stopping = self.selection.stop
         if stopping:  # the steps since the last row become one, as on Ctrl-C
-            self.hist.emit(s, s / self.steps_per_epoch)
-        if self.ckpt_path is not None:
-            last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.total_steps or stopping
-            self._save(last=bool(last), best=self.selection.best_step == s)
+            self._emit(s)
+        if self.checkpoints.last_path is not None:
+            last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.data.total_steps or stopping
+            self._check(self.hist.sync())  # never write a diverged state
+            self.checkpoints.save(last=bool(last), best=self.selection.best_step == s)
 
     def _check(self, bad) -> None:
         """Stop at the first diverged step, keeping the good steps before it as a row."""
         if bad is None:
             return
         step, value, quantity = bad
-        self.hist.emit(step - 1, (step - 1) / self.steps_per_epoch)
+        self._emit(step - 1)
         raise TrainingDiverged(step, self.precision.name, value, quantity=quantity)
 
     def _report(self, metrics: dict) -> None:
         if self.on_eval is not None and self.env.is_main:
-            self.on_eval(self.step, dict(metrics))
+            self.on_eval(self.progress.step, dict(metrics))
 
     def _evaluate(self) -> dict:
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
         self.hist.close_training_peak()
-        metrics = evaluate(self.adapter, self.val_loader, self.precision, self.cfg.eval_batches, self.env.all_sum,
-                           self.eval_forwards)
-        self.val_targets = metrics["targets"]
-        self.selection.update(self.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
-        return {**metrics, "epoch": self.step / self.steps_per_epoch}
+        metrics = evaluate(self.adapter, self.data.val_loader, self.precision, self.cfg.eval_batches,
+                           self.env.all_sum, self.data.eval_forwards)
+        self.progress.val_targets = metrics["targets"]
+        self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
+        return {**metrics, "epoch": self.progress.step / self.data.steps_per_epoch}
 
-    def _finish(self) -> None:
+    def _finish(self) -> Finished:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
-        weights = f"final weights (step {self.step})"
-        if self.cfg.restore_best:
-            self.env.gather(None)  # rank 0 wrote best.pt: every rank waits for it before reading it
-            self.weights = weights = restore_best(self.adapter.model, self.selection, self.step, self.best_path,
-                                                  self.env.sharded)
-        full = full_model_state(self.adapter.model) if self.env.sharded and (
-            self.cfg.save_hf or self.cfg.consolidate) else None  # gathered by every rank, onto rank 0
-        if self.cfg.consolidate:
-            self._consolidate(full, weights)
-        if self.cfg.save_hf is not None and self.env.is_main:
-            self.saved_hf = save_hf(self.adapter.model, self.adapter.tokenizer, self.cfg.save_hf, weights,
-                                    self.cfg.merge, full)
+        cfg, step, model = self.cfg, self.progress.step, self.adapter.model
+        weights, restored = f"final weights (step {step})", None
+        if cfg.restore_best:
+            self.env.gather(None)  # rank 0 wrote best: every rank waits for it before reading it
+            weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
+        full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
+        consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
+        saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full) \
+            if cfg.save_hf is not None and self.env.is_main else None
+        return Finished(restored, saved_hf, consolidated)
 
     # -- the result -----------------------------------------------------------------------------------
-    def result(self, interrupted: bool = False, diverged_at: int | None = None) -> TrainResult:
-        history = self.hist.frame()
-        last_step = self.hist.last("step") or {}
-        last_eval = next((r for r in reversed(self.hist.rows) if r["kind"] in ("eval", "epoch")), {})
-        cfg, env, info = self.cfg, self.env, self.compile_info
+    def result(self, finished: Finished | None = None, interrupted: bool = False,
+               diverged_at: int | None = None) -> TrainResult:
+        history, hist, prec, step = self.hist.frame(), self.hist, self.precision, self.progress.step
+        last_step = hist.last("step") or {}
+        last_eval = next((r for r in reversed(hist.rows) if r["kind"] in ("eval", "epoch")), {})
+        cfg, env, info, adapter, data = self.cfg, self.env, self.optimization.compiled, self.adapter, self.data
+        finished = finished or Finished()
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
+        best = self.checkpoints.best_path
         summary = TrainSummary(
-            model=self.model_name, task=self.adapter.task,
-            parameters=sum(p.numel() for p in self.adapter.model.parameters()), data=self.data.data,
-            tokenizer=self.data.tokenizer, validation=self.data.validation,
-            steps=self.step, total_steps=self.total_steps, epochs=round(self.step / self.steps_per_epoch, 3),
-            train_loss=last_step.get("train_loss"), val_loss=last_eval.get("val_loss"),
-            perplexity=last_eval.get("perplexity"), accuracy=last_eval.get("accuracy"), val_targets=self.val_targets,
-            skipped_steps=self.hist.skipped_total if self.precision.needs_scaler else None,
-            precision=self.precision.name,
-            precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
+            model=self.built.name, task=adapter.task, parameters=sum(p.numel() for p in adapter.model.parameters()),
+            data=data.description.data, tokenizer=data.description.tokenizer,
+            validation=data.description.validation, steps=step, total_steps=data.total_steps,
+            epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),
+            val_loss=last_eval.get("val_loss"), perplexity=last_eval.get("perplexity"),
+            accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets,
+            skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
+            precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
-            optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
+            optimizer=f"AdamW ({optimizer_impl(self.optimization.optimizer)})",
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",
-            global_batch=self.global_batch, world_size=env.world_size, strategy=env.strategy,
-            sharding=self.sharding and self.sharding.describe(), param_bytes_per_rank=sharding.param_bytes(
-                self.adapter.model), consolidated=self.consolidated and str(self.consolidated),
-            rank=env.rank, resumed_from_step=self.resumed_from,
-            checkpoint=str(self.ckpt_path) if self.last_saved is not None else None,
-            interrupted=interrupted, diverged_at_step=diverged_at,
-            run_metadata=run_metadata(self.device, self.precision.dtype),
-            **self.selection.summary(self.step, self.total_steps, self.best_path), weights=self.weights,
-            hf_folder=cfg.save_hf if self.saved_hf else None,
-            hf_detail=self.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
-            stored_dtype=dtype_name(self.adapter.stored_dtype), master_dtype=dtype_name(self.adapter.weights_dtype),
-            weights_detail=self.precision.describe_weights(self.adapter.stored_dtype),
-            activation_checkpointing=self.checkpointing, lora=describe_lora(self.adapter.model),
+            global_batch=data.global_batch, world_size=env.world_size, strategy=self.strategy.name,
+            sharding=self.built.placement, param_bytes_per_rank=sharding.param_bytes(adapter.model),
+            consolidated=finished.consolidated and str(finished.consolidated), rank=env.rank,
+            resumed_from_step=self.progress.resumed_from,
+            checkpoint=str(self.checkpoints.last_path) if self.progress.last_saved is not None else None,
+            interrupted=interrupted, diverged_at_step=diverged_at, run_metadata=run_metadata(self.device, prec.dtype),
+            **self.selection.summary(step, data.total_steps, best), weights=finished.weights,
+            hf_folder=cfg.save_hf if finished.saved_hf else None,
+            hf_detail=finished.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
+            stored_dtype=dtype_name(adapter.stored_dtype), master_dtype=dtype_name(adapter.weights_dtype),
+            weights_detail=prec.describe_weights(adapter.stored_dtype),
+            activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
         )
-        return TrainResult(history, summary, self.adapter.model, self.hist.skipped_total,
-                           list(self.hist.loss_scale_trace), interrupted, cfg)
+        return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
+                           interrupted, cfg)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a run's end did: the weights restore_best put back (None: the final ones), what save_hf wrote, the
+    consolidated last.pt (None: not asked, or another rank)."""
+
+    weights: str | None = None
+    saved_hf: str | None = None
+    consolidated: Path | None = None

@@ -87,9 +87,10 @@ def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
                       canonical_precision(cfg.precision), cfg.activation_checkpointing, cfg.lora, None, None,
                       None, None)
     c = run.cfg  # the run's (its length capped at the model's)
+    last = run.checkpoints.last_path
     return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.grad_accum_steps, run.precision.name,
-                  c.activation_checkpointing, c.lora, run.step, run.total_steps,
-                  str(run.ckpt_path) if run.ckpt_path is not None else None, run.last_saved)
+                  c.activation_checkpointing, c.lora, run.progress.step, run.data.total_steps,
+                  str(last) if last is not None else None, run.progress.last_saved)
 
 
 def memory_in_use(device: torch.device) -> str:

@@ -1,0 +1,368 @@
+"""The distributed strategy as an object, the way precision is one (core/precision.py): one class per strategy owns
+every fact about itself, and nothing else in tier_utils tests a strategy's name (the idea of Lightning Fabric's
+strategies/).
+
+A strategy class holds how a run joins its ranks (`start`), how the model is placed on them before the optimizer is
+built (`setup_module`: FSDP shards it in place) and wrapped for the step (`wrap`: DDP), the GradScaler it gives
+the precision's stepper, how accumulation micro-steps skip the gradient sync (`no_sync`), gradient clipping, its
+checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), its per-rank bytes for
+the planner (planning/ranks.py) and its description in results. `resolve_strategy` turns a name into a decided
+instance once, at a tier's boundary; adding a strategy is one subclass and `register_strategy`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ..core.errors import CheckpointError, LaunchError
+from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from ..models.sharded import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
+from . import distributed, sharding
+from .distributed import DistEnv
+from .lora import load_model_state, model_state
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One process holding the whole model: the base every strategy refines. The class attributes are the
+    strategy's facts; an instance is the strategy decided for this process (its ranks in `env`)."""
+
+    env: DistEnv = field(default_factory=DistEnv)
+
+    name = "single"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    label = "one process"  # how tables and headlines name it
+    launched = False  # runs on torchrun's ranks: `ranks` plans it and `bench --strategy` compares it
+    # Each rank holds a shard of the weights: its checkpoints are DCP folders, which reshard on load (a resume on
+    # another number of ranks with the same global batch), and `consolidate` writes them as one file.
+    sharded = False
+    checkpoint_names = (CHECKPOINT_NAME, BEST_NAME)  # last and best, in checkpoint_dir
+
+    @classmethod
+    def start(cls, device=None, verb: str = "train", **options) -> Strategy:
+        """This strategy decided for this process, its ranks joined: one process joins none."""
+        return cls(DistEnv(), **cls._own(options))
+
+    @classmethod
+    def _own(cls, options: dict) -> dict:
+        """The options this class takes (its dataclass fields beyond env): a setting of another strategy is not its."""
+        names = {f.name for f in fields(cls)} - {"env"}
+        return {k: v for k, v in options.items() if k in names}
+
+    def close(self) -> None:
+        self.env.close()
+
+    @classmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        """Whether `folder` holds a last checkpoint in this strategy's format."""
+        return (folder / cls.checkpoint_names[0]).is_file()
+
+    # -- setup and wrapping ----------------------------------------------------------------------------------
+    def prepare_host(self) -> str | None:
+        """Before the model is built: what the strategy did to this process's memory, for the summary."""
+        return None
+
+    def setup_module(self, model: torch.nn.Module, precision, allocator: str | None = None) -> str | None:
+        """Place `model` on the ranks, in place, before the optimizer is built on its parameters; returns how it
+        is held, for the results (None: one process, nothing to say)."""
+        return None
+
+    def wrap(self, adapter):
+        """The adapter the training step calls (DDP: its wrapper around the model)."""
+        return adapter
+
+    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """The GradScaler a scaling precision (fp16 mixed) steps through."""
+        return torch.amp.GradScaler(device_type)
+
+    def no_sync(self, model, accumulating: bool):
+        """The context around one micro-step's backward; `accumulating`: not the last micro-batch of the step."""
+        return contextlib.nullcontext()
+
+    def eval_forwards(self, batches: int) -> int | None:
+        """How many evaluation forwards every rank runs, where they must run as many (None: each its own share)."""
+        return None
+
+    def clip_gradients(self, params: list, max_norm: float | None) -> torch.Tensor:
+        """Clip to `max_norm` (None: not at all) and return the total norm before clipping (inf still measures)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def save(self, paths: list[Path], model, optimizer, trainer: dict) -> None:
+        """Write one checkpoint state to each of `paths`: a single file from rank 0."""
+        if paths and self.env.is_main:
+            save_checkpoint(paths, {**trainer, "model": model_state(model), "optimizer": optimizer.state_dict()})
+
+    def read(self, path: Path, mmap: bool = False) -> dict:
+        """A checkpoint's state as `save` wrote it (a sharded one: its trainer state, no weights)."""
+        return load_checkpoint(path, mmap=mmap)
+
+    def load(self, path: Path, state: dict, model, optimizer=None) -> None:
+        """The weights (and, given one, the optimizer state) of checkpoint `state`, read from `path`, into the run."""
+        try:
+            load_model_state(model, state["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path} holds weights for a different model ({str(exc).splitlines()[0]}); use a "
+                                  "new checkpoint_dir") from exc
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+
+    def full_state(self, model) -> dict | None:
+        """The whole model's weights gathered on rank 0 (every rank calls it); None where the module holds them."""
+        return None
+
+    def resume_differences(self, state: dict, global_batch: int) -> list[str]:
+        """How a checkpoint's ranks differ from this run's, in what a resume needs the same."""
+        saved = saved_strategy(state)
+        if saved.sharded != self.sharded:
+            return [f"strategy={state.get('strategy')!r}"]
+        if self.sharded:  # DCP reshards: another world size resumes it if the global batch is the same
+            return [f"global batch {state['global_batch']}"] if state["global_batch"] != global_batch else []
+        return [f"world size {state['world_size']}"] if state["world_size"] != self.env.world_size else []
+
+    # -- the planner (planning/ranks.py): a rank's bytes from the model's measured pieces ------------------------
+    @classmethod
+    def static_per_rank(cls, plan, n: int) -> int:
+        """The weights, gradients and AdamW state a rank holds."""
+        return sum(plan.static.values())
+
+    @classmethod
+    def in_flight(cls, plan, n: int) -> int:
+        """What a rank holds beside its static state while a block runs its backward."""
+        return 0
+
+    @classmethod
+    def root_reduce(cls, plan, n: int) -> int:
+        """What a rank holds after backward's activations are gone, before the optimizer step."""
+        return 0
+
+    @classmethod
+    def optimizer_transient(cls, plan, n: int) -> int:
+        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
+        this rank steps."""
+        return plan.static["weights_bytes"]
+
+
+class Single(Strategy):
+    """One process without torchrun (and what a DDP run on one rank decides it is)."""
+
+    @classmethod
+    def start(cls, device=None, verb: str = "train", **options) -> Strategy:
+        world = distributed.torchrun_world()
+        if world > 1:
+            raise LaunchError(f"strategy={cls.name!r} runs in one process, not on {world} torchrun ranks; launch it "
+                              f"without torchrun, or pick one of {', '.join(launched_strategies())}")
+        return cls(DistEnv(), **cls._own(options))
+
+
+@dataclass(frozen=True)
+class DDP(Strategy):
+    """DistributedDataParallel: every rank holds the whole model and all-reduces its gradients in buckets."""
+
+    name = "ddp"
+    label = "DDP"
+    launched = True
+    # torch's default: the buckets are a copy of the gradients, not views of them (one more copy per rank).
+    gradient_as_bucket_view = False
+
+    @classmethod
+    def start(cls, device=None, verb: str = "train", **options) -> Strategy:
+        """On torchrun's ranks; one process (no torchrun, or one rank) is a single-process run."""
+        if distributed.torchrun_world() == 1:
+            return Single.start(device, verb, **options)
+        return cls(distributed.join(device, verb, cls.name), **cls._own(options))
+
+    def setup_module(self, model, precision, allocator=None) -> str:
+        return (f"DDP over {self.env.world_size} rank(s): every rank holds the whole model and all-reduces its "
+                "gradients")
+
+    def wrap(self, adapter):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        return replace(adapter, model=DistributedDataParallel(adapter.model, device_ids=ids,
+                                                              gradient_as_bucket_view=self.gradient_as_bucket_view))
+
+    def no_sync(self, model, accumulating: bool):
+        """Skip the all-reduce on accumulation micro-steps (the last one reduces every micro-step's gradients)."""
+        return model.no_sync() if accumulating else contextlib.nullcontext()
+
+    @classmethod
+    def static_per_rank(cls, plan, n: int) -> int:
+        """The whole static state, plus the gradient buckets unless they are views of the gradients."""
+        buckets = 0 if cls.gradient_as_bucket_view else plan.static["grads_bytes"]
+        return sum(plan.static.values()) + buckets
+
+
+@dataclass(frozen=True)
+class FSDP(Strategy):
+    """FSDP2 (engine/sharding.py): each rank holds 1/N of every weight, gradient and AdamW state; a block's
+    full weights exist only while it runs. Needs torchrun, even on one rank (its mesh is a process group)."""
+
+    reshard_after_forward: bool = True
+
+    name = "fsdp"
+    label = "FSDP"
+    launched = True
+    sharded = True
+    checkpoint_names = ("last", "best")  # DCP folders
+
+    @classmethod
+    def start(cls, device=None, verb: str = "train", **options) -> Strategy:
+        return cls(distributed.join(device, verb, cls.name), **cls._own(options))
+
+    def prepare_host(self) -> str | None:
+        return sharding.host_allocator(self.env)
+
+    def setup_module(self, model, precision, allocator=None) -> str:
+        return sharding.shard(model, self.env, precision, self.reshard_after_forward, allocator).describe()
+
+    def grad_scaler(self, device_type: str):
+        """ShardedGradScaler: its inf check is agreed across the ranks, each of which sees only its shard."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type)
+
+    def no_sync(self, model, accumulating: bool):
+        """Accumulation micro-steps skip the reduce-scatter."""
+        return sharding.gradient_sync(model, not accumulating)
+
+    def eval_forwards(self, batches: int) -> int:
+        """The most any rank has: every rank runs as many forwards (each gathers weights with the others)."""
+        return self.env.all_max(batches)
+
+    def clip_gradients(self, params, max_norm):
+        """The sharded (DTensor) gradients clipped by their global norm, which comes back replicated."""
+        norm = super().clip_gradients(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def save(self, paths, model, optimizer, trainer) -> None:
+        """Every rank writes its shard of each folder; rank 0 adds the trainer state."""
+        save_sharded(paths, model, optimizer, trainer, self.env)
+
+    def read(self, path, mmap=False) -> dict:
+        return read_trainer(path, mmap)
+
+    @classmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        return (folder / cls.checkpoint_names[0] / METADATA_FILE).is_file()  # DCP's index marks a written folder
+
+    def load(self, path, state, model, optimizer=None) -> None:
+        load_sharded(path, model, optimizer)
+
+    def full_state(self, model) -> dict:
+        return full_model_state(model)
+
+    @classmethod
+    def static_per_rank(cls, plan, n: int) -> int:
+        return -(-sum(plan.static.values()) // n)
+
+    @classmethod
+    def in_flight(cls, plan, n: int) -> int:
+        """FSDP's unsharded buffers while a block runs its backward: the root's and the running block's weights
+        and gradients, the next block's all-gather output, the previous block's reduce-scatter input."""
+        w, r = plan.weight_bytes, plan.reduce_bytes
+        return plan.root_params * 2 * w + plan.block_params * (2 * w + w + r)
+
+    @classmethod
+    def root_reduce(cls, plan, n: int) -> int:
+        """FSDP's last reduce, after backward's activations are gone: the root's unsharded gradients and their
+        reduce-scatter input (its gathered weights are freed first)."""
+        return plan.root_params * (plan.weight_bytes + plan.reduce_bytes)
+
+    @classmethod
+    def optimizer_transient(cls, plan, n: int) -> int:
+        return -(-plan.static["weights_bytes"] // n)
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def _names() -> dict[str, str]:
+    return {s.lower(): name for name, cls in _REGISTRY.items() for s in (name, *cls.aliases)}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy: its name and aliases resolve to it from then on (usable as a class decorator)."""
+    taken = _names()
+    clash = [s for s in (cls.name, *cls.aliases) if _REGISTRY.get(taken.get(s.lower()), cls) is not cls]
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or clash:
+        raise ValueError(f"cannot register {cls!r}: not a Strategy subclass, or {clash} already name a strategy")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (Single, DDP, FSDP):
+    register_strategy(_cls)
+STRATEGIES = tuple(_REGISTRY)  # the strategies tier_utils ships
+
+
+def launched_strategies() -> tuple[str, ...]:
+    """The registered strategies that run on torchrun's ranks (what `ranks` plans and the benchmark compares)."""
+    return tuple(name for name, cls in _REGISTRY.items() if cls.launched)
+
+
+def sharded_strategies() -> tuple[str, ...]:
+    return tuple(name for name, cls in _REGISTRY.items() if cls.sharded)
+
+
+def canonical_strategy(requested) -> str:
+    """A strategy's name from any spelling of it (or from a Strategy, decided or not)."""
+    if isinstance(requested, Strategy) or (isinstance(requested, type) and issubclass(requested, Strategy)):
+        return requested.name
+    key = str(requested).strip().lower()
+    table = _names()
+    if key not in table:
+        raise ValueError(f"unknown strategy {requested!r}; use one of: {', '.join(_REGISTRY)}")
+    return table[key]
+
+
+def strategy_class(name) -> type[Strategy]:
+    """The class of a strategy, by any spelling of its name (a Strategy class comes back as it is)."""
+    if isinstance(name, type) and issubclass(name, Strategy):
+        return name
+    return _REGISTRY[canonical_strategy(name)]
+
+
+def saved_strategy(state: dict) -> type[Strategy]:
+    """The strategy a checkpoint's run had (one it doesn't name, or no longer registered: a single-file one)."""
+    return _REGISTRY.get(state.get("strategy"), Single)
+
+
+def other_format_checkpoint(strategy: Strategy, last: Path) -> None:
+    """Where this run's last checkpoint `last` is missing: one written in the other format beside it (a single file
+    for a sharded run, a sharded folder for one that is not) is one line naming how to resume it, where starting
+    over would silently leave it behind."""
+    folder = last.parent
+    if strategy.sharded and (folder / CHECKPOINT_NAME).is_file():
+        state = load_checkpoint(folder / CHECKPOINT_NAME, mmap=True)  # a look at its entries, not its weights
+        if state.get("consolidated"):
+            raise CheckpointError(f"{folder} holds a sharded run's consolidated {CHECKPOINT_NAME} but not its sharded "
+                                  f"{last.name}/ folder (the optimizer state a resume needs); restore that folder, "
+                                  f"load {CHECKPOINT_NAME} with load_model, or use a new checkpoint_dir")
+        saved, ranks = saved_strategy(state), state.get("world_size", 1)
+        how = (f"under {distributed.launch_hint('train', saved.name)} on {ranks} processes"
+               if saved.launched and ranks > 1 else "without torchrun")
+        raise CheckpointError(f"{folder} holds a single-file checkpoint ({CHECKPOINT_NAME}, from a {saved.label} run) "
+                              f"and this run is sharded ({strategy.label}); resume it {how} with --resume, or use a "
+                              "new checkpoint_dir")
+    other = next((cls for cls in _REGISTRY.values() if cls.sharded and cls.holds_checkpoint(folder)), None)
+    if not strategy.sharded and other is not None:
+        raise CheckpointError(f"{folder} holds a sharded ({other.label}) checkpoint, {other.checkpoint_names[0]}/, "
+                              f"and this run is not sharded; resume it under "
+                              f"{distributed.launch_hint('train', other.name)} with --resume, or use a new "
+                              "checkpoint_dir")
+
+
+def resolve_strategy(requested, device=None, verb: str = "train", **options) -> Strategy:
+    """Decide what `requested` (a name, or a Strategy already decided, which comes back as is) means in this
+    process: join torchrun's ranks where it runs on them, or a one-line LaunchError saying how to launch `verb`.
+    `options`: settings of some strategies (e.g. reshard_after_forward); each class takes its own."""
+    if isinstance(requested, Strategy):
+        return requested
+    return strategy_class(requested).start(device, verb, **options)

@@ -1,0 +1,152 @@
+"""The parts of one train() run, each made by one function that takes what it needs and returns a small frozen
+record, in the order the run needs them: the config fitted to the model, the model (`BuiltModel`), the data
+(`RunData`), the optimization (`Optimization`); and `Progress`, the one record the run moves as it goes.
+
+train()'s run object (loop.py) is built complete from them; nothing is set on it afterwards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..adapter.adapter import ModelAdapter, resolve_model
+from ..core.errors import DataError
+from ..core.precision import Precision
+from ..core.seeding import seed_everything
+from ..data.datasets import DataSplits, make_loader, to_device
+from ..engine import distributed
+from ..engine.compiling import CompileInfo, compile_for_training
+from ..engine.lora import apply_lora, convert_for
+from ..engine.memory import enable_checkpointing, require_blocks
+from ..engine.step import TrainStep, make_optimizer, make_scheduler
+from ..engine.strategies import Strategy
+from ..models.checkpoint import data_fingerprint
+from .config import FINE_LOG_STEPS, TrainConfig
+from .finetune import check_save_hf
+from .history import MAX_STEP_ROWS
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model on the device in train mode, in the precision's weight dtype, placed on the strategy's ranks."""
+
+    adapter: ModelAdapter
+    name: str  # the model's own class name, read before the strategy placed it (fully_shard renames it FSDP<name>)
+    checkpointing: str | None  # activation checkpointing's description (None: off)
+    placement: str | None  # how the strategy holds the model on its ranks (None: one process)
+
+
+def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precision, strategy: Strategy,
+                device: torch.device) -> BuiltModel:
+    """The model built (from the seed) and checked: trainable, and its forward runs; then the strategy places it
+    (FSDP shards it in place, before the optimizer is built on its parameters)."""
+    allocator = strategy.prepare_host()  # before the model is built
+    seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
+    adapter = resolve_model(model, **model_kwargs)
+    if cfg.activation_checkpointing:
+        require_blocks(adapter.model)  # before LoRA changes a caller's module
+    adapter = with_lora(adapter, cfg)
+    check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
+    # fp32 master weights for the mixed modes, whatever dtype the checkpoint was stored in
+    convert_for(precision, adapter.model.to(device)).train()
+    # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
+    checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
+    adapter.require_trainable()
+    adapter.check_forward()
+    name = adapter.name
+    return BuiltModel(adapter, name, checkpointing, strategy.setup_module(adapter.model, precision, allocator))
+
+
+def with_lora(adapter: ModelAdapter, cfg: TrainConfig) -> ModelAdapter:
+    """The adapter with LoRA's adapters over its frozen base, where the config asks for them."""
+    if cfg.lora is None:
+        return adapter
+    return replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+
+
+def fitted_config(cfg: TrainConfig, adapter: ModelAdapter) -> TrainConfig:
+    """The config as the run uses it: seq_len capped to the model's length, with a warning (the result says it)."""
+    if cfg.seq_len > adapter.max_len:
+        return replace(cfg, seq_len=adapter.fit_length(cfg.seq_len))
+    return cfg
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The splits at the run's length, this rank's order over them and its loaders, and the run's length."""
+
+    splits: DataSplits
+    description: object  # DataSplits.describe(): what every result records about its data
+    fingerprint: dict | None  # what a resume must find again (None: no checkpoints)
+    sampler: distributed.ShardedSampler
+    loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader
+    eval_forwards: int | None  # the evaluation forwards every rank runs, where the strategy needs them equal
+    steps_per_epoch: int
+    total_steps: int
+    stride: int  # steps between history rows
+    global_batch: int  # sequences per optimizer step over every rank
+
+
+def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
+                 device: torch.device) -> RunData:
+    env = strategy.env
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed)
+    sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
+    global_batch = cfg.batch_size * cfg.grad_accum_steps * env.world_size
+    steps_per_epoch = len(sampler) // cfg.batch_size // cfg.grad_accum_steps
+    if steps_per_epoch < 1:
+        raise DataError(f"the training set has {len(splits.train)} examples, fewer than one step's global batch "
+                        f"of {global_batch}; lower batch_size or grad_accum_steps, or give more data")
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    log_every = cfg.log_every or (1 if total_steps <= FINE_LOG_STEPS else 10)
+    loader = make_loader(splits.train, cfg.batch_size, device=device, num_workers=cfg.num_workers, seed=cfg.seed,
+                         drop_last=True, sampler=sampler)
+    val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, shuffle=False, device=device,
+                             num_workers=cfg.num_workers, seed=cfg.seed)
+    eval_forwards = strategy.eval_forwards(min(len(val_loader), cfg.eval_batches or len(val_loader)))
+    return RunData(splits, splits.describe(), data_fingerprint(splits) if cfg.checkpoint_dir is not None else None,
+                   sampler, loader, val_loader, eval_forwards, steps_per_epoch, total_steps,
+                   max(log_every, math.ceil(total_steps / MAX_STEP_ROWS)), global_batch)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """AdamW, the LR schedule over the run's steps, and the step that uses them (compiled, where asked)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: TrainStep
+    compiled: CompileInfo | None  # None: compile off
+
+
+def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precision: Precision,
+                      strategy: Strategy) -> Optimization:
+    """The optimizer and schedule, and the step on what the strategy wraps (DDP: its wrapper), with the strategy's
+    GradScaler and clipping. compile: the step calls the compiled model; evaluation and checkpoints use the eager
+    one (its warm-up puts back the RNG states and buffers it moved)."""
+    optimizer = make_optimizer(built.adapter.model, cfg.lr, cfg.weight_decay, precision.adamw_eps)
+    scheduler = make_scheduler(optimizer, cfg.warmup_steps, data.total_steps)
+    stepped, info = strategy.wrap(built.adapter), None
+    if cfg.compile:
+        device = built.adapter.device
+        shaped = next(iter(make_loader(data.splits.train, cfg.batch_size, shuffle=False, device=device)))
+        stepped, info = compile_for_training(stepped, precision, to_device(shaped, device), cfg.compile_mode,
+                                             cfg.progress and strategy.env.is_main)
+    step = TrainStep(stepped, precision, optimizer, scheduler, cfg.grad_clip, strategy=strategy)
+    return Optimization(optimizer, scheduler, step, info)
+
+
+@dataclass
+class Progress:
+    """Where the run is: the one record that changes as it goes (the loop, evaluation, checkpoints and a resume
+    move it); every field is declared here."""
+
+    step: int = 0
+    resumed_from: int | None = None  # the checkpoint's step a resume started from
+    last_saved: int | None = None  # the step of the last checkpoint written (or resumed from)
+    resume_generator: torch.Tensor | None = None  # a resume's loader generator for the epoch it re-enters (once)
+    epoch_generator: torch.Tensor | None = None  # the loader generator at this epoch's start (seeds its workers)
+    val_targets: int | None = None  # how many targets the last evaluation scored: the n behind val loss/accuracy

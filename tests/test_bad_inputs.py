@@ -231,6 +231,7 @@ def test_cli_broken_forward_in_train_bench_search_is_one_line_exit_1(files, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # two CLI processes
 def test_cli_subprocess_no_traceback(files, tmp_path):
     """The real entry point: bad outputs and a broken model, one line each, no traceback."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -89,6 +89,7 @@ def _checkpointed_step_bytes(adapter, batch: int, length: int) -> int:
     return sum(static_memory(adapter.model, optimizer).values()) + meter.bytes + output + (marks[1] - marks[0])
 
 
+@pytest.mark.slow  # real checkpointed steps at every batch the bisection tries
 def test_planner_with_checkpointing_agrees_with_a_bisection_under_an_injected_budget(monkeypatch):
     torch.manual_seed(0)
     model = TinyGPT(d_model=32, n_layer=3, n_head=2, max_len=64)
@@ -176,6 +177,7 @@ LORA_RUN = dict(batch_size=4, seq_len=32, eval_every=3, eval_batches=1, progress
                 precision="fp32", lora=LoraSettings(r=4, alpha=8), seed=1)
 
 
+@pytest.mark.slow  # peft over a transformers Llama, trained, saved and resumed
 def test_lora_on_a_tiny_llama_trains_a_small_share_and_checkpoints_only_the_adapters(llama_folder, tmp_path):
     full = train(str(llama_folder), None, max_steps=2, checkpoint_dir=tmp_path / "full",
                  **{**LORA_RUN, "lora": None})
@@ -251,6 +253,7 @@ BENCH = dict(batch_size=4, seq_len=32, untimed_steps=1, timed_steps=2, repeats=2
              progress=False, device="cpu")
 
 
+@pytest.mark.slow  # a benchmark run per precision, with and without checkpointing
 def test_bench_measures_checkpointing_against_the_same_precision_without_it():
     from tier_utils import amp_benchmark
 

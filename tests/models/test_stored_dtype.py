@@ -225,6 +225,7 @@ def test_bench_fp32_row_runs_fp32_weights_and_bf16_row_fp32_masters_under_autoca
                                                                                                          "weights"]
 
 
+@pytest.mark.slow  # the main job with its report page and PNGs
 def test_all_names_stored_and_master_dtype_in_summary_page_and_json(llama_bf16, tmp_path, capsys):
     from tier_utils import cli
 

@@ -413,6 +413,7 @@ def killed_and_resumed_vs_whole(tmp_path, config):
     pd.testing.assert_frame_equal(resumed_history[DETERMINISTIC], whole.history[DETERMINISTIC], check_exact=True)
 
 
+@pytest.mark.slow  # two training processes (killed, then resumed) beside a whole run
 def test_sigkill_at_random_step_then_resume_is_bitwise_equal(tmp_path):
     # Pinned to the CPU, where bitwise resume is the promise on any machine; the CUDA test follows.
     killed_and_resumed_vs_whole(tmp_path, {**RESUME_CONFIG, "device": "cpu"})

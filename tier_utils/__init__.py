@@ -12,11 +12,13 @@ from .core.errors import (
     ExportError,
     LaunchError,
     LoggerError,
+    MemorySettingError,
     ModelSpecError,
     TierError,
     TrainingDiverged,
     debug,
 )
+from .core.memory_settings import LoraSettings, MemorySettings
 from .core.precision import (
     Precision,
     SlowPrecisionWarning,
@@ -29,7 +31,6 @@ from .core.results import Check
 from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .data.userdata import DataSource
-from .engine.lora import LoraSettings
 from .exporting.exporter import ExportConfig, ExportResult, export
 from .mainjob import AllResult, run_all
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
@@ -61,7 +62,8 @@ __all__ = [
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "StrategyBenchResult", "strategy_benchmark",
     "SearchConfig", "SearchResult", "search",
-    "FitConfig", "FitResult", "fit", "LoraSettings", "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
+    "FitConfig", "FitResult", "fit", "LoraSettings", "MemorySettings", "MemorySettingError",
+    "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
     # export, experiment loggers
     "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

@@ -23,10 +23,10 @@ from .core.errors import ModelForwardError, TierError, TrainingDiverged
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
+from .core.memory_settings import MemorySettings, memory_setting
 from .core.precision import dtype_name, resolve_device, resolve_precision
 from .core.results import STATUSES, Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
 from .core.threads import chooses_threads
-from .engine.lora import LoraSettings
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
 from .planning.planner import fit
@@ -150,15 +150,15 @@ def _train_line(s: TrainSummary, seconds: float) -> str:
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
             progress: bool = TrainConfig.progress, model_kwargs: dict | None = None,
-            activation_checkpointing: bool = TrainConfig.activation_checkpointing,
-            lora: LoraSettings | None = TrainConfig.lora) -> AllResult:
+            memory: MemorySettings | str | None = None) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy), except that with the default model and no model_kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
     Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's.
-    activation_checkpointing, lora: the memory modes training and the benchmark run in (docs/precision.md). Training
+    memory: the memory settings training and the benchmark run in (MemorySettings, or full/lora/qlora/adamw8bit;
+    docs/precision.md); with checkpointing the benchmark adds checkpointed rows. Training
     that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
     analysis FAIL rows and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
     (the CLI exits 130) and writes no report.
@@ -176,14 +176,14 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     preset, ran_on = _fit_to_model(base, data, preset, seed)
-    memory = {"activation_checkpointing": activation_checkpointing, "lora": lora}  # train's and the benchmark's
+    memory = memory_setting(memory)  # train's and the benchmark's
     steps = {
         "smoke": lambda: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
         "analysis": lambda: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
                                                                             progress=progress)),
         # A copy: training changes weights, and the benchmark must start from the same ones as the rest.
         "train": lambda: _train(copy.deepcopy(base), data, preset.train_config(precision=prec, device=dev, seed=seed,
-                                                                               progress=progress, **memory)),
+                                                                               progress=progress, memory=memory)),
         # predictions only
         "fit": lambda: fit(base, preset.fit_config(device=dev, validate=False, progress=progress)),
         "ranks": lambda: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
@@ -247,12 +247,14 @@ def _attempt(name: str, run) -> tuple:
 
 
 def _benchmark(model, data, preset: Preset, dev, progress: bool,
-               memory: dict) -> tuple[BenchmarkResult, dict | None]:
+               memory: MemorySettings) -> tuple[BenchmarkResult, dict | None]:
     """The AMP benchmark at its batch (`_grown_batch` on a GPU), and that batch's choice (None: the preset's)."""
     grown = _grown_batch(model, dev, preset.batch_size, preset.seq_len)
     size = grown["batch_size"] if grown else preset.batch_size
-    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress,
-                                                           **memory)), grown
+    # Checkpointing is the benchmark's extra rows (each precision with and without it), the rest every row's.
+    return amp_benchmark(model, data, preset.bench_config(
+        batch_size=size, device=dev, progress=progress, memory=replace(memory, checkpointing=False),
+        activation_checkpointing=memory.checkpointing)), grown
 
 
 def _grown_batch(model, dev, batch_size: int, seq_len: int) -> dict | None:

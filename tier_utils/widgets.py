@@ -16,9 +16,9 @@ import torch
 
 from .analysis import AnalysisConfig
 from .benchmark.config import BenchConfig
+from .core.memory_settings import MEMORY_CHOICES, MemorySettings, memory_setting
 from .core.precision import canonical_precision, resolve_device, resolve_precision, supported_precisions
 from .core.settings import check_fields, check_switch, setting
-from .engine.lora import LoraSettings, lora_setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
 from .models.loading import load_model
 from .planning.planner import FitConfig
@@ -29,7 +29,7 @@ from .training.config import TrainConfig
 from .tuning.study import SearchConfig
 
 MAX_BATCH_SIZE = 4096
-PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "activation_checkpointing", "lora")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -63,10 +63,10 @@ class RunConfig:
     device: str | None = TrainConfig.device
     seed: int = TrainConfig.seed
     compile: bool = TrainConfig.compile
-    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
-    # "r=8,alpha=16" string or LoraSettings.
-    activation_checkpointing: bool = TrainConfig.activation_checkpointing
-    lora: LoraSettings | int | str | None = TrainConfig.lora
+    # Memory, for train, the benchmark and search: full, lora, qlora or adamw8bit (MEMORY_CHOICES), or
+    # MemorySettings; checkpointing on/off on top.
+    memory: str | MemorySettings = "full"
+    activation_checkpointing: bool = MemorySettings.checkpointing
 
     def __post_init__(self):
         preset = self.preset
@@ -79,7 +79,9 @@ class RunConfig:
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
         check_switch(self, "activation_checkpointing")
-        self.lora = lora_setting(self.lora)
+        memory_setting(self.memory)  # a bad name fails here, naming the choices
+        if isinstance(self.memory, str):
+            self.memory = self.memory.strip().lower()  # the dropdown's value
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
 
     def __setattr__(self, name, value):
@@ -123,8 +125,10 @@ class RunConfig:
     def bench_config(self, **given) -> BenchConfig:
         """The benchmark at this config's shape and device, with the preset's repeats; with compile on, each
         precision runs eager and compiled, interleaved, so the table compares the two. `given` on top."""
+        memory = self._memory()["memory"]  # checkpointing: the benchmark's extra rows
         return self._sized().bench_config(**{"device": self.device, "compile": "both" if self.compile else "off",
-                                             **self._memory(), **given})
+                                             "memory": replace(memory, checkpointing=False),
+                                             "activation_checkpointing": memory.checkpointing, **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at this config's length and device; `given` on top."""
@@ -143,7 +147,7 @@ class RunConfig:
         return replace(self.preset, batch_size=self.batch_size, seq_len=self.seq_len)
 
     def _memory(self) -> dict:
-        return {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
+        return {"memory": memory_setting(self.memory, self.activation_checkpointing)}
 
     def _decided(self) -> dict:
         return {"precision": self.precision, "device": self.device}
@@ -204,15 +208,19 @@ class ConfigPanel(widgets.VBox):
         # The memory modes: what train, the benchmark and the search run with (docs/precision.md).
         self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
                                                   description="activation checkpointing")
-        self.lora_input = widgets.BoundedIntText(value=config.lora.r if config.lora else 0, min=0, max=4096,
-                                                 description="LoRA rank (0: off)",
-                                                 style={"description_width": "initial"})
+        # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its
+        # own entry.
+        options = [(label, name) for name, label in MEMORY_CHOICES.items()]
+        if config.memory not in MEMORY_CHOICES:
+            options.append((str(config.memory), config.memory))
+        self.memory_select = widgets.Dropdown(options=options, value=config.memory, description="memory",
+                                              style=style)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
         self._show_sizes()
         boxes = {"model": self.model_select, "data": self.data_input, "precision": self.precision_select,
                  "batch_size": self.batch_size_input, "compile": self.compile_box,
-                 "activation_checkpointing": self.checkpointing_box, "lora": self.lora_input}
+                 "memory": self.memory_select, "activation_checkpointing": self.checkpointing_box}
         for name, widget in boxes.items():
             widget.observe(self._set(name), names="value")
         for widget in self.size_inputs.values():
@@ -230,8 +238,6 @@ class ConfigPanel(widgets.VBox):
     def _set(self, attribute: str):
         def write(change):
             value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
-            if attribute == "lora":
-                value = lora_setting(value)  # a rank; 0: off
             if attribute == "model" and value is None:
                 return  # a box being retyped: nothing to build yet
             setattr(self.config, attribute, value)
@@ -283,8 +289,8 @@ class ConfigPanel(widgets.VBox):
 def config_panel(config: RunConfig, models=None, tier: str | None = None) -> ConfigPanel:
     """A widget box editing `config` in place: model (a built-in, or any spec typed in; a built-in's sizes show
     under it), data (empty: the bundled corpus), precision (auto + the modes the device runs natively, from
-    `supported_precisions`), batch size, torch.compile on/off, and the memory modes: activation checkpointing
-    on/off and a LoRA rank (0: off). `tier` ("smoke", "analysis", "train") shows only the boxes that tier's cells read.
-    `models` overrides the model choices offered. Choices the user made in an earlier panel of this kernel
-    are applied to `config` first (see `forget_panel_choices`)."""
+    `supported_precisions`), batch size, torch.compile on/off, and memory: full fine-tune, LoRA, QLoRA (4-bit
+    base) or the 8-bit optimizer, and activation checkpointing on/off. `tier` ("smoke", "analysis", "train")
+    shows only the boxes that tier's cells read. `models` overrides the model choices offered. Choices the user
+    made in an earlier panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models, tier)

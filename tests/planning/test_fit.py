@@ -37,7 +37,7 @@ def test_largest_batch_agrees_with_a_bisection_under_the_same_injected_budget(mo
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
     monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")  # a safe share of 60 MiB: batches in the tens
-    result = fit(model, seq_len=T, precisions="fp32,bf16", lora=0, device="cpu", progress=False)
+    result = fit(model, seq_len=T, precisions="fp32,bf16", lora=0, optimizers="adamw", device="cpu", progress=False)
     room = device_room(result.budget)
     assert room == 60 * 2**20
     table = result.table.set_index(["precision", "checkpointing"])
@@ -87,7 +87,8 @@ def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
         fit("tiny-gpt", 16)
     with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: batch_size, seq_len, precisions"):
         fit("tiny-gpt", d_model=32)
-    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, device="cpu", progress=False)
+    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, optimizers="adamw", device="cpu",
+                       progress=False)
     result = fit("tiny-gpt", config, model_kwargs={**MODEL, "n_layer": 1})
     built = TinyGPT(**{**MODEL, "n_layer": 1})
     assert result.seq_len == 16 and result.model["parameters"] == sum(p.numel() for p in built.parameters())
@@ -111,7 +112,7 @@ def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_on_a_gpu_the_prediction_is_validated_by_bisection():
     torch.manual_seed(0)
     result = fit(TinyGPT(d_model=256, n_layer=4, n_head=4, max_len=1024), seq_len=1024, precisions="fp32,bf16",
-                 lora=0, device="cuda", progress=False)
+                 lora=0, optimizers="adamw", device="cuda", progress=False)
     table = result.full_table()
     assert table.validated.notna().all()
     for r in table.itertuples():  # predicted within 25 % of what really ran (bench/RESULTS.md: GPT-2-small)
@@ -152,17 +153,20 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     """Plain mixed, then checkpointing, then true modes, then LoRA; within one, a native 2-byte compute before
     fp32 before an emulated one, bf16 (no scaler) before fp16."""
     from tier_utils.core.budget import ActivationFit
-    from tier_utils.engine.lora import LoraSettings
+    from tier_utils.core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
     from tier_utils.planning.planner import Config, cost_rank
 
     nothing = ActivationFit(0, 0, 0, 0, ())
     cpu = torch.device("cpu")
 
-    def config(name, ck=False, lora=None):
-        return Config(name, ck, 0, nothing, 0.0, lora=lora, mode=resolve_precision(name, cpu, warn=False))
+    def config(name, ck=False, memory=None):
+        return Config(name, ck, 0, nothing, 0.0, memory=memory, mode=resolve_precision(name, cpu, warn=False))
 
+    lora = DecidedMemory(MemorySettings(lora=LoraSettings()), torch.bfloat16, "adamw", "")
+    eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16,
+                              "adamw8bit", "")
     modes = [config("bf16"), config("fp16"), config("fp32"), config("bf16", True), config("bf16-true"),
-             config("bf16-true", True), config("bf16", lora=LoraSettings())]
+             config("bf16-true", True), config("bf16", memory=lora), config("bf16", memory=eight_bit)]
     assert sorted(modes, key=lambda c: cost_rank(c, True)) == modes
     assert cost_rank(config("fp32"), True) < cost_rank(config("bf16"), False)  # emulated bf16: fp32 first
 

@@ -85,6 +85,11 @@ class LoraError(TierError, ValueError):
     """LoRA was asked wrongly: a bad setting, a target that matches no layer, peft missing."""
 
 
+class MemorySettingError(TierError, ValueError):
+    """A memory setting (LoRA's base dtype or bits, the optimizer's state) that cannot run as given, or its
+    package missing."""
+
+
 class TrainingDiverged(TierError):
     """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed.
     `.result` holds the run's partial TrainResult (its history up to the step before)."""

@@ -17,9 +17,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..adapter.adapter import ModelAdapter, resolve_model
+from ..core.device import device_facts
 from ..core.errors import DataError, TrainingDiverged
 from ..core.files import run_lock
 from ..core.inputs import writable_dir
+from ..core.memory_settings import resolve_memory
 from ..core.precision import Precision, device_name, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
@@ -30,7 +32,7 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed, sharding
 from ..engine.compiling import compile_for_training
 from ..engine.evaluation import evaluate
-from ..engine.lora import apply_lora, convert_for, describe_lora
+from ..engine.lora import apply_memory, convert_for, describe_lora
 from ..engine.memory import disable_checkpointing, enable_checkpointing, require_blocks
 from ..engine.step import TrainStep, make_optimizer, make_scheduler, optimizer_impl
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, data_fingerprint
@@ -140,14 +142,17 @@ class _Run(RunCheckpoints):
         seed_everything(self.cfg.seed)  # before building from a spec, so initial weights follow the seed
         adapter = resolve_model(model, **model_kwargs)
         cfg = self.cfg
-        if cfg.activation_checkpointing:
+        # Decided once, here: LoRA's base dtype (and fp16's range check on these weights), the optimizer built.
+        self.memory = resolve_memory(cfg.memory, self.precision, device_facts(self.device), adapter.stored_dtype,
+                                     adapter.model)
+        if cfg.memory.checkpointing:
             require_blocks(adapter.model)  # before LoRA changes a caller's module
-        if cfg.lora is not None:
-            adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+        if cfg.memory.lora is not None:
+            adapter = replace(adapter, model=apply_memory(adapter.model, self.memory, self.precision.compute_dtype))
         check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
-        convert_for(self.precision, adapter.model.to(self.device)).train()
+        convert_for(self.precision, adapter.model.to(self.device), self.memory).train()
         # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
-        self.checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
+        self.checkpointing = enable_checkpointing(adapter.model) if cfg.memory.checkpointing else None
         adapter.require_trainable()
         adapter.check_forward()
         return adapter
@@ -187,7 +192,8 @@ class _Run(RunCheckpoints):
     def _optimization(self) -> None:
         """AdamW, the LR schedule over the run's steps, and the history that records them."""
         cfg = self.cfg
-        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay, self.precision.adamw_eps)
+        self.optimizer = make_optimizer(self.adapter.model, cfg.lr, cfg.weight_decay, self.precision.adamw_eps,
+                                        self.memory.optimizer)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
 
@@ -342,7 +348,8 @@ class _Run(RunCheckpoints):
             precision=self.precision.name,
             precision_reason=self.precision.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
-            optimizer=f"AdamW ({optimizer_impl(self.optimizer)})",
+            optimizer=f"{self.memory.settings.optimizer_name()} ({optimizer_impl(self.optimizer)})",
+            memory=self.memory.to_dict(),
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",
             global_batch=self.global_batch, world_size=env.world_size, strategy=env.strategy,

@@ -180,7 +180,7 @@ LORA_RUN = dict(batch_size=4, seq_len=32, eval_every=3, eval_batches=1, progress
 
 def test_lora_on_a_tiny_llama_trains_a_small_share_and_checkpoints_only_the_adapters(llama_folder, tmp_path):
     full = train(str(llama_folder), None, max_steps=2, checkpoint_dir=tmp_path / "full",
-                 **{**LORA_RUN, "lora": None})
+                 **{**LORA_RUN, "memory": MemorySettings()})
     lora = train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "lora", lr=1e-2, **LORA_RUN)
     info = lora.summary.lora
     assert info["trainable_share"] < 0.05 and info["base_dtype"] == "float32" and info["adapter_dtype"] == "float32"

@@ -73,7 +73,7 @@ def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpoin
     monkeypatch.setenv(FREE_MEMORY_ENV, "64KiB")
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
     plain.task, plain.max_len = "causal-lm", 32
-    result = fit(plain, precisions="fp32", device="cpu", progress=False)
+    result = fit(plain, precisions="fp32", optimizers="adamw", device="cpu", progress=False)
     row = result.full_table().iloc[0]
     assert list(result.table.checkpointing) == ["off", "off"]  # fp32, and LoRA over it
     assert row.this_device == 0 and row.status == "WARN" and "; not even batch 1 fits at T=32" in row.detail
@@ -97,13 +97,15 @@ def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
 
 def test_cli_fit_prints_the_table_and_writes_json(tmp_path, capsys):
     code = main(["fit", *TINY_ARGS, "--model-arg", "n_layer=2", "--seq-len", "16", "--precisions", "bf16",
-                 "--no-progress", "--json", str(tmp_path / "fit.json")])
+                 "--optimizers", "adamw", "--no-progress", "--json", str(tmp_path / "fit.json")])
     out = capsys.readouterr().out
     assert code == 0 and "predicted" in out and "for the CUDA context" in out
     data = json.loads((tmp_path / "fit.json").read_text())
-    assert [r["mode"] for r in data["table"]] == [  # fp32, the baseline, always; LoRA over each
-        "fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "LoRA r=8 · fp32",
-        "LoRA r=8 · fp32 + checkpointing", "LoRA r=8 · bf16", "LoRA r=8 · bf16 + checkpointing"]
+    assert [r["mode"] for r in data["table"]] == [  # fp32, the baseline, always; LoRA over the base each computes in
+        "fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "LoRA r=8 · fp32 base · fp32",
+        "LoRA r=8 · fp32 base · fp32 + checkpointing", "LoRA r=8 · bf16 base · bf16",
+        "LoRA r=8 · bf16 base · bf16 + checkpointing"]
+    assert "T4 16 GB" in out.splitlines()[-1]  # the cheapest mode on each card, the T4's included
     assert data["budget"]["device"] == "cpu" and data["seq_len"] == 16
 
 
@@ -126,7 +128,7 @@ def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(mo
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
-    free = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    free = fit(model, batch_size=16, seq_len=T, optimizers="adamw", device="cpu", progress=False)
     need = {c.name: c.step_bytes(16, T) for c in free.configs}
     assert len(need) == 16  # 5 precisions and 3 LoRA, each with and without checkpointing
     # Room for bf16 with checkpointing, less than any mixed mode without it: it is the cheapest (the true modes,
@@ -134,7 +136,7 @@ def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(mo
     room = need["bf16 + checkpointing"]
     assert room < min(need[k] for k in ("fp32", "bf16", "fp16"))
     monkeypatch.setenv(FREE_MEMORY_ENV, str(2 * room + 2))  # the safe share is half
-    result = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    result = fit(model, batch_size=16, seq_len=T, optimizers="adamw", device="cpu", progress=False)
     cheapest = {k: c.name for k, c in result.cheapest().items()}
     assert cheapest["this_device"] == "bf16 + checkpointing"
     assert cheapest["T4 16 GB (predicted)"] == "fp16" and cheapest["H100 80 GB (predicted)"] == "bf16"

@@ -221,8 +221,7 @@ class FitResult(Result):
         rows = []
         for c in self.configs:
             row = {"mode": c.name, "precision": c.precision, "checkpointing": "on" if c.checkpointing else "off",
-                   "lora": f"r={c.lora.r}" if c.lora else "off", "step_gib": c.step_bytes(B, T) / 2**30,
-                   "bytes_per_param": c.bytes_per_param}
+                   "lora": f"r={c.lora.r}" if c.lora else "off", "step_gib": c.step_bytes(B, T) / 2**30}
             for column, (room, native) in self.devices().items():
                 runs = native(c) or c.mode.runs_emulated
                 row[column] = self.largest(c, room) if runs else None
@@ -231,11 +230,13 @@ class FitResult(Result):
             fits = c.step_bytes(B, T) <= here
             runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
             row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
-            row.update({"static_gib": c.static / 2**30, "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
+            row.update({"bytes_per_param": c.bytes_per_param, "static_gib": c.static / 2**30,
+                        "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
                         "per_sample_gib": c.per_sequence(T) / 2**30, "validated": self.validated.get(c.name)})
             b = row["this_device"] or 0
             row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
-                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}); "
+                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}, "
+                             f"{c.bytes_per_param:.2f} bytes per parameter); "
                              + (f"fits in {gib(here)} ({self.budget.describe()}); largest batch {b}" if fits else
                                 f"over the {gib(here)} usable here; largest batch {b}" if b >= 1 else
                                 f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")

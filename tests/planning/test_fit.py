@@ -178,7 +178,8 @@ def test_fit_csv_holds_every_column_the_page_cuts(tmp_path):
 
     from tier_utils.report import write_report
 
-    result = fit("tiny-gpt", model_kwargs=MODEL, seq_len=16, precisions="fp32", device="cpu", progress=False)
+    result = fit("tiny-gpt", model_kwargs=MODEL, seq_len=16, precisions="fp32", optimizers="adamw", device="cpu",
+                 progress=False)
     write_report({"fit": result}, tmp_path)
     csv = pd.read_csv(tmp_path / "fit.csv")
     assert list(csv.columns[:2]) == ["mode", "precision"] and {"static_gib", "detail"} <= set(csv.columns)

@@ -3,6 +3,7 @@
 #
 #   bash colab_setup.sh                 # inside a checkout: installs that checkout
 #   curl -fsSL <raw url>/colab_setup.sh | bash   # elsewhere: clones (or updates) the repository first
+#   TIER_UTILS_QLORA=1 bash colab_setup.sh   # also the qlora extra (bitsandbytes: 4-bit bases, 8-bit AdamW)
 #
 # torch and numpy are never installed or upgraded: Colab's own builds stay, so no runtime restart.
 # The package is installed without -e, so the running kernel imports it at once.
@@ -69,6 +70,25 @@ for name in sys.argv[1:]:
         pass' "${KEEP[@]}" > "$constraints"
     # shellcheck disable=SC2086  # one requirement per word
     pip install -q -c "$constraints" $missing
+fi
+
+# The qlora extra when asked (QLoRA, --optimizer adamw8bit): bitsandbytes' wheel is about 40 MiB, so not by default.
+# Its requirement is read from the installed package's metadata (pyproject.toml declares it once); torch and numpy
+# stay pinned to the runtime's builds.
+if [[ "${TIER_UTILS_QLORA:-0}" == "1" ]]; then
+    pins="$(mktemp)"
+    "$PYTHON" -c 'import sys
+from importlib.metadata import PackageNotFoundError, version
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        pass' "${KEEP[@]}" > "$pins"
+    qlora="$("$PYTHON" -c 'from importlib.metadata import requires
+print(" ".join(r.split(";")[0].replace(" ", "") for r in requires("tier_utils") or [] if "qlora" in r.split(";", 1)[-1]))')"
+    # shellcheck disable=SC2086  # one requirement per word
+    pip install -q -c "$pins" $qlora
+    rm -f "$pins"
 fi
 
 "$PYTHON" -m tier_utils info --no-progress

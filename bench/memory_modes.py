@@ -1,15 +1,20 @@
 """Memory modes side by side on a GPT-2-small config (124 M parameters, random weights, `hf:GPT2LMHeadModel`)
 at 1 x 512 on this CPU: for each mode its peak RSS, static bytes (weights + gradients + AdamW state, after a
 step), activation bytes (autograd's saved tensors of one step, and with checkpointing the blocks' kept inputs),
-step time, and each against fp32 mixed (the plain fp32 step), all measured in this run.
+step time, the loss of each step against a reference's on the same batch (parity: fp32's; a LoRA row's against
+LoRA over an fp32 base, since LoRA trains fewer weights), and each against fp32 (the plain fp32 step), all
+measured in this run. Issue 42's rows: LoRA over a bf16 or fp16 base (the base held in it, fp32
+adapters, autocast), AdamW8bit (bitsandbytes' 8-bit optimizer state) for a full fine-tune and under LoRA, and
+QLoRA (a 4-bit NF4 base) where tier_utils.engine.quantization is there.
 
 Each mode runs in its own subprocess, so its peak RSS (ru_maxrss) is its own: the model built, put in the mode
-(the precision's convert_module, LoRA through peft, checkpointing through engine.memory), one untimed step,
+(the memory settings decided by resolve_memory, LoRA through peft, the base and adapters in their dtypes by
+engine.lora.convert_for, checkpointing through engine.memory), one untimed step,
 then --steps timed steps through tier_utils' TrainStep; then one more step under the saved-tensor meter. A
 mode whose 2-byte type this CPU only emulates runs anyway (the true modes are then refused: they may not run
 emulated; they run here with TIER_UTILS_CPU_FLAGS set, to measure what they hold) and the row says "emulated".
 
-    python bench/memory_modes.py [--steps 3] [--threads N] [--json out.json]
+    python bench/memory_modes.py [--steps 3] [--threads N] [--size small|tiny] [--modes A,B] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,51 +31,67 @@ from tier_utils.core.device import CPU_FLAGS_ENV, cpu_flags, cpu_name
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import load_average
 
-# mode: (precision, activation checkpointing, LoRA rank or 0)
-MODES = {"fp32": ("fp32", False, 0), "fp32 + checkpointing": ("fp32", True, 0), "bf16": ("bf16", False, 0),
-         "bf16 + checkpointing": ("bf16", True, 0), "fp16": ("fp16", False, 0), "bf16-true": ("bf16-true", False, 0),
-         "fp16-true": ("fp16-true", False, 0), "LoRA r=8 · fp32": ("fp32", False, 8),
-         "LoRA r=8 · bf16": ("bf16", False, 8)}
-GPT2_SMALL = {"n_embd": 768, "n_layer": 12, "n_head": 12}
+# mode: (precision, the memory settings' fields: checkpointing, LoRA as "r=8,alpha=16" (with bits=4: QLoRA), its
+# base dtype, the optimizer)
+LORA = "r=8,alpha=16"
+MODES = {"fp32": ("fp32", {}), "fp32 + checkpointing": ("fp32", {"checkpointing": True}), "bf16": ("bf16", {}),
+         "bf16 + checkpointing": ("bf16", {"checkpointing": True}), "fp16": ("fp16", {}),
+         "bf16-true": ("bf16-true", {}), "fp16-true": ("fp16-true", {}),
+         "fp32 · AdamW8bit": ("fp32", {"optimizer": "adamw8bit"}),
+         "LoRA r=8 · fp32 base · fp32": ("fp32", {"lora": LORA, "base_dtype": "fp32"}),
+         "LoRA r=8 · fp32 base · bf16": ("bf16", {"lora": LORA, "base_dtype": "fp32"}),
+         "LoRA r=8 · bf16 base · bf16": ("bf16", {"lora": LORA, "base_dtype": "bf16"}),
+         "LoRA r=8 · fp16 base · fp16": ("fp16", {"lora": LORA, "base_dtype": "fp16"}),
+         "LoRA r=8 · bf16 base · bf16 · AdamW8bit": ("bf16", {"lora": LORA, "base_dtype": "bf16",
+                                                              "optimizer": "adamw8bit"}),
+         "QLoRA r=8 · bf16": ("bf16", {"lora": LORA + ",bits=4", "base_dtype": "bf16"})}
+LORA_REFERENCE = "LoRA r=8 · fp32 base · fp32"  # LoRA's rows' parity is against it
+# GPT-2-small (124 M); tiny: a quick look on a loaded machine (about 7 M, most of it GPT-2's vocabulary).
+SIZES = {"small": {"n_embd": 768, "n_layer": 12, "n_head": 12}, "tiny": {"n_embd": 128, "n_layer": 2, "n_head": 4}}
 SHAPE = (1, 512)
 
 
-def child(precision: str, checkpointing: bool, rank: int, steps: int) -> dict:
-    """One mode in this process: what it holds and how fast it steps."""
+def child(precision: str, memory: dict, steps: int, size: str = "small") -> dict:
+    """One mode in this process: what it holds, how fast it steps and its losses."""
     import time
 
     import torch
 
     from tier_utils import adapt, load_model
+    from tier_utils.core.device import device_facts
     from tier_utils.core.measure import SavedTensorMeter, static_memory, summarize
+    from tier_utils.core.memory_settings import MemorySettings, resolve_memory
     from tier_utils.core.precision import resolve_precision
-    from tier_utils.engine.lora import LoraSettings, apply_lora
+    from tier_utils.engine.lora import apply_memory, convert_for
     from tier_utils.engine.memory import kept_inputs, memory_context
     from tier_utils.engine.step import TrainStep, make_optimizer
 
     torch.manual_seed(0)
     prec = resolve_precision(precision, "cpu", warn=False)
     prec.check_runnable()
-    model = prec.convert_module(load_model("hf:GPT2LMHeadModel", **GPT2_SMALL))
-    if rank:
-        model = apply_lora(model, LoraSettings(r=rank, alpha=2 * rank))
+    settings = MemorySettings(**memory)
+    model = load_model("hf:GPT2LMHeadModel", **SIZES[size])
+    batch = adapt(model).example_batch(*SHAPE)  # before LoRA draws its adapters: every mode steps on fp32's batch
+    held = resolve_memory(settings, prec, device_facts("cpu"), torch.float32, model)
+    if settings.lora is not None:
+        model = apply_memory(model, held, prec.compute_dtype)
+    convert_for(prec, model, held)
     adapter = adapt(model)
     model.train()
-    step = TrainStep(adapter, prec, make_optimizer(model, 1e-4, 0.1, prec.adamw_eps))
-    batch = adapter.example_batch(*SHAPE)
-    times = []
-    with memory_context(model, checkpointing):
+    step = TrainStep(adapter, prec, make_optimizer(model, 1e-4, 0.1, prec.adamw_eps, held.optimizer))
+    times, losses = [], []
+    with memory_context(model, settings.checkpointing):
         for i in range(steps + 1):
             start = time.perf_counter()
-            step([batch])
+            losses.append(step([batch]).loss.item())
             if i:  # the first pays one-time allocations
                 times.append(time.perf_counter() - start)
-        with SavedTensorMeter(model) as meter, kept_inputs(model, meter) if checkpointing else _null():
+        with SavedTensorMeter(model) as meter, kept_inputs(model, meter) if settings.checkpointing else _null():
             step([batch])
     s = summarize([t * 1e3 for t in times])
     return {"static_bytes": sum(static_memory(model, step.optimizer).values()), "activation_bytes": meter.bytes,
-            "step_ms": s.median, "step_iqr_ms": s.iqr, "n": s.n, "native": prec.native,
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "step_ms": s.median, "step_iqr_ms": s.iqr, "n": s.n, "native": prec.native, "losses": losses,
+            "memory": held.describe(), "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -81,15 +102,19 @@ def _null():
     return contextlib.nullcontext()
 
 
-def run_mode(name: str, steps: int, env: dict) -> dict:
-    precision, checkpointing, rank = MODES[name]
+def run_mode(name: str, steps: int, env: dict, size: str) -> dict:
+    precision, memory = MODES[name]
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import memory_modes as m; "
-            f"print(json.dumps(m.child({precision!r}, {checkpointing}, {rank}, {steps})))")
+            f"print(json.dumps(m.child({precision!r}, {memory!r}, {steps}, {size!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode:
         return {"mode": name, "error": done.stderr.strip().splitlines()[-1][:200]}
-    return {"mode": name, "precision": precision, "checkpointing": checkpointing, "lora_r": rank,
-            **json.loads(done.stdout.strip().splitlines()[-1])}
+    return {"mode": name, "precision": precision, **memory, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def parity(losses: list[float], base: list[float]) -> float:
+    """The largest relative deviation of a mode's step losses from fp32's on the same batches."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, base))
 
 
 def main(argv=None) -> int:
@@ -97,6 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in every child")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    parser.add_argument("--size", choices=SIZES, default="small", help="the GPT-2 config: small (124 M) or tiny")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     # Where bf16/fp16 are only emulated the true modes are refused; the flags let them run here so that what they
@@ -105,27 +131,34 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            **({CPU_FLAGS_ENV: "avx512_bf16,avx512_fp16"} if emulated else {})}
     print(f"{cpu_name()} · {os.cpu_count()} cores · {psutil.virtual_memory().total / 2**30:.0f} GiB RAM · load "
-          f"{load_average()} · GPT-2-small config at {SHAPE[0]}x{SHAPE[1]} · {args.steps} timed steps per mode · "
+          f"{load_average()} · GPT-2-{args.size} config at {SHAPE[0]}x{SHAPE[1]} · {args.steps} timed steps per mode · "
           f"{args.threads} threads", flush=True)
-    rows, base = [], None
+    rows, base, lora_base = [], None, None
     for name in args.modes.split(","):
-        row = run_mode(name, args.steps, env)
+        row = run_mode(name, args.steps, env, args.size)
         rows.append(row)
         if "error" in row:
             print(f"{name:<24} not run: {row['error']}", flush=True)
             continue
         base = base or (row if name == "fp32" else None)
+        # LoRA trains fewer weights than a full fine-tune, so its curve is compared with LoRA's own fp32 one: what
+        # is left is the base's dtype and the optimizer's state.
+        lora_base = lora_base or (row if name == LORA_REFERENCE else None)
+        reference = lora_base if "lora" in row else base
         r = {k: f"{row[k] / base[k]:.2f}x" if base else "-" for k in
              ("peak_rss_bytes", "static_bytes", "activation_bytes", "step_ms")}
         row["vs_fp32"] = r
+        row["parity_reference"] = reference and reference["mode"]
+        row["parity_max_rel_dev"] = parity(row["losses"], reference["losses"]) if reference else None
         print(f"{name:<24} peak RSS {row['peak_rss_bytes'] / 2**30:5.2f} GiB ({r['peak_rss_bytes']}) · static "
               f"{row['static_bytes'] / 2**30:5.2f} GiB ({r['static_bytes']}) · activations "
               f"{row['activation_bytes'] / 2**20:6.0f} MiB ({r['activation_bytes']}) · step {row['step_ms']:7.0f} "
               f"ms (IQR {row['step_iqr_ms']:.0f}, n={row['n']}; {r['step_ms']})"
+              + (f" · loss vs {reference['mode']} max rel dev {row['parity_max_rel_dev']:.4f}" if reference else "")
               + (" · emulated on this CPU" if emulated and row["precision"] != "fp32" else ""), flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_name(), "threads": args.threads, "load_average_1m": load_average(),
-                               "shape": SHAPE, "rows": rows})
+                               "size": args.size, "config": SIZES[args.size], "shape": SHAPE, "rows": rows})
     return 0
 
 

@@ -16,7 +16,11 @@ budget it states (it runs no backward).
 The machine is watched while a child runs: if available RAM falls under --min-free-gib, the child is
 killed and the script stops (a shared machine must not be pushed into swap or the OOM killer).
 
-    python bench/scale.py [--models small,medium,llama-1b] [--verbs smoke,fit] [--threads N] [--json out.json]
+`--models llama-3b` (issue 42): `fit` on a Llama-3.2-3B shape (3.2 B parameters) at 1 x 1024, the model built in
+bf16 (as the hub stores it; 6.4 GB of RSS, no fp32 copy) in a child, and the row `fit` names for a T4: the
+cheapest mode predicted to fit there (LoRA over an fp16 base, with AdamW8bit and checkpointing as needed).
+
+    python bench/scale.py [--models small,medium,llama-1b,llama-3b] [--verbs smoke,fit] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -49,6 +53,29 @@ CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head":
                                              "tie_word_embeddings": True, "rope_theta": 500000.0}, "SGD",
                         ("smoke", "fit"))}
 NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped"}
+# Llama-3.2-3B's sizes (3.21 B parameters, tied embeddings), fit at 1 x 1024 only: see _T4_FIT.
+LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 1024,
+            "tie_word_embeddings": True, "rope_theta": 500000.0}
+_T4_FIT = """
+import json, sys, time, torch, transformers
+from tier_utils import fit
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # stored as the hub stores it: no fp32 copy of 3.2 B weights
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{kwargs}))
+torch.set_default_dtype(torch.float32)
+start = time.perf_counter()
+plan = fit(model, batch_size=1, seq_len=1024, precisions="fp32,bf16,fp16", device="cpu", progress=False,
+           validate=False)
+seconds = time.perf_counter() - start
+t4 = plan.cheapest()["T4 16 GB (predicted)"]
+row = plan.full_table().set_index("mode").loc[t4.name] if t4 else None
+print(plan.headline())
+print(plan.summary_line())
+print(json.dumps({{"seconds": seconds, "t4_mode": t4 and t4.name, "t4_step_gib": row is not None and row.step_gib,
+                  "t4_bytes_per_param": row is not None and row.bytes_per_param,
+                  "t4_largest_batch": row is not None and int(row["T4 16 GB (predicted)"])}}))
+"""
 TARGETS = {"smoke": 6.0, "analyze": 6.0}  # steps, for GPT-2-small
 RSS_TARGET_GIB = 4.0  # smoke's and all --fast's, for GPT-2-small
 _STEP = """
@@ -133,6 +160,7 @@ def main(argv=None) -> int:
     # child has just raised, and the step and the tiers would run on different thread counts.
     CHILD_ENV["OMP_NUM_THREADS"] = str(args.threads)
     names = [n for n in CONFIGS if n in args.models.split(",")]
+    t4 = "llama-3b" in args.models.split(",")
     py, min_free = sys.executable, int(args.min_free_gib * 2**30)
     print(f"{cpu_name()} · {os.cpu_count()} cores · {psutil.virtual_memory().total / 2**30:.0f} GiB RAM · "
           f"load {load_average()} · {args.threads} torch threads in every child", flush=True)
@@ -140,6 +168,8 @@ def main(argv=None) -> int:
     try:
         for name in names:
             measure_model(name, py, min_free, rows, args.verbs.split(",") if args.verbs else None)
+        if t4:
+            rows.append(t4_fit(py, min_free))
     except TooLittleMemory as exc:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
@@ -200,6 +230,19 @@ def measure_model(name: str, py: str, min_free: int, rows: list, only: list | No
                 tiers = json.loads(out.read_text())["tiers"]
                 row[verb]["tier_seconds"] = {t["tier"]: t["seconds"] for t in tiers}
                 print("    " + " · ".join(f"{t['tier']} {t['seconds']:.0f} s" for t in tiers), flush=True)
+
+
+def t4_fit(py: str, min_free: int) -> dict:
+    """fit on the Llama-3.2-3B shape at 1 x 1024 in a child: the mode it names for a T4 (predicted), printed."""
+    got = measure([py, "-c", _T4_FIT.format(kwargs=LLAMA_3B)], min_free)
+    lines = got["stdout"].strip().splitlines()
+    found = json.loads(lines[-1])
+    print("\n".join(lines[:-1]), flush=True)
+    print(f"Llama-3.2-3B-shaped at 1x1024: fit {found['seconds']:.0f} s, peak RSS {got['peak_rss_gib']:.2f} GiB; "
+          f"T4 (predicted): {found['t4_mode'] or 'no mode fits'}"
+          + (f", step {found['t4_step_gib']:.2f} GiB, {found['t4_bytes_per_param']:.2f} static bytes per parameter, "
+             f"largest batch {found['t4_largest_batch']}" if found["t4_mode"] else ""), flush=True)
+    return {"model": "Llama-3.2-3B-shaped", **LLAMA_3B, "fit_peak_rss_gib": got["peak_rss_gib"], **found}
 
 
 def stated_budget(report: dict, gradients: bool) -> dict:

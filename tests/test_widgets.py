@@ -8,6 +8,7 @@ import torch
 import tier_utils
 from tier_utils import TrainConfig
 from tier_utils.core.device import GPU_PROFILE_ENV
+from tier_utils.core.memory_settings import LoraSettings, MemorySettings, memory_setting
 from tier_utils.core.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
 from tier_utils.run_config import RunConfig
@@ -159,8 +160,11 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     the notebooks run is declared a second time, in RunConfig or in a run cell."""
     shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(RunConfig)}
     sized = {"batch_size", "seq_len", "max_steps"}  # None in RunConfig: the device preset's
-    assert shared - sized == {"precision", "device", "seed", "compile", "activation_checkpointing", "lora"}
-    for name in shared - sized:
+    assert shared - sized == {"precision", "device", "seed", "compile", "memory"}
+    assert RunConfig.activation_checkpointing == MemorySettings.checkpointing
+    # The panel's memory is a choice's name (full, lora, ...), train's the MemorySettings it names: the same default.
+    assert memory_setting(RunConfig.memory) == TrainConfig().memory
+    for name in shared - sized - {"memory"}:
         assert getattr(RunConfig, name) == getattr(TrainConfig, name), name
     cfg, preset = RunConfig(device="cpu"), NOTEBOOK["cpu"]
     assert cfg.train_config() == preset.train_config(device="cpu")
@@ -215,14 +219,19 @@ def test_each_tier_shows_only_the_boxes_it_reads():
 def test_the_memory_modes_fill_the_configs_train_the_benchmark_and_the_search_read():
     cfg = RunConfig(device="cpu")
     panel = config_panel(cfg, tier="train")
-    assert panel.checkpointing_box in panel.children and panel.lora_input.value == 0
+    assert panel.checkpointing_box in panel.children and panel.memory_select.value == "full"
+    assert [v for _, v in panel.memory_select.options] == ["full", "lora", "qlora", "adamw8bit"]
     panel.checkpointing_box.value = True
-    panel.lora_input.value = 4
-    assert cfg.activation_checkpointing is True and cfg.lora.r == 4
-    for made in (cfg.train_config(), cfg.bench_config(), cfg.search_config().trial):
-        assert made.activation_checkpointing is True and made.lora.r == 4
-    panel.lora_input.value = 0
-    assert cfg.lora is None and cfg.train_config().lora is None
+    panel.memory_select.value = "lora"
+    assert cfg.activation_checkpointing is True and cfg.memory == "lora"
+    for made in (cfg.train_config(), cfg.search_config().trial):
+        assert made.memory.checkpointing is True and made.memory.lora == LoraSettings()
+    bench = cfg.bench_config()  # checkpointing: the benchmark's extra rows
+    assert bench.activation_checkpointing is True and bench.memory.lora == LoraSettings()
+    panel.memory_select.value = "adamw8bit"
+    assert cfg.train_config().memory.lora is None and cfg.train_config().memory.optimizer == "adamw8bit"
+    panel.memory_select.value = "qlora"
+    assert cfg.train_config().memory.base_bits == 4
     assert panel.checkpointing_box not in config_panel(RunConfig(), tier="analysis").children
 
 

@@ -13,12 +13,14 @@ from .core.errors import (
     HostMemoryShort,
     LaunchError,
     LoggerError,
+    MemorySettingError,
     ModelSpecError,
     TierError,
     TrainingDiverged,
     TrainingOutOfMemory,
     debug,
 )
+from .core.memory_settings import LoraSettings, MemorySettings
 from .core.precision import (
     Precision,
     SlowPrecisionWarning,
@@ -31,7 +33,6 @@ from .core.results import Check
 from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
 from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .data.userdata import DataSource
-from .engine.lora import LoraSettings
 from .exporting.exporter import ExportConfig, ExportResult, export
 from .mainjob import AllResult, run_all
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
@@ -64,7 +65,8 @@ __all__ = [
     "TrainingOutOfMemory", "HostMemoryShort",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "StrategyBenchResult", "strategy_benchmark",
     "SearchConfig", "SearchResult", "search",
-    "FitConfig", "FitResult", "fit", "LoraSettings", "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
+    "FitConfig", "FitResult", "fit", "LoraSettings", "MemorySettings", "MemorySettingError",
+    "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
     # export, experiment loggers
     "ExportConfig", "ExportResult", "export", "ExportError", "LoggerError",
     # the main job

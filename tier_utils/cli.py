@@ -34,9 +34,11 @@ from .options import (
     Parser,
     add_common,
     add_data,
+    add_memory,
     add_parameters,
     add_settings,
     data_of,
+    memory_of,
     model_kwargs,
     settings_from,
     whole,
@@ -72,7 +74,7 @@ def _run_train(args) -> tuple[dict, int]:
 
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
-    config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"))
+    config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"), memory=memory_of(args))
     code = 0
     try:
         # seeded before it builds the model
@@ -110,7 +112,9 @@ def _run_analyze(args) -> tuple[dict, int]:
 
 
 def _run_bench(args) -> tuple[dict, int]:
-    config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds))  # --device, --no-progress too
+    # Thresholds' memory is --memory (which bytes a reduction counts); BenchConfig's is the memory settings.
+    config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds),
+                           memory=memory_of(args))  # --device, --no-progress too
     if config.strategy is not None:
         return _run_strategy_bench(args, config)
     result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
@@ -145,7 +149,8 @@ def _run_strategy_bench(args, config: BenchConfig) -> tuple[dict | None, int]:
 
 def _run_search(args) -> tuple[dict, int]:
     result = search(load_model(args.model, **model_kwargs(args)), data_of(args),
-                    settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig)))
+                    settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig,
+                                                                                   memory=memory_of(args))))
     _show(result.table)
     summary = result.to_json()
     if summary["best"]:
@@ -197,8 +202,7 @@ def _run_all(args) -> tuple[dict, int]:
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
-                     model_kwargs=model_kwargs(args),
-                     activation_checkpointing=args.activation_checkpointing, lora=args.lora)
+                     model_kwargs=model_kwargs(args), memory=memory_of(args))
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
@@ -276,23 +280,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(p.add_mutually_exclusive_group(), TrainConfig, ("epochs", "max_steps"))  # max_steps would win
     add_settings(p, TrainConfig, {f.name for f in fields(TrainConfig)} - {"precision", "device", "progress",
                                                                            "checkpoint_dir", "log_dir", "epochs",
-                                                                           "max_steps"})
+                                                                           "max_steps", "memory"})
+    add_memory(p)
     p.set_defaults(run=_run_train)
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
     add_common(p, precision=False)
     add_data(p)
     # --device and --no-progress come with add_common; the benchmark's loggers are the API's only.
-    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds", *BENCH_RUN_ONLY})
+    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds", "memory", *BENCH_RUN_ONLY})
     add_settings(p, Thresholds)
+    add_memory(p, checkpointing=False)  # --activation-checkpointing: each precision's checkpointed rows
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
     add_common(p)
     add_data(p)
     add_settings(p, SearchConfig, {f.name for f in fields(SearchConfig)} - {"progress", "trial"})
-    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed",
-                                  "activation_checkpointing", "lora"), defaults=vars(SearchConfig().trial))
+    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
+                 defaults=vars(SearchConfig().trial))
+    add_memory(p)
     p.set_defaults(run=_run_search)
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
@@ -304,10 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_data(p, data=False)
     p.set_defaults(run=_run_export)
 
-    p = verbs.add_parser("fit", help="every mode (precision, activation checkpointing, LoRA) at your batch and "
-                                     "length: the cheapest that fits here and predicted for T4/L4/A100/H100")
+    p = verbs.add_parser("fit", help="every mode (precision, activation checkpointing, LoRA over each base, QLoRA, "
+                                     "8-bit AdamW) at your batch and length: the cheapest that fits here and "
+                                     "predicted for T4/L4/A100/H100")
     add_common(p, FitConfig, precision=False)
-    add_settings(p, FitConfig, ("batch_size", "seq_len", "precisions", "checkpointing", "lora", "validate"))
+    add_settings(p, FitConfig, ("batch_size", "seq_len", "precisions", "checkpointing", "lora", "optimizers",
+                                "validate"))
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "
@@ -329,9 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                 f"{JOB.bench.repeats} repeats of {JOB.bench.timed_steps})",
         "batch_size": (f"sequences per batch (none: {JOB.batch_size}, {FAST.batch_size} with --fast)",
                        whole),
-        "seed": "initial weights and training data order",
-        "activation_checkpointing": TrainConfig.__dataclass_fields__["activation_checkpointing"].metadata["help"],
-        "lora": TrainConfig.__dataclass_fields__["lora"].metadata["help"]})
+        "seed": "initial weights and training data order"})
+    add_memory(p)
     add_data(p, data=False)
     p.set_defaults(run=_run_all)
 

@@ -23,10 +23,10 @@ from .core.errors import HostMemoryShort, ModelForwardError, TierError, Training
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
+from .core.memory_settings import MemorySettings, memory_setting
 from .core.precision import dtype_name, resolve_device, resolve_precision
 from .core.results import Result, TierFailure, checks_table, run_metadata, verdict_line, worst_status
 from .core.threads import chooses_threads
-from .engine.lora import LoraSettings
 from .jobplan import Growth, JobPlan, job_plan
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
 from .models.loading import load_model
@@ -129,15 +129,15 @@ def _rows_block(rows: pd.DataFrame, width: int) -> list[str]:
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
             progress: bool = TrainConfig.progress, model_kwargs: dict | None = None,
-            activation_checkpointing: bool = TrainConfig.activation_checkpointing,
-            lora: LoraSettings | None = TrainConfig.lora) -> AllResult:
+            memory: MemorySettings | str | None = None) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
     initial weights (training works on a copy), except that with the default model and no model_kwargs,
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
     Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's.
-    activation_checkpointing, lora: the memory modes training and the benchmark run in (docs/precision.md). Training
+    memory: the memory settings training and the benchmark run in (MemorySettings, or full/lora/qlora/adamw8bit;
+    docs/precision.md); with checkpointing the benchmark adds checkpointed rows. Training
     that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
     analysis FAIL rows and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
     (the CLI exits 130) and writes no report.
@@ -156,7 +156,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
     preset, ran_on = _fit_to_model(base, data, preset, seed)
     plan = job_plan(preset, dev)  # every cap decided here, the same on every card
-    memory = {"activation_checkpointing": activation_checkpointing, "lora": lora}  # train's and the benchmark's
+    memory = memory_setting(memory)  # train's and the benchmark's
     grown = {}  # the benchmark's grown batch on a GPU (grow_batch's choice), for the summary and JSON
     # In the order they run, each given the results so far: the benchmark before training (the trained copy the
     # report keeps is not held beside it), fit after it (its fastest mode here is what the benchmark measured).
@@ -167,7 +167,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         "amp_benchmark": lambda done: _benchmark(base, data, plan, dev, progress, memory, grown),
         # A copy: training changes weights, and every tier must start from the same ones.
         "train": lambda done: _train(copy.deepcopy(base), data, preset.train_config(
-            precision=prec, device=dev, seed=seed, progress=progress, **memory)),
+            precision=prec, device=dev, seed=seed, progress=progress, memory=memory)),
         "fit": lambda done: _measured(fit(base, preset.fit_config(device=dev, validate=plan.fit_validate,
                                                                   progress=progress)), done),
         "ranks": lambda done: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
@@ -227,12 +227,16 @@ def _attempt(name: str, run) -> tuple:
     return outcome, time.perf_counter() - start
 
 
-def _benchmark(model, data, plan: JobPlan, dev, progress: bool, memory: dict, grown: dict) -> BenchmarkResult:
+def _benchmark(model, data, plan: JobPlan, dev, progress: bool, memory: MemorySettings,
+               grown: dict) -> BenchmarkResult:
     """The AMP benchmark at its batch: `_grown_batch`'s on a GPU (its choice put in `grown`), else the preset's."""
     preset = plan.preset
     grown.update(_grown_batch(model, dev, plan.growth, preset.seq_len) or {})
     size = grown.get("batch_size", preset.batch_size)
-    return amp_benchmark(model, data, preset.bench_config(batch_size=size, device=dev, progress=progress, **memory))
+    # Checkpointing is the benchmark's extra rows (each precision with and without it), the rest every row's.
+    return amp_benchmark(model, data, preset.bench_config(
+        batch_size=size, device=dev, progress=progress, memory=replace(memory, checkpointing=False),
+        activation_checkpointing=memory.checkpointing))
 
 
 def _measured(planned: FitResult, done: dict) -> FitResult:

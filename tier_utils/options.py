@@ -13,8 +13,9 @@ import types
 import typing
 from dataclasses import fields
 
+from .core.errors import LoraError, MemorySettingError
 from .core.inputs import whole_number
-from .engine.lora import LoraError, LoraSettings, lora_setting
+from .core.memory_settings import LoraSettings, MemorySettings
 from .models.builtins import DEFAULT_MODEL
 from .training.config import TrainConfig
 
@@ -89,11 +90,12 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
                         choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
 
 
-def _lora_arg(value: str) -> LoraSettings | None:
-    """'r=8,alpha=16[,targets=q_proj,v_proj]', a rank, or 0/off; a bad one is argparse's one-line error."""
+def _lora_arg(value: str) -> str | None:
+    """'r=8,alpha=16[,bits=4][,targets=q_proj,v_proj]', a rank, or 0/off, checked while parsing (a bad one is
+    argparse's one-line error); MemorySettings reads it."""
     try:
-        return lora_setting(value)
-    except LoraError as exc:
+        return MemorySettings(lora=value).lora and value
+    except (LoraError, MemorySettingError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -133,6 +135,26 @@ def add_settings(parser, cls, names=None, defaults: dict | None = None) -> None:
         if names is None or f.name in names:
             default = (defaults or {}).get(f.name, f.default)
             _add_option(parser, f.name, default, kinds[f.name], f.metadata)
+
+
+def add_memory(parser, checkpointing: bool = True) -> None:
+    """The memory settings' options (MemorySettings' fields): --lora, --base-dtype, --base-bits, --optimizer,
+    --checkpointing/--no-checkpointing (`checkpointing`=False leaves it to the verb), and --qlora."""
+    add_settings(parser, MemorySettings, ("lora", "base_dtype", "base_bits", "optimizer"))
+    parser.add_argument("--qlora", action="store_true", help="QLoRA: LoRA adapters (--lora's, else r=8,alpha=16) "
+                                                             "over a 4-bit NF4 base (bitsandbytes)")
+    if checkpointing:
+        field = MemorySettings.__dataclass_fields__["checkpointing"]
+        parser.add_argument("--checkpointing", dest="checkpointing", action=argparse.BooleanOptionalAction,
+                            default=field.default, help=_with_default(field.metadata["help"], field.default))
+
+
+def memory_of(args) -> MemorySettings:
+    """The MemorySettings the parsed options say (--qlora: a 4-bit base under --lora's adapters)."""
+    given = {f.name: getattr(args, f.name) for f in fields(MemorySettings) if hasattr(args, f.name)}
+    if getattr(args, "qlora", False):
+        given.update(lora=given.get("lora") or LoraSettings(), base_bits=4)
+    return MemorySettings(**given)
 
 
 def add_parameters(parser, func, helps: dict) -> None:

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .core.memory_settings import MemorySettings, memory_setting
 from .core.precision import canonical_precision, resolve_device
 from .core.settings import check_fields, check_switch, setting
-from .engine.lora import LoraSettings, lora_setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
 from .models.loading import load_model
 from .presets import Preset, notebook_preset
@@ -58,10 +58,10 @@ class RunConfig:
     device: str | None = TrainConfig.device
     seed: int = TrainConfig.seed
     compile: bool = TrainConfig.compile
-    # Memory modes, for train, the benchmark and search: checkpointing on/off; LoRA as a rank (0: off), a
-    # "r=8,alpha=16" string or LoraSettings.
-    activation_checkpointing: bool = TrainConfig.activation_checkpointing
-    lora: LoraSettings | int | str | None = TrainConfig.lora
+    # Memory, for train, the benchmark and search: full, lora, qlora or adamw8bit (MEMORY_CHOICES), or
+    # MemorySettings; checkpointing on/off on top.
+    memory: str | MemorySettings = "full"
+    activation_checkpointing: bool = MemorySettings.checkpointing
     # (model, model_kwargs, tokenizer) as this config holds them: replace() copies it, so a config made for another
     # model sees which of the two were the old model's (the same objects) and drops them. Not a setting.
     _owner: tuple | None = field(default=None, repr=False, compare=False)
@@ -81,7 +81,9 @@ class RunConfig:
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
         check_switch(self, "activation_checkpointing")
-        self.lora = lora_setting(self.lora)
+        memory_setting(self.memory)  # a bad name fails here, naming the choices
+        if isinstance(self.memory, str):
+            self.memory = self.memory.strip().lower()  # the dropdown's value
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
         self._own()
 
@@ -113,10 +115,14 @@ class RunConfig:
         """The device's preset with this config's choices in it, whose builders make each tier's config: its shape,
         precision and device; training's steps, seed, compile choice and memory modes; the benchmark's memory
         modes, and with compile on each precision eager and compiled, interleaved, so its table compares the two."""
-        p, memory = self.preset, {"activation_checkpointing": self.activation_checkpointing, "lora": self.lora}
+        p, memory = self.preset, memory_setting(self.memory, self.activation_checkpointing)
+        # Checkpointing is the benchmark's extra rows (each precision with and without it), the rest every row's.
+        bench = replace(p.bench, compile="both" if self.compile else "off", memory=replace(memory, checkpointing=False),
+                        activation_checkpointing=memory.checkpointing)
         return replace(p, batch_size=self.batch_size, seq_len=self.seq_len, precision=self.precision,
-                       device=self.device, bench=replace(p.bench, compile="both" if self.compile else "off", **memory),
-                       train=replace(p.train, max_steps=self.max_steps, seed=self.seed, compile=self.compile, **memory))
+                       device=self.device, bench=bench,
+                       train=replace(p.train, max_steps=self.max_steps, seed=self.seed, compile=self.compile,
+                                     memory=memory))
 
     smoke_config = _preset_builder("smoke_config")
     analysis_config = _preset_builder("analysis_config")

@@ -13,12 +13,12 @@ from dataclasses import fields
 
 import ipywidgets as widgets
 
+from .core.memory_settings import MEMORY_CHOICES
 from .core.precision import canonical_precision, resolve_precision, supported_precisions
-from .engine.lora import lora_setting
 from .models.builtins import BUILTIN_MODELS
 from .run_config import MAX_BATCH_SIZE, RunConfig
 
-PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "activation_checkpointing", "lora")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing")
 
 # What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
 _user_choices: dict[str, object] = {}
@@ -81,15 +81,19 @@ class ConfigPanel(widgets.VBox):
         # The memory modes: what train, the benchmark and the search run with (docs/precision.md).
         self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
                                                   description="activation checkpointing")
-        self.lora_input = widgets.BoundedIntText(value=config.lora.r if config.lora else 0, min=0, max=4096,
-                                                 description="LoRA rank (0: off)",
-                                                 style={"description_width": "initial"})
+        # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its
+        # own entry.
+        options = [(label, name) for name, label in MEMORY_CHOICES.items()]
+        if config.memory not in MEMORY_CHOICES:
+            options.append((str(config.memory), config.memory))
+        self.memory_select = widgets.Dropdown(options=options, value=config.memory, description="memory",
+                                              style=style)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
         self._show_sizes()
         boxes = {"model": self.model_select, "data": self.data_input, "precision": self.precision_select,
                  "batch_size": self.batch_size_input, "compile": self.compile_box,
-                 "activation_checkpointing": self.checkpointing_box, "lora": self.lora_input}
+                 "memory": self.memory_select, "activation_checkpointing": self.checkpointing_box}
         for name, widget in boxes.items():
             widget.observe(self._set(name), names="value")
         for widget in self.size_inputs.values():
@@ -107,8 +111,6 @@ class ConfigPanel(widgets.VBox):
     def _set(self, attribute: str):
         def write(change):
             value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
-            if attribute == "lora":
-                value = lora_setting(value)  # a rank; 0: off
             if attribute == "model" and value is None:
                 return  # a box being retyped: nothing to build yet
             setattr(self.config, attribute, value)
@@ -160,8 +162,8 @@ class ConfigPanel(widgets.VBox):
 def config_panel(config: RunConfig, models=None, tier: str | None = None) -> ConfigPanel:
     """A widget box editing `config` in place: model (a built-in, or any spec typed in; a built-in's sizes show
     under it), data (empty: the bundled corpus), precision (auto + the modes the device runs natively, from
-    `supported_precisions`), batch size, torch.compile on/off, and the memory modes: activation checkpointing
-    on/off and a LoRA rank (0: off). `tier` ("smoke", "analysis", "train") shows only the boxes that tier's cells read.
-    `models` overrides the model choices offered. Choices the user made in an earlier panel of this kernel
-    are applied to `config` first (see `forget_panel_choices`)."""
+    `supported_precisions`), batch size, torch.compile on/off, and memory: full fine-tune, LoRA, QLoRA (4-bit
+    base) or the 8-bit optimizer, and activation checkpointing on/off. `tier` ("smoke", "analysis", "train")
+    shows only the boxes that tier's cells read. `models` overrides the model choices offered. Choices the user
+    made in an earlier panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
     return ConfigPanel(config, models, tier)

@@ -241,7 +241,7 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "train_examples", "val_examples", "precisions", "batch_size", "seq_len",
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
-                                  "compile_mode", "thresholds", "fit", "activation_checkpointing", "lora",
+                                  "compile_mode", "thresholds", "fit", "activation_checkpointing", "memory",
                                   "lora_detail", "strategy"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}

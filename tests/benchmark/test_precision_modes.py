@@ -181,8 +181,8 @@ def test_fit_plans_each_mode_from_its_bytes_per_parameter_and_its_own_activation
     monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     model = tiny(seed=0)
     n = sum(p.numel() for p in model.parameters())
-    result = fit(model, precisions=("fp32", "bf16", "bf16-true"), checkpointing=False, lora=0, seq_len=16,
-                 progress=False, device="cpu")
+    result = fit(model, precisions=("fp32", "bf16", "bf16-true"), checkpointing=False, lora=0, optimizers="adamw",
+                 seq_len=16, progress=False, device="cpu")
     configs = {c.precision: c for c in result.configs}
     for name, c in configs.items():
         per_param = sum(P.resolve_precision(name, "cpu").static_bytes_per_param().values())

@@ -148,7 +148,7 @@ def test_two_nodes_meet_through_the_rendezvous(tmp_path, runs):
     env = rank_env(GLOO_SOCKET_IFNAME="lo")
     # With activation checkpointing too: the recompute gives the same values, block by block under FSDP.
     target = ["-m", "tier_utils", *_args(tmp_path / "nodes", runs["text"], 2, "--precision", "fp32", "--json",
-                                         str(tmp_path / "n.json"), "--activation-checkpointing")]
+                                         str(tmp_path / "n.json"), "--checkpointing")]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", "1", *target]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]

@@ -12,6 +12,7 @@ from tier_utils.cli import main
 from tier_utils.core.budget import FREE_MEMORY_ENV
 from tier_utils.core.errors import LoraError, NoRepeatedBlocks
 from tier_utils.core.measure import SavedTensorMeter, static_memory
+from tier_utils.core.memory_settings import DecidedMemory, MemorySettings
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.lora import LoraSettings, apply_lora, lora_setting, lora_static_bytes
 from tier_utils.engine.memory import checkpointed, repeated_blocks
@@ -40,8 +41,8 @@ def test_checkpointing_leaves_the_fp32_loss_curve_unchanged(spec, kwargs):
     runs = []
     for on in (False, True):
         torch.manual_seed(0)
-        result = train(load_model(spec, **kwargs), None, max_steps=5, eval_every=0, activation_checkpointing=on,
-                       seed=3, **RUN)
+        result = train(load_model(spec, **kwargs), None, max_steps=5, eval_every=0,
+                       memory=MemorySettings(checkpointing=on), seed=3, **RUN)
         runs.append(result)
     plain, ck = (_losses(r) for r in runs)
     assert len(plain) >= 5 and plain == pytest.approx(ck, rel=1e-6)
@@ -94,7 +95,7 @@ def test_planner_with_checkpointing_agrees_with_a_bisection_under_an_injected_bu
     torch.manual_seed(0)
     model = TinyGPT(d_model=32, n_layer=3, n_head=2, max_len=64)
     monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")
-    result = fit(model, seq_len=64, precisions="fp32", lora=0, device="cpu", progress=False)
+    result = fit(model, seq_len=64, precisions="fp32", lora=0, optimizers="adamw", device="cpu", progress=False)
     room = device_room(result.budget)
     planned = result.table.set_index("checkpointing").loc["on", "this_device"]
     adapter = adapt(model)
@@ -105,7 +106,8 @@ def test_planner_with_checkpointing_agrees_with_a_bisection_under_an_injected_bu
 def test_bf16_with_checkpointing_fits_more_than_without():
     # Issue 32: the planner took autocast's batch-independent weight copies as per-sequence recompute bytes, so
     # bf16 with checkpointing looked smaller (13.5k) than without (15.8k) on the default model at T=64.
-    result = fit("tiny-gpt", seq_len=64, precisions="bf16", lora=0, device="cpu", progress=False)
+    result = fit("tiny-gpt", seq_len=64, precisions="bf16", lora=0, optimizers="adamw", device="cpu",
+                 progress=False)
     table = result.table[result.table.precision == "bf16"].set_index("checkpointing")
     assert table.loc["on", "this_device"] > table.loc["off", "this_device"]
 
@@ -114,11 +116,11 @@ def test_a_model_without_repeated_blocks_is_refused():
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
     plain.task, plain.max_len = "causal-lm", 32
     with pytest.raises(NoRepeatedBlocks, match="drop activation_checkpointing"):
-        train(plain, None, max_steps=1, activation_checkpointing=True, **RUN)
+        train(plain, None, max_steps=1, memory=MemorySettings(checkpointing=True), **RUN)
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--activation-checkpointing", "--model-arg", "n_layer=1"], "has none; drop activation_checkpointing"),
+    (["--checkpointing", "--model-arg", "n_layer=1"], "has none; drop activation_checkpointing"),
     (["--lora", "r=0"], "r must be a whole number >= 1"),
     (["--lora", "r=4,targets=q_proj"], "matches no linear layer of TinyGPT; its linear layers: attn.qkv, attn.proj"),
     (["--merge"], "give lora and save_hf too"),
@@ -152,7 +154,8 @@ def test_lora_settings_parse_and_refuse():
 def test_lora_static_bytes_are_those_of_the_wrapped_model(spec, kwargs):
     model = load_model(spec, **kwargs)
     settings = LoraSettings(r=4, alpha=8)
-    predicted = lora_static_bytes(model, settings)
+    fp32_base = DecidedMemory(MemorySettings(lora=settings), torch.float32, "adamw", "test")
+    predicted = lora_static_bytes(model, fp32_base)
     wrapped = apply_lora(model, settings)
     assert predicted == static_bytes(wrapped)
     trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
@@ -174,13 +177,13 @@ def llama_folder(tmp_path_factory):
 
 
 LORA_RUN = dict(batch_size=4, seq_len=32, eval_every=3, eval_batches=1, progress=False, device="cpu",
-                precision="fp32", lora=LoraSettings(r=4, alpha=8), seed=1)
+                precision="fp32", memory=MemorySettings(lora=LoraSettings(r=4, alpha=8)), seed=1)
 
 
 @pytest.mark.slow  # peft over a transformers Llama, trained, saved and resumed
 def test_lora_on_a_tiny_llama_trains_a_small_share_and_checkpoints_only_the_adapters(llama_folder, tmp_path):
     full = train(str(llama_folder), None, max_steps=2, checkpoint_dir=tmp_path / "full",
-                 **{**LORA_RUN, "lora": None})
+                 **{**LORA_RUN, "memory": MemorySettings()})
     lora = train(str(llama_folder), None, max_steps=6, checkpoint_dir=tmp_path / "lora", lr=1e-2, **LORA_RUN)
     info = lora.summary.lora
     assert info["trainable_share"] < 0.05 and info["base_dtype"] == "float32" and info["adapter_dtype"] == "float32"
@@ -275,7 +278,7 @@ def test_bench_trains_lora_in_every_precision_row_and_gives_the_model_back(monke
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # bf16 native here, whatever this CPU has
     model = TinyGPT(**TWO)
     names = [n for n, _ in model.named_parameters()]
-    result = amp_benchmark(model, precisions="fp32,bf16", lora="r=4,alpha=8", **BENCH)
+    result = amp_benchmark(model, precisions="fp32,bf16", memory=MemorySettings(lora="r=4,alpha=8"), **BENCH)
     assert [r.precision for r in result.records if r.ran] == ["fp32", "bf16"]
     info = result.to_json()["config"]["lora_detail"]
     assert info["r"] == 4 and info["trainable_share"] < 0.1 and info["base_dtype"] == "float32"
@@ -289,9 +292,9 @@ def test_search_trials_run_in_the_memory_modes():
     from tier_utils.tuning.study import search
 
     result = search(TinyGPT(**TWO), n_trials=1, max_steps=2, eval_every=1, eval_batches=1, batch_size=4, seq_len=32,
-                    device="cpu", precision="fp32", activation_checkpointing=True, lora=4, space={"lr": ("log", 1e-3,
-                                                                                                       1e-2)})
-    assert result.best_config.lora == LoraSettings(r=4, alpha=8) and result.best_config.activation_checkpointing
+                    device="cpu", precision="fp32", memory=MemorySettings(lora=4, checkpointing=True),
+                    space={"lr": ("log", 1e-3, 1e-2)})
+    assert result.best_config.memory == MemorySettings(lora=LoraSettings(r=4, alpha=8), checkpointing=True)
     assert len(result.table) == 1 and result.table.state.iloc[0] == "COMPLETE"
 
 
@@ -301,7 +304,7 @@ def test_all_trains_and_benchmarks_in_the_memory_modes(tmp_path):
     out = tmp_path / "report"
     code = main(["all", "--model-arg", "d_model=32", "--model-arg", "n_layer=2", "--model-arg", "n_head=2",
                  "--model-arg", "max_len=32", "--out", str(out), "--fast", "--no-progress", "--device", "cpu",
-                 "--precision", "fp32", "--activation-checkpointing", "--lora", "4"])
+                 "--precision", "fp32", "--checkpointing", "--lora", "4"])
     assert code in (0, 1)
     trained = dict(pd.read_csv(out / "train.csv").values)
     assert trained["activation_checkpointing"].startswith("2 blocks") and trained["lora"].startswith("LoRA r=4")

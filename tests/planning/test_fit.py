@@ -40,7 +40,7 @@ def test_largest_batch_agrees_with_a_bisection_under_the_same_injected_budget(mo
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
     monkeypatch.setenv(FREE_MEMORY_ENV, "120MiB")  # a safe share of 60 MiB: batches in the tens
-    result = fit(model, seq_len=T, precisions="fp32,bf16", lora=0, device="cpu", progress=False)
+    result = fit(model, seq_len=T, precisions="fp32,bf16", lora=0, optimizers="adamw", device="cpu", progress=False)
     room = device_room(result.budget)
     assert room == 60 * 2**20
     table = result.table.set_index(["precision", "checkpointing"])
@@ -76,7 +76,7 @@ def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpoin
     monkeypatch.setenv(FREE_MEMORY_ENV, "64KiB")
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
     plain.task, plain.max_len = "causal-lm", 32
-    result = fit(plain, precisions="fp32", device="cpu", progress=False)
+    result = fit(plain, precisions="fp32", optimizers="adamw", device="cpu", progress=False)
     row = result.full_table().iloc[0]
     assert list(result.table.checkpointing) == ["off", "off"]  # fp32, and LoRA over it
     assert row.this_device == 0 and row.status == "WARN" and "; not even batch 1 fits at T=32" in row.detail
@@ -90,7 +90,8 @@ def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
         fit("tiny-gpt", 16)
     with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: batch_size, seq_len, precisions"):
         fit("tiny-gpt", d_model=32)
-    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, device="cpu", progress=False)
+    config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, optimizers="adamw", device="cpu",
+                       progress=False)
     result = fit("tiny-gpt", config, model_kwargs={**MODEL, "n_layer": 1})
     built = TinyGPT(**{**MODEL, "n_layer": 1})
     assert result.seq_len == 16 and result.model["parameters"] == sum(p.numel() for p in built.parameters())
@@ -102,12 +103,15 @@ def test_cli_fit_prints_every_mode_with_whole_batches_in_100_columns_and_writes_
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "")  # no native bf16/fp16: the true modes are SKIP rows (no batch)
     code = main(["fit", *TINY_ARGS, "--model-arg", "n_layer=2", "--seq-len", "16", "--precisions", "bf16,bf16-true",
-                 "--no-progress", "--json", str(tmp_path / "fit.json")])
+                 "--optimizers", "adamw", "--no-progress", "--json", str(tmp_path / "fit.json")])
     out = capsys.readouterr().out
     assert code == 0 and "predicted" in out and "for the CUDA context" in out
     assert max(len(line) for line in out.splitlines() if not line.startswith("every column")) <= 100  # not the path
+    # LoRA over the base each fp32-weight mode computes in, and QLoRA's 4-bit base under bf16
     modes = ["fp32", "fp32 + checkpointing", "bf16", "bf16 + checkpointing", "bf16-true", "bf16-true + checkpointing",
-             "LoRA r=8 · fp32", "LoRA r=8 · fp32 + checkpointing", "LoRA r=8 · bf16", "LoRA r=8 · bf16 + checkpointing"]
+             "LoRA r=8 · fp32 base · fp32", "LoRA r=8 · fp32 base · fp32 + checkpointing",
+             "LoRA r=8 · bf16 base · bf16", "LoRA r=8 · bf16 base · bf16 + checkpointing",
+             "QLoRA r=8 · nf4 base · bf16", "QLoRA r=8 · nf4 base · bf16 + checkpointing"]
     rows = [line for line in out.splitlines() if any(line.startswith(m + " ") for m in modes)]
     assert len(rows) == 2 * len(modes)  # the table here and the GPUs' table, each row naming its mode
     assert not re.search(r"\d\.\d+e[+-]\d+|\d\.0\b", "\n".join(rows))  # no 1.193e+04, no 12.0: whole batches
@@ -115,6 +119,7 @@ def test_cli_fit_prints_every_mode_with_whole_batches_in_100_columns_and_writes_
     assert skip.split()[-2:] == ["-", "-"]  # no batch here, none validated
     data = json.loads((tmp_path / "fit.json").read_text())
     assert [r["mode"] for r in data["table"]] == modes  # fp32, the baseline, always; LoRA over each
+    assert "T4 16 GB" in " ".join(out.split()[-60:])  # the cheapest mode on each card, the T4's included
     assert data["budget"]["device"] == "cpu" and data["seq_len"] == 16
     assert data["table"][4]["this_device"] is None and isinstance(data["table"][0]["this_device"], int)
     csv = pd.read_csv(tmp_path / "fit.csv")
@@ -126,7 +131,7 @@ def test_cli_fit_prints_every_mode_with_whole_batches_in_100_columns_and_writes_
 def test_on_a_gpu_the_prediction_is_validated_by_bisection():
     torch.manual_seed(0)
     result = fit(TinyGPT(d_model=256, n_layer=4, n_head=4, max_len=1024), seq_len=1024, precisions="fp32,bf16",
-                 lora=0, device="cuda", validate="all", progress=False)
+                 lora=0, optimizers="adamw", device="cuda", validate="all", progress=False)
     table = result.full_table()
     assert table.validated.notna().all()
     for r in table.itertuples():  # predicted within 25 % of what really ran (bench/RESULTS.md: GPT-2-small)
@@ -140,7 +145,7 @@ def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(mo
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
-    free = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    free = fit(model, batch_size=16, seq_len=T, optimizers="adamw", device="cpu", progress=False)
     need = {c.name: c.step_bytes(16, T) for c in free.configs}
     assert len(need) == 16  # 5 precisions and 3 LoRA, each with and without checkpointing
     # Room for bf16 with checkpointing, less than any mixed mode without it: it is the cheapest (the true modes,
@@ -148,7 +153,7 @@ def test_fit_names_the_cheapest_mode_that_fits_each_device_at_the_batch_asked(mo
     room = need["bf16 + checkpointing"]
     assert room < min(need[k] for k in ("fp32", "bf16", "fp16"))
     monkeypatch.setenv(FREE_MEMORY_ENV, str(2 * room + 2))  # the safe share is half
-    result = fit(model, batch_size=16, seq_len=T, device="cpu", progress=False)
+    result = fit(model, batch_size=16, seq_len=T, optimizers="adamw", device="cpu", progress=False)
     cheapest = {k: c.name for k, c in result.cheapest().items()}
     assert cheapest["this_device"] == "bf16 + checkpointing"
     assert cheapest["T4 16 GB (predicted)"] == "fp16" and cheapest["H100 80 GB (predicted)"] == "bf16"
@@ -167,17 +172,20 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     """Plain mixed, then checkpointing, then true modes, then LoRA; within one, a native 2-byte compute before
     fp32 before an emulated one, bf16 (no scaler) before fp16."""
     from tier_utils.core.budget import ActivationFit
-    from tier_utils.engine.lora import LoraSettings
+    from tier_utils.core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
     from tier_utils.planning.planner import Config, cost_rank
 
     nothing = ActivationFit(0, 0, 0, 0, ())
     cpu = torch.device("cpu")
 
-    def config(name, ck=False, lora=None):
-        return Config(name, ck, 0, nothing, 0.0, lora=lora, mode=resolve_precision(name, cpu, warn=False))
+    def config(name, ck=False, memory=None):
+        return Config(name, ck, 0, nothing, 0.0, memory=memory, mode=resolve_precision(name, cpu, warn=False))
 
+    lora = DecidedMemory(MemorySettings(lora=LoraSettings()), torch.bfloat16, "adamw", "")
+    eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16,
+                              "adamw8bit", "")
     modes = [config("bf16"), config("fp16"), config("fp32"), config("bf16", True), config("bf16-true"),
-             config("bf16-true", True), config("bf16", lora=LoraSettings())]
+             config("bf16-true", True), config("bf16", memory=lora), config("bf16", memory=eight_bit)]
     assert sorted(modes, key=lambda c: cost_rank(c, True)) == modes
     assert cost_rank(config("fp32"), True) < cost_rank(config("bf16"), False)  # emulated bf16: fp32 first
 
@@ -187,7 +195,8 @@ def test_fit_csv_holds_every_column_the_page_cuts(tmp_path):
 
     from tier_utils.report import write_report
 
-    result = fit("tiny-gpt", model_kwargs=MODEL, seq_len=16, precisions="fp32", device="cpu", progress=False)
+    result = fit("tiny-gpt", model_kwargs=MODEL, seq_len=16, precisions="fp32", optimizers="adamw", device="cpu",
+                 progress=False)
     write_report({"fit": result}, tmp_path)
     csv = pd.read_csv(tmp_path / "fit.csv")
     assert list(csv.columns[:2]) == ["mode", "precision"] and {"static_gib", "detail"} <= set(csv.columns)

@@ -16,6 +16,7 @@ import pytest
 from torchrun import TWO_BLOCK_ARGS, TWO_BLOCKS, ok, text_file, torchrun, worker_script
 
 from tier_utils import TrainConfig, load_model
+from tier_utils.core.memory_settings import MemorySettings
 from tier_utils.engine.lora import describe_lora
 from tier_utils.training.loop import train
 
@@ -43,7 +44,7 @@ def test_lora_and_compile_run_sharded(tmp_path):
                   max_steps=STEPS, log_every=1, eval_every=0, eval_batches=1, deterministic=True, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        single_lora = train("tiny-gpt", str(text), lora="r=4,alpha=8", **kwargs)
+        single_lora = train("tiny-gpt", str(text), memory=MemorySettings(lora="r=4,alpha=8"), **kwargs)
         single = train("tiny-gpt", str(text), **kwargs)
 
     assert lora["strategy"] == "fsdp" and "each of 2 Block blocks" in lora["sharding"]
@@ -55,7 +56,7 @@ def test_lora_and_compile_run_sharded(tmp_path):
     assert describe_lora(model)["r"] == 4
     assert all(p.any() for n, p in model.named_parameters() if "lora_B" in n)  # trained: peft starts B at zero
     with pytest.raises(ValueError, match="save_hf of a LoRA run under fsdp"):
-        TrainConfig(strategy="fsdp", lora=4, save_hf=str(tmp_path / "hf"))
+        TrainConfig(strategy="fsdp", memory=MemorySettings(lora=4), save_hf=str(tmp_path / "hf"))
     assert compiled["strategy"] == "fsdp" and compiled["compiled"], compiled["compile_reason"]
     assert _losses(pd.read_csv(tmp_path / "compiled" / "metrics.csv")) == pytest.approx(_losses(single.history),
                                                                                         rel=1e-5)

@@ -15,17 +15,19 @@ import torch
 
 from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
+from ..core.device import device_facts
 from ..core.errors import LaunchError
 from ..core.files import jsonable
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
+from ..core.memory_settings import resolve_memory
 from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, problem_rows, run_metadata, status_counts, worst_status
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.compiling import compile_for_training
-from ..engine.lora import apply_lora, convert_for, describe_lora, unload
+from ..engine.lora import apply_memory, convert_for, describe_lora, hold, unload
 from ..engine.memory import memory_context, require_blocks
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
@@ -149,12 +151,18 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
         require_blocks(adapter.model)
     # LoRA freezes the base: which weights trained before is given back with the model (`all` trains it next).
     trainable = {p: p.requires_grad for p in adapter.model.parameters()}
-    if cfg.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
-        adapter = replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+    # Decided once, for the fp32 and mixed rows (a true mode holds its base in its own dtype): LoRA's base dtype,
+    # the optimizer; the model carries it to each row's conversion and optimizer.
+    held = resolve_memory(cfg.memory, resolve_precision("fp32", dev, warn=False), device_facts(dev),
+                          adapter.stored_dtype, adapter.model)
+    if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
+        adapter = replace(adapter, model=apply_memory(adapter.model, held))
+    hold(adapter.model, held)
     try:
         with kept_dtypes(adapter.model.to(dev)):
             return BenchmarkRun(adapter, cfg, dev, data).run()
     finally:
+        hold(adapter.model, None)
         unload(adapter.model)
         for p, flag in trainable.items():
             p.requires_grad_(flag)

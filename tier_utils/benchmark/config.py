@@ -9,10 +9,11 @@ import torch
 
 from ..core.inputs import select_names
 from ..core.loggers import logger_names
+from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.lora import LoraSettings, lora_setting
+from ..engine.step import bitsandbytes_optim
 from ..engine.strategies import launched_strategies
 
 Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs
@@ -80,8 +81,9 @@ class BenchConfig:
     activation_checkpointing: bool = setting(False, "also run each precision with activation checkpointing: its "
                                                     "step time and activation bytes against the same precision "
                                                     "without it")
-    lora: LoraSettings | None = setting(None, "train LoRA adapters (peft) over the frozen base in every row, e.g. "
-                                              "r=8,alpha=16 (none: every weight trains)")
+    # Every row trains under these (LoRA and its base, QLoRA, the optimizer's state); checkpointing is the
+    # activation_checkpointing rows' (each precision again with it).
+    memory: MemorySettings = setting(factory=MemorySettings)
     # Under torchrun (benchmark/strategies.py): which of these apply is said in that module.
     strategy: tuple | None = setting(None, "under torchrun: ddp, fsdp or ddp,fsdp side by side: each rank's step "
                                            "time, peak memory and tokens/s, gathered to rank 0 (none: the "
@@ -98,7 +100,12 @@ class BenchConfig:
         if isinstance(self.compile, bool):  # train's spelling, compile=True/False, is accepted here too
             self.compile = "on" if self.compile else "off"
         self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
-        self.lora = lora_setting(self.lora)
+        self.memory = memory_setting(self.memory)
+        if self.memory.optimizer != "adamw":
+            bitsandbytes_optim(self.memory.optimizer)  # missing: one line naming the extra, before any work
+        if self.memory.checkpointing:
+            raise ValueError("the benchmark runs each precision with and without checkpointing as rows: use "
+                             "activation_checkpointing=True (--activation-checkpointing), not memory's checkpointing")
         if self.strategy is not None:
             self.strategy = tuple(select_names(self.strategy, launched_strategies(), "strategy"))
         check_switch(self, "activation_checkpointing")
@@ -111,4 +118,4 @@ class BenchConfig:
     def to_dict(self) -> dict:
         """The settings a result records: what was measured and how, not where it ran (the result's metadata
         says), how it showed or where it logged."""
-        return {k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}
+        return {**{k: v for k, v in asdict(self).items() if k not in BENCH_RUN_ONLY}, "memory": self.memory.to_dict()}

@@ -13,7 +13,7 @@ from ..core.precision import dtype_name
 from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
 from ..engine.evaluation import evaluate
-from ..engine.lora import convert_for
+from ..engine.lora import convert_for, held_memory
 from ..engine.memory import checkpointing_on, kept_inputs
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from .config import BenchConfig
@@ -50,7 +50,8 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     gc.collect()
     convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
-    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps)
+    held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
+    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps, held.optimizer if held else "adamw")
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
     return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
                      count_rounding=count_rounding)

@@ -13,7 +13,7 @@ writes them on rank 0 only.
 
 The BenchConfig settings it reads: strategy, precisions, batch_size, seq_len, untimed_steps, timed_steps, repeats,
 lr, weight_decay, grad_clip, seed, force, compile (as amp_benchmark: "both" gives eager and compiled rows),
-compile_mode, activation_checkpointing (extra rows with it on), lora (every row), device and progress. The accuracy
+compile_mode, activation_checkpointing (extra rows with it on), memory (every row), device and progress. The accuracy
 runs, thresholds and loggers are the single-process benchmark's.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ SPREAD = {"step_ms_median": "step_ms", "peak_memory_mib": "peak_mib", "tokens_pe
 FIGURES = ("n", "step_ms_median", "step_ms_iqr", "tokens_per_s_median", "tokens_per_s_iqr", "peak_memory_mib",
            "param_mib", "train_loss")  # a skipped run's rows have none
 USED = ("strategy", "precisions", "batch_size", "seq_len", "untimed_steps", "timed_steps", "repeats", "lr",
-        "weight_decay", "grad_clip", "seed", "force", "compile", "compile_mode", "activation_checkpointing", "lora")
+        "weight_decay", "grad_clip", "seed", "force", "compile", "compile_mode", "activation_checkpointing", "memory")
 
 
 @dataclass(repr=False)
@@ -208,7 +208,7 @@ def _measure(into: dict, run: tuple, model, model_kwargs: dict, data, cfg: Bench
         max_steps=cfg.untimed_steps + cfg.timed_steps, weight_decay=cfg.weight_decay, warmup_steps=0,
         grad_clip=cfg.grad_clip, seed=cfg.seed, eval_every=0, eval_batches=1, log_every=1, progress=False,
         device=dev, strategy=strategy, compile=mode == "compiled", compile_mode=cfg.compile_mode,
-        activation_checkpointing=mode == CHECKPOINTED, lora=cfg.lora)
+        memory=replace(cfg.memory, checkpointing=mode == CHECKPOINTED))
     rss = PeakRSS() if dev.type != "cuda" else contextlib.nullcontext()
     with rss:
         result = train(_fresh(model), data, train_cfg, model_kwargs=model_kwargs)

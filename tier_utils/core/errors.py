@@ -89,6 +89,11 @@ class QuantizationError(TierError, ValueError):
     """A 4-bit base (QLoRA) was asked wrongly: bitsandbytes missing, or a model with no nn.Linear to quantise."""
 
 
+class MemorySettingError(TierError, ValueError):
+    """A memory setting (LoRA's base dtype or bits, the optimizer's state) that cannot run as given, or its
+    package missing."""
+
+
 class TrainingDiverged(TierError):
     """The loss or gradient norm became NaN/inf with no scaler to absorb it, or fp16's loss scale collapsed.
     `.result` holds the run's partial TrainResult (its history up to the step before)."""

@@ -1,8 +1,9 @@
 """LoRA through peft: low-rank adapters in fp32 over a frozen base, for train, the benchmark, search and `fit`.
 
-`LoraSettings` is the one declaration (train's, the benchmark's and the panel's `lora`); `apply_lora` wraps a
+`LoraSettings` (core/memory_settings.py, the memory settings' `lora`) is the one declaration; `apply_lora` wraps a
 model with `peft.get_peft_model` (peft keeps the adapters in fp32 over a bf16/fp16 base: autocast_adapter_dtype);
-the base stays in the dtype it was loaded in, frozen, and the result names it. Targets default to the linear
+`convert_for` then holds the frozen base in the decided memory's base dtype and the adapters in fp32, and the
+result names both. Targets default to the linear
 layers inside the repeated blocks (attention and MLP), named as peft matches them: the module names' endings,
 e.g. `self_attn.q_proj` or, for the built-in TinyGPT, `attn.qkv`. A training checkpoint holds the adapters
 only (`model_state`); `save_pretrained` on the wrapped model writes peft's adapter folder, `merged_copy` a plain
@@ -11,78 +12,15 @@ model with the adapters folded in.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
 
+import torch
 import torch.nn as nn
 
 from ..core.errors import LoraError
-from ..core.settings import check_fields, setting
+from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
 from .memory import repeated_blocks
 
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA's settings (peft's LoraConfig: r, lora_alpha, lora_dropout, target_modules)."""
-
-    r: int = setting(8, "adapter rank", low=1)
-    alpha: float = setting(16, "adapter scale numerator: updates are scaled by alpha / r", above=0)
-    dropout: float = setting(0.0, "dropout on the adapters' input", low=0, below=1)
-    targets: tuple | None = setting(None, "linear layers to adapt, by name ending (none: the attention and MLP "
-                                          "linear layers)")
-
-    def __post_init__(self):
-        if isinstance(self.targets, str):
-            object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t.strip()))
-        if self.targets is not None:
-            object.__setattr__(self, "targets", tuple(str(t).strip() for t in self.targets) or None)
-        try:
-            check_fields(self)
-        except ValueError as exc:
-            raise LoraError(f"lora: {exc}; e.g. lora=LoraSettings(r=8, alpha=16) (--lora r=8,alpha=16)") from None
-
-    @classmethod
-    def parse(cls, text: str) -> LoraSettings:
-        """'r=8,alpha=16,targets=q_proj,v_proj': names after targets= are all targets."""
-        values, targets, key = {}, [], None
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            key, sep, value = part.partition("=") if "=" in part else (key, "=", part)
-            if key == "targets":
-                targets.append(value)
-                continue
-            if not sep or key not in ("r", "alpha", "dropout"):
-                raise LoraError(f"--lora {text!r}: expected r=N,alpha=X[,dropout=X][,targets=NAME,NAME], e.g. "
-                                "r=8,alpha=16")
-            try:
-                values[key] = int(value) if key == "r" else float(value)
-            except ValueError:
-                raise LoraError(f"--lora {text!r}: {key}={value!r} is not a number") from None
-        return cls(**values, targets=tuple(targets) or None)
-
-    def describe(self) -> str:
-        return f"LoRA r={self.r}, alpha={self.alpha:g}" + (f", targets {','.join(self.targets)}" if self.targets
-                                                             else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def lora_setting(value) -> LoraSettings | None:
-    """What a `lora` setting may be given as: None, 0 or 'off' (no LoRA), a rank (alpha = 2 x rank, peft's usual
-    ratio), 'r=8,alpha=16,...', a dict of LoraSettings' fields, or LoraSettings."""
-    if value is None or isinstance(value, LoraSettings):
-        return value
-    if isinstance(value, bool):
-        raise LoraError(f"lora must be a rank, 'r=8,alpha=16' or LoraSettings, got {value!r}")
-    if isinstance(value, int):
-        return None if value == 0 else LoraSettings(r=value, alpha=2 * value)
-    if isinstance(value, dict):
-        return LoraSettings(**value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("", "0", "off", "none"):
-            return None
-        return lora_setting(int(text)) if text.isdigit() else LoraSettings.parse(value)
-    raise LoraError(f"lora must be a rank, 'r=8,alpha=16' or LoraSettings, got {type(value).__name__}")
+__all__ = ["LoraSettings", "lora_setting"]  # declared in core.memory_settings, beside the memory settings
 
 
 def _peft():
@@ -158,15 +96,35 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return wrapped
 
 
-def lora_static_bytes(model: nn.Module, settings: LoraSettings) -> dict:
-    """What a LoRA training step holds before activations, without wrapping `model`: the frozen base's weights
-    as they are, the fp32 adapters, their fp32 gradients and AdamW's two fp32 states and step count per adapter
-    tensor (the keys of measure.static_memory)."""
-    base = sum(p.numel() * p.element_size() for p in model.parameters())
-    layers = _targeted(model, resolve_targets(model, settings))
-    adapter = sum(settings.r * sum(m.weight.shape) for m in layers)  # r x (in + out), either weight layout
+def apply_memory(model: nn.Module, memory: DecidedMemory, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """`model` as `memory` trains it: with a 4-bit base (QLoRA) its block linear layers quantised to NF4
+    (engine.quantization, computing in `compute_dtype`: the precision's), then LoRA's adapters over it."""
+    # engine.quantization imports this module (is_lora): imported here, where a 4-bit base is asked for
+    from .quantization import quantize_linears, require_adapters, trainable_layout
+
+    if memory.quantized:
+        quantize_linears(model, compute_dtype or memory.base_dtype)  # already quantised (loaded so): kept as is
+        trainable_layout(model)
+    wrapped = apply_lora(model, memory.lora)
+    require_adapters(wrapped)
+    return wrapped
+
+
+def lora_static_bytes(model: nn.Module, memory: DecidedMemory, quantized: float | None = None) -> dict:
+    """What a LoRA training step holds before activations, without wrapping `model`: the frozen base's weights in
+    the decided base dtype (4-bit: the targeted linear layers' weights at `quantized` bytes each, NF4 with its
+    quantisation state, the rest in the base dtype), the fp32 adapters, their fp32 gradients and the optimizer's
+    state per adapter tensor (the keys of measure.static_memory)."""
+    size = memory.base_dtype.itemsize
+    layers = _targeted(model, resolve_targets(model, memory.lora))
+    base = sum(p.numel() for p in model.parameters()) * size
+    if memory.quantized:
+        quantized_weights = sum(m.weight.numel() for m in layers)
+        base -= quantized_weights * size - int(quantized_weights * quantized)
+    tensors = [memory.lora.r * n for m in layers for n in m.weight.shape[::-1]]  # A: r x in, B: out x r
+    adapter = sum(tensors)
     return {"weights_bytes": base + 4 * adapter, "grads_bytes": 4 * adapter,
-            "optimizer_state_bytes": 8 * adapter + 4 * 2 * len(layers)}
+            "optimizer_state_bytes": memory.settings.state_bytes(tensors)}
 
 
 def describe_lora(model: nn.Module) -> dict | None:
@@ -188,14 +146,35 @@ def describe_lora(model: nn.Module) -> dict | None:
                       f"{','.join(sorted(adapters))}"}
 
 
-def convert_for(precision, model: nn.Module) -> nn.Module:
-    """`precision.convert_module(model)`, except that a LoRA model's adapters stay in fp32: over a true mode's
-    bf16/fp16 base too (peft casts their input to fp32 and their output back)."""
-    precision.convert_module(model)
-    if is_lora(model):
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
+    """Let `model` carry its decided memory settings (None: drop them), for a run that converts it per precision
+    (the benchmark's rows): `convert_for` and `held_memory` read them."""
+    if memory is None:
+        vars(model).pop("tier_utils_memory", None)
+    else:
+        model.tier_utils_memory = memory
+
+
+def held_memory(model: nn.Module) -> DecidedMemory | None:
+    return getattr(model, "tier_utils_memory", None)
+
+
+def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None) -> nn.Module:
+    """`model` in the run's dtypes, in place: without LoRA the precision's (`convert_module`); with LoRA the frozen
+    base in the decided base dtype (`memory`, else what the model holds: `hold`; a true mode's: its own) and the
+    adapters in fp32 (peft casts their input to fp32 and their output back; autocast runs the base's compute in
+    the mixed modes)."""
+    if not is_lora(model):
+        return precision.convert_module(model)
+    memory = memory or held_memory(model)
+    fp32_weights = precision.param_dtype == torch.float32
+    base = memory.base_dtype if memory is not None and fp32_weights else precision.param_dtype
+    for p in model.parameters():
+        if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
+            p.data = p.data.float() if p.requires_grad else p.data.to(base)
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(base)
     return model
 
 

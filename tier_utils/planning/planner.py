@@ -24,15 +24,16 @@ from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget
 from ..core.device import GPU_PROFILES, predicted_facts
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.precision import PRECISIONS, Precision, resolve_device, resolve_precision
+from ..core.memory_settings import OPTIMIZERS, DecidedMemory, LoraSettings, lora_setting
+from ..core.precision import PRECISIONS, Precision, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
-from ..engine.lora import LoraSettings, lora_setting, lora_static_bytes, resolve_targets
 from ..engine.memory import repeated_blocks
 from ..engine.step import make_optimizer
 from ..models.builtins import DEFAULT_MODEL
+from .memory_rows import memory_rows, mode_static_bytes, quantized_bytes
 from .probe import size_probe
 from .validation import VALIDATE_CHOICES, VALIDATE_LIMIT, Validation, validate
 
@@ -56,8 +57,11 @@ class FitConfig:
     seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
     precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16,bf16-true")
     checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
-    lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over the frozen base, under fp32 and each "
-                                                        "mixed precision: r=N,alpha=X[,targets=...] (0: none)")
+    lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over a frozen base: fp32 (under fp32), fp16 "
+                                                        "and bf16 (under their mixed precision) and 4-bit NF4 (QLoRA): "
+                                                        "r=N,alpha=X[,targets=...] (0: none)")
+    optimizers: tuple = setting(("adamw", "adamw8bit"), "optimizer states to plan: adamw, adamw8bit (bitsandbytes' "
+                                                        "8-bit moments; fp32 weights' modes and LoRA)")
     device: str | torch.device | None = device_field()
     validate: str | bool | None = setting(None, "find the largest batch that really runs a step, by bisection: on "
                                                 "(the recommended mode and fp32), all (every mode), off (none: on "
@@ -68,6 +72,11 @@ class FitConfig:
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
         self.lora = lora_setting(self.lora)
+        self.optimizers = tuple(o.strip() for o in (self.optimizers.split(",") if isinstance(self.optimizers, str)
+                                                    else self.optimizers) if o.strip())
+        wrong = [o for o in self.optimizers if o not in OPTIMIZERS[:2]]
+        if wrong or not self.optimizers:
+            raise ValueError(f"optimizers: {', '.join(wrong) or 'none given'}; plan adamw, adamw8bit or both")
         check_switch(self, "checkpointing")
         if isinstance(self.validate, bool):  # the API's True/False: on/off
             self.validate = "on" if self.validate else "off"
@@ -105,14 +114,30 @@ class Config:
     note: str = ""
     recompute_fixed: float = 0.0  # checkpointing: what one block's recompute holds whatever the batch (autocast's
     # low-precision copies of its weights)
-    lora: LoraSettings | None = None  # adapters over the frozen base
+    memory: DecidedMemory | None = None  # LoRA's adapters and their base, the optimizer (None: full, AdamW)
     mode: Precision | None = None  # the precision decided here: its dtypes, its hardware rule
+    parameters: int = 0  # the model's: static bytes per parameter divide by it
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        return self.memory.lora if self.memory is not None else None
 
     @property
     def name(self) -> str:
-        """The mode in words, the table's index: e.g. "bf16-true + checkpointing", "LoRA r=8 · bf16"."""
-        name = f"LoRA r={self.lora.r} · {self.precision}" if self.lora else self.precision
+        """The mode in words, the table's index: e.g. "bf16-true + checkpointing", "LoRA r=8 · fp16 base · fp16 ·
+        AdamW8bit"."""
+        name = self.precision
+        if self.lora is not None:
+            base = "nf4" if self.memory.quantized else dtype_name(self.memory.base_dtype)
+            name = f"{'QLoRA' if self.memory.quantized else 'LoRA'} r={self.lora.r} · {base} base · {name}"
+        if self.memory is not None and self.memory.optimizer != "adamw":
+            name += f" · {self.memory.settings.optimizer_name()}"
         return name + (" + checkpointing" if self.checkpointing else "")
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Static bytes (weights, gradients, optimizer state) per parameter of the model."""
+        return self.static / self.parameters if self.parameters else float("nan")
 
     def per_sequence(self, length: int) -> float:
         """Bytes each sequence of the batch adds: saved activations, output gradient, recompute."""
@@ -151,10 +176,12 @@ def cost_rank(c: Config, native: bool) -> tuple:
     updates; LoRA training only adapters, each again with checkpointing), then its speed on the device (a native
     2-byte compute, then fp32, then an emulated one), no loss scaler before one, the wider range first."""
     low_weights = c.mode.param_dtype.itemsize < 4
-    technique = 4 if c.lora is not None else 2 if low_weights else 0
+    quantized = c.memory is not None and c.memory.quantized
+    technique = 6 if quantized else 4 if c.lora is not None else 2 if low_weights else 0
+    eight_bit = c.memory is not None and c.memory.optimizer != "adamw"  # quantised moments: a little accuracy
     low = c.mode.compute_dtype.itemsize < 4
     speed = 0 if low and native else 2 if low else 1
-    return technique + c.checkpointing, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+    return technique + c.checkpointing + eight_bit, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
 
 
 def speed_rank(c: Config, native: bool) -> tuple:
@@ -235,13 +262,15 @@ class FitResult(Result):
             fits = c.step_bytes(B, T) <= here
             runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
             row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
-            row.update({"static_gib": c.static / 2**30, "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
+            row.update({"bytes_per_param": c.bytes_per_param, "static_gib": c.static / 2**30,
+                        "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
                         "per_sample_gib": c.per_sequence(T) / 2**30,
                         "validated": self.validation.found.get(c.name),
                         "validation": self.validation.describe(c.name)})
             b = row["this_device"] or 0
             row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
-                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}); "
+                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}, "
+                             f"{c.bytes_per_param:.2f} bytes per parameter); "
                              + (f"fits in {gib(here)} ({self.budget.describe()}); largest batch {b}" if fits else
                                 f"over the {gib(here)} usable here; largest batch {b}" if b >= 1 else
                                 f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")
@@ -306,6 +335,8 @@ class FitResult(Result):
                          "table": self.full_table(),
                          "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,
                                       "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,
+                                      "memory": c.memory.to_dict() if c.memory else None,
+                                      "bytes_per_param": c.bytes_per_param,
                                       "activation_fit": c.fit, "recompute_per_token": c.recompute_per_token,
                                       "recompute_fixed": c.recompute_fixed} for c in self.configs],
                          "validated": [{"mode": m, "largest_batch": b} for m, b in self.validation.found.items()],
@@ -340,12 +371,14 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length = adapter.fit_length(cfg.seq_len or adapter.max_len)
-    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget)
+    configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
+                           cfg.optimizers)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
                        batch_size=cfg.batch_size)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked != "off":
-        runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
+        # The plain rows: LoRA's and 8-bit state's steps build other modules and optimizers than this model's.
+        runs = {c.name for c in configs if c.memory is None and (c.mode.native or c.mode.runs_emulated)}
         chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
         result.validation = validate(adapter, configs, chosen, length,
                                      lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
@@ -362,29 +395,31 @@ def _recommended_and_baseline(result: FitResult) -> set[str]:
 
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
-         lora: LoraSettings | None = None, budget: Budget | None = None) -> tuple[list[Config], int]:
+         lora: LoraSettings | None = None, budget: Budget | None = None,
+         optimizers: tuple = ("adamw",)) -> tuple[list[Config], int]:
     """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
-    precision with checkpointing; with `lora`, LoRA under fp32 and each mixed precision (the modes whose
-    weights are fp32), each with and without checkpointing alike; and how many blocks checkpointing wraps.
-    Measures on the adapter's device, each (measured precision, checkpointing) once, with probes sized to
-    `budget` (None: the device's free memory now; see probe.py). The model is given back bit for bit."""
+    precision with checkpointing; with `lora`, LoRA over each base (`memory_rows`); with adamw8bit among
+    `optimizers`, the fp32-weight modes and LoRA again with 8-bit optimizer state; and how many blocks
+    checkpointing wraps. Measures on the adapter's device, each (measured precision, checkpointing) once, with
+    probes sized to `budget` (None: the device's free memory now; see probe.py). The model is given back bit
+    for bit."""
     dev = adapter.device
     blocks = len(repeated_blocks(adapter.model))
     switches = (False, True) if checkpointing and blocks else (False,)
     decided = [resolve_precision(p, dev, warn=False) for p in precisions]
-    combos = [(prec, ck, None) for prec in decided for ck in switches]
-    if lora is not None and resolve_targets(adapter.model, lora):  # a model with no nn.Linear has nothing to adapt
-        combos += [(prec, ck, lora) for prec in decided if prec.param_dtype == torch.float32 for ck in switches]
+    combos = [(prec, ck, memory) for prec, memory in memory_rows(adapter.model, decided, lora, optimizers)
+              for ck in switches]
     # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
     stand_ins = {p.name: resolve_precision(p.measured_as if p.measured_as and not p.native else p.name, dev,
                                            warn=False) for p in decided}
     probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev))
+    quantized, parameters = quantized_bytes(), sum(p.numel() for p in adapter.model.parameters())
     configs = []
-    for prec, ck, adapters in progress_bar(combos, desc="fit", unit="config", enabled=progress):
+    for prec, ck, memory in progress_bar(combos, desc="fit", unit="config", enabled=progress):
         p, stand_in = prec.name, stand_ins[prec.name]
         note = "" if stand_in.name == p else (f"; {p} uses {stand_in.name}'s measurement (the same ops in "
                                               f"another 2-byte type; {p} is emulated here)")
-        if adapters is not None:
+        if memory is not None and memory.lora is not None:
             note += ("; activations: the full model's (an upper bound: a frozen layer keeps no input for a weight "
                      "gradient, the adapters' own are small)")
         note += probe.note()
@@ -397,16 +432,8 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
             recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
-        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, adapters), measured, recompute, note,
-                              fixed, adapters, prec))
+        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, memory, quantized), measured, recompute,
+                              note, fixed, memory, prec, parameters))
     return configs, blocks
 
 
-def mode_static_bytes(model: nn.Module, precision: Precision, lora: LoraSettings | None = None) -> int:
-    """What a mode holds before activations: per trainable parameter the precision's static_bytes_per_param()
-    (weights, gradients, AdamW state), a frozen one its weight; with LoRA, the frozen base and the adapters
-    (engine.lora's count)."""
-    if lora is not None:
-        return sum(lora_static_bytes(model, lora).values())
-    per = sum(precision.static_bytes_per_param().values())
-    return sum(p.numel() * (per if p.requires_grad else precision.param_dtype.itemsize) for p in model.parameters())

@@ -6,14 +6,15 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..core.loggers import logger_names
+from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.lora import LoraSettings, lora_setting
+from ..engine.step import bitsandbytes_optim
 from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
-                     "grad_accum_steps", "seed", "lora")
+                     "grad_accum_steps", "seed", "memory")
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
@@ -67,12 +68,9 @@ class TrainConfig:
     # setting: checkpoints resume either way.
     compile: bool = setting(False, "torch.compile the training step (compile time reported apart)")
     compile_mode: str = compile_mode_setting()
-    # Memory modes (docs/precision.md). Checkpointing changes no trajectory (the recompute gives the same values);
-    # LoRA does, and a resume checks it.
-    activation_checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their "
-                                                    "activations are recomputed in backward, not kept")
-    lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base: r=N,alpha=X[,dropout=X]"
-                                              "[,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight trains)")
+    # Memory modes (docs/precision.md): LoRA and its base, QLoRA, the optimizer's state, checkpointing. A resume
+    # checks them, but checkpointing (the recompute gives the same values; to_dict records it apart).
+    memory: MemorySettings = setting(factory=MemorySettings)
     merge: bool = setting(False, "with LoRA and a transformers folder to save: write the merged model (adapters "
                                  "folded in, plain transformers loads it), not peft's adapter folder")
     # Under torchrun. Not trajectory settings: ddp and fsdp take the same steps (to float rounding); a resume
@@ -87,10 +85,11 @@ class TrainConfig:
 
     def __post_init__(self):
         self.precision = precision_setting(self.precision)
-        self.lora = lora_setting(self.lora)
-        check_switch(self, "activation_checkpointing")
+        self.memory = memory_setting(self.memory)
+        if self.memory.optimizer != "adamw":
+            bitsandbytes_optim(self.memory.optimizer)  # missing: one line naming the extra, before any work
         check_switch(self, "merge")
-        if self.merge and (self.lora is None or self.save_hf is None):
+        if self.merge and (self.memory.lora is None or self.save_hf is None):
             raise ValueError("merge writes a LoRA run's merged model to save_hf; give lora and save_hf too, or "
                              "drop merge")
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
@@ -105,7 +104,10 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
         self.strategy = canonical_strategy(self.strategy)
         sharded = strategy_class(self.strategy).sharded
-        if sharded and self.lora is not None and self.save_hf is not None:
+        if sharded and self.memory.base_bits == 4:
+            raise ValueError(f"a 4-bit base (QLoRA) cannot be sharded by {self.strategy}: use strategy='{DDP.name}' "
+                             "or one process, or drop bits=4")
+        if sharded and self.memory.lora is not None and self.save_hf is not None:
             raise ValueError(f"save_hf of a LoRA run under {self.strategy} is not supported (its adapters are "
                              "sharded); drop save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') "
                              "gives the model with its adapters")
@@ -118,7 +120,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would unfold a decided Precision
         d["precision"] = canonical_precision(self.precision)  # what ran, where it was decided before the run
-        d["lora"] = None if self.lora is None else self.lora.to_dict()
+        d["memory"] = {k: v for k, v in self.memory.to_dict().items() if k != "checkpointing"}
+        d["activation_checkpointing"] = self.memory.checkpointing
         for name in ("device", "checkpoint_dir", "log_dir", "save_hf"):
             d[name] = None if d[name] is None else str(d[name])
         return d

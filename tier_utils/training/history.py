@@ -231,6 +231,7 @@ class TrainSummary:
     weights_detail: str | None = None  # the precision's statement: "weights stored bf16 → fp32 master weights, ..."
     activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
     lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
+    memory: dict | None = None  # the decided memory settings (DecidedMemory.to_dict): base and adapter dtypes, why
     strategy: str | None = None  # the distributed strategy's name (engine/strategies.py)
     # How the strategy holds the model on its ranks (its own description; None: one process). FSDP: what
     # fully_shard wrapped, the MixedPrecisionPolicy, reshard_after_forward.
@@ -298,6 +299,7 @@ class TrainResult(Result):
             ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
+            ("memory", s.memory and f"{s.memory['describe']} ({s.memory['reason']})"),
             ("activation_checkpointing", s.activation_checkpointing),
             ("lora", s.lora and s.lora["detail"]),
             ("compile_reason", s.compile_reason),

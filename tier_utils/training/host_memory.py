@@ -6,8 +6,8 @@ The prediction needs no weights in memory: the parameter count comes from the ca
 safetensors headers of a save_pretrained folder, or from the model built on the meta device (built-ins,
 file.py:Name, package.module:Name, hf:<ModelClass>: shapes only, nothing allocated). Specs it cannot size that
 way (hub ids, checkpoint files, a build that fails on the meta device) are not refused here. What it predicts:
-- training on the CPU: the mode's static bytes, the planner's count (planning/planner.py mode_static_bytes:
-  weights, gradients and AdamW state per trainable parameter, a frozen one's weight with LoRA); activations come
+- training on the CPU: the mode's static bytes, the planner's count (planning/memory_rows.py mode_static_bytes:
+  weights, gradients and the optimizer state per trainable parameter, a frozen one's weight with LoRA); activations come
   on top, so it is a lower bound;
 - training on a GPU: the weights as stored, which pass through host RAM on their way to the card.
 Less what the caller's module already holds in host RAM. Available RAM is psutil's (TIER_UTILS_FREE_MEMORY
@@ -25,12 +25,14 @@ import torch.nn as nn
 
 from ..adapter.adapter import ModelAdapter
 from ..core.budget import gib, read_budget
+from ..core.device import device_facts
 from ..core.errors import HostMemoryShort
 from ..core.hub import HUB_PREFIX
+from ..core.memory_settings import resolve_memory
 from ..core.precision import Precision, resolve_precision
 from ..models.loading import load_model
 from ..models.stored_dtype import safetensors_counts
-from ..planning.planner import mode_static_bytes
+from ..planning.memory_rows import mode_static_bytes, quantized_bytes
 from .config import TrainConfig
 
 
@@ -68,9 +70,11 @@ def _peak(weights: Weights, precision: Precision, cfg: TrainConfig, device: torc
     if device.type != "cpu":
         return weights.stored_bytes, f"loading {weights.name} on its way to {device}"
     if weights.module is not None:
-        static = mode_static_bytes(weights.module, precision, cfg.lora)
+        stored = next((p.dtype for p in weights.module.parameters() if p.is_floating_point()), None)
+        memory = resolve_memory(cfg.memory, precision, device_facts(device), stored)  # LoRA's base dtype, as run
+        static = mode_static_bytes(weights.module, precision, memory, quantized_bytes() if memory.quantized else None)
     else:  # headers only: every parameter trains, or with LoRA none does (its adapters are small)
-        per = precision.param_dtype.itemsize if cfg.lora else sum(precision.static_bytes_per_param().values())
+        per = precision.param_dtype.itemsize if cfg.memory.lora else sum(precision.static_bytes_per_param().values())
         static = weights.parameters * per
     return max(static, weights.stored_bytes), (f"training {weights.name} on the CPU in {precision.name} (weights, "
                                                "gradients and AdamW state; activations come on top)")

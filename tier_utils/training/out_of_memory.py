@@ -4,7 +4,8 @@ A CUDA out-of-memory error in a training run (torch.cuda.OutOfMemoryError, which
 becomes `TrainingOutOfMemory`, whose one line says:
 - the device and its memory in use out of its total, read as the error came (torch.cuda on a real card, else
   the budget reading: available RAM or TIER_UTILS_FREE_MEMORY);
-- what ran out: the batch x length, the precision and the memory settings (activation checkpointing, LoRA);
+- what ran out: the batch x length, the precision and the memory settings (MemorySettings.describe: LoRA or
+  QLoRA, the optimizer's state, activation checkpointing);
 - what fits here: the largest batch in that mode and the cheapest mode that fits the batch asked, from the fit
   planner's prediction (planning/planner.py: activations measured at batch 1 and 2), not a bisection;
 - the checkpoint a `--resume` continues from, when a checkpoint folder is set (it is written whole or not at all:
@@ -24,9 +25,9 @@ import torch
 from ..core.budget import gib, read_budget, release_memory, without_oom
 from ..core.device import device_facts
 from ..core.errors import TrainingOutOfMemory
+from ..core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
 from ..core.precision import PRECISIONS, canonical_precision
 from ..core.results import run_metadata
-from ..engine.lora import LoraSettings
 from ..planning.planner import Config, FitResult, device_room, plan
 from .config import TrainConfig
 
@@ -40,8 +41,7 @@ class RanOut:
     length: int
     grad_accum: int
     precision: str
-    checkpointing: bool
-    lora: LoraSettings | None
+    memory_settings: MemorySettings  # the run's memory settings (LoRA, the optimizer's state, checkpointing)
     steps: int | None  # steps finished before it (None: before the first, while setting up)
     total_steps: int | None
     checkpoint: str | None  # the last checkpoint's path (None: no checkpoint folder)
@@ -49,9 +49,7 @@ class RanOut:
 
     def settings(self) -> str:
         accum = f" (x{self.grad_accum} accumulated)" if self.grad_accum > 1 else ""
-        lora = f"LoRA r={self.lora.r}" if self.lora else "LoRA off"
-        return (f"B={self.batch}, T={self.length}{accum}, {self.precision}, activation checkpointing "
-                f"{'on' if self.checkpointing else 'off'}, {lora}")
+        return f"B={self.batch}, T={self.length}{accum}, {self.precision}, {self.memory_settings.describe()}"
 
 
 def answered(make_run, cfg: TrainConfig, device: torch.device):
@@ -84,12 +82,11 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
 def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
     if run is None:  # building the model on the device, or compiling
         return RanOut(memory_in_use(device), cfg.batch_size, cfg.seq_len, cfg.grad_accum_steps,
-                      canonical_precision(cfg.precision), cfg.activation_checkpointing, cfg.lora, None, None,
-                      None, None)
+                      canonical_precision(cfg.precision), cfg.memory, None, None, None, None)
     c = run.cfg  # the run's (its length capped at the model's)
     last = run.checkpoints.last_path
     return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.grad_accum_steps, run.precision.name,
-                  c.activation_checkpointing, c.lora, run.progress.step, run.data.total_steps,
+                  c.memory, run.progress.step, run.data.total_steps,
                   str(last) if last is not None else None, run.progress.last_saved)
 
 
@@ -113,10 +110,16 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, Config |
     budget = read_budget(device)
     room = device_room(budget)  # what `fit` says a training step may use here
     # A LoRA run's model already has its adapters: planned as it is, its trainable parameters are theirs.
+    lora = ran.memory_settings.lora
+    optimizers = ("adamw",) if ran.memory_settings.optimizer == "adamw" else ("adamw", "adamw8bit")
     configs, blocks = plan(adapter, PRECISIONS, ran.length, checkpointing=True,
-                           lora=None if ran.lora else LoraSettings(), budget=budget)
-    if ran.lora:
-        configs = [replace(c, lora=ran.lora) for c in configs]
+                           lora=None if lora else LoraSettings(), budget=budget, optimizers=optimizers)
+    if lora:  # planned as the model holds them: its base in the dtype it has, its adapters trained
+        base = next((p.dtype for p in adapter.model.parameters() if not p.requires_grad and p.is_floating_point()),
+                    torch.float32)
+        configs = [replace(c, memory=DecidedMemory(replace(ran.memory_settings, checkpointing=c.checkpointing), base,
+                                                   c.memory.optimizer if c.memory else "adamw", "the run's"))
+                   for c in configs]
     fit = FitResult(configs, ran.length, adapter.summary(), budget, run_metadata(device), blocks=blocks,
                     batch_size=ran.batch)
     same = _same_mode(configs, ran)
@@ -142,8 +145,11 @@ def _most(configs: list[Config], length: int, room: float) -> str:
 
 
 def _same_mode(configs: list[Config], ran: RanOut) -> Config | None:
-    return next((c for c in configs if c.precision == ran.precision and c.checkpointing == ran.checkpointing
-                 and (c.lora is None) == (ran.lora is None)), None)
+    settings = ran.memory_settings
+    eight_bit = settings.optimizer != "adamw"
+    return next((c for c in configs if c.precision == ran.precision and c.checkpointing == settings.checkpointing
+                 and (c.lora is None) == (settings.lora is None)
+                 and (c.memory is not None and c.memory.optimizer != "adamw") == eight_bit), None)
 
 
 def _resume(ran: RanOut, cheapest: Config | None) -> str:
@@ -153,9 +159,10 @@ def _resume(ran: RanOut, cheapest: Config | None) -> str:
         return ""
     if ran.saved_step is None:
         return "; no checkpoint was written before it (checkpoint_every sets how often), so a rerun starts over"
-    same_run = cheapest is not None and cheapest.precision == ran.precision and cheapest.lora == ran.lora
+    settings = ran.memory_settings
+    same_run = cheapest is not None and cheapest.precision == ran.precision and cheapest.lora == settings.lora
     how = "--resume --activation-checkpointing (resume=True, activation_checkpointing=True)" if (
-        same_run and cheapest.checkpointing and not ran.checkpointing) else \
+        same_run and cheapest.checkpointing and not settings.checkpointing) else \
         "--resume (resume=True) with the same batch and precision"
     return (f"; {ran.checkpoint} is intact at step {ran.saved_step}: {how} continues from step {ran.saved_step} "
             "(another batch or precision starts over in a new checkpoint folder)")

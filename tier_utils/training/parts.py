@@ -12,14 +12,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..adapter.adapter import ModelAdapter, resolve_model
+from ..core.device import device_facts
 from ..core.errors import DataError
+from ..core.memory_settings import DecidedMemory, resolve_memory
 from ..core.precision import Precision
 from ..core.seeding import seed_everything
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed
 from ..engine.compiling import CompileInfo, compile_for_training
-from ..engine.lora import apply_lora, convert_for
+from ..engine.lora import apply_memory, convert_for
 from ..engine.memory import enable_checkpointing, require_blocks
+from ..engine.quantization import load_quantized, require_adapters
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..engine.strategies import Strategy
 from ..models.checkpoint import data_fingerprint
@@ -36,6 +39,7 @@ class BuiltModel:
     name: str  # the model's own class name, read before the strategy placed it (fully_shard renames it FSDP<name>)
     checkpointing: str | None  # activation checkpointing's description (None: off)
     placement: str | None  # how the strategy holds the model on its ranks (None: one process)
+    memory: DecidedMemory  # the memory settings decided for this run: LoRA's base dtype, the optimizer built
 
 
 def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precision, strategy: Strategy,
@@ -44,26 +48,36 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
     (FSDP shards it in place, before the optimizer is built on its parameters)."""
     allocator = strategy.prepare_host()  # before the model is built
     seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
+    if cfg.memory.base_bits == 4 and not isinstance(model, torch.nn.Module):
+        # A spec's 4-bit base is quantised as it loads (transformers' BitsAndBytesConfig for a folder or hub id)
+        model, model_kwargs = load_quantized(model, precision.compute_dtype, **model_kwargs), {}
     adapter = resolve_model(model, **model_kwargs)
-    if cfg.activation_checkpointing:
+    # Decided once, here: LoRA's base dtype (and fp16's range check on these weights), the optimizer built.
+    memory = resolve_memory(cfg.memory, precision, device_facts(device), adapter.stored_dtype, adapter.model)
+    if cfg.memory.checkpointing:
         require_blocks(adapter.model)  # before LoRA changes a caller's module
-    adapter = with_lora(adapter, cfg)
+    adapter = with_lora(adapter, memory, precision)
     check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
-    # fp32 master weights for the mixed modes, whatever dtype the checkpoint was stored in
-    convert_for(precision, adapter.model.to(device)).train()
+    # fp32 master weights for the mixed modes, whatever dtype the checkpoint was stored in; with LoRA the base in
+    # the decided base dtype and the adapters in fp32 (a 4-bit base's packed weights stay as bitsandbytes holds them)
+    convert_for(precision, adapter.model.to(device), memory).train()
     # The planner's checkpointing (engine/memory.py), so what `fit` predicted with it is what runs.
-    checkpointing = enable_checkpointing(adapter.model) if cfg.activation_checkpointing else None
+    checkpointing = enable_checkpointing(adapter.model) if cfg.memory.checkpointing else None
     adapter.require_trainable()
     adapter.check_forward()
     name = adapter.name
-    return BuiltModel(adapter, name, checkpointing, strategy.setup_module(adapter.model, precision, allocator))
+    return BuiltModel(adapter, name, checkpointing, strategy.setup_module(adapter.model, precision, allocator),
+                      memory)
 
 
-def with_lora(adapter: ModelAdapter, cfg: TrainConfig) -> ModelAdapter:
-    """The adapter with LoRA's adapters over its frozen base, where the config asks for them."""
-    if cfg.lora is None:
+def with_lora(adapter: ModelAdapter, memory: DecidedMemory, precision: Precision) -> ModelAdapter:
+    """The adapter with LoRA's adapters over its frozen base, where the memory settings ask for them: a 4-bit
+    base (QLoRA) has its block Linear layers quantised first (a module passed in; a spec was quantised as it
+    loaded), computing in the precision's compute dtype, and must then carry adapters."""
+    if memory.lora is None:
+        require_adapters(adapter.model)  # a 4-bit model given without LoRA: one line, before any step
         return adapter
-    return replace(adapter, model=apply_lora(adapter.model, cfg.lora))
+    return replace(adapter, model=apply_memory(adapter.model, memory, precision.compute_dtype))
 
 
 def fitted_config(cfg: TrainConfig, adapter: ModelAdapter) -> TrainConfig:
@@ -127,7 +141,8 @@ def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precis
     """The optimizer and schedule, and the step on what the strategy wraps (DDP: its wrapper), with the strategy's
     GradScaler and clipping. compile: the step calls the compiled model; evaluation and checkpoints use the eager
     one (its warm-up puts back the RNG states and buffers it moved)."""
-    optimizer = make_optimizer(built.adapter.model, cfg.lr, cfg.weight_decay, precision.adamw_eps)
+    optimizer = make_optimizer(built.adapter.model, cfg.lr, cfg.weight_decay, precision.adamw_eps,
+                               built.memory.optimizer)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, data.total_steps)
     stepped, info = strategy.wrap(built.adapter), None
     if cfg.compile:

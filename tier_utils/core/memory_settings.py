@@ -1,0 +1,362 @@
+"""Memory as one settings object, beside the precision class: `MemorySettings` says what a run holds its weights
+and optimizer state in (LoRA's adapters and their frozen base's dtype, QLoRA's 4-bit base, the optimizer's state
+format, activation checkpointing). train, the benchmark, fit, search and the panel read it; `resolve_memory`
+decides it once at the boundary, with the decided precision and the device's facts, into a `DecidedMemory` that
+is passed down and named in every result.
+
+Bytes per parameter (docs/precision.md): a frozen base weight holds its dtype's size (4-bit NF4: about half a byte
+and its quantisation state, measured by engine/quantization.py); a trained parameter its weight, its gradient
+and the optimizer's state: AdamW two fp32 moments (8 bytes), bitsandbytes' 8-bit AdamW two uint8 moments and a
+float32 absmax per block of STATE_BLOCK values for tensors of at least MIN_8BIT_SIZE elements (smaller ones it
+keeps in 32-bit, as AdamW).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from .device import DeviceFacts
+from .errors import LoraError, MemorySettingError
+from .precision import Precision, dtype_name
+from .settings import check_fields, setting
+
+OPTIMIZERS = ("adamw", "adamw8bit", "paged-adamw8bit")
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BASE_BITS = (16, 4)
+# bitsandbytes' 8-bit optimizers (0.45-0.50, measured on its CPU backend): state1/state2 uint8 per element, a
+# float32 absmax per block of 256 elements for each, and a 256-entry float32 code map each, for tensors of at
+# least min_8bit_size = 4096 elements; smaller tensors keep two float32 states.
+MIN_8BIT_SIZE = 4096
+STATE_BLOCK = 256
+QMAP_BYTES = 2 * 256 * 4
+_OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "paged-adamw8bit": "PagedAdamW8bit"}
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA's settings (peft's LoraConfig: r, lora_alpha, lora_dropout, target_modules)."""
+
+    r: int = setting(8, "adapter rank", low=1)
+    alpha: float = setting(16, "adapter scale numerator: updates are scaled by alpha / r", above=0)
+    dropout: float = setting(0.0, "dropout on the adapters' input", low=0, below=1)
+    targets: tuple | None = setting(None, "linear layers to adapt, by name ending (none: the attention and MLP "
+                                          "linear layers)")
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t for t in self.targets.split(",") if t.strip()))
+        if self.targets is not None:
+            object.__setattr__(self, "targets", tuple(str(t).strip() for t in self.targets) or None)
+        try:
+            check_fields(self)
+        except ValueError as exc:
+            raise LoraError(f"lora: {exc}; e.g. lora=LoraSettings(r=8, alpha=16) (--lora r=8,alpha=16)") from None
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSettings:
+        """'r=8,alpha=16,targets=q_proj,v_proj': names after targets= are all targets."""
+        values, targets, key = {}, [], None
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            key, sep, value = part.partition("=") if "=" in part else (key, "=", part)
+            if key == "targets":
+                targets.append(value)
+                continue
+            if not sep or key not in ("r", "alpha", "dropout"):
+                raise LoraError(f"--lora {text!r}: expected r=N,alpha=X[,dropout=X][,bits=4][,targets=NAME,NAME], "
+                                "e.g. r=8,alpha=16")
+            try:
+                values[key] = int(value) if key == "r" else float(value)
+            except ValueError:
+                raise LoraError(f"--lora {text!r}: {key}={value!r} is not a number") from None
+        return cls(**values, targets=tuple(targets) or None)
+
+    def __str__(self) -> str:
+        """The --lora spelling (what --help shows as the default): r=8,alpha=16[,dropout=X][,targets=...]."""
+        return (f"r={self.r},alpha={self.alpha:g}" + (f",dropout={self.dropout:g}" if self.dropout else "")
+                + (f",targets={','.join(self.targets)}" if self.targets else ""))
+
+    def describe(self) -> str:
+        return f"LoRA r={self.r}, alpha={self.alpha:g}" + (f", targets {','.join(self.targets)}" if self.targets
+                                                             else "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lora_setting(value) -> LoraSettings | None:
+    """What a `lora` setting may be given as: None, 0 or 'off' (no LoRA), a rank (alpha = 2 x rank, peft's usual
+    ratio), 'r=8,alpha=16,...', a dict of LoraSettings' fields, or LoraSettings."""
+    if value is None or isinstance(value, LoraSettings):
+        return value
+    if isinstance(value, bool):
+        raise LoraError(f"lora must be a rank, 'r=8,alpha=16' or LoraSettings, got {value!r}")
+    if isinstance(value, int):
+        return None if value == 0 else LoraSettings(r=value, alpha=2 * value)
+    if isinstance(value, dict):
+        return LoraSettings(**value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "0", "off", "none"):
+            return None
+        return lora_setting(int(text)) if text.isdigit() else LoraSettings.parse(value)
+    raise LoraError(f"lora must be a rank, 'r=8,alpha=16' or LoraSettings, got {type(value).__name__}")
+
+
+def _split_bits(text: str) -> tuple[str, int | None]:
+    """'r=8,alpha=16,bits=4' -> ('r=8,alpha=16', 4): the base's bits ride along in --lora's spelling."""
+    parts, bits = [], None
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key == "bits":
+            if not value.strip().isdigit():
+                raise MemorySettingError(f"--lora {text!r}: bits={value!r} is not a whole number; use bits=4 "
+                                         "(QLoRA) or leave it out")
+            bits = int(value)
+        else:
+            parts.append(part)
+    return ",".join(parts), bits
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What a training step holds its weights and optimizer state in: full fine-tuning (every weight trains, in the
+    precision's dtype) or LoRA adapters over a frozen base (its dtype, or 4-bit NF4: QLoRA), the optimizer's state
+    format, and activation checkpointing."""
+
+    lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base: r=N,alpha=X[,dropout=X]"
+                                              "[,bits=4][,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight "
+                                              "trains)")
+    base_dtype: str | None = setting(None, "LoRA's frozen base: fp16, bf16 or fp32 (none: its stored dtype where "
+                                           "the device computes in it natively; on a card without bf16 a bf16 base "
+                                           "becomes fp16 after a range check; else fp32)", choices=tuple(BASE_DTYPES))
+    base_bits: int = setting(16, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; needs "
+                                 "lora)")
+    optimizer: str = setting("adamw", "the optimizer's state: adamw (fp32 moments), adamw8bit or paged-adamw8bit "
+                                      "(bitsandbytes' 8-bit moments; paged on CUDA)", choices=OPTIMIZERS)
+    checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their activations are "
+                                         "recomputed in backward, not kept", flag="checkpointing")
+
+    def __post_init__(self):
+        lora, bits = self.lora, None
+        if isinstance(lora, str):
+            lora, bits = _split_bits(lora)
+        object.__setattr__(self, "lora", lora_setting(lora))
+        if bits is not None:
+            object.__setattr__(self, "base_bits", bits)
+        if self.base_dtype is not None:
+            object.__setattr__(self, "base_dtype", str(self.base_dtype).strip().lower())
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.checkpointing, bool):
+            raise MemorySettingError(f"checkpointing must be True or False, got {self.checkpointing!r}")
+        if isinstance(self.base_bits, bool) or self.base_bits not in BASE_BITS:
+            raise MemorySettingError(f"base bits {self.base_bits!r} is not supported; use 4 (QLoRA, e.g. --lora "
+                                     "r=8,bits=4 or --qlora) or 16")
+        if self.base_bits == 4 and self.lora is None:
+            raise MemorySettingError("a 4-bit base (QLoRA) trains LoRA adapters over it; give lora too, e.g. "
+                                     "--lora r=8,alpha=16,bits=4 or --qlora")
+        if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
+            raise MemorySettingError(f"base dtype {self.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
+        if self.base_dtype is not None and self.lora is None:
+            raise MemorySettingError(f"base dtype {self.base_dtype} applies to LoRA's frozen base; give lora too (e.g. "
+                                     "--lora r=8,alpha=16), or drop it: a full fine-tune holds the precision's dtype")
+        try:
+            check_fields(self)
+        except ValueError as exc:
+            raise MemorySettingError(str(exc)) from None
+
+    @classmethod
+    def qlora(cls, lora: LoraSettings | None = None, **given) -> MemorySettings:
+        """QLoRA: LoRA adapters (default LoraSettings()) over a 4-bit NF4 base."""
+        return cls(lora=lora or LoraSettings(), base_bits=4, **given)
+
+    def bytes_per_param(self, base_dtype: torch.dtype = torch.float32, trained_dtype: torch.dtype = torch.float32,
+                        quantized: float | None = None) -> dict:
+        """Bytes per parameter, for a tensor of at least MIN_8BIT_SIZE elements: `base` per frozen base weight
+        (this object's base dtype, else `base_dtype`; 4-bit: `quantized`, engine.quantization's measured NF4
+        bytes), and per trained parameter its `weights` (LoRA: fp32 adapters, else `trained_dtype`), `grads` and
+        `optimizer` state. A full fine-tune has no frozen base (base 0)."""
+        trained = 4 if self.lora is not None else trained_dtype.itemsize
+        if self.lora is None:
+            base = 0.0
+        elif self.base_bits == 4:
+            if quantized is None:
+                raise MemorySettingError("a 4-bit base's bytes come from bitsandbytes (engine.quantization."
+                                         "quantized_bytes_per_param); pass quantized=")
+            base = quantized
+        else:
+            base = BASE_DTYPES[self.base_dtype].itemsize if self.base_dtype else base_dtype.itemsize
+        return {"base": base, "weights": trained, "grads": trained, "optimizer": self.state_bytes_per_param(
+            MIN_8BIT_SIZE, trained)}
+
+    def state_bytes_per_param(self, numel: int, trained_size: int = 4) -> float:
+        """The optimizer's state bytes per element of a trained tensor of `numel` elements."""
+        if self.optimizer == "adamw" or numel < MIN_8BIT_SIZE:
+            return 2 * trained_size if self.optimizer == "adamw" else 8.0
+        return 2 + 2 * 4 / STATE_BLOCK
+
+    def state_bytes(self, numels, trained_size: int = 4) -> int:
+        """The optimizer's state bytes over trained tensors of `numels` elements: torch's AdamW keeps a float32
+        step count per tensor, bitsandbytes an int (no tensor) and an 8-bit tensor's two code maps."""
+        total = 0.0
+        for n in numels:
+            total += n * self.state_bytes_per_param(n, trained_size)
+            if self.optimizer == "adamw":
+                total += 4
+            elif n >= MIN_8BIT_SIZE:
+                total += QMAP_BYTES
+        return int(total)
+
+    def optimizer_name(self) -> str:
+        return _OPTIMIZER_NAMES[self.optimizer]
+
+    def describe(self, base: str | None = None) -> str:
+        """In words, e.g. "LoRA r=8 over a bf16 base, fp32 adapters, AdamW8bit, checkpointing"; `base`: the
+        decided base dtype's name where this object leaves it open."""
+        if self.lora is None:
+            words = ["full fine-tune"]
+        else:
+            held = "a 4-bit NF4" if self.base_bits == 4 else f"a {self.base_dtype or base or 'stored-dtype'}"
+            words = [f"{'QLoRA' if self.base_bits == 4 else 'LoRA'} r={self.lora.r} over {held} base", "fp32 adapters"]
+        words.append(self.optimizer_name())
+        if self.checkpointing:
+            words.append("checkpointing")
+        return ", ".join(words)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        """The fields that differ from the defaults, LoRA in its --lora spelling: MemorySettings(lora='r=8,alpha=16',
+        base_bits=4)."""
+        changed = {f: getattr(self, f) for f in ("lora", "base_dtype", "base_bits", "optimizer", "checkpointing")
+                   if getattr(self, f) != MemorySettings.__dataclass_fields__[f].default}
+        shown = ", ".join(f"{k}={str(v)!r}" if k == "lora" else f"{k}={v!r}" for k, v in changed.items())
+        return f"MemorySettings({shown})"
+
+    def to_dict(self) -> dict:
+        return {"lora": None if self.lora is None else self.lora.to_dict(), "base_dtype": self.base_dtype,
+                "base_bits": self.base_bits, "optimizer": self.optimizer, "checkpointing": self.checkpointing}
+
+
+# The panel's memory choices, and what each means (memory_setting's names).
+MEMORY_CHOICES = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA (4-bit base)",
+                  "adamw8bit": "8-bit optimizer"}
+
+
+def memory_setting(value, checkpointing: bool | None = None) -> MemorySettings:
+    """What a `memory` setting may be given as: None (full fine-tune, AdamW), MemorySettings, a dict of its fields,
+    or a name: full, lora, qlora, adamw8bit, paged-adamw8bit; `checkpointing` on top when given."""
+    if value is None:
+        memory = MemorySettings()
+    elif isinstance(value, MemorySettings):
+        memory = value
+    elif isinstance(value, dict):
+        memory = MemorySettings(**value)
+    elif isinstance(value, str) and value.strip().lower() in (*MEMORY_CHOICES, "paged-adamw8bit"):
+        name = value.strip().lower()
+        memory = (MemorySettings(lora=LoraSettings()) if name == "lora" else MemorySettings.qlora()
+                  if name == "qlora" else MemorySettings(optimizer=name) if "adamw" in name else MemorySettings())
+    else:
+        raise MemorySettingError(f"memory must be MemorySettings, a dict of its fields or one of "
+                                 f"{', '.join(MEMORY_CHOICES)}, paged-adamw8bit; got {value!r}")
+    if checkpointing is not None and checkpointing != memory.checkpointing:
+        memory = replace(memory, checkpointing=checkpointing)
+    return memory
+
+
+@dataclass(frozen=True)
+class DecidedMemory:
+    """MemorySettings decided for one run: the frozen base's dtype (None: a full fine-tune, every weight in the
+    precision's dtype), the adapters' (fp32), the optimizer that is built (paged only on CUDA) and why."""
+
+    settings: MemorySettings
+    base_dtype: torch.dtype | None
+    optimizer: str
+    reason: str
+    adapter_dtype: torch.dtype = torch.float32
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        return self.settings.lora
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.settings.checkpointing
+
+    @property
+    def quantized(self) -> bool:
+        return self.settings.base_bits == 4
+
+    def describe(self) -> str:
+        text = self.settings.describe(dtype_name(self.base_dtype) if self.base_dtype is not None else None)
+        return text if self.optimizer == self.settings.optimizer else text + f" ({self.optimizer} here)"
+
+    def bytes_per_param(self, precision: Precision, quantized: float | None = None) -> dict:
+        return self.settings.bytes_per_param(self.base_dtype or precision.param_dtype, precision.param_dtype,
+                                             quantized)
+
+    def to_dict(self) -> dict:
+        return {**self.settings.to_dict(), "decided_base_dtype": self.base_dtype and dtype_name(self.base_dtype),
+                "adapter_dtype": dtype_name(self.adapter_dtype) if self.lora is not None else None,
+                "decided_optimizer": self.optimizer, "reason": self.reason, "describe": self.describe()}
+
+
+def out_of_fp16_range(named_tensors) -> list[str]:
+    """The names of the floating tensors with a value beyond fp16's range (±65504): fp16 would make them inf."""
+    return [name for name, t in named_tensors if t.is_floating_point() and t.numel()
+            and t.detach().abs().max().item() > FP16_MAX]
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def resolve_memory(settings: MemorySettings, precision: Precision, facts: DeviceFacts,
+                   stored_dtype: torch.dtype | None, model: torch.nn.Module | None = None) -> DecidedMemory:
+    """`settings` decided for one run: the base dtype (LoRA) from the precision, the device's facts, the stored
+    dtype and, before a bf16 base becomes fp16, `model`'s weights checked against fp16's range; the optimizer
+    (paged only on CUDA, as bitsandbytes pages). A contradiction is one line (MemorySettingError)."""
+    optimizer = settings.optimizer
+    if optimizer == "paged-adamw8bit" and facts.device.type != "cuda":
+        optimizer = "adamw8bit"  # bitsandbytes pages on CUDA only (it warns and runs unpaged elsewhere)
+    if settings.lora is None:
+        return DecidedMemory(settings, None, optimizer, "full fine-tune: every weight in the precision's dtype")
+    base, reason = _base_dtype(settings, precision, facts, stored_dtype)
+    if base == torch.float16 and (stored_dtype or torch.float32) != torch.float16 and model is not None:
+        over = out_of_fp16_range(model.named_parameters())
+        if over and settings.base_dtype == "fp16":
+            raise MemorySettingError(f"base dtype fp16 would overflow: {_named(over)} hold values beyond fp16's "
+                                     f"±{FP16_MAX:g}; use --base-dtype bf16 or fp32")
+        if over:
+            base, reason = torch.float32, (f"base kept fp32: {_named(over)} hold values beyond fp16's ±{FP16_MAX:g} "
+                                           f"and {facts.describe()} has no native bf16")
+            warnings.warn(f"LoRA base: {reason}", stacklevel=2)
+    return DecidedMemory(settings, base, optimizer, reason)
+
+
+def _base_dtype(settings: MemorySettings, precision: Precision, facts: DeviceFacts,
+                stored_dtype: torch.dtype | None) -> tuple[torch.dtype, str]:
+    """LoRA's base dtype and why, before fp16's range check."""
+    asked = BASE_DTYPES.get(settings.base_dtype)
+    if precision.param_dtype != torch.float32:  # a true mode holds everything in its dtype: the base too
+        if asked is not None and asked != precision.param_dtype:
+            raise MemorySettingError(f"--base-dtype {settings.base_dtype} with --precision {precision.name}: the "
+                                     f"true mode holds every weight in {dtype_name(precision.param_dtype)}; drop "
+                                     f"--base-dtype or use a mixed precision ({dtype_name(precision.compute_dtype)})")
+        return precision.param_dtype, f"{precision.name} holds the base in {dtype_name(precision.param_dtype)}"
+    if asked is not None:
+        return asked, f"base dtype {settings.base_dtype} as asked"
+    stored = stored_dtype if stored_dtype in (torch.float16, torch.bfloat16) else None
+    if stored is None:
+        return torch.float32, f"base stored {dtype_name(stored_dtype or torch.float32)}: kept fp32"
+    native, why = facts.dtype_support(stored)
+    if native:
+        return stored, f"base kept in its stored {dtype_name(stored)}: {why}"
+    if stored == torch.bfloat16 and facts.dtype_support(torch.float16)[0]:
+        return torch.float16, f"base stored bf16 held in fp16: {why}; its weights are within fp16's range"
+    return torch.float32, f"base stored {dtype_name(stored)} upcast to fp32: {why}"

@@ -120,11 +120,11 @@ def test_base_dtype_fp16_with_bf16_true_is_one_line():
 
 def _trained(folder, memory, precision, monkeypatch):
     """train() on `folder`, and the optimizer it built (what train holds: static_memory of both)."""
-    from tier_utils.training import loop
+    from tier_utils.training import loop, parts
 
     built = []
-    real = loop.make_optimizer
-    monkeypatch.setattr(loop, "make_optimizer", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    real = parts.make_optimizer  # make_optimization's: the one place a run builds its optimizer
+    monkeypatch.setattr(parts, "make_optimizer", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     result = loop.train(folder, "synthetic", max_steps=2, precision=precision, memory=memory, **RUN)
     return result, static_memory(result.model, built[-1])
 

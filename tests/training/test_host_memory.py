@@ -11,6 +11,7 @@ from tiny import TINY, TINY_ARGS
 
 from tier_utils import TinyGPT, train
 from tier_utils.core.errors import HostMemoryShort
+from tier_utils.core.memory_settings import MemorySettings
 from tier_utils.training.host_memory import weights_of
 
 RUN = dict(max_steps=2, seq_len=32, batch_size=4, eval_every=0, eval_batches=1, precision="fp32", progress=False)
@@ -32,7 +33,8 @@ def test_a_spec_is_sized_on_the_meta_device_and_a_folder_from_its_headers(tmp_pa
 
 
 def test_a_run_past_the_available_ram_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    need = 16 * parameters()  # fp32 on the CPU: weights, gradients and AdamW's two states
+    # fp32 on the CPU: weights, gradients and AdamW's two states, and its float32 step count per tensor
+    need = 16 * parameters() + 4 * len(list(TinyGPT(**TINY).parameters()))
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(need - 1))
     with pytest.raises(HostMemoryShort) as caught:
         train("tiny-gpt", model_kwargs=dict(TINY), checkpoint_dir=tmp_path / "ckpt", **RUN)
@@ -62,7 +64,7 @@ def test_lora_is_predicted_with_its_frozen_base(monkeypatch):
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(8 * parameters()))
     with pytest.raises(HostMemoryShort):
         train("tiny-gpt", model_kwargs=dict(TINY), **RUN)
-    assert train("tiny-gpt", model_kwargs=dict(TINY), lora="r=4", **RUN).summary.steps == 2
+    assert train("tiny-gpt", model_kwargs=dict(TINY), memory=MemorySettings(lora="r=4"), **RUN).summary.steps == 2
 
 
 def test_cli_refuses_with_exit_2_and_writes_nothing(tmp_path):

@@ -19,6 +19,7 @@ from tier_utils import TinyGPT, mainjob, search, train
 from tier_utils.adapter.adapter import adapt
 from tier_utils.core.budget import read_budget
 from tier_utils.core.errors import TrainingOutOfMemory
+from tier_utils.core.memory_settings import MemorySettings
 from tier_utils.mainjob import _attempt, run_all
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.planning.planner import device_room, plan
@@ -95,14 +96,13 @@ def test_out_of_memory_is_one_line_with_what_fits_the_checkpoint_and_the_memory_
     error = caught.value
     line = str(error)
     assert "\n" not in line and error.exit_code == 2
-    assert line.startswith("out of memory after 2 of 6 steps at B=8, T=32, fp32, activation checkpointing off, "
-                           "LoRA off on ")
+    assert line.startswith("out of memory after 2 of 6 steps at B=8, T=32, fp32, full fine-tune, AdamW on ")
     assert "TIER_UTILS_FREE_MEMORY" in line
     assert f"fp32 up to B={budget};" in line  # the planner's largest batch in the mode that ran out
     assert "at B=8 the cheapest mode that fits is fp32 + checkpointing;" in line
     # The last checkpoint is whole, and a resume with checkpointing on keeps the run's trajectory.
-    assert f"{tmp_path / 'ckpt' / 'last.pt'} is intact at step 2: --resume --activation-checkpointing (resume=True, " \
-           "activation_checkpointing=True) continues from step 2" in line
+    assert f"{tmp_path / 'ckpt' / 'last.pt'} is intact at step 2: --resume --checkpointing (resume=True, the " \
+           "memory settings with checkpointing=True) continues from step 2" in line
     assert load_checkpoint(tmp_path / "ckpt" / "last.pt")["step"] == 2
     # Frames released: nothing holds the failing forward's tensors, nor the error's cause.
     assert error.__cause__ is None and error.__context__ is None and error.__suppress_context__
@@ -111,7 +111,8 @@ def test_out_of_memory_is_one_line_with_what_fits_the_checkpoint_and_the_memory_
     again = train(model, **{**RUN, "batch_size": budget})
     assert again.summary.steps == RUN["max_steps"]
     # ... and the checkpointed run resumes from the step the line named, with checkpointing on.
-    resumed = train(model, checkpoint_dir=tmp_path / "ckpt", resume=True, activation_checkpointing=True, **RUN)
+    resumed = train(model, checkpoint_dir=tmp_path / "ckpt", resume=True,
+                    memory=MemorySettings(checkpointing=True), **RUN)
     assert resumed.summary.resumed_from_step == 2 and resumed.summary.steps == RUN["max_steps"]
 
 
@@ -132,7 +133,7 @@ def test_cli_train_out_of_memory_exits_2_with_one_line(oom_file, budget, tmp_pat
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"fp32 up to B={budget};" in errors[0] and "cheapest mode that fits is fp32 + checkpointing" in errors[0]
-    assert "is intact at step 2: --resume --activation-checkpointing (" in errors[0]
+    assert "is intact at step 2: --resume --checkpointing (" in errors[0]
     assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == 2
     assert not (tmp_path / "train.json").exists()  # no result to write: the one line is the answer
 
@@ -227,10 +228,10 @@ def test_out_of_memory_before_the_first_step_says_so_and_points_at_fit():
 def test_a_lora_run_out_of_memory_is_planned_as_lora(oom_class, budget):
     """The model already holds its adapters: the modes the line names are LoRA's, the base frozen."""
     with pytest.raises(TrainingOutOfMemory) as caught:
-        train(oom_class(fail_at=2, **SIZE), lora="r=4", activation_checkpointing=True, **RUN)
+        train(oom_class(fail_at=2, **SIZE), memory=MemorySettings(lora="r=4", checkpointing=True), **RUN)
     line = str(caught.value)
-    assert "activation checkpointing on, LoRA r=4 on " in line
-    assert re.search(r": LoRA r=4 · fp32 \+ checkpointing up to B=\d+;", line), line
+    assert "LoRA r=4 over a fp32 base, fp32 adapters, AdamW, checkpointing on " in line
+    assert re.search(r": LoRA r=4 · fp32 base · fp32 \+ checkpointing up to B=\d+;", line), line
     assert re.search(r"the cheapest mode that fits is LoRA r=4 · ", line), line
 
 

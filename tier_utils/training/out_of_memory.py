@@ -42,6 +42,7 @@ class RanOut:
     grad_accum: int
     precision: str
     memory_settings: MemorySettings  # the run's memory settings (LoRA, the optimizer's state, checkpointing)
+    memory_words: str  # them in words, as decided for the run where it was built (its base dtype named)
     steps: int | None  # steps finished before it (None: before the first, while setting up)
     total_steps: int | None
     checkpoint: str | None  # the last checkpoint's path (None: no checkpoint folder)
@@ -49,7 +50,7 @@ class RanOut:
 
     def settings(self) -> str:
         accum = f" (x{self.grad_accum} accumulated)" if self.grad_accum > 1 else ""
-        return f"B={self.batch}, T={self.length}{accum}, {self.precision}, {self.memory_settings.describe()}"
+        return f"B={self.batch}, T={self.length}{accum}, {self.precision}, {self.memory_words}"
 
 
 def answered(make_run, cfg: TrainConfig, device: torch.device):
@@ -82,11 +83,11 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
 def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
     if run is None:  # building the model on the device, or compiling
         return RanOut(memory_in_use(device), cfg.batch_size, cfg.seq_len, cfg.grad_accum_steps,
-                      canonical_precision(cfg.precision), cfg.memory, None, None, None, None)
+                      canonical_precision(cfg.precision), cfg.memory, cfg.memory.describe(), None, None, None, None)
     c = run.cfg  # the run's (its length capped at the model's)
     last = run.checkpoints.last_path
     return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.grad_accum_steps, run.precision.name,
-                  c.memory, run.progress.step, run.data.total_steps,
+                  c.memory, run.built.memory.describe(), run.progress.step, run.data.total_steps,
                   str(last) if last is not None else None, run.progress.last_saved)
 
 
@@ -161,7 +162,7 @@ def _resume(ran: RanOut, cheapest: Config | None) -> str:
         return "; no checkpoint was written before it (checkpoint_every sets how often), so a rerun starts over"
     settings = ran.memory_settings
     same_run = cheapest is not None and cheapest.precision == ran.precision and cheapest.lora == settings.lora
-    how = "--resume --activation-checkpointing (resume=True, activation_checkpointing=True)" if (
+    how = "--resume --checkpointing (resume=True, the memory settings with checkpointing=True)" if (
         same_run and cheapest.checkpointing and not settings.checkpointing) else \
         "--resume (resume=True) with the same batch and precision"
     return (f"; {ran.checkpoint} is intact at step {ran.saved_step}: {how} continues from step {ran.saved_step} "

@@ -26,6 +26,7 @@ def fake_steps(monkeypatch):
 
 def _fit(**settings):
     torch.manual_seed(0)
+    settings.setdefault("optimizers", "adamw")  # 8-bit optimizer rows: test_8bit_optimizer_rows_stay_predicted
     return fit(TinyGPT(**MODEL), seq_len=16, precisions="fp32,bf16", device="cpu", progress=False, **settings)
 
 
@@ -37,8 +38,8 @@ def test_by_default_validation_runs_the_recommended_mode_and_fp32_only(fake_step
     assert all(b == 40 for b in result.validation.found.values()) and len(released) == 1  # at the end
     table = result.full_table().set_index("mode")
     assert table.loc["fp32", "validation"] == "largest batch validated: 40 ran a step"
-    assert table.loc["LoRA r=8 · fp32", "validation"] == "predicted (LoRA rows are not validated)"
-    others = set(table.index) - {recommended, "fp32"} - {m for m in table.index if m.startswith("LoRA")}
+    assert table.loc["LoRA r=8 · fp32 base · fp32", "validation"] == "predicted (LoRA rows are not validated)"
+    others = set(table.index) - {recommended, "fp32"} - {m for m in table.index if "LoRA" in m}
     assert others and all("validate='all' runs every mode" in table.loc[m, "validation"] for m in others)
 
 
@@ -48,6 +49,15 @@ def test_validate_all_runs_every_mode_but_lora_and_off_runs_none(fake_steps):
     assert not _fit(validate="off").validation.found
     with pytest.raises(ValueError, match="validate must be one of on, off, all"):
         FitConfig(validate="some")
+
+
+def test_8bit_optimizer_rows_stay_predicted(fake_steps):
+    """A step with bitsandbytes' 8-bit state builds another optimizer than the probe's: its rows stay predicted."""
+    result = _fit(validate="all", lora=None, optimizers="adamw,adamw8bit")
+    eight_bit = {c.name for c in result.configs if c.memory is not None}
+    assert eight_bit and not eight_bit & set(result.validation.found)
+    assert {result.validation.predicted[m] for m in eight_bit} == {"8-bit optimizer rows are not validated"}
+    assert set(result.validation.found) == {c.name for c in result.configs} - eight_bit
 
 
 def test_past_the_time_cap_the_remaining_rows_stay_predicted(monkeypatch, fake_steps):

@@ -21,6 +21,11 @@ def parameters() -> int:
     return sum(p.numel() for p in TinyGPT(**TINY).parameters())
 
 
+def fp32_training_bytes() -> int:
+    """fp32 on the CPU: weights, gradients and AdamW's two states, and its float32 step count per tensor."""
+    return 16 * parameters() + 4 * len(list(TinyGPT(**TINY).parameters()))
+
+
 def test_a_spec_is_sized_on_the_meta_device_and_a_folder_from_its_headers(tmp_path):
     weights = weights_of("tiny-gpt", dict(TINY))
     assert weights.parameters == parameters() and weights.resident == 0
@@ -33,8 +38,7 @@ def test_a_spec_is_sized_on_the_meta_device_and_a_folder_from_its_headers(tmp_pa
 
 
 def test_a_run_past_the_available_ram_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    # fp32 on the CPU: weights, gradients and AdamW's two states, and its float32 step count per tensor
-    need = 16 * parameters() + 4 * len(list(TinyGPT(**TINY).parameters()))
+    need = fp32_training_bytes()
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(need - 1))
     with pytest.raises(HostMemoryShort) as caught:
         train("tiny-gpt", model_kwargs=dict(TINY), checkpoint_dir=tmp_path / "ckpt", **RUN)
@@ -52,10 +56,10 @@ def test_a_run_past_the_available_ram_is_refused_in_one_line_before_anything_is_
 def test_a_module_in_memory_counts_only_what_training_adds(monkeypatch):
     model = TinyGPT(**TINY)
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(16 * parameters() - held - 1))
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(fp32_training_bytes() - held - 1))
     with pytest.raises(HostMemoryShort, match="training TinyGPT on the CPU in fp32"):
         train(model, **RUN)
-    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(16 * parameters() - held))
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(fp32_training_bytes() - held))
     assert train(model, **RUN).summary.steps == 2
 
 

@@ -377,8 +377,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
                        batch_size=cfg.batch_size)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked != "off":
-        # The plain rows: LoRA's and 8-bit state's steps build other modules and optimizers than this model's.
-        runs = {c.name for c in configs if c.memory is None and (c.mode.native or c.mode.runs_emulated)}
+        runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
         chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
         result.validation = validate(adapter, configs, chosen, length,
                                      lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),

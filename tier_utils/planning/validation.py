@@ -2,8 +2,9 @@
 
 Work sized to the question, not to the card: by default only the recommended mode and the fp32 baseline are
 validated (`validate="all"`: every mode), under a time cap (FitConfig.validate_seconds) after which the rows left
-stay predicted and say so, with the memory each probe held released before the next and at the end. LoRA rows
-are not validated (a step of them needs the adapters applied; their bytes are predicted).
+stay predicted and say so, with the memory each probe held released before the next and at the end. Rows with
+memory settings are not validated (a step of LoRA's needs the adapters applied, of 8-bit optimizer state
+bitsandbytes' optimizer built: other modules and optimizers than this model's; their bytes are predicted).
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def validate(adapter, configs: list, chosen: set[str], length: int, start_of, ca
     `cap_s` seconds have passed; every other config gets the reason it stays predicted."""
     result, begun = Validation(), time.monotonic()
     deadline = begun + cap_s
-    todo = [c for c in configs if c.name in chosen and c.lora is None]
+    todo = [c for c in configs if c.name in chosen and c.memory is None]
     for c in configs:
         if c not in todo:
             result.predicted[c.name] = ("LoRA rows are not validated" if c.lora is not None else
+                                        "8-bit optimizer rows are not validated" if c.memory is not None else
                                         "not validated: validate='all' runs every mode that runs here")
     for c in progress_bar(todo, desc="fit: validating", unit="mode", enabled=progress):
         if time.monotonic() > deadline:

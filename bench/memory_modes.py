@@ -62,8 +62,9 @@ def child(precision: str, memory: dict, steps: int, size: str = "small") -> dict
     from tier_utils.core.measure import SavedTensorMeter, static_memory, summarize
     from tier_utils.core.memory_settings import MemorySettings, resolve_memory
     from tier_utils.core.precision import resolve_precision
-    from tier_utils.engine.lora import apply_memory, convert_for
+    from tier_utils.engine.lora import convert_for
     from tier_utils.engine.memory import kept_inputs, memory_context
+    from tier_utils.engine.quantization import apply_memory
     from tier_utils.engine.step import TrainStep, make_optimizer
 
     torch.manual_seed(0)

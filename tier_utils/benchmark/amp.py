@@ -27,8 +27,9 @@ from ..core.results import Result, checks_table, problem_rows, run_metadata, sta
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.compiling import compile_for_training
-from ..engine.lora import apply_memory, convert_for, describe_lora, hold, unload
+from ..engine.lora import convert_for, describe_lora, hold, unload
 from ..engine.memory import memory_context, require_blocks
+from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
 from .answer import answer_line

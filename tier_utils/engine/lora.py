@@ -96,20 +96,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return wrapped
 
 
-def apply_memory(model: nn.Module, memory: DecidedMemory, compute_dtype: torch.dtype | None = None) -> nn.Module:
-    """`model` as `memory` trains it: with a 4-bit base (QLoRA) its block linear layers quantised to NF4
-    (engine.quantization, computing in `compute_dtype`: the precision's), then LoRA's adapters over it."""
-    # engine.quantization imports this module (is_lora): imported here, where a 4-bit base is asked for
-    from .quantization import quantize_linears, require_adapters, trainable_layout
-
-    if memory.quantized:
-        quantize_linears(model, compute_dtype or memory.base_dtype)  # already quantised (loaded so): kept as is
-        trainable_layout(model)
-    wrapped = apply_lora(model, memory.lora)
-    require_adapters(wrapped)
-    return wrapped
-
-
 def lora_static_bytes(model: nn.Module, memory: DecidedMemory, quantized: float | None = None) -> dict:
     """What a LoRA training step holds before activations, without wrapping `model`: the frozen base's weights in
     the decided base dtype (4-bit: the targeted linear layers' weights at `quantized` bytes each, NF4 with its

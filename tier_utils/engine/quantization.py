@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 
 from ..core.errors import QuantizationError
+from ..core.memory_settings import DecidedMemory
 from ..models.loading import is_pretrained_spec, load_model, source_of
-from .lora import is_lora
+from .lora import apply_lora, is_lora
 from .memory import repeated_blocks
 
 QUANT_TYPE = "nf4"
@@ -219,3 +220,14 @@ def merge_to_plain(model: nn.Module, stored_dtype: torch.dtype) -> nn.Module:
     for p in model.parameters():  # the weights only: buffers such as rotary frequencies keep their own dtype
         p.data = p.data.to(stored_dtype)
     return model
+
+
+def apply_memory(model: nn.Module, memory: DecidedMemory, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """`model` as `memory` trains it: with a 4-bit base (QLoRA) its block linear layers quantised to NF4
+    (quantize_linears, computing in `compute_dtype`: the precision's), then LoRA's adapters over it."""
+    if memory.quantized:
+        quantize_linears(model, compute_dtype or memory.base_dtype)  # already quantised (loaded so): kept as is
+        trainable_layout(model)
+    wrapped = apply_lora(model, memory.lora)
+    require_adapters(wrapped)
+    return wrapped

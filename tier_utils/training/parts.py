@@ -20,9 +20,9 @@ from ..core.seeding import seed_everything
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed
 from ..engine.compiling import CompileInfo, compile_for_training
-from ..engine.lora import apply_memory, convert_for
+from ..engine.lora import convert_for
 from ..engine.memory import enable_checkpointing, require_blocks
-from ..engine.quantization import load_quantized, require_adapters
+from ..engine.quantization import apply_memory, load_quantized, require_adapters
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..engine.strategies import Strategy
 from ..models.checkpoint import data_fingerprint

@@ -24,10 +24,6 @@ VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step o
 VALIDATE_CHOICES = ("on", "off", "all")  # on: the recommended mode and fp32; all: every mode but LoRA's
 
 
-class _TimeUp(Exception):
-    """Validation's time cap passed during a bisection: the mode stays predicted."""
-
-
 @dataclass
 class Validation:
     """What validation found: mode name -> the largest batch that ran a step, and for each mode left predicted,
@@ -63,7 +59,7 @@ def validate(adapter, configs: list, chosen: set[str], length: int, start_of, ca
         try:
             result.found[c.name] = bisect_batch(lambda b, c=c: _in_time(deadline) and step_runs(adapter, c, b, length),
                                                 start_of(c), VALIDATE_LIMIT)
-        except _TimeUp:
+        except TimeoutError:  # the cap passed during its bisection (_in_time): the mode stays predicted
             result.predicted[c.name] = f"validation's {cap_s:g} s cap was reached during its bisection"
     _release(adapter.device)
     result.seconds = time.monotonic() - begun
@@ -72,7 +68,7 @@ def validate(adapter, configs: list, chosen: set[str], length: int, start_of, ca
 
 def _in_time(deadline: float) -> bool:
     if time.monotonic() > deadline:
-        raise _TimeUp
+        raise TimeoutError
     return True
 
 

@@ -57,17 +57,17 @@ for line in requires("tier_utils") or []:
         print(str(req).replace(" ", ""))
 EOF
 )"
-if [[ -n "$missing" ]]; then
-    # Pin torch and numpy to the installed builds, so no dependency can pull in a replacement.
-    constraints="$(mktemp)"
-    trap 'rm -f "$constraints"' EXIT
-    "$PYTHON" -c 'import sys
+# Pin torch and numpy to the installed builds, so no dependency (ours, or the qlora extra's) pulls in a replacement.
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+"$PYTHON" -c 'import sys
 from importlib.metadata import PackageNotFoundError, version
 for name in sys.argv[1:]:
     try:
         print(f"{name}=={version(name)}")
     except PackageNotFoundError:
         pass' "${KEEP[@]}" > "$constraints"
+if [[ -n "$missing" ]]; then
     # shellcheck disable=SC2086  # one requirement per word
     pip install -q -c "$constraints" $missing
 fi
@@ -76,19 +76,10 @@ fi
 # Its requirement is read from the installed package's metadata (pyproject.toml declares it once); torch and numpy
 # stay pinned to the runtime's builds.
 if [[ "${TIER_UTILS_QLORA:-0}" == "1" ]]; then
-    pins="$(mktemp)"
-    "$PYTHON" -c 'import sys
-from importlib.metadata import PackageNotFoundError, version
-for name in sys.argv[1:]:
-    try:
-        print(f"{name}=={version(name)}")
-    except PackageNotFoundError:
-        pass' "${KEEP[@]}" > "$pins"
     qlora="$("$PYTHON" -c 'from importlib.metadata import requires
 print(" ".join(r.split(";")[0].replace(" ", "") for r in requires("tier_utils") or [] if "qlora" in r.split(";", 1)[-1]))')"
     # shellcheck disable=SC2086  # one requirement per word
-    pip install -q -c "$pins" $qlora
-    rm -f "$pins"
+    pip install -q -c "$constraints" $qlora
 fi
 
 "$PYTHON" -m tier_utils info --no-progress

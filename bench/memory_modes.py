@@ -9,7 +9,7 @@ QLoRA (a 4-bit NF4 base) where tier_utils.engine.quantization is there.
 
 Each mode runs in its own subprocess, so its peak RSS (ru_maxrss) is its own: the model built, put in the mode
 (the memory settings decided by resolve_memory, LoRA through peft, the base and adapters in their dtypes by
-engine.lora.convert_for, checkpointing through engine.memory), one untimed step,
+engine.lora.convert_for, checkpointing through engine.activation_checkpointing), one untimed step,
 then --steps timed steps through tier_utils' TrainStep; then one more step under the saved-tensor meter. A
 mode whose 2-byte type this CPU only emulates runs anyway (the true modes are then refused: they may not run
 emulated; they run here with TIER_UTILS_CPU_FLAGS set, to measure what they hold) and the row says "emulated".
@@ -62,8 +62,8 @@ def child(precision: str, memory: dict, steps: int, size: str = "small") -> dict
     from tier_utils.core.measure import SavedTensorMeter, static_memory, summarize
     from tier_utils.core.memory_settings import MemorySettings, resolve_memory
     from tier_utils.core.precision import resolve_precision
+    from tier_utils.engine.activation_checkpointing import kept_inputs, memory_context
     from tier_utils.engine.lora import convert_for
-    from tier_utils.engine.memory import kept_inputs, memory_context
     from tier_utils.engine.quantization import apply_memory
     from tier_utils.engine.step import TrainStep, make_optimizer
 

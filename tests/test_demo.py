@@ -8,11 +8,11 @@ import torch
 from tiny import TINY
 
 from tier_utils import AnalysisConfig, ModelSpecError, adapt, analyze, load_model, mainjob
-from tier_utils import demo as demo_module
+from tier_utils import demo_recipe as demo_module
 from tier_utils.benchmark.config import BenchConfig
-from tier_utils.demo import SEED, STEPS, UNIFORM_LOSS, corpus_val_loss
+from tier_utils.demo_recipe import SEED, STEPS, UNIFORM_LOSS, corpus_val_loss
 from tier_utils.models.builtins import DEFAULT_MODEL, DEMO_MODEL
-from tier_utils.models.demo import ASSETS, CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, demo_card
+from tier_utils.models.demo_model import ASSETS, CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, demo_card
 from tier_utils.presets import FAST, JOB, Preset
 from tier_utils.training.config import TrainConfig
 

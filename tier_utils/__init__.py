@@ -38,7 +38,7 @@ from .mainjob import AllResult, run_all
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL, TinyEncoder, TinyGPT
 from .models.checkpoint import load_checkpoint
 from .models.loading import load_model, load_weights
-from .planning.device_info import InfoConfig, InfoResult, info
+from .planning.device_report import InfoConfig, InfoResult, info
 from .planning.planner import FitConfig, FitResult, fit
 from .planning.ranks import RanksConfig, RanksResult, plan_ranks
 from .report import write_report

@@ -43,7 +43,7 @@ from .options import (
     settings_from,
     whole,
 )
-from .planning.device_info import InfoConfig, info
+from .planning.device_report import InfoConfig, info
 from .planning.planner import FitConfig, fit
 from .planning.ranks import RanksConfig, plan_ranks
 from .presets import FAST, JOB

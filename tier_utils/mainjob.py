@@ -17,8 +17,8 @@ import torch
 from .adapter.adapter import adapt
 from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
-from .benchmark.consistency import consistency, recorded_load
-from .benchmark.size import fp32_measure, grow_batch
+from .benchmark.mainjob.batch_size import fp32_measure, grow_batch
+from .benchmark.mainjob.consistency import consistency, recorded_load
 from .core.errors import HostMemoryShort, ModelForwardError, TierError, TrainingDiverged, TrainingOutOfMemory, describe
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir

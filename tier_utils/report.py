@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .benchmark.consistency import consistency, recorded_load
+from .benchmark.mainjob.consistency import consistency, recorded_load
 from .core.display import STATUS_STYLE, readable
 from .core.files import atomic_write_bytes, write_json
 from .core.plotting import save_png

@@ -12,10 +12,10 @@ from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils.adapter.adapter import adapt
 from tier_utils.benchmark import amp as bench
-from tier_utils.benchmark import size
 from tier_utils.benchmark.amp import amp_benchmark, interleave
 from tier_utils.benchmark.config import BENCH_RUN_ONLY, BenchConfig
-from tier_utils.benchmark.size import fp32_measure, grow_batch
+from tier_utils.benchmark.mainjob import batch_size as sizing
+from tier_utils.benchmark.mainjob.batch_size import fp32_measure, grow_batch
 from tier_utils.benchmark.verdicts import (
     Thresholds,
     accuracy_check,
@@ -561,15 +561,15 @@ def test_grow_batch_stops_at_a_cap_that_does_not_grow_with_the_card_and_says_wha
     """The fake card never stops being launch-bound below 512: the default cap stops growth at 256 and the
     reason says the share of fixed cost left; a batch asked above the cap is measured as asked."""
     grown = grow_batch(8, _fake_gpu(), budget_bytes=None)
-    assert grown["batch_size"] == size.GROWTH_MAX_BATCH == 256 and grown["capped"]
+    assert grown["batch_size"] == sizing.GROWTH_MAX_BATCH == 256 and grown["capped"]
     share = grown["trail"][-1]["fixed_share"]
     assert share > 0.2 and f"cap of 256 sequences (the same on every card); fp32's step is still {share:.0%}" \
         in grown["reason"]
     asked = grow_batch(300, _fake_gpu(), budget_bytes=None)
     assert asked["batch_size"] == 300 and len(asked["trail"]) == 1
     # Half of a card, at most GROWTH_BUDGET_BYTES: a T4 and an H200 plan the same budget.
-    t4, h200 = (size.growth_budget(GPU_PROFILES[k].memory_mib << 20) for k in ("T4", "H200"))
-    assert t4 == h200 == size.GROWTH_BUDGET_BYTES and size.growth_budget(2 << 30) == 1 << 30
+    t4, h200 = (sizing.growth_budget(GPU_PROFILES[k].memory_mib << 20) for k in ("T4", "H200"))
+    assert t4 == h200 == sizing.GROWTH_BUDGET_BYTES and sizing.growth_budget(2 << 30) == 1 << 30
 
 
 def test_fp32_measure_times_a_step_and_its_floor_and_restores_the_weights():

@@ -25,7 +25,7 @@ from tier_utils.core.errors import CheckpointError, LaunchError
 from tier_utils.core.files import LOCK_NAME
 from tier_utils.core.seeding import seed_everything
 from tier_utils.models.checkpoint import load_checkpoint
-from tier_utils.models.sharded import check_complete, read_trainer
+from tier_utils.models.sharded_checkpoint import check_complete, read_trainer
 from tier_utils.training.loop import train
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from tier_utils.core.errors import LoraError, NoRepeatedBlocks
 from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.memory_settings import DecidedMemory, MemorySettings
 from tier_utils.core.precision import resolve_precision
+from tier_utils.engine.activation_checkpointing import checkpointed, repeated_blocks
 from tier_utils.engine.lora import LoraSettings, apply_lora, lora_setting, lora_static_bytes
-from tier_utils.engine.memory import checkpointed, repeated_blocks
 from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.planning.planner import device_room, fit, static_bytes

@@ -188,8 +188,8 @@ def test_adamw8bit_keeps_the_demo_recipes_loss_curve_within_the_benchmarks_toler
     pytest.importorskip("bitsandbytes")
     from tier_utils.benchmark.config import Thresholds
     from tier_utils.benchmark.verdicts import parity, parity_check
-    from tier_utils.demo import RECIPE
-    from tier_utils.models.demo import MODEL_KWARGS
+    from tier_utils.demo_recipe import RECIPE
+    from tier_utils.models.demo_model import MODEL_KWARGS
     from tier_utils.training.loop import train
 
     curves = {}

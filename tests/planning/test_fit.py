@@ -14,7 +14,7 @@ from tier_utils.cli import main
 from tier_utils.core.budget import FREE_MEMORY_ENV
 from tier_utils.core.measure import SavedTensorMeter, static_memory
 from tier_utils.core.precision import resolve_precision
-from tier_utils.engine.memory import checkpointed
+from tier_utils.engine.activation_checkpointing import checkpointed
 from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.planning.planner import GPU_COLUMNS, FitConfig, device_room, fit, static_bytes
 from tier_utils.planning.validation import bisect_batch
@@ -174,13 +174,13 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     fp32 before an emulated one, bf16 (no scaler) before fp16."""
     from tier_utils.core.budget import ActivationFit
     from tier_utils.core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
-    from tier_utils.planning.planner import Config, cost_rank
+    from tier_utils.planning.planner import ModeRow, cost_rank
 
     nothing = ActivationFit(0, 0, 0, 0, ())
     cpu = torch.device("cpu")
 
     def config(name, ck=False, memory=None):
-        return Config(name, ck, 0, nothing, 0.0, memory=memory, mode=resolve_precision(name, cpu, warn=False))
+        return ModeRow(name, ck, 0, nothing, 0.0, memory=memory, mode=resolve_precision(name, cpu, warn=False))
 
     lora = DecidedMemory(MemorySettings(lora=LoraSettings()), torch.bfloat16, "adamw", "")
     eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16,

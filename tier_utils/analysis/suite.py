@@ -27,7 +27,7 @@ from ..data.datasets import DataDescription, make_loader, to_device
 from ..engine.distributed import refuse_sharded
 from ..engine.quantization import quantized_summary
 from ..models.builtins import DEFAULT_MODEL
-from ..models.demo import provenance_of
+from ..models.demo_model import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
 

@@ -26,9 +26,9 @@ from ..core.progress import progress_bar
 from ..core.results import Result, checks_table, problem_rows, run_metadata, status_counts, worst_status
 from ..core.settings import merge
 from ..core.threads import chooses_threads
+from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
 from ..engine.lora import convert_for, describe_lora, hold, unload
-from ..engine.memory import memory_context, require_blocks
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
@@ -114,7 +114,7 @@ class BenchmarkResult(Result):
         return answer_line(self.records, self.checks)
 
     def plot(self):
-        from .plot import plot_benchmark
+        from .amp_plot import plot_benchmark
 
         return plot_benchmark(self)
 

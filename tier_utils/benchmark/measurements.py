@@ -12,9 +12,9 @@ from ..core.measure import SavedTensorMeter, StepTimer, static_memory
 from ..core.precision import dtype_name
 from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
+from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
 from ..engine.lora import convert_for, held_memory
-from ..engine.memory import checkpointing_on, kept_inputs
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from .config import BenchConfig
 

@@ -136,7 +136,7 @@ class Plan:
     forced: bool = False
     compile: CompileInfo | None = None  # once compiled (or the reason it could not be)
     batches: tuple | None = None  # its own speed batches (the floor step's); None: the shared ones
-    checkpointing: bool = False  # its steps run with activation checkpointing (engine/memory.py)
+    checkpointing: bool = False  # its steps run with activation checkpointing (engine/activation_checkpointing.py)
 
 
 @dataclass(frozen=True)

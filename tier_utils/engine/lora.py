@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..core.errors import LoraError
 from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
-from .memory import repeated_blocks
+from .activation_checkpointing import repeated_blocks
 
 __all__ = ["LoraSettings", "lora_setting"]  # declared in core.memory_settings, beside the memory settings
 

@@ -24,8 +24,8 @@ import torch.nn as nn
 from ..core.errors import QuantizationError
 from ..core.memory_settings import DecidedMemory
 from ..models.loading import is_pretrained_spec, load_model, source_of
+from .activation_checkpointing import repeated_blocks
 from .lora import apply_lora, is_lora
-from .memory import repeated_blocks
 
 QUANT_TYPE = "nf4"
 _EXTRA = "pip install 'tier_utils[qlora]' (or bitsandbytes)"

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..core.allocator import return_freed_memory
 from ..core.precision import Precision
-from .memory import repeated_blocks
+from .activation_checkpointing import repeated_blocks
 
 
 def describe_policy(policy: MixedPrecisionPolicy) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from ..core.errors import CheckpointError, LaunchError
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from ..models.sharded import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
+from ..models.sharded_checkpoint import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
 from . import distributed, sharding
 from .distributed import DistEnv
 from .lora import load_model_state, model_state

@@ -132,6 +132,6 @@ def _init_weights(module: nn.Module) -> None:
 
 BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
 DEFAULT_MODEL = "tiny-gpt"
-# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/models/demo.py); fixed sizes, no
+# A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/models/demo_model.py); fixed sizes, no
 # kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.
 DEMO_MODEL = "tiny-gpt-trained"

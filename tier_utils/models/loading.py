@@ -20,7 +20,7 @@ from ..core.hub import HUB_PREFIX, from_hub
 from ..data.tokenizer import is_tokenizer_folder
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
 from .checkpoint import blocked_global, load_checkpoint
-from .demo import load_demo
+from .demo_model import load_demo
 from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, tensors_dtype
 from .weights import load_weights
 
@@ -61,7 +61,7 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
 
     Accepted specs: an nn.Module (returned as is, HF models included); a built-in name
     (`tiny-gpt`, `tiny-encoder`; kwargs set sizes); `tiny-gpt-trained` (the shipped trained demo
-    model, tier_utils/models/demo.py; no kwargs); `path/to/file.py:Name` or
+    model, tier_utils/models/demo_model.py; no kwargs); `path/to/file.py:Name` or
     `package.module:Name` (a class or factory, called with kwargs; the file's folder is importable
     while it loads); a folder written by `save_pretrained` (transformers' Auto class for the task its
     config names; `task=` overrides, other kwargs go to from_pretrained); `hf:ORG/NAME` (the same from

@@ -1,1 +1,1 @@
-"""What fits and runs where: the fit planner (`fit`, planner.py) and the device report (`info`, device_info.py)."""
+"""What fits and runs where: the fit planner (`fit`, planner.py) and the device report (`info`, device_report.py)."""

@@ -30,7 +30,7 @@ from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
-from ..engine.memory import repeated_blocks
+from ..engine.activation_checkpointing import repeated_blocks
 from ..engine.step import make_optimizer
 from ..models.builtins import DEFAULT_MODEL
 from .memory_rows import memory_rows, mode_static_bytes, quantized_bytes
@@ -103,7 +103,7 @@ def static_bytes(model: nn.Module, precision=None) -> dict:
 
 
 @dataclass
-class Config:
+class ModeRow:
     """One precision x checkpointing: what a training step holds at batch B, and the largest B that fits."""
 
     precision: str
@@ -170,7 +170,7 @@ def device_room(budget: Budget) -> float:
     return budget.free_bytes * (1 - ALLOCATOR_MARGIN) if budget.device == "cuda" else budget.limit
 
 
-def cost_rank(c: Config, native: bool) -> tuple:
+def cost_rank(c: ModeRow, native: bool) -> tuple:
     """Where mode `c` stands among the modes that fit, cheapest first (docs/precision.md, "How fit chooses a
     mode"): what it costs the training first (nothing; the recompute of checkpointing; a true mode's rounded-away
     updates; LoRA training only adapters, each again with checkpointing), then its speed on the device (a native
@@ -184,7 +184,7 @@ def cost_rank(c: Config, native: bool) -> tuple:
     return technique + c.checkpointing + eight_bit, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
 
 
-def speed_rank(c: Config, native: bool) -> tuple:
+def speed_rank(c: ModeRow, native: bool) -> tuple:
     """Where precision mode `c` stands by predicted speed, fastest first (the rule where nothing was measured): a
     2-byte compute with native tensor cores (or CPU instructions) before fp32 before an emulated one, then a true
     mode (2-byte weights, nothing cast per step) before a mixed one, no loss scaler before one, the wider range."""
@@ -195,7 +195,7 @@ def speed_rank(c: Config, native: bool) -> tuple:
 
 @dataclass(repr=False)
 class FitResult(Result):
-    configs: list[Config]
+    configs: list[ModeRow]
     seq_len: int
     model: dict
     budget: Budget
@@ -208,7 +208,7 @@ class FitResult(Result):
     measured_speedups: dict | None = None
     speed_source: str = ""  # where measured_speedups were measured, in words
 
-    def largest(self, c: Config, room: float) -> int:
+    def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
 
     def devices(self) -> dict[str, tuple[float, object]]:
@@ -218,17 +218,17 @@ class FitResult(Result):
             predicted_facts(card))[0])) for column, card in GPU_COLUMNS.items()]
         return dict([here, *gpus])
 
-    def _fitting(self, room: float, native) -> list[Config]:
+    def _fitting(self, room: float, native) -> list[ModeRow]:
         """The modes that run on a device (natively, or emulated where the mode allows) and fit the batch asked."""
         return [c for c in self.configs if (native(c) or c.mode.runs_emulated)
                 and c.step_bytes(self.batch_size, self.seq_len) <= room]
 
-    def cheapest(self) -> dict[str, Config | None]:
+    def cheapest(self) -> dict[str, ModeRow | None]:
         """Device column -> the cheapest mode that fits the batch asked there (None: none does)."""
         return {column: min(self._fitting(room, native), key=lambda c: cost_rank(c, native(c)), default=None)
                 for column, (room, native) in self.devices().items()}
 
-    def fastest(self) -> dict[str, Config | None]:
+    def fastest(self) -> dict[str, ModeRow | None]:
         """Device column -> the fastest precision mode (no checkpointing, no LoRA) that fits the batch asked there
         (None: none does). Here: by `measured_speedups` where the run measured them (only the modes it measured
         compete), else predicted; on every GPU predicted (speed_rank)."""
@@ -344,12 +344,12 @@ class FitResult(Result):
                          "run_metadata": self.metadata})
 
     def plot(self):
-        from .plot import plot_fit
+        from .fit_plot import plot_fit
 
         return plot_fit(self)
 
 
-def _named(c: Config | None) -> str:
+def _named(c: ModeRow | None) -> str:
     return c.name if c else "none fits"
 
 
@@ -395,8 +395,8 @@ def _recommended_and_baseline(result: FitResult) -> set[str]:
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
          lora: LoraSettings | None = None, budget: Budget | None = None,
-         optimizers: tuple = ("adamw",)) -> tuple[list[Config], int]:
-    """A Config per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
+         optimizers: tuple = ("adamw",)) -> tuple[list[ModeRow], int]:
+    """A ModeRow per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
     precision with checkpointing; with `lora`, LoRA over each base (`memory_rows`); with adamw8bit among
     `optimizers`, the fp32-weight modes and LoRA again with 8-bit optimizer state; and how many blocks
     checkpointing wraps. Measures on the adapter's device, each (measured precision, checkpointing) once, with
@@ -431,7 +431,7 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
             recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
-        configs.append(Config(p, ck, mode_static_bytes(adapter.model, prec, memory, quantized), measured, recompute,
+        configs.append(ModeRow(p, ck, mode_static_bytes(adapter.model, prec, memory, quantized), measured, recompute,
                               note, fixed, memory, prec, parameters))
     return configs, blocks
 

@@ -5,9 +5,10 @@ with the model in the mode's weight dtype. Such a probe holds, beside the weight
 true mode's 2-byte weights; the originals are held and put back exactly) or autocast's compute-dtype copies (a
 mixed mode), and its own activations and output. On a big model that is GiBs. Where the whole model's probe
 would hold more than a measuring forward may here (Budget.probe_limit: on a CPU at most budget.CPU_PROBE_BYTES,
-as smoke's), every mode is measured on the first 2 and then 3 of the model's repeated blocks (engine.memory.
-fewer_blocks: nothing copied) and the bytes are extrapolated block by block to the whole depth: predicted, and
-the rows say so. The decision uses what the smallest probe (fp32, 2 and 3 blocks) measured, extrapolated.
+as smoke's), every mode is measured on the first 2 and then 3 of the model's repeated blocks
+(engine.activation_checkpointing.fewer_blocks: nothing copied) and the bytes are extrapolated block by block to the
+whole depth: predicted, and the rows say so. The decision uses what the smallest probe (fp32, 2 and 3 blocks)
+measured, extrapolated.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 from ..core.budget import ActivationFit, Budget, gib, measure_activations
 from ..core.precision import Precision, kept_dtypes, resolve_precision
-from ..engine.memory import checkpointed, fewer_blocks, repeated_blocks
+from ..engine.activation_checkpointing import checkpointed, fewer_blocks, repeated_blocks
 
 PROBE_DEPTHS = (2, 3)  # two depths, so what one block adds is measured; two, not one, still read as repeated blocks
 

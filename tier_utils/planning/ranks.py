@@ -37,7 +37,7 @@ from ..core.files import jsonable
 from ..core.precision import resolve_device, resolve_precision
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
-from ..engine.memory import repeated_blocks
+from ..engine.activation_checkpointing import repeated_blocks
 from ..engine.strategies import launched_strategies, strategy_class
 from ..models.builtins import DEFAULT_MODEL
 from .planner import GPU_COLUMNS, MARGIN_NOTE, device_room, gpu_room, gpus_mib, plan, static_bytes

@@ -17,7 +17,7 @@ import torch
 from ..core.budget import without_oom
 from ..core.precision import kept_dtypes, resolve_precision
 from ..core.progress import progress_bar
-from ..engine.memory import memory_context
+from ..engine.activation_checkpointing import memory_context
 from ..engine.step import TrainStep, make_optimizer
 
 VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step of a small model takes long

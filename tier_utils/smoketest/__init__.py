@@ -1,1 +1,1 @@
-"""Tier 1: `smoke()` (suite.py), its check groups (checks.py) and its memory grid (memory.py)."""
+"""Tier 1: `smoke()` (suite.py), its check groups (checks.py) and its memory grid (memory_grid.py)."""

@@ -31,7 +31,7 @@ from ..core.results import Check, failed_check
 from ..engine.distributed import is_sharded
 from ..engine.quantization import describe_quantized
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
-from .memory import memory
+from .memory_grid import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
 PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone

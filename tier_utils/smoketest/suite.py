@@ -29,8 +29,8 @@ from ..core.threads import chooses_threads
 from ..engine.quantization import quantized_summary
 from ..engine.strategies import canonical_strategy, resolve_strategy, sharded_strategies
 from ..models.builtins import DEFAULT_MODEL
+from .across_ranks import gathered, sharded_groups, shared_budget
 from .checks import CHECK_GROUPS
-from .sharded import gathered, sharded_groups, shared_budget
 
 
 @dataclass
@@ -201,7 +201,7 @@ def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, mode
     those two; checks: None (every group in CHECK_GROUPS), a list of group names or a comma-separated string.
     The model is moved to `device` (default: CUDA when available). strategy="fsdp", under torchrun: the model is
     sharded (and left so), its gradient and memory checks run on every rank, and every rank's report holds every
-    rank's rows (smoketest/sharded.py).
+    rank's rows (smoketest/across_ranks.py).
     """
     start = time.perf_counter()
     cfg = merge(SmokeConfig, config, overrides, "smoke")

@@ -2,8 +2,8 @@
 reads and restores (the run's parts and its Progress), and the strategy writes and reads them.
 
 One process and DDP: rank 0 writes last.pt / best.pt (models/checkpoint.py). FSDP: every rank writes its shard of
-the sharded folders last/ and best/ (models/sharded.py), which a resume may read on another number of ranks when
-the global batch is the same; `consolidate` adds an unsharded last.pt at the end.
+the sharded folders last/ and best/ (models/sharded_checkpoint.py), which a resume may read on another number of
+ranks when the global batch is the same; `consolidate` adds an unsharded last.pt at the end.
 """
 from __future__ import annotations
 

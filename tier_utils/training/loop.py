@@ -27,9 +27,9 @@ from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..data.datasets import to_device
 from ..engine import sharding
+from ..engine.activation_checkpointing import disable_checkpointing
 from ..engine.evaluation import evaluate
 from ..engine.lora import describe_lora
-from ..engine.memory import disable_checkpointing
 from ..engine.step import optimizer_impl
 from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints

@@ -28,7 +28,7 @@ from ..core.errors import TrainingOutOfMemory
 from ..core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
 from ..core.precision import PRECISIONS, canonical_precision
 from ..core.results import run_metadata
-from ..planning.planner import Config, FitResult, device_room, plan
+from ..planning.planner import FitResult, ModeRow, device_room, plan
 from .config import TrainConfig
 
 
@@ -104,7 +104,7 @@ def memory_in_use(device: torch.device) -> str:
     return f"{facts.describe()} with {gib(max(0, total - free))} of {gib(total)} in use ({source})"
 
 
-def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, Config | None]:
+def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow | None]:
     """The planner's prediction for this model at the length that ran, in words: the largest batch in the mode
     that ran out, and the cheapest mode that fits the batch asked (cost_rank's order, as `fit` says it); and that
     mode (None: none fits)."""
@@ -137,7 +137,7 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, Config |
     return "; ".join(parts[:1]) + ": " + "; ".join(parts[1:]), cheapest
 
 
-def _most(configs: list[Config], length: int, room: float) -> str:
+def _most(configs: list[ModeRow], length: int, room: float) -> str:
     """Where no mode fits the batch asked: the mode that fits the most (a mode the device cannot run left out)."""
     runs = [c for c in configs if c.mode.native or c.mode.runs_emulated]
     best = max(runs, key=lambda c: c.largest_batch(length, room), default=None)
@@ -145,7 +145,7 @@ def _most(configs: list[Config], length: int, room: float) -> str:
     return f"; the most is B={largest} in {best.name}" if largest else "; not even B=1 in any mode"
 
 
-def _same_mode(configs: list[Config], ran: RanOut) -> Config | None:
+def _same_mode(configs: list[ModeRow], ran: RanOut) -> ModeRow | None:
     settings = ran.memory_settings
     eight_bit = settings.optimizer != "adamw"
     return next((c for c in configs if c.precision == ran.precision and c.checkpointing == settings.checkpointing
@@ -153,7 +153,7 @@ def _same_mode(configs: list[Config], ran: RanOut) -> Config | None:
                  and (c.memory is not None and c.memory.optimizer != "adamw") == eight_bit), None)
 
 
-def _resume(ran: RanOut, cheapest: Config | None) -> str:
+def _resume(ran: RanOut, cheapest: ModeRow | None) -> str:
     """Where a rerun continues. A resume keeps the batch and the precision (its trajectory); activation
     checkpointing changes neither, so it may be switched on for it."""
     if ran.checkpoint is None:

@@ -1,5 +1,5 @@
-"""The recipe that made the shipped demo model (`tier_utils.models.demo`): `train_demo` trains it again, seeded;
-`python -m tier_utils.demo --out DIR` runs it from the command line."""
+"""The recipe that made the shipped demo model (`tier_utils.models.demo_model`): `train_demo` trains it again, seeded;
+`python -m tier_utils.demo_recipe --out DIR` runs it from the command line."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,7 @@ from .core.results import run_metadata
 from .data.datasets import BYTE_VOCAB, build_datasets, make_loader
 from .engine.evaluation import evaluate
 from .models.builtins import DEMO_MODEL
-from .models.demo import CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, describe_demo, weights_bytes
+from .models.demo_model import CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, describe_demo, weights_bytes
 from .training.config import TrainConfig
 from .training.loop import train
 
@@ -53,7 +53,7 @@ RECIPE = TrainConfig(batch_size=16, seq_len=MODEL_KWARGS["max_len"], lr=3e-3, wa
 def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = True) -> dict:
     """Train the demo model with RECIPE, write `tiny_gpt_trained.safetensors` and its JSON card into
     `out_dir`, and return the card (sizes, seed, steps, data, final train and val loss, torch version).
-    `out_dir=tier_utils.models.demo.ASSETS` replaces the shipped model."""
+    `out_dir=tier_utils.models.demo_model.ASSETS` replaces the shipped model."""
     out = writable_dir(out_dir, "out_dir")  # before the minute of training, not after it
     config = replace(RECIPE, max_steps=steps, seed=seed, progress=progress)  # checks steps and seed
     start = time.perf_counter()
@@ -74,7 +74,7 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
         "train_loss": s.train_loss, "val_loss": val_loss, "val_targets": targets, "uniform_loss": UNIFORM_LOSS,
         "train_seconds": round(seconds, 1), "torch": torch.__version__,
         "weights": WEIGHTS_NAME, "weights_sha256": hashlib.sha256(blob).hexdigest(),
-        "command": f"python -m tier_utils.demo --out tier_utils/assets --steps {steps} --seed {seed}",
+        "command": f"python -m tier_utils.demo_recipe --out tier_utils/assets --steps {steps} --seed {seed}",
         "run_metadata": run_metadata("cpu", torch.float32),
     }
     atomic_write_bytes(out / WEIGHTS_NAME, blob)
@@ -83,7 +83,7 @@ def train_demo(out_dir, steps: int = STEPS, seed: int = SEED, progress: bool = T
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tier_utils.demo",
+    parser = argparse.ArgumentParser(prog="python -m tier_utils.demo_recipe",
                                      description="Train the demo model (tiny-gpt-trained) on the bundled corpus.")
     parser.add_argument("--out", required=True, help="folder for the weights and their JSON card "
                                                      "(tier_utils/assets replaces the shipped ones)")

@@ -3,7 +3,7 @@
 Tier 2 analyses it where the user left the default model (`all`, the tier-2 notebook), so the first
 picture is a trained model's attention (previous-token and local heads), not the uniform maps of
 fresh weights. The weights are safetensors (loading them runs no code); the JSON card beside them records
-how they were made (`tier_utils.demo`, the recipe) and what they scored.
+how they were made (`tier_utils.demo_recipe`, the recipe) and what they scored.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def load_demo(**kwargs) -> TinyGPT:
         model.load_state_dict(load_file(ASSETS / card["weights"]))
     except (OSError, RuntimeError) as exc:  # a missing or truncated file, or weights for other sizes
         raise ModelSpecError(f"cannot load {DEMO_MODEL}'s weights ({one_line(exc)}); reinstall tier_utils or "
-                             "regenerate them: python -m tier_utils.demo --out tier_utils/assets") from exc
+                             "regenerate them: python -m tier_utils.demo_recipe --out tier_utils/assets") from exc
     model.provenance = {"name": card["name"], "training_steps": card["steps"], "seed": card["seed"],
                         "val_loss": card["val_loss"], "data": card["data"]["source"], "summary": describe_demo(card),
                         "weights_sha256": card["weights_sha256"]}

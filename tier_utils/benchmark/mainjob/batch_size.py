@@ -17,11 +17,11 @@ import types
 
 import torch
 
-from ..core.budget import without_oom
-from ..core.precision import resolve_precision
-from .config import BenchConfig, Thresholds
-from .measurements import FLOOR_TOKENS, timed_repeat
-from .verdicts import TARGET_FIXED_SHARE, launch_bound
+from ...core.budget import without_oom
+from ...core.precision import resolve_precision
+from ..config import BenchConfig, Thresholds
+from ..measurements import FLOOR_TOKENS, timed_repeat
+from ..verdicts import TARGET_FIXED_SHARE, launch_bound
 
 # The most sequences growth reaches, on any card: 8 -> 256 is five doublings, a few seconds of steps on a T4.
 GROWTH_MAX_BATCH = 256

@@ -2,12 +2,12 @@
 and batch. The report page and the main job's summary both show these rows."""
 from __future__ import annotations
 
-from ..core.measure import Load, cpu_load
-from ..core.results import Check
-from ..training.history import TrainResult
-from .amp import BenchmarkResult
-from .config import CHECKPOINTED
-from .verdicts import step_agreement
+from ...core.measure import Load, cpu_load
+from ...core.results import Check
+from ...training.history import TrainResult
+from ..amp import BenchmarkResult
+from ..config import CHECKPOINTED
+from ..verdicts import step_agreement
 
 
 def consistency(results: dict, load: Load | None = None) -> list[Check]:

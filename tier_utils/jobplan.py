@@ -3,8 +3,8 @@ and how far the benchmark's batch may grow.
 
 Work the user didn't ask for has a cap that doesn't grow with the card (DESIGN.md): the probes
 (core/budget.GPU_PROBE_BYTES), the benchmark's batch growth (benchmark/mainjob/batch_size.GROWTH_MAX_BATCH,
-GROWTH_BUDGET_BYTES) and fit's validation (off in `all`). So under TIER_UTILS_GPU_PROFILE=T4 and =H200 the plan is the same, unless
-the user asks for more (a bigger batch: growth then starts, and may end, there).
+GROWTH_BUDGET_BYTES) and fit's validation (off in `all`). So under TIER_UTILS_GPU_PROFILE=T4 and =H200 the plan is
+the same, unless the user asks for more (a bigger batch: growth then starts, and may end, there).
 """
 from __future__ import annotations
 

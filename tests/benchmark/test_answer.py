@@ -8,7 +8,7 @@ from tier_utils.benchmark.verdicts import PrecisionCheck
 
 def _record(precision, speedup, weights="float32", activations=None, rounded=None):
     sp = None if speedup is None else SimpleNamespace(median=speedup)
-    return SimpleNamespace(precision=precision, mode="eager", checkpointing=False, dtype="x",
+    return SimpleNamespace(precision=precision, mode="eager", checkpointing=False, dtype="x", memory_row=None,
                            speed=SimpleNamespace(speedup=sp),
                            memory={"weights_dtype": weights, "reduction": {"activations": activations}},
                            accuracy={"rounded_away_share": rounded})

@@ -8,22 +8,20 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import pandas as pd
 import torch
 
 from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
 from ..core.device import device_facts
 from ..core.errors import LaunchError
-from ..core.files import jsonable
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.memory_settings import resolve_memory
 from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
-from ..core.results import Result, checks_table, problem_rows, run_metadata, status_counts, worst_status
+from ..core.results import run_metadata
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.activation_checkpointing import memory_context, require_blocks
@@ -32,96 +30,14 @@ from ..engine.lora import convert_for, describe_lora, hold, unload
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
-from .answer import answer_line
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
 from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
-from .record import (
-    BatchFit,
-    BenchRun,
-    Loaded,
-    Measured,
-    Outcome,
-    OutcomeLog,
-    Plan,
-    PrecisionRecord,
-    Ready,
-    Sized,
-    Speed,
-    Step,
-    make_record,
-)
+from .memory_rows import holding, memory_row_plans
+from .record import BatchFit, BenchRun, Loaded, Measured, OutcomeLog, Plan, Ready, Sized, Speed, Step, make_record
+from .result import BenchmarkResult
 from .verdicts import launch_bound, record_checks
 
-SCHEMA = "tier_utils.bench/1"
 _PROBE_REPS = 3  # probe matmuls per speed repeat
-
-
-@dataclass(repr=False)
-class BenchmarkResult(Result):
-    """What `amp_benchmark` measured: one record per precision, the verdict rows, config and metadata."""
-
-    config: BenchRun
-    metadata: dict
-    flops: dict  # {"per_step": int, "by_op": {op: flops}} of one fp32 forward + backward
-    records: list[PrecisionRecord]
-    checks: list
-    overhead: dict | None  # fp32's floor step and launch_bound()'s diagnosis; None when fp32 was not timed
-    # The run's log: what was skipped or stopped, at which step and why, in the order it happened. The JSON has
-    # what it decided (each record's ran and stopped, the SKIP rows' detail); schema bench/1 keeps its keys.
-    outcomes: tuple[Outcome, ...] = field(default=())
-
-    @property
-    def status(self) -> str:
-        return worst_status(c.status for c in self.checks)
-
-    @property
-    def table(self) -> pd.DataFrame:
-        return pd.DataFrame([r.table_row() for r in self.records])
-
-    @property
-    def verdicts(self) -> pd.DataFrame:
-        return checks_table(self.checks, ("precision", "mode"))
-
-    def overview(self) -> pd.DataFrame:
-        return self.verdicts  # the answer per precision; the measurements are in .table
-
-    judges = "device"  # its verdicts judge how this device runs each precision, not the model
-
-    def speedups(self) -> dict[str, float]:
-        """Precision -> its eager step's median speedup over fp32 as measured here (fp32 1.0); only the precisions
-        that ran without checkpointing, and none where the baseline was not fp32 (fp32 did not fit)."""
-        ran = [r for r in self.records if r.mode == "eager" and not r.checkpointing and r.speed is not None]
-        if not any(r.precision == "fp32" and r.speed.speedup is None for r in ran):
-            return {}
-        return {r.precision: r.speed.speedup.median if r.speed.speedup else 1.0 for r in ran}
-
-    def summary_line(self) -> str:
-        """"benchmark TinyGPT: FAIL (9 PASS, 1 FAIL) at batch 8 x 64 tokens on ...; weights stored float32, ..."."""
-        run, s = self.config, self.config.settings
-        held = ", ".join(f"{r.precision} {r.mode}: {r.memory['weights_dtype']}" for r in self.records if r.memory)
-        return (f"benchmark {run.model}: {self.verdict} ({status_counts(self.verdicts['status'])})"
-                f" at batch {s.batch_size} x {s.seq_len} tokens on {self.metadata['device_name']}"
-                + (f"; {run.fit.reason}" if run.fit.reason else "")
-                + f"; weights stored {self.metadata['stored_dtype']}, held in the runs as {held or 'none ran'}")
-
-    def problems(self) -> pd.DataFrame:
-        # Not the SKIP rows: the baseline's own, and the modes this device doesn't run (the answer names them).
-        return problem_rows(self.verdicts, ["precision", "mode", "check", "status", "value", "detail"],
-                            ("WARN", "FAIL"))
-
-    def answer(self) -> str:
-        """The mode to train in here and what it buys, the faster one's cost, the failed verdicts (answer.py)."""
-        return answer_line(self.records, self.checks)
-
-    def plot(self):
-        from .amp_plot import plot_benchmark
-
-        return plot_benchmark(self)
-
-    def to_json(self) -> dict:
-        return jsonable({"schema": SCHEMA, "status": self.status, "config": self.config, "metadata": self.metadata,
-                         "flops": self.flops, "overhead": self.overhead, "precisions": self.records,
-                         "verdicts": self.verdicts, "outcomes": self.outcomes})
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts
@@ -140,6 +56,8 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     compile: "off" (eager), "on" (every step torch.compiled; True/False are read as on/off) or "both": each
     precision eager and compiled, repeats interleaved, compiled rows also judged against the same precision eager.
     A model that can't be compiled gets a WARN row and is measured eager.
+    memory_rows (e.g. ("lora", "qlora", "adamw8bit")): beside the precisions, one row per memory setting, in the
+    precision auto picks here, judged against the fp32 baseline (memory_rows.py); LoRA and QLoRA rows train a copy.
     """
     cfg = merge(BenchConfig, config, overrides, "benchmark")
     if cfg.strategy is not None:  # one process here: across ranks is another benchmark, not a setting of this one
@@ -213,7 +131,8 @@ class BenchmarkRun:
 
     def plan(self) -> tuple[Plan, ...]:
         """Step "plan": a Plan per precision x mode (and each precision again, eager, with activation checkpointing
-        when asked: its cost and saving). A precision this device can't run natively is skipped, unless forced."""
+        when asked: its cost and saving), then the memory rows (memory_rows.py). A precision this device can't run
+        natively is skipped, unless forced; a memory row that can't run here, with its reason."""
         cfg = self.cfg
         wanted = [(name, mode) for name in cfg.precisions for mode in COMPILE_CHOICES[cfg.compile]]
         if cfg.activation_checkpointing:
@@ -227,6 +146,10 @@ class BenchmarkRun:
             if not (prec.native or cfg.force):
                 why = f"not native: {prec.native_support(self.dev)[1]}; force=True (CLI --force) runs it anyway"
                 self.log.skip(p, "plan", why)
+        for p, why in memory_row_plans(self.adapter, cfg, self.dev):
+            plans.append(p)
+            if why:
+                self.log.skip(p, "plan", why)
         return tuple(plans)
 
     def fit_batch(self, planned: tuple[Plan, ...], cfg: BenchConfig) -> Sized:
@@ -234,15 +157,19 @@ class BenchmarkRun:
         or the largest all of them fit. A precision that fits not even batch 1 is skipped with the reason. When
         fp32 does not fit, the first mode in the order asked that fits (the closest to fp32: mixed modes, fp32
         master weights, come before the true ones) becomes the baseline, moved to the front, and fp32's reason
-        says so; when none fits, none runs."""
+        says so; when none fits, none runs. The memory rows hold less than a full fine-tune and run at that batch
+        (one out of memory is skipped when it runs), and only when a baseline fits."""
         seq_len, fp32, plans = cfg.seq_len, planned[0], list(planned)
         budget = read_budget(self.dev)  # before anything of ours is allocated
-        names = list(dict.fromkeys(p.name for p in plans if self.log.runs(p)))
+        running = [p for p in plans if self.log.runs(p) and p.memory_row is None]
+        names = list(dict.fromkeys(p.name for p in running))
         room = device_room(budget)
         configs = {c.precision: c for c in plan_fits(self.adapter, names, seq_len)[0]}
         largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
-        running = [p for p in plans if self.log.runs(p)]
         fitting = [p for p in running if largest[p.name] >= 1]
+        for p in plans if not fitting else ():
+            if p.memory_row is not None and self.log.runs(p):
+                self.log.skip(p, "fit", "no precision fits here, so no baseline to judge this memory row against")
         rebased = ""
         if fitting and fp32 in running and fp32 not in fitting:
             plans.remove(fitting[0])
@@ -386,8 +313,10 @@ class BenchmarkRun:
         and the free memory (every plan, when `p` is the baseline: nothing to compare with) and gives None, its
         memory released."""
         cfg = ready.cfg
-        with memory_context(p.adapter.model, p.checkpointing):
-            got, error = without_oom(fn, self.adapter, p.precision, ready.data.start, data, cfg, *extra, p.adapter)
+        # A LoRA memory row trains its own model from its own start; every other plan the run's.
+        adapter, start = (p.adapter, p.start) if p.start is not None else (self.adapter, ready.data.start)
+        with memory_context(p.adapter.model, p.checkpointing), holding(adapter.model, p.memory):
+            got, error = without_oom(fn, adapter, p.precision, start, data, cfg, *extra, p.adapter)
         if error is None:
             return got
         why = f"{out_of_memory_note(p.adapter.device, None, cfg.batch_size, cfg.seq_len, ready.fit.budget)} " \

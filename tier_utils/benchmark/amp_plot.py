@@ -54,9 +54,12 @@ def plot_benchmark(result) -> Figure:
         _loss_scale_panel(axes[3], scaled)
     for ax in axes[2:]:
         integer_axis(ax.xaxis)
+    rows = [r for r in result.records if r.memory_row is not None]
     caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
                  f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
-                 f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads")
+                 f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads"
+                 + (" · memory rows (eager+NAME): " + "; ".join(r.memory_settings["describe"] for r in rows)
+                    if rows else ""))
     return fig
 
 

@@ -5,7 +5,9 @@ baseline, the faster mode where there is one and what it costs, then the modes w
 fp16-true (val accuracy diff -0.02, threshold 0.01)". The mode led with is the fastest eager one that ran faster
 than the baseline and kept its accuracy (no FAIL in CORRECTNESS: a missed speed or memory target is named among
 the failures, not held against the speed it did reach), a mixed mode (fp32 master weights) before a true one, as
-fit's cost order has it; where none did, the baseline leads and the line says so.
+fit's cost order has it; where none did, the baseline leads and the line says so. The memory rows (memory_rows.py)
+follow, each with its memory and speed against the baseline and its parity: "· memory rows in bf16 vs fp32: qlora
+0.31× peak memory, 0.80× speed, parity PASS".
 """
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ def answer_line(records, checks) -> str:
     base = next((r for r in ran if r.speed.speedup is None), None)
     if base is None:
         return "no baseline ran: no speedup to give" + _failures(checks)
+    return _precision_answer(ran, base, checks) + _memory_rows(records, base, checks) + _failures(checks)
+
+
+def _precision_answer(ran, base, checks) -> str:
+    """The mode to train in here and what it buys, and the faster mode's cost."""
     failed = _failed(checks)
     others = sorted((r for r in ran if r is not base), key=_speedup, reverse=True)
     kept = [r for r in others if not set(failed.get(r.precision, ())) & set(CORRECTNESS)]
@@ -26,14 +33,38 @@ def answer_line(records, checks) -> str:
     lead = next((r for r in faster_kept if _fp32_weights(r)), faster_kept[0] if faster_kept else None)
     if lead is None:
         speeds = ", ".join(f"{r.precision} {_speedup(r):.2f}×" for r in others) or "no other mode ran"
-        return (f"{base.precision} here: no mode ran faster with its accuracy kept ({speeds})"
-                + _failures(checks))
+        return f"{base.precision} here: no mode ran faster with its accuracy kept ({speeds})"
     line = f"{lead.precision} here: {_speedup(lead):.2f}× {base.precision}" + _gains(lead, checks)
     quicker = [r for r in others if _speedup(r) > _speedup(lead)]
     faster = next((r for r in quicker if r in kept), quicker[0] if quicker else None)
     if faster is not None:
         line += f"; {faster.precision} {_speedup(faster):.2f}× but {_cost(faster, failed)}"
-    return line + _failures(checks)
+    return line
+
+
+def _memory_rows(records, base, checks) -> str:
+    """" · memory rows in bf16 vs fp32: qlora 0.31× peak memory, 0.80× speed, parity PASS; adamw8bit skipped": each
+    memory row's bytes against the baseline's (the CUDA peak where measured, else weights, gradients and optimizer
+    state), its speed and its loss curve's verdict."""
+    rows = [r for r in records if r.memory_row is not None]
+    if not rows:
+        return ""
+    said = []
+    for r in rows:
+        if r.speed is None:
+            said.append(f"{r.memory_row} {'stopped' if r.stopped else 'skipped'}")
+            continue
+        red = r.memory["reduction"]
+        peak = red.get("peak_allocated")
+        basis, saved = ("peak", peak) if peak is not None else ("static", red["static"])
+        said.append(f"{r.memory_row} {1 - saved:.2f}× {basis} memory, {_speedup(r):.2f}× speed" + _parity(r, checks))
+    return f" · memory rows in {rows[0].precision} vs {base.precision}: " + "; ".join(said)
+
+
+def _parity(r, checks) -> str:
+    status = next((c.status for c in checks if c.precision == r.precision and c.mode == r.mode and c.check == PARITY),
+                  None)
+    return f", parity {status}" if status else ""
 
 
 def _speedup(r) -> float:
@@ -47,9 +78,7 @@ def _fp32_weights(r) -> bool:
 def _gains(r, checks) -> str:
     """", −42 % activations, parity PASS": the memory it saves and whether its loss curve kept to the baseline's."""
     saved = ((r.memory or {}).get("reduction") or {}).get("activations")
-    parity = next((c.status for c in checks if c.precision == r.precision and c.mode == r.mode and c.check == PARITY),
-                  None)
-    return (f", {-saved:+.0%} activations" if saved is not None else "") + (f", parity {parity}" if parity else "")
+    return (f", {-saved:+.0%} activations" if saved is not None else "") + _parity(r, checks)
 
 
 def _cost(r, failed: dict) -> str:

@@ -9,19 +9,40 @@ import torch
 
 from ..core.inputs import select_names
 from ..core.loggers import logger_names
-from ..core.memory_settings import MemorySettings, memory_setting
+from ..core.memory_settings import MEMORY_CHOICES, MemorySettings, memory_setting
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
 from ..engine.step import bitsandbytes_optim
 from ..engine.strategies import launched_strategies
 
-Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs
+Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs (memory rows: memory_mode)
 CHECKPOINTED: Mode = "eager+checkpointing"  # activation_checkpointing's rows: eager, compared with eager
 # The `compile` setting: the modes each precision runs in, eager first.
 COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}
 
 MEMORY_BASES = ("activations", "total", "peak_allocated")
+# The memory_rows names: each memory setting's name (core.memory_settings.memory_setting) that is not the full
+# fine-tune with AdamW the precision rows already are.
+MEMORY_ROWS = tuple(n for n in (*MEMORY_CHOICES, "paged-adamw8bit") if memory_setting(n) != MemorySettings())
+
+
+def memory_mode(row: str) -> str:
+    """A memory row's mode (e.g. "eager+qlora"): eager, under that memory setting, as checkpointing's rows are
+    "eager+checkpointing"."""
+    return f"eager+{row}"
+
+
+def memory_rows_setting(value) -> tuple[str, ...]:
+    """What `memory_rows` may be given as: names (a tuple, or 'lora,qlora'), or none (no rows)."""
+    if isinstance(value, str):
+        value = [] if value.strip().lower() == "none" else value.split(",")
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"memory_rows must be names such as {','.join(MEMORY_ROWS)}, got {value!r}")
+    names = [str(n).strip() for n in value if str(n).strip()]
+    return tuple(select_names(names, MEMORY_ROWS, "memory_rows")) if names else ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,11 @@ class BenchConfig:
     # Every row trains under these (LoRA and its base, QLoRA, the optimizer's state); checkpointing is the
     # activation_checkpointing rows' (each precision again with it).
     memory: MemorySettings = setting(factory=MemorySettings)
+    # benchmark/memory_rows.py: the precision auto picks here, because the rows are timed interleaved with the
+    # precisions' (a precision measured faster in this run is not known before they run).
+    memory_rows: tuple = setting((), "memory settings to measure beside the full fine-tune, one row each in the "
+                                     "precision auto picks here, judged against the fp32 baseline: "
+                                     f"{','.join(MEMORY_ROWS)} (none: the precisions only)")
     # Under torchrun (benchmark/strategies.py): which of these apply is said in that module.
     strategy: tuple | None = setting(None, "under torchrun: ddp, fsdp or ddp,fsdp side by side: each rank's step "
                                            "time, peak memory and tokens/s, gathered to rank 0 (none: the "
@@ -108,12 +134,28 @@ class BenchConfig:
                              "activation_checkpointing=True (--activation-checkpointing), not memory's checkpointing")
         if self.strategy is not None:
             self.strategy = tuple(select_names(self.strategy, launched_strategies(), "strategy"))
+        self.memory_rows = memory_rows_setting(self.memory_rows)
+        self._check_memory_rows()
         check_switch(self, "activation_checkpointing")
         check_switch(self, "force")
         check_switch(self, "progress")
         if not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds must be a Thresholds, got {type(self.thresholds).__name__}")
         check_fields(self)
+
+    def _check_memory_rows(self) -> None:
+        """Memory rows are judged against the full fine-tune, run eager, in one process: each contradiction is one
+        line."""
+        if not self.memory_rows:
+            return
+        if self.memory != MemorySettings():
+            raise ValueError(f"memory_rows are judged against the full fine-tune: leave memory at its default (it "
+                             f"is {self.memory.describe()}), or drop memory_rows")
+        if self.compile == "on":
+            raise ValueError("memory_rows run eager and are judged against the eager fp32 baseline: use "
+                             "compile='off' or 'both' (--compile off|both), or drop memory_rows")
+        if self.strategy is not None:
+            raise ValueError("memory_rows are measured by the single-process benchmark: drop strategy or memory_rows")
 
     def to_dict(self) -> dict:
         """The settings a result records: what was measured and how, not where it ran (the result's metadata

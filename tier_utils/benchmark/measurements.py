@@ -14,7 +14,7 @@ from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
 from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
-from ..engine.lora import convert_for, held_memory
+from ..engine.lora import convert_for, held_memory, load_model_state
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from .config import BenchConfig
 
@@ -26,6 +26,27 @@ def nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
     loss = loss.detach().reshape(-1)
     bad = loss[~torch.isfinite(loss)]
     return f"{precision} loss is {bad[0].item()} {when}" if bad.numel() else None
+
+
+class AdapterStart(dict):
+    """A LoRA memory row's start: its adapters only (engine.lora.model_state). Its frozen base (4-bit for QLoRA,
+    which a whole state dict cannot load back) is built once for the row, never trained or converted."""
+
+
+def load_start(model: torch.nn.Module, start: dict) -> None:
+    """`start` into `model`: the run's shared start (its whole state dict, cast to the weights' dtypes), or a LoRA
+    row's AdapterStart."""
+    if isinstance(start, AdapterStart):
+        load_model_state(model, start)
+    else:
+        model.load_state_dict(start)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """What `model` holds on its device before a step: its state dict's tensors, each once (a 4-bit base's
+    quantisation state too, which no parameter holds)."""
+    tensors = {t.data_ptr(): t for t in model.state_dict(keep_vars=False).values() if torch.is_tensor(t)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def same_batches(dataset, n: int, cfg: BenchConfig, device):
@@ -48,7 +69,7 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     # allocates its own, so the two are never held side by side.
     adapter.model.zero_grad(set_to_none=True)
     gc.collect()
-    convert_for(prec, adapter.model).load_state_dict(start)  # load_state_dict casts to the weights' dtype
+    load_start(convert_for(prec, adapter.model), start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps, held.optimizer if held else "adamw")
@@ -59,11 +80,14 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
 
 def measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapter=None) -> tuple[dict, torch.Tensor]:
     """Static split after one step (optimizer state exists), activations of the next step, CUDA peaks;
-    and that step's loss."""
+    and that step's loss. The CUDA peak is this row's own: the device's peak less what the run holds beside this
+    model (the shared start, the memory rows' model copies), read before its first step; reserved is the
+    process's."""
     dev = adapter.device
     step = fresh_step(adapter, prec, start, cfg, step_adapter=step_adapter)
-    step([batches[0]])
     cuda = dev.type == "cuda"
+    beside = torch.cuda.memory_allocated(dev) - held_bytes(adapter.model) if cuda else 0
+    step([batches[0]])
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -79,7 +103,7 @@ def measure_memory(adapter, prec, start, batches, cfg: BenchConfig, step_adapter
     mem["peak_allocated_bytes"] = mem["peak_reserved_bytes"] = None
     if cuda:
         torch.cuda.synchronize(dev)
-        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev) - beside
         mem["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
     return mem, loss
 

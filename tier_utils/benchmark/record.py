@@ -9,6 +9,7 @@ from typing import Literal
 
 from ..core.budget import Budget
 from ..core.measure import Stats, probe_summary
+from ..core.memory_settings import DecidedMemory, memory_setting
 from ..core.precision import Precision
 from ..core.results import run_metadata
 from ..data.datasets import DataDescription
@@ -137,6 +138,9 @@ class Plan:
     compile: CompileInfo | None = None  # once compiled (or the reason it could not be)
     batches: tuple | None = None  # its own speed batches (the floor step's); None: the shared ones
     checkpointing: bool = False  # its steps run with activation checkpointing (engine/activation_checkpointing.py)
+    memory_row: str | None = None  # a memory row's name (BenchConfig.memory_rows, benchmark/memory_rows.py)
+    memory: DecidedMemory | None = None  # that row's memory settings decided, held while it runs (None: the run's)
+    start: dict | None = None  # its own model's start (a LoRA row's adapters); None: the run's model and start
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,8 @@ class PrecisionRecord:
     checkpointing: bool = False
     # Checkpointing rows: against the same precision without it (step time ratio, activation bytes).
     vs_without: dict | None = None
+    memory_row: str | None = None  # a memory row's name; None: a precision row, under the run's memory
+    memory_settings: dict | None = None  # a memory row's settings (decided where it ran), with "describe"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "speed": None if self.speed is None else self.speed.to_dict()}
@@ -249,6 +255,7 @@ class PrecisionRecord:
             "parity_first_step_out": par.get("first_step_out"), "skipped_steps": acc.get("skipped_steps"),
             "rounded_away_share": acc.get("rounded_away_share"),
             "weights_dtype": mem.get("weights_dtype"), "weights": self.weights, "reason": self.reason,
+            "memory_settings": self.memory_settings and self.memory_settings["describe"],
         }
 
 
@@ -259,11 +266,12 @@ def make_record(m: Measured, base: Measured, flops: dict, dev, t: Thresholds, ea
     p, prec = m.plan, m.plan.precision
     rec = PrecisionRecord(p.name, p.mode, str(prec.dtype).replace("torch.", ""), prec.native, ran, p.forced,
                           prec.reason, p.compile, run_metadata(dev, prec.dtype), stopped=stopped,
-                          weights=prec.describe_weights(p.adapter.stored_dtype), checkpointing=p.checkpointing)
+                          weights=prec.describe_weights(p.adapter.stored_dtype), checkpointing=p.checkpointing,
+                          memory_row=p.memory_row, memory_settings=_memory_settings(p))
     if not ran or stopped:
         return rec
     step_ms = m.speed.step_ms
-    vs_eager = p.mode != "eager" and eager is not None and eager.speed is not None
+    vs_eager = p.mode != "eager" and p.memory_row is None and eager is not None and eager.speed is not None
     rec.speed = replace(m.speed, speedup=None if p is base.plan else speedup(base.speed.step_ms, step_ms),
                         speedup_vs_eager=speedup(eager.speed.step_ms, step_ms) if vs_eager else None)
     achieved = flops["per_step"] / (step_ms.median / 1e3) / 1e12
@@ -287,6 +295,16 @@ def make_record(m: Measured, base: Measured, flops: dict, dev, t: Thresholds, ea
         acc["val_accuracy_diff"] = acc["val_accuracy"] - base.accuracy["val_accuracy"]
         acc["parity"] = parity(base.accuracy["loss_curve"], acc["loss_curve"], t.parity_tolerance)
     return rec
+
+
+def _memory_settings(p: Plan) -> dict | None:
+    """A memory row's settings as decided for its run, or as asked where it was skipped before deciding."""
+    if p.memory is not None:
+        return p.memory.to_dict()
+    if p.memory_row is None:
+        return None
+    asked = memory_setting(p.memory_row)
+    return {**asked.to_dict(), "describe": asked.describe()}
 
 
 def _static(memory: dict) -> int:

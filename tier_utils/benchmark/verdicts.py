@@ -17,6 +17,9 @@ from .config import Mode, Thresholds
 # the batch `launch_bound` suggests, and the one the main job grows to on a GPU, aim at it.
 TARGET_FIXED_SHARE = 0.2
 CRITERIA = ("speedup", "memory", "accuracy", "parity")
+# A memory row's (BenchConfig.memory_rows): what its setting saves, and whether its loss kept to the baseline's; its
+# step time is a figure in its memory row's detail, not a target (a memory setting buys bytes, not speed).
+MEMORY_ROW_CRITERIA = ("memory row", "accuracy", "parity")
 
 
 @dataclass
@@ -137,10 +140,10 @@ def speed_check(precision: str, sp: Speedup, n: int, t: Thresholds, bound: dict 
     return PrecisionCheck("speedup vs fp32", status, round(sp.median, 4), t.speedup, detail, precision)
 
 
-def nonfinite_checks(precision: str, reason: str, t: Thresholds) -> list[PrecisionCheck]:
+def nonfinite_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -> list[PrecisionCheck]:
     """A run whose loss is NaN/inf: FAIL on every criterion that reads a loss or a step time, no figures."""
     rows = skip_checks(precision, f"{reason}: no verdict on a model whose loss is not finite; "
-                                  "run smoke(model) to find where it starts", t)
+                                  "run smoke(model) to find where it starts", t, criteria)
     for row in rows:
         if row.check != f"{t.memory} memory reduction":  # bytes are not a loss: not measured, not failed
             row.status = "FAIL"
@@ -243,8 +246,24 @@ def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -
     names = {"speedup": ("speedup vs fp32", t.speedup),
              "memory": (f"{t.memory} memory reduction", t.memory_reduction),
              "accuracy": ("val accuracy diff", t.accuracy_diff),
-             "parity": ("loss-curve parity", t.parity_tolerance)}
+             "parity": ("loss-curve parity", t.parity_tolerance), "memory row": (MEMORY_ROW_CHECK, 0.0)}
     return [PrecisionCheck(names[c][0], "SKIP", None, names[c][1], reason, precision) for c in criteria]
+
+
+MEMORY_ROW_CHECK = "static memory vs fp32"
+
+
+def memory_row_check(precision: str, memory: dict, base_memory: dict, sp: Speedup) -> PrecisionCheck:
+    """A memory row against the baseline's full fine-tune: its static bytes (weights, gradients, optimizer state:
+    what a memory setting changes), PASS when fewer, else WARN; its CUDA peak and its step time beside, measured."""
+    red = memory["reduction"]
+    static = [m["weights_bytes"] + m["grads_bytes"] + m["optimizer_state_bytes"] for m in (memory, base_memory)]
+    peak = red.get("peak_allocated")
+    detail = (f"static {static[0] / 2**20:.2f} MiB vs fp32's {static[1] / 2**20:.2f} MiB ({_pct(red['static'])})"
+              + (f"; peak allocated {_pct(peak)}" if peak is not None else "")
+              + f"; step {sp.median:.2f}x fp32's speed (IQR range {sp.low:.2f}-{sp.high:.2f}x)")
+    return PrecisionCheck(MEMORY_ROW_CHECK, "PASS" if red["static"] > 0 else "WARN", round(red["static"], 4), 0.0,
+                          detail, precision)
 
 
 def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int,
@@ -252,6 +271,8 @@ def record_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_st
     """The verdict rows of a benchmark's PrecisionRecord `rec` against the baseline's `base`; a compiled
     one's also judge it against the same precision eager. `skip_reason`: why it did not run; `load`:
     the CPU load the timings ran under, named by a timing verdict too noisy to give."""
+    if rec.memory_row is not None:
+        return _memory_row_checks(rec, base, skip_reason, t, accuracy_steps)
     rows = _precision_checks(rec, base, skip_reason, t, accuracy_steps, overhead, load)
     info, vs_eager = rec.compile, rec.speed and rec.speed.speedup_vs_eager
     if rec.checkpointing:
@@ -295,22 +316,50 @@ def _precision_checks(rec, base, skip_reason: str | None, t: Thresholds, accurac
     if name != base.precision:  # compiled against eager in the baseline's precision: only correctness
         rows += [speed_check(name, rec.speed.speedup, rec.speed.step_ms.n, t, overhead, load),
                  memory_check(name, rec.memory["reduction"], t)]
-    if not accuracy_steps:
-        rows += skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
-    elif base.accuracy["diverged_at"] is not None:
-        rows += skip_checks(name, f"fp32 baseline diverged at step {base.accuracy['diverged_at']}; lower lr", t,
-                            ("accuracy", "parity"))
+    rows += _correctness_checks(rec, base, t, accuracy_steps)
+    return _against(rows, base, forced)
+
+
+def _memory_row_checks(rec, base, skip_reason: str | None, t: Thresholds, accuracy_steps: int
+                       ) -> list[PrecisionCheck]:
+    """A memory row's verdicts: what its setting saves against the baseline, and its accuracy and loss curve."""
+    name = rec.precision
+    if rec.stopped:
+        rows = nonfinite_checks(name, rec.stopped, t, MEMORY_ROW_CRITERIA)
+    elif not rec.ran:
+        rows = skip_checks(name, skip_reason, t, MEMORY_ROW_CRITERIA)
     else:
-        acc = rec.accuracy
-        diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
-        rows += [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
-                 parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"],
-                              acc.get("rounded_away_share"))]
+        rows = _against([memory_row_check(name, rec.memory, base.memory, rec.speed.speedup),
+                         *_correctness_checks(rec, base, t, accuracy_steps)], base, "")
+    for row in rows:
+        row.mode = rec.mode
+    return rows
+
+
+def _correctness_checks(rec, base, t: Thresholds, accuracy_steps: int) -> list[PrecisionCheck]:
+    """Val accuracy and loss-curve parity against the baseline's accuracy run (SKIP where there was none)."""
+    name = rec.precision
+    if not accuracy_steps:
+        return skip_checks(name, "accuracy_steps=0: no accuracy run", t, ("accuracy", "parity"))
+    if base.accuracy["diverged_at"] is not None:
+        return skip_checks(name, f"fp32 baseline diverged at step {base.accuracy['diverged_at']}; lower lr", t,
+                           ("accuracy", "parity"))
+    acc = rec.accuracy
+    diverged = None if acc["diverged_at"] is None else f"at step {acc['diverged_at']}: {acc['diverged_reason']}"
+    return [accuracy_check(name, acc["val_accuracy_diff"], diverged, t),
+            parity_check(name, acc["parity"], diverged, t, acc["skipped_steps"], acc["loss_scale"],
+                         acc.get("rounded_away_share"))]
+
+
+def _against(rows: list[PrecisionCheck], base, forced: str) -> list[PrecisionCheck]:
+    """`rows` with `forced` added to their detail, and naming the baseline where it is not fp32 (fp32 did not fit
+    here)."""
     for row in rows:
         row.detail += forced
-        if base.precision != "fp32":  # fp32 did not fit here: the rows compare with the baseline that did
+        if base.precision != "fp32":
             row.check = row.check.replace("vs fp32", f"vs {base.precision}")
-            row.detail = row.detail.replace("vs fp32", f"vs {base.precision}")
+            row.detail = row.detail.replace("vs fp32", f"vs {base.precision}").replace(
+                "fp32's", f"{base.precision}'s")
     return rows
 
 

@@ -1,0 +1,81 @@
+"""The AMP benchmark's memory rows (BenchConfig.memory_rows): beside the precisions' rows, which train every weight,
+one row per named memory setting (LoRA over a frozen base, QLoRA's 4-bit NF4 base, 8-bit AdamW), measured as the
+precisions are (the same batches, timed repeats interleaved with theirs, static bytes, the CUDA peak, the accuracy
+run) and judged against the fp32 baseline (verdicts.memory_row_check, parity, val accuracy).
+
+Every row runs in the precision `auto` picks on the device, the one a user would train in here: the rows are timed
+interleaved with the precisions, so the fastest precision this run measures is not known when they start.
+A LoRA or QLoRA row trains its own copy of the model (copy.deepcopy, then engine.quantization.apply_memory:
+QLoRA quantises the copy, so the caller's model is never touched), from its own start: its adapters, initialised
+from the run's seed. An 8-bit-optimizer row trains the run's model itself, its settings held while it runs. A row
+that cannot run here (bitsandbytes or peft missing, no nn.Linear to quantise or adapt) is SKIPPED with the reason.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from ..core.budget import gib
+from ..core.device import device_facts
+from ..core.errors import LoraError, MemorySettingError, QuantizationError
+from ..core.memory_settings import DecidedMemory, memory_setting, resolve_memory
+from ..core.precision import resolve_precision
+from ..engine.lora import held_memory, hold, model_state
+from ..engine.quantization import apply_memory
+from ..engine.step import bitsandbytes_optim
+from .config import BenchConfig, memory_mode
+from .measurements import AdapterStart, held_bytes
+from .record import Plan
+
+
+def memory_row_plans(adapter, cfg: BenchConfig, dev: torch.device) -> list[tuple[Plan, str | None]]:
+    """A Plan per name in `cfg.memory_rows`, eager in the precision `auto` picks on `dev`, each with the reason it
+    cannot run here (None: it runs). The adapters' random start is drawn on a fork of the RNGs, from cfg.seed."""
+    if not cfg.memory_rows:
+        return []
+    prec = resolve_precision("auto", dev, warn=False)
+    cuda_rngs = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda_rngs):
+        torch.manual_seed(cfg.seed)
+        return [_row_plan(name, adapter, prec, dev) for name in cfg.memory_rows]
+
+
+def _row_plan(name: str, adapter, prec, dev: torch.device) -> tuple[Plan, str | None]:
+    """Row `name`'s Plan: its settings decided for `prec` here; a LoRA row with its own model copy and start."""
+    plan = Plan(prec.name, memory_mode(name), prec, adapter, memory_row=name)
+    settings = memory_setting(name)
+    facts = device_facts(dev)
+    try:
+        if settings.optimizer != "adamw":
+            bitsandbytes_optim(settings.optimizer)  # missing: the reason names the extra
+        if settings.lora is None:  # the run's model, with another optimizer
+            return replace(plan, memory=resolve_memory(settings, prec, facts, adapter.stored_dtype)), None
+        model = copy.deepcopy(adapter.model)
+        held = resolve_memory(settings, prec, facts, adapter.stored_dtype, model)
+        model = apply_memory(model, held, prec.compute_dtype)
+    except (LoraError, QuantizationError, MemorySettingError) as exc:
+        return plan, f"{settings.describe()}: {exc}"
+    except torch.OutOfMemoryError:
+        return plan, (f"{settings.describe()}: its copy of the model does not fit beside the run's "
+                      f"({gib(held_bytes(adapter.model))} held); run it alone with memory={name!r}")
+    hold(model, held)
+    own = replace(adapter, model=model)
+    return replace(plan, adapter=own, memory=held, start=AdapterStart(copy.deepcopy(model_state(model)))), None
+
+
+@contextmanager
+def holding(model: torch.nn.Module, memory: DecidedMemory | None):
+    """`model` holding a memory row's settings while that row runs (its optimizer is built from them); None: as
+    it is. What it held before is given back."""
+    if memory is None:
+        yield
+        return
+    was = held_memory(model)
+    hold(model, memory)
+    try:
+        yield
+    finally:
+        hold(model, was)

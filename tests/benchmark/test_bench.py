@@ -242,7 +242,7 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
                                   "compile_mode", "thresholds", "fit", "activation_checkpointing", "memory",
-                                  "lora_detail", "strategy"}
+                                  "lora_detail", "strategy", "memory_rows"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m",
@@ -253,7 +253,8 @@ def test_json_schema_exact_keys(forced_fp16):
     assert doc["overhead"]["floor_shape"] == [1, 8] and doc["overhead"]["floor_step_ms"]["n"] == RUN["repeats"]
     rec = doc["precisions"][1]
     assert set(rec) == {"precision", "mode", "dtype", "native", "ran", "forced", "reason", "compile", "metadata",
-                        "speed", "mfu", "memory", "accuracy", "stopped", "weights", "checkpointing", "vs_without"}
+                        "speed", "mfu", "memory", "accuracy", "stopped", "weights", "checkpointing", "vs_without",
+                        "memory_row", "memory_settings"}
     assert {"device_name", "dtype", "torch"} <= set(rec["metadata"]) and rec["metadata"]["dtype"] == "float16"
     assert set(rec["speed"]) == {"step_ms", "tokens_per_s", "samples_ms", "timed_steps", "speedup", "speedup_vs_eager"}
     assert set(rec["speed"]["step_ms"]) == {"n", "median", "q1", "q3", "min", "max", "iqr"}

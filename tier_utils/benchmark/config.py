@@ -109,7 +109,7 @@ class BenchConfig:
     # precisions' (a precision measured faster in this run is not known before they run).
     memory_rows: tuple = setting((), "memory settings to measure beside the full fine-tune, one row each in the "
                                      "precision auto picks here, judged against the fp32 baseline: "
-                                     f"{','.join(MEMORY_ROWS)} (none: the precisions only)")
+                                     f"{','.join(MEMORY_ROWS)} (default: none, the precisions only)")
     # Under torchrun (benchmark/strategies.py): which of these apply is said in that module.
     strategy: tuple | None = setting(None, "under torchrun: ddp, fsdp or ddp,fsdp side by side: each rank's step "
                                            "time, peak memory and tokens/s, gathered to rank 0 (none: the "

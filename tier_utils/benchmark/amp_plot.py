@@ -19,8 +19,9 @@ def plot_benchmark(result) -> Figure:
     if not ran:
         stopped = next((r.stopped for r in result.records if r.stopped), "no precision was timed")
         return message_figure("AMP benchmark: nothing measured", stopped)
-    names = [r.precision + ("" if r.mode == "eager" else f" {r.mode}") for r in ran]
-    ticks = [r.precision + ("" if r.mode == "eager" else f"\n{r.mode}") for r in ran]  # bar labels, on two lines
+    shown = [r.memory_row or ("" if r.mode == "eager" else r.mode) for r in ran]  # a memory row by its name
+    names = [r.precision + (f" {what}" if what else "") for r, what in zip(ran, shown)]
+    ticks = [r.precision + (f"\n{what}" if what else "") for r, what in zip(ran, shown)]  # bar labels, two lines
     curves = [(name, r) for name, r in zip(names, ran) if r.accuracy]
     scaled = [(name, r) for name, r in curves if r.accuracy["loss_scale"]]
     # The loss-scale panel only when an fp16 run has a trace: no empty panel on fp32/bf16-only runs.
@@ -58,7 +59,7 @@ def plot_benchmark(result) -> Figure:
     caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
                  f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
                  f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads"
-                 + (" · memory rows (eager+NAME): " + "; ".join(r.memory_settings["describe"] for r in rows)
+                 + (f" · memory rows {', '.join(r.memory_row for r in rows)}: their settings in .table"
                     if rows else ""))
     return fig
 

@@ -160,16 +160,18 @@ class BenchmarkRun:
         says so; when none fits, none runs. The memory rows hold less than a full fine-tune and run at that batch
         (one out of memory is skipped when it runs), and only when a baseline fits."""
         seq_len, fp32, plans = cfg.seq_len, planned[0], list(planned)
-        budget = read_budget(self.dev)  # before anything of ours is allocated
+        # Before the steps allocate anything; the memory rows' model copies are held already: the room is beside them.
+        budget = read_budget(self.dev)
         running = [p for p in plans if self.log.runs(p) and p.memory_row is None]
         names = list(dict.fromkeys(p.name for p in running))
         room = device_room(budget)
         configs = {c.precision: c for c in plan_fits(self.adapter, names, seq_len)[0]}
         largest = {name: c.largest_batch(seq_len, room) for name, c in configs.items()}
         fitting = [p for p in running if largest[p.name] >= 1]
-        for p in plans if not fitting else ():
-            if p.memory_row is not None and self.log.runs(p):
-                self.log.skip(p, "fit", "no precision fits here, so no baseline to judge this memory row against")
+        if not fitting:  # no baseline runs: nothing to judge a memory row against
+            for p in plans:
+                if p.memory_row is not None and self.log.runs(p):
+                    self.log.skip(p, "fit", "no precision fits here, so no baseline to judge this memory row against")
         rebased = ""
         if fitting and fp32 in running and fp32 not in fitting:
             plans.remove(fitting[0])

@@ -164,3 +164,24 @@ def test_cli_bench_memory_rows(one_thread, tmp_path, capsys):
     row = next(r for r in doc["precisions"] if r["memory_row"] == "lora")
     assert row["ran"] and row["memory_settings"]["describe"].startswith("LoRA r=8")
     assert " · memory rows in " in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_rows_peak_is_its_own():
+    """The other rows' model copies and the shared start are resident the whole run: a row's peak is the device's
+    less what the run holds beside its model, so it holds at least its own static bytes, and QLoRA's is below
+    the fp32 full fine-tune's."""
+    pytest.importorskip("bitsandbytes")
+    from tier_utils.models.loading import load_model
+
+    torch.manual_seed(0)
+    llama = load_model("hf:LlamaForCausalLM", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, vocab_size=256)
+    result = amp_benchmark(llama, None, memory_rows="lora,qlora", accuracy_steps=0,
+                           **{**QUICK, "device": "cuda", "seq_len": 32})
+    ran = [r for r in result.records if r.speed is not None]
+    assert {r.memory_row for r in ran} == {None, "lora", "qlora"}
+    for r in ran:
+        assert r.memory["peak_allocated_bytes"] >= _static(r), (r.mode, r.memory)
+    assert _rows(result)["qlora"].memory["peak_allocated_bytes"] < result.records[0].memory["peak_allocated_bytes"]

@@ -91,6 +91,10 @@ def test_the_lora_row_holds_fewer_static_bytes_than_the_full_fine_tune_and_is_ju
     assert len(rows["lora"].accuracy["loss_curve"]) == 3 and rows["lora"].speed.speedup is not None
     if _has_bitsandbytes():
         assert rows["qlora"].ran and rows["qlora"].memory["weights_bytes"] < rows["lora"].memory["weights_bytes"]
+        # What the 4-bit base costs apart from LoRA's own cost: QLoRA's curve against LoRA's too.
+        assert rows["qlora"].accuracy["parity_vs_row"]["row"] == "lora"
+        assert "vs the lora row: max relative deviation" in checks[("eager+qlora", "loss-curve parity")].detail
+        assert "parity_vs_row" not in rows["lora"].accuracy
     answer = rows_run.answer()
     assert " · memory rows in " in answer and "lora " in answer and "× static memory" in answer
     assert "qlora (QLoRA r=8" in rows_run.summary_line()

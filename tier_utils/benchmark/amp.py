@@ -32,7 +32,7 @@ from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
 from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
-from .memory_rows import holding, memory_row_plans
+from .memory_rows import against_twin, holding, memory_row_plans
 from .record import BatchFit, BenchRun, Loaded, Measured, OutcomeLog, Plan, Ready, Sized, Speed, Step, make_record
 from .result import BenchmarkResult
 from .verdicts import launch_bound, record_checks
@@ -338,6 +338,7 @@ class BenchmarkRun:
         eager = {m.plan.name: m for m in got if m.plan.mode == "eager" and self.log.runs(m.plan)}
         records = [make_record(m, got[0], flops, self.dev, cfg.thresholds, eager.get(m.plan.name),
                                ran=self.log.runs(m.plan), stopped=self.log.stopped(m.plan)) for m in got]
+        against_twin(records, cfg.thresholds.parity_tolerance)
         overhead = None
         if records[0].speed is not None:
             floor = summarize(floor_ms)

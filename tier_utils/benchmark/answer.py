@@ -57,7 +57,10 @@ def _memory_rows(records, base, checks) -> str:
         red = r.memory["reduction"]
         peak = red.get("peak_allocated")
         basis, saved = ("peak", peak) if peak is not None else ("static", red["static"])
-        said.append(f"{r.memory_row} {1 - saved:.2f}× {basis} memory, {_speedup(r):.2f}× speed" + _parity(r, checks))
+        twin = (r.accuracy or {}).get("parity_vs_row") or {}
+        said.append(f"{r.memory_row} {1 - saved:.2f}× {basis} memory, {_speedup(r):.2f}× speed" + _parity(r, checks)
+                    + (f" (vs {twin['row']}: {twin['max_rel_dev']:.3g})" if twin.get("max_rel_dev") is not None
+                       else ""))
     return f" · memory rows in {rows[0].precision} vs {base.precision}: " + "; ".join(said)
 
 

@@ -9,6 +9,8 @@ A LoRA or QLoRA row trains its own copy of the model (copy.deepcopy, then engine
 QLoRA quantises the copy, so the caller's model is never touched), from its own start: its adapters, initialised
 from the run's seed. An 8-bit-optimizer row trains the run's model itself, its settings held while it runs. A row
 that cannot run here (bitsandbytes or peft missing, no nn.Linear to quantise or adapt) is SKIPPED with the reason.
+A 4-bit row's loss curve is also compared with its 16-bit twin's where both ran (QLoRA with LoRA): what the 4-bit
+base costs, apart from what training adapters instead of every weight costs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from ..engine.quantization import apply_memory
 from ..engine.step import bitsandbytes_optim
 from .config import BenchConfig, memory_mode
 from .measurements import AdapterStart, held_bytes
-from .record import Plan
+from .record import Plan, PrecisionRecord
+from .verdicts import parity
 
 
 def memory_row_plans(adapter, cfg: BenchConfig, dev: torch.device) -> list[tuple[Plan, str | None]]:
@@ -79,3 +82,16 @@ def holding(model: torch.nn.Module, memory: DecidedMemory | None):
         yield
     finally:
         hold(model, was)
+
+
+def against_twin(records: list[PrecisionRecord], tolerance: float) -> None:
+    """Each 4-bit memory row's loss curve against its twin's, the row whose settings differ only in the base's bits
+    (QLoRA against LoRA), where both ran an accuracy run: in place, as its accuracy's "parity_vs_row"."""
+    ran = [r for r in records if r.memory_row is not None and r.accuracy]
+    for r in ran:
+        asked = memory_setting(r.memory_row)
+        sixteen = replace(asked, base_bits=16)
+        twin = next((o for o in ran if memory_setting(o.memory_row) == sixteen), None) if sixteen != asked else None
+        if twin is not None:
+            r.accuracy["parity_vs_row"] = {"row": twin.memory_row, **parity(
+                twin.accuracy["loss_curve"], r.accuracy["loss_curve"], tolerance)}

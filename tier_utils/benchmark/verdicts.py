@@ -331,8 +331,11 @@ def _memory_row_checks(rec, base, skip_reason: str | None, t: Thresholds, accura
     else:
         rows = _against([memory_row_check(name, rec.memory, base.memory, rec.speed.speedup),
                          *_correctness_checks(rec, base, t, accuracy_steps)], base, "")
+    twin = (rec.accuracy or {}).get("parity_vs_row")
     for row in rows:
         row.mode = rec.mode
+        if twin and row.check == "loss-curve parity" and twin["max_rel_dev"] is not None:
+            row.detail += f"; vs the {twin['row']} row: max relative deviation {twin['max_rel_dev']:.4f}"
     return rows
 
 

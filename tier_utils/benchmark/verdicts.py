@@ -20,6 +20,7 @@ CRITERIA = ("speedup", "memory", "accuracy", "parity")
 # A memory row's (BenchConfig.memory_rows): what its setting saves, and whether its loss kept to the baseline's; its
 # step time is a figure in its memory row's detail, not a target (a memory setting buys bytes, not speed).
 MEMORY_ROW_CRITERIA = ("memory row", "accuracy", "parity")
+MEMORY_ROW_CHECK = "static memory vs fp32"  # memory_row_check's row
 
 
 @dataclass
@@ -248,9 +249,6 @@ def skip_checks(precision: str, reason: str, t: Thresholds, criteria=CRITERIA) -
              "accuracy": ("val accuracy diff", t.accuracy_diff),
              "parity": ("loss-curve parity", t.parity_tolerance), "memory row": (MEMORY_ROW_CHECK, 0.0)}
     return [PrecisionCheck(names[c][0], "SKIP", None, names[c][1], reason, precision) for c in criteria]
-
-
-MEMORY_ROW_CHECK = "static memory vs fp32"
 
 
 def memory_row_check(precision: str, memory: dict, base_memory: dict, sp: Speedup) -> PrecisionCheck:

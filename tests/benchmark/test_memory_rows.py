@@ -86,14 +86,17 @@ def test_the_lora_row_holds_fewer_static_bytes_than_the_full_fine_tune_and_is_ju
     checks = {(c.mode, c.check): c for c in rows_run.checks}
     static = checks[("eager+lora", "static memory vs fp32")]
     assert static.status == "PASS" and static.value > 0 and "MiB vs fp32's" in static.detail
-    assert checks[("eager+lora", "loss-curve parity")].status in ("PASS", "WARN", "FAIL")  # judged, not skipped
+    # Adapters train a small share of the weights: a gap to the full fine-tune is a figure (never FAIL).
+    assert checks[("eager+lora", "loss-curve parity")].status in ("PASS", "WARN")
     assert ("eager+lora", "speedup vs fp32") not in checks  # a memory setting buys bytes: its speed is a figure
     assert len(rows["lora"].accuracy["loss_curve"]) == 3 and rows["lora"].speed.speedup is not None
     if _has_bitsandbytes():
         assert rows["qlora"].ran and rows["qlora"].memory["weights_bytes"] < rows["lora"].memory["weights_bytes"]
         # What the 4-bit base costs apart from LoRA's own cost: QLoRA's curve against LoRA's too.
         assert rows["qlora"].accuracy["parity_vs_row"]["row"] == "lora"
-        assert "vs the lora row: max relative deviation" in checks[("eager+qlora", "loss-curve parity")].detail
+        qlora_parity = checks[("eager+qlora", "loss-curve parity")]  # judged against LoRA: the 4-bit base's cost
+        assert qlora_parity.detail.startswith("vs the lora row (the 16-bit base): max relative deviation")
+        assert qlora_parity.value == pytest.approx(rows["qlora"].accuracy["parity_vs_row"]["max_rel_dev"], abs=1e-4)
         assert "parity_vs_row" not in rows["lora"].accuracy
     answer = rows_run.answer()
     assert " · memory rows in " in answer and "lora " in answer and "× static memory" in answer

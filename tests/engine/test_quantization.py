@@ -15,7 +15,9 @@ import torch.nn as nn
 
 from tier_utils import cli
 from tier_utils.adapter.adapter import adapt
+from tier_utils.core.device import CPU_FLAGS_ENV
 from tier_utils.core.errors import QuantizationError
+from tier_utils.core.memory_settings import BASE_DTYPES
 from tier_utils.engine.lora import LoraSettings, apply_lora, model_state
 from tier_utils.engine.quantization import (
     describe_quantized,
@@ -167,8 +169,10 @@ def test_without_bitsandbytes_the_line_names_the_extra(monkeypatch):
     assert str(exc.value).startswith("QLoRA (bits=4) needs bitsandbytes") and "\n" not in str(exc.value)
 
 
-def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16):
+def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16, monkeypatch):
     import tier_utils as tu
+
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")  # the bf16 stability check runs (it SKIPs where bf16 is emulated)
 
     model = load_quantized(str(llama_bf16), torch.bfloat16)
     report = tu.smoke(model, checks="init,stability", device="cpu", progress=False)
@@ -191,6 +195,11 @@ def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16)
 # fp32 decides the compute dtype on any CPU (a machine fact otherwise); 20 steps of 2 x 32 bytes of the bundled corpus.
 TRAIN = ["--precision", "fp32", "--device", "cpu", "--no-progress", "--batch-size", "2", "--seq-len", "32",
          "--max-steps", "20", "--checkpoint-every", "2", "--eval-every", "0", "--eval-batches", "1", "--lr", "3e-3"]
+
+
+def _base_dtype(result) -> torch.dtype:
+    """The dtype the run held its base's unquantised weights in (embeddings, head), as its summary says."""
+    return BASE_DTYPES[result.summary.memory["decided_base_dtype"]]
 
 
 def _step_losses(result) -> list[float]:
@@ -242,7 +251,8 @@ def test_train_qlora_trains_the_adapters_over_the_4bit_base_with_a_falling_loss(
     assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
     assert result.summary.memory["describe"].startswith("QLoRA r=8 over a 4-bit NF4 base")
     assert result.summary.quantized.startswith("NF4 4-bit base (14 Linear4bit)")  # the result names what is 4-bit
-    assert "embeddings and head in bfloat16, compute in float32" in result.summary.quantized
+    base = str(_base_dtype(result)).removeprefix("torch.")  # bf16 as stored, where this CPU computes in it
+    assert f"embeddings and head in {base}, compute in float32" in result.summary.quantized
 
 
 def test_train_qlora_stopped_and_resumed_ends_bitwise_on_the_whole_runs_adapters(qlora_runs):
@@ -263,10 +273,11 @@ def test_train_qlora_save_hf_adapters_over_a_freshly_quantised_base_give_the_tra
     from peft import PeftModel
 
     root, runs = qlora_runs
-    expected = _logits(runs["whole"][1].model)
-    fresh = PeftModel.from_pretrained(load_quantized(str(llama_bf16), torch.float32), root / "adapter")
+    trained = runs["whole"][1]
+    expected, base = _logits(trained.model), _base_dtype(trained)  # the base loaded as the run held it
+    fresh = PeftModel.from_pretrained(load_quantized(str(llama_bf16), torch.float32, dtype=base), root / "adapter")
     torch.testing.assert_close(_logits(fresh), expected, atol=1e-4, rtol=0)
-    again = load_quantized(str(root / "adapter"), torch.float32)  # the folder's base, quantised, + adapters
+    again = load_quantized(str(root / "adapter"), torch.float32, dtype=base)  # the folder's base, quantised, + adapters
     assert len(quantized_layers(again)) == 14
     torch.testing.assert_close(_logits(again), expected, atol=1e-4, rtol=0)
 

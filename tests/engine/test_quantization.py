@@ -23,11 +23,9 @@ from tier_utils.engine.quantization import (
     describe_quantized,
     load_quantized,
     merge_to_plain,
-    quantize_linears,
     quantized_bytes_per_param,
     quantized_layers,
     require_adapters,
-    require_bitsandbytes,
 )
 from tier_utils.engine.step import TrainStep
 from tier_utils.models.checkpoint import load_checkpoint
@@ -148,25 +146,6 @@ MODEL_FILE = textwrap.dedent('''
                 x = block(x)
             return self.head(x)
 ''')
-
-
-class _NoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-
-
-def test_a_model_with_no_linear_layer_is_refused_in_one_line():
-    with pytest.raises(QuantizationError, match="no nn.Linear layer to quantise") as exc:
-        quantize_linears(_NoLinear(), torch.float32)
-    assert "\n" not in str(exc.value)
-
-
-def test_without_bitsandbytes_the_line_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
-    with pytest.raises(QuantizationError, match=r"pip install 'tier_utils\[qlora\]'") as exc:
-        require_bitsandbytes("QLoRA (bits=4)")
-    assert str(exc.value).startswith("QLoRA (bits=4) needs bitsandbytes") and "\n" not in str(exc.value)
 
 
 def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16, monkeypatch):
@@ -307,3 +286,35 @@ def test_train_qlora_on_a_hand_written_model_file_quantises_its_block_linears_an
     assert "embeddings and head in float32, compute in float32" in result.summary.quantized
     losses = _step_losses(result)
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+
+
+NO_LINEAR = textwrap.dedent('''
+    import torch.nn as nn
+
+    class Bag(nn.Module):
+        """An embedding bag: nothing a 4-bit base could hold."""
+        task, max_len = "causal-lm", 32
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(256, 256)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.emb(input_ids)
+''')
+
+
+@pytest.mark.parametrize("case,says", [
+    ("no-linear", "Bag has no nn.Linear layer to quantise to 4 bits; drop bits=4"),
+    ("no-bitsandbytes", "a 4-bit base (QLoRA) needs bitsandbytes; pip install 'tier_utils[qlora]'"),
+])
+def test_train_qlora_bad_input_is_one_line_exit_2_nothing_written(case, says, llama_bf16, tmp_path, capsys,
+                                                                   monkeypatch):
+    (tmp_path / "bag.py").write_text(NO_LINEAR)
+    model = f"{tmp_path}/bag.py:Bag" if case == "no-linear" else str(llama_bf16)
+    if case == "no-bitsandbytes":
+        monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # its import fails, as where it is not installed
+    code = cli.main(["train", "--model", model, "--out", str(tmp_path / "run"), "--qlora", *TRAIN])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning")]
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert not any(p.is_file() for p in (tmp_path / "run").rglob("*"))

@@ -1,8 +1,11 @@
 """QLoRA's 4-bit base (issue 42): block Linear layers in NF4 through bitsandbytes (its CPU backend runs here), LoRA
-through peft over it, adapters saved and loaded, the merge back to a plain model, checkpoints of the adapters only.
+through peft over it; then `train --qlora` end to end through the CLI's in-process entry: a falling loss, a run
+stopped and resumed ending bitwise on the whole run's adapters (checkpoints of the adapters only), the adapter folder
+over a freshly quantised base, the merge back to a plain model, and a hand-written model file.
 
 The Llama here is wide enough (hidden 256) that NF4's blocks of 64 weights and their absmax are what a real model
 holds; it is saved in bf16 and loaded as users load a folder."""
+import itertools
 import sys
 import textwrap
 
@@ -10,21 +13,25 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tier_utils import cli
 from tier_utils.adapter.adapter import adapt
+from tier_utils.core.device import CPU_FLAGS_ENV
 from tier_utils.core.errors import QuantizationError
-from tier_utils.engine.lora import LoraSettings, apply_lora, load_model_state, model_state
+from tier_utils.core.memory_settings import BASE_DTYPES
+from tier_utils.engine.lora import LoraSettings, apply_lora, model_state
 from tier_utils.engine.quantization import (
     describe_quantized,
     load_quantized,
     merge_to_plain,
-    quantize_linears,
     quantized_bytes_per_param,
     quantized_layers,
     require_adapters,
-    require_bitsandbytes,
 )
-from tier_utils.engine.step import make_optimizer
+from tier_utils.engine.step import TrainStep
+from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.models.loading import load_model
+from tier_utils.training.history import TrainResult
+from tier_utils.training.loop import train
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -53,33 +60,9 @@ def _batches(n=4, rows=4, length=24):
     return [s + torch.arange(length) for s in starts]
 
 
-def _train(model, stop, lr=3e-3, optimizer=None, start=0):
-    """Steps start..stop-1 with AdamW on the adapters (the project's optimizer), step i on batch i of _batches()
-    (cycling), so a resumed run sees what the whole one did; the losses and the optimizer."""
-    optimizer = optimizer or make_optimizer(model, lr, 0.0)
-    adapter, losses = adapt(model.train()), []  # from_pretrained returns a model in eval mode
-    batches = _batches()
-    for step in range(start, stop):
-        ids = batches[step % len(batches)]
-        loss = adapter.forward_loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})[0]
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, optimizer
-
-
 def _logits(model, ids=IDS):
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits.float()
-
-
-@pytest.fixture(scope="module")
-def qlora_trained(llama_bf16):
-    torch.manual_seed(1)
-    model = apply_lora(load_quantized(str(llama_bf16), torch.bfloat16), LORA)
-    losses, _ = _train(model, 20)
-    return model, losses
 
 
 def _weight_bytes(layer: nn.Module) -> int:
@@ -105,15 +88,9 @@ def test_a_bf16_llama_loads_with_its_block_linears_in_nf4_and_a_third_of_the_byt
     assert describe_quantized(plain) is None
     assert quantized.tier_utils_source.quantized == {"compute_dtype": "bfloat16"}
     assert quantized.tier_utils_source.kwargs == {}  # the config object is not a recordable argument
-
-
-def test_qlora_on_the_4bit_llama_trains_with_a_falling_loss(qlora_trained):
-    model, losses = qlora_trained
-    assert sum(losses[-5:]) / 5 < 0.92 * sum(losses[:5]) / 5, losses
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)  # peft's fp32 adapters
-    assert len(quantized_layers(model)) == 14  # still 4-bit under the adapters
+    # A 4-bit base trains through adapters only: without them its whole model would be the checkpoint; refused.
+    with pytest.raises(QuantizationError, match="no LoRA adapters"):
+        require_adapters(quantized)
 
 
 def test_the_adapters_get_the_gradients_of_the_dequantised_base_after_an_eval_forward(llama_bf16):
@@ -137,35 +114,6 @@ def test_the_adapters_get_the_gradients_of_the_dequantised_base_after_an_eval_fo
     assert not quantized_layers(model) and models[0].keys() == models[1].keys()
     for name, grad in models[0].items():
         torch.testing.assert_close(grad, models[1][name], atol=1e-7, rtol=1e-5, msg=name)
-
-
-def test_the_adapter_folder_over_a_freshly_quantised_base_gives_the_same_logits(qlora_trained, llama_bf16, tmp_path):
-    from peft import PeftModel
-
-    model, _ = qlora_trained
-    model.save_pretrained(tmp_path / "adapter")  # what save_hf writes for a LoRA model
-    expected = _logits(model)
-    fresh = PeftModel.from_pretrained(load_quantized(str(llama_bf16), torch.bfloat16), tmp_path / "adapter")
-    torch.testing.assert_close(_logits(fresh), expected, atol=1e-4, rtol=0)
-    again = load_quantized(str(tmp_path / "adapter"), torch.bfloat16)  # the folder's base, quantised, + adapters
-    assert len(quantized_layers(again)) == 14
-    torch.testing.assert_close(_logits(again), expected, atol=1e-4, rtol=0)
-
-
-def test_the_merged_model_is_plain_bf16_and_loads_in_plain_transformers(llama_bf16, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = apply_lora(load_quantized(str(llama_bf16), torch.bfloat16), LORA)
-    _train(model, 3, lr=1e-2)
-    expected = _logits(model)
-    merge_to_plain(model, torch.bfloat16).save_pretrained(tmp_path / "merged")
-    assert "quantization_config" not in (tmp_path / "merged" / "config.json").read_text()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert not quantized_layers(merged) and not any("lora" in n for n, _ in merged.named_parameters())
-    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
-    # The same function up to bf16 rounding: the 4-bit base computed in bf16, against its dequantised copy.
-    assert (_logits(merged) - expected).abs().max() < 0.1
 
 
 MODEL_FILE = textwrap.dedent('''
@@ -200,71 +148,10 @@ MODEL_FILE = textwrap.dedent('''
 ''')
 
 
-def test_qlora_on_a_hand_written_model_file_quantises_its_block_linears_and_trains(tmp_path):
-    (tmp_path / "gpt.py").write_text(MODEL_FILE)
-    torch.manual_seed(0)
-    model = load_quantized(f"{tmp_path}/gpt.py:GPT", torch.float32)
-    assert sorted(quantized_layers(model)) == [f"blocks.{i}.{n}" for i in range(2) for n in ("down", "up")]
-    assert type(model.head) is nn.Linear and model.head.weight is model.emb.weight  # the tied head stays
-    assert model.tier_utils_source.quantized == {"compute_dtype": "float32"}
-    model = apply_lora(model, LoraSettings(r=8, alpha=16, targets=("up", "down")))
-    adapter = adapt(model.train())
-    losses = []
-    optimizer = make_optimizer(model, 1e-2, 0.0)
-    for ids in _batches(n=1) * 20:
-        loss = adapter.forward_loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})[0]
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < 0.8 * losses[0], losses
-
-
-def test_a_qlora_checkpoint_holds_the_adapters_only_and_resumes_bitwise(llama_bf16):
-    def fresh():
-        torch.manual_seed(1)
-        return apply_lora(load_quantized(str(llama_bf16), torch.bfloat16), LORA)
-
-    whole = fresh()
-    _train(whole, 6)
-    cut = fresh()
-    _, optimizer = _train(cut, 3)
-    state = {"model": model_state(cut), "optimizer": optimizer.state_dict()}
-    assert state["model"] and all("lora_" in k for k in state["model"])  # no 4-bit base in it
-    require_adapters(cut)  # a QLoRA model passes; the bare 4-bit base would be written whole, so it is refused:
-    with pytest.raises(QuantizationError, match="no LoRA adapters"):
-        require_adapters(load_quantized(str(llama_bf16), torch.bfloat16))
-    assert all(t.dtype == torch.float32 for t in state["model"].values())
-    resumed = fresh()  # a new process's model: quantised again from the folder, adapters from the checkpoint
-    load_model_state(resumed, state["model"])
-    optimizer = make_optimizer(resumed, 3e-3, 0.0)
-    optimizer.load_state_dict(state["optimizer"])
-    _train(resumed, 6, optimizer=optimizer, start=3)
-    for name, tensor in model_state(whole).items():
-        assert torch.equal(tensor, model_state(resumed)[name]), name
-
-
-class _NoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-
-
-def test_a_model_with_no_linear_layer_is_refused_in_one_line():
-    with pytest.raises(QuantizationError, match="no nn.Linear layer to quantise") as exc:
-        quantize_linears(_NoLinear(), torch.float32)
-    assert "\n" not in str(exc.value)
-
-
-def test_without_bitsandbytes_the_line_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
-    with pytest.raises(QuantizationError, match=r"pip install 'tier_utils\[qlora\]'") as exc:
-        require_bitsandbytes("QLoRA (bits=4)")
-    assert str(exc.value).startswith("QLoRA (bits=4) needs bitsandbytes") and "\n" not in str(exc.value)
-
-
-def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16):
+def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16, monkeypatch):
     import tier_utils as tu
+
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")  # the bf16 stability check runs (it SKIPs where bf16 is emulated)
 
     model = load_quantized(str(llama_bf16), torch.bfloat16)
     report = tu.smoke(model, checks="init,stability", device="cpu", progress=False)
@@ -281,3 +168,153 @@ def test_smoke_and_analysis_run_the_4bit_model_as_loaded_and_name_it(llama_bf16)
     analysis = tu.analyze(model, analyses="dtypes", device="cpu", progress=False)
     assert analysis.to_json()["model"]["quantized"].startswith(named)
     assert set(analysis.table.status) <= {"PASS", "WARN"}, analysis.table
+
+
+# -- train --qlora end to end, through the CLI's in-process entry ----------------------------------------------------
+# fp32 decides the compute dtype on any CPU (a machine fact otherwise); 20 steps of 2 x 32 bytes of the bundled corpus.
+TRAIN = ["--precision", "fp32", "--device", "cpu", "--no-progress", "--batch-size", "2", "--seq-len", "32",
+         "--max-steps", "20", "--checkpoint-every", "2", "--eval-every", "0", "--eval-batches", "1", "--lr", "3e-3"]
+
+
+def _base_dtype(result) -> torch.dtype:
+    """The dtype the run held its base's unquantised weights in (embeddings, head), as its summary says."""
+    return BASE_DTYPES[result.summary.memory["decided_base_dtype"]]
+
+
+def _step_losses(result) -> list[float]:
+    return result.history.query("kind == 'step'").train_loss.tolist()
+
+
+def _cli_train(model: str, out, *extra, stop_at: int | None = None):
+    """`python -m tier_utils train --model MODEL --out OUT TRAIN EXTRA` in this process: its exit code and the
+    TrainResult it printed (the trained model in it). stop_at: Ctrl-C as step `stop_at` starts (the run keeps its
+    last checkpoint; the steps after it are lost, as on a kill)."""
+    results = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "train", lambda *a, **k: results.append(train(*a, **k)) or results[-1])
+        # training.png is drawn in tests/test_plots.py; here it was half of each run's time (0.8 s of matplotlib).
+        patch.setattr(TrainResult, "save_plot", lambda self, path: path)
+        if stop_at is not None:
+            calls, step = itertools.count(1), TrainStep.__call__
+
+            def interrupted(self, micro):
+                if next(calls) == stop_at:
+                    raise KeyboardInterrupt
+                return step(self, micro)
+
+            patch.setattr(TrainStep, "__call__", interrupted)
+        code = cli.main(["train", "--model", model, "--out", str(out), *TRAIN, *extra])
+    return code, results[0]
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(llama_bf16, tmp_path_factory):
+    """`train --qlora` on the bf16 Llama: a whole run writing its adapter folder; the same run stopped at step 11
+    (its last checkpoint: step 10), then resumed to the end writing the merged model. 1.7 s on one idle core."""
+    root = tmp_path_factory.mktemp("qlora-train")
+    runs = {"whole": _cli_train(str(llama_bf16), root / "whole", "--qlora", "--save-hf", str(root / "adapter"))}
+    runs["stopped"] = _cli_train(str(llama_bf16), root / "cut", "--qlora", stop_at=11)
+    runs["resumed"] = _cli_train(str(llama_bf16), root / "cut", "--lora", "r=8,alpha=16,bits=4", "--resume",
+                                 "--save-hf", str(root / "merged"), "--merge")
+    return root, runs
+
+
+def test_train_qlora_trains_the_adapters_over_the_4bit_base_with_a_falling_loss(qlora_runs):
+    _, runs = qlora_runs
+    code, result = runs["whole"]
+    losses = _step_losses(result)
+    assert code == 0 and len(losses) == 20 and sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+    model = result.model
+    assert len(quantized_layers(model)) == 14  # still 4-bit under the adapters
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    assert result.summary.memory["describe"].startswith("QLoRA r=8 over a 4-bit NF4 base")
+    assert result.summary.quantized.startswith("NF4 4-bit base (14 Linear4bit)")  # the result names what is 4-bit
+    base = str(_base_dtype(result)).removeprefix("torch.")  # bf16 as stored, where this CPU computes in it
+    assert f"embeddings and head in {base}, compute in float32" in result.summary.quantized
+
+
+def test_train_qlora_stopped_and_resumed_ends_bitwise_on_the_whole_runs_adapters(qlora_runs):
+    root, runs = qlora_runs
+    (stopped, cut), (resumed, done) = runs["stopped"], runs["resumed"]
+    assert stopped == 130 and cut.interrupted and cut.summary.steps == 10
+    assert resumed == 0 and done.summary.resumed_from_step == 10 and done.summary.steps == 20
+    whole, again = (load_checkpoint(root / run / "checkpoints" / "last.pt")["model"] for run in ("whole", "cut"))
+    assert whole and all("lora_" in k for k in whole)  # the adapters only: no 4-bit base in the checkpoint
+    assert whole.keys() == again.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, again[name]), name
+    for name, tensor in model_state(runs["whole"][1].model).items():  # and the models the two runs return
+        assert torch.equal(tensor, model_state(done.model)[name]), name
+
+
+def test_train_qlora_save_hf_adapters_over_a_freshly_quantised_base_give_the_trained_logits(qlora_runs, llama_bf16):
+    from peft import PeftModel
+
+    root, runs = qlora_runs
+    trained = runs["whole"][1]
+    expected, base = _logits(trained.model), _base_dtype(trained)  # the base loaded as the run held it
+    fresh = PeftModel.from_pretrained(load_quantized(str(llama_bf16), torch.float32, dtype=base), root / "adapter")
+    torch.testing.assert_close(_logits(fresh), expected, atol=1e-4, rtol=0)
+    again = load_quantized(str(root / "adapter"), torch.float32, dtype=base)  # the folder's base, quantised, + adapters
+    assert len(quantized_layers(again)) == 14
+    torch.testing.assert_close(_logits(again), expected, atol=1e-4, rtol=0)
+
+
+def test_train_qlora_merge_writes_a_plain_model_in_the_stored_bf16(qlora_runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, runs = qlora_runs
+    folder = root / "merged"
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    assert {t.dtype for t in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}
+    assert "4-bit base dequantised to bfloat16" in runs["resumed"][1].summary.hf_detail
+    merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert not quantized_layers(merged) and not any("lora" in n for n, _ in merged.named_parameters())
+    # The same function up to bf16 rounding: the trained 4-bit base computed in fp32, against its merged copy.
+    assert (_logits(merged) - _logits(runs["resumed"][1].model)).abs().max() < 0.1
+
+
+def test_train_qlora_on_a_hand_written_model_file_quantises_its_block_linears_and_learns(tmp_path):
+    (tmp_path / "gpt.py").write_text(MODEL_FILE)
+    code, result = _cli_train(f"{tmp_path}/gpt.py:GPT", tmp_path / "run", "--lora", "r=8,alpha=16,bits=4")
+    model = result.model.get_base_model()
+    quantized = [f"blocks.{i}.{n}.base_layer" for i in range(2) for n in ("down", "up")]  # under peft's LoRA layers
+    assert code == 0 and sorted(quantized_layers(model)) == quantized
+    assert type(model.head) is nn.Linear and model.head.weight is model.emb.weight  # the tied head stays
+    assert "embeddings and head in float32, compute in float32" in result.summary.quantized
+    losses = _step_losses(result)
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+
+
+NO_LINEAR = textwrap.dedent('''
+    import torch.nn as nn
+
+    class Bag(nn.Module):
+        """An embedding bag: nothing a 4-bit base could hold."""
+        task, max_len = "causal-lm", 32
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(256, 256)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.emb(input_ids)
+''')
+
+
+@pytest.mark.parametrize("case,says", [
+    ("no-linear", "Bag has no nn.Linear layer to quantise to 4 bits; drop bits=4"),
+    ("no-bitsandbytes", "a 4-bit base (QLoRA) needs bitsandbytes; pip install 'tier_utils[qlora]'"),
+])
+def test_train_qlora_bad_input_is_one_line_exit_2_nothing_written(case, says, llama_bf16, tmp_path, capsys,
+                                                                   monkeypatch):
+    (tmp_path / "bag.py").write_text(NO_LINEAR)
+    model = f"{tmp_path}/bag.py:Bag" if case == "no-linear" else str(llama_bf16)
+    if case == "no-bitsandbytes":
+        monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # its import fails, as where it is not installed
+    code = cli.main(["train", "--model", model, "--out", str(tmp_path / "run"), "--qlora", *TRAIN])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning")]
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert not any(p.is_file() for p in (tmp_path / "run").rglob("*"))

@@ -158,9 +158,14 @@ def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None
     for p in model.parameters():
         if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
             p.data = p.data.float() if p.requires_grad else p.data.to(base)
-    for b in model.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(base)
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            # Under fp32 weights the buffers no checkpoint holds (rotary frequencies, computed at build) keep their
+            # dtype, as from_pretrained leaves them at any dtype: so the trained model computes what its adapter
+            # folder over a fresh load of the base computes. A true mode holds everything in its dtype.
+            derived = name in m._non_persistent_buffers_set and fp32_weights
+            if b.is_floating_point() and not derived:
+                b.data = b.data.to(base)
     return model
 
 

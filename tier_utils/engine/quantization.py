@@ -203,16 +203,18 @@ def _dequantize(model: nn.Module, dtype: torch.dtype) -> None:
 
 def merge_to_plain(model: nn.Module, stored_dtype: torch.dtype) -> nn.Module:
     """A QLoRA model (or a bare 4-bit base) as a plain model in `stored_dtype`, for `--merge`: the base without its
-    LoRA layers (peft's unload), its 4-bit weights dequantised in fp32, the same adapters put back over it and folded
-    in by peft's merge_and_unload (peft's merge into a 4-bit layer would round the sum back to 4 bits), then every
-    parameter in `stored_dtype`. In place: `model` is spent."""
+    LoRA layers (peft's unload), its 4-bit weights dequantised straight into `stored_dtype`, the same adapters put
+    back over it and folded in by peft's merge_and_unload (their product computed in fp32; peft's merge into a 4-bit
+    layer would round the sum back to 4 bits), then every parameter in `stored_dtype`. Never the whole base in fp32:
+    a 3 B model's would be 12.8 GB, past a T4 beside the trained model (a half-precision base: 6.4 GB). In place:
+    `model` is spent."""
     wrapped = is_lora(model) and hasattr(model, "merge_and_unload")  # peft marks the base it wraps with LoRA too
     if wrapped:
         import peft
 
         config, adapters = model.peft_config["default"], peft.get_peft_model_state_dict(model)
         model = model.unload()
-    _dequantize(model, torch.float32)
+    _dequantize(model, stored_dtype)
     if wrapped:
         model = peft.get_peft_model(model, config)
         peft.set_peft_model_state_dict(model, adapters)

@@ -11,6 +11,7 @@ val loss counts as no improvement (Lightning stops at once; here the patience de
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
 from ..data.tokenizer import BYTES
 from ..engine.lora import is_lora, merged_copy
+from ..engine.quantization import merge_to_plain, quantized_layers
 from ..engine.sharding import unsharded_class
 from ..engine.strategies import Strategy
 
@@ -103,17 +105,29 @@ def check_save_hf(model, folder, merge: bool = False) -> None:
                           "'last.pt')), or load its weights into the transformers class and train that")
 
 
-def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None) -> str:
+def _merged(model, stored_dtype):
+    """A plain copy of a LoRA model with its adapters folded in; over a 4-bit base (QLoRA) the base dequantised
+    first and the copy in the base's stored dtype (peft's merge into a 4-bit layer would write a 4-bit model)."""
+    if quantized_layers(model):
+        return merge_to_plain(copy.deepcopy(model), stored_dtype)  # the trained model stays as the result holds it
+    return merged_copy(model)
+
+
+def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None,
+            stored_dtype=None) -> str:
     """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,
     e.g. "final weights (step 60); tokenizer saved". A LoRA model writes peft's adapter folder, or with `merge`
-    the base with the adapters folded in. `state_dict`: a sharded model's gathered weights."""
+    the base with the adapters folded in (a 4-bit base: dequantised, in `stored_dtype`, the dtype the base was
+    stored in). `state_dict`: a sharded model's gathered weights."""
     folder = Path(folder).expanduser()
     if state_dict is not None:  # a sharded model: its gathered weights in an unsharded copy of its class
         model = unsharded_class(model)(model.config)
         model.load_state_dict(state_dict)
-    (merged_copy(model) if merge else model).save_pretrained(folder)
+    (_merged(model, stored_dtype) if merge else model).save_pretrained(folder)
     if is_lora(model):
-        weights += "; merged LoRA model" if merge else "; LoRA adapter (peft format)"
+        dequantised = f", its 4-bit base dequantised to {str(stored_dtype).removeprefix('torch.')}" \
+            if quantized_layers(model) else ""
+        weights += f"; merged LoRA model{dequantised}" if merge else "; LoRA adapter (peft format)"
     if tokenizer.name == BYTES:
         said = "tokenizer: bytes, nothing to save (load_model(folder) feeds byte ids)"
     else:

@@ -232,6 +232,9 @@ class TrainSummary:
     activation_checkpointing: str | None = None  # how many blocks, and how (None: off)
     lora: dict | None = None  # engine.lora.describe_lora: r, targets, trainable share, base dtype (None: off)
     memory: dict | None = None  # the decided memory settings (DecidedMemory.to_dict): base and adapter dtypes, why
+    # A 4-bit base (engine.quantization.describe_quantized): which layers are NF4, which stayed in the base dtype
+    # (embeddings, head), the compute dtype (None: no 4-bit base).
+    quantized: str | None = None
     strategy: str | None = None  # the distributed strategy's name (engine/strategies.py)
     # How the strategy holds the model on its ranks (its own description; None: one process). FSDP: what
     # fully_shard wrapped, the MixedPrecisionPolicy, reshard_after_forward.
@@ -302,6 +305,7 @@ class TrainResult(Result):
             ("memory", s.memory and f"{s.memory['describe']} ({s.memory['reason']})"),
             ("activation_checkpointing", s.activation_checkpointing),
             ("lora", s.lora and s.lora["detail"]),
+            ("quantized", s.quantized),
             ("compile_reason", s.compile_reason),
             ("compile_s", number(s.compile_s, ".1f")),
             ("skipped_steps", s.skipped_steps),

@@ -30,6 +30,7 @@ from ..engine import sharding
 from ..engine.activation_checkpointing import disable_checkpointing
 from ..engine.evaluation import evaluate
 from ..engine.lora import describe_lora
+from ..engine.quantization import describe_quantized
 from ..engine.step import optimizer_impl
 from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
@@ -266,8 +267,8 @@ class _Run:
             weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
         full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
-        saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full) \
-            if cfg.save_hf is not None and self.env.is_main else None
+        saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full,
+                           self.adapter.stored_dtype) if cfg.save_hf is not None and self.env.is_main else None
         return Finished(restored, saved_hf, consolidated)
 
     # -- the result -----------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class _Run:
             stored_dtype=dtype_name(adapter.stored_dtype), master_dtype=dtype_name(adapter.weights_dtype),
             weights_detail=prec.describe_weights(adapter.stored_dtype),
             activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
+            quantized=describe_quantized(adapter.model),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)

@@ -7,14 +7,33 @@ import torch
 from filelock import FileLock
 from tiny import TINY, tiny
 
-# One torch thread count for the whole suite (torch's own, unless the caller fixed one): runs compared across
-# processes share it, and the suite's hundreds of runs don't each sample the machine for 0.2 s to choose.
-# tests/core/test_threads.py and the resume test in tests/training/test_repeatability.py clear it to test the choice.
-# Under pytest-xdist (`-n N`) the workers share the cores: a worker's share each, or two threads per
-# worker spin-wait on each other (bench/threads.py measured 2 threads beside 2 busy processes 28x slower than 1).
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, torch.get_num_threads() // _workers)))
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+_share = torch.get_num_threads()  # this process's torch threads while it runs tests (pytest_configure sets it)
+
+
+def pytest_configure(config):
+    """One torch thread count for the whole suite (torch's own, unless the caller fixed one): runs compared across
+    processes share it, and the suite's hundreds of runs don't each sample the machine for 0.2 s to choose.
+    tests/core/test_threads.py and the resume test in tests/training/test_repeatability.py clear it to test the choice.
+    Under pytest-xdist (`-n N`) the workers share the cores: a worker's share each, or two threads per worker
+    spin-wait on each other (bench/threads.py measured 2 threads beside 2 busy processes 28x slower than 1). Not in
+    xdist's controller, which runs no test: the workers start from its environment, and an OMP_NUM_THREADS it set for
+    itself (the whole machine's) would be theirs."""
+    global _share
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, torch.get_num_threads() // workers)))
+    _share = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(_share)
+
+
+@pytest.fixture(autouse=True)
+def _thread_share_kept():
+    """A test that changes torch's thread count (to test the choice, or to time one thread) must not hand it to the
+    next: a worker on two threads beside a busy one spin-waits, ten times slower (bench/threads.py)."""
+    yield
+    if torch.get_num_threads() != _share:
+        torch.set_num_threads(_share)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""Input checks made before any work starts: whole numbers, name selections, writable outputs."""
+"""Input checks made before any work starts: whole numbers, name selections, spellings, writable outputs."""
 from __future__ import annotations
 
 import os
@@ -29,6 +29,15 @@ def select_names(requested, available, what: str) -> list[str]:
         problem = f"unknown {what} {', '.join(map(repr, unknown))}" if unknown else f"no {what} given"
         raise ValueError(f"{problem}; choose from: {', '.join(available)}")
     return [n for n in available if n in names]
+
+
+def by_spelling(requested, spellings: dict[str, str], what: str, choices) -> str:
+    """The name `spellings` maps `requested` to, read stripped and in lower case (a registry's aliases: "bf16-mixed"
+    -> "bf16"); an unknown spelling is a one-line ValueError listing `choices`."""
+    key = str(requested).strip().lower()
+    if key not in spellings:
+        raise ValueError(f"unknown {what} {requested!r}; use one of: {', '.join(choices)}")
+    return spellings[key]
 
 
 def writable_dir(path, what: str) -> Path:

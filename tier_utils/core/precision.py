@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
+from .inputs import by_spelling
 from .precision_steppers import ScalerStepper, Stepper
 
 _slow_warned: set[tuple[str, str]] = set()
@@ -334,11 +335,8 @@ def canonical_precision(requested) -> str:
     """Map any accepted spelling (or an int like 16/32) to auto or a mode's name; a Precision to its name."""
     if isinstance(requested, Precision):
         return requested.name
-    key = str(requested).strip().lower()
     table = _aliases()
-    if key not in table:
-        raise ValueError(f"unknown precision {requested!r}; use one of: {', '.join(sorted(table))}")
-    return table[key]
+    return by_spelling(requested, table, "precision", sorted(table))
 
 
 def precision_class(name) -> type[Precision]:

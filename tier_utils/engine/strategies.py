@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..core.errors import CheckpointError, LaunchError
+from ..core.inputs import by_spelling
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from ..models.sharded_checkpoint import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
 from . import distributed, sharding
@@ -315,11 +316,7 @@ def canonical_strategy(requested) -> str:
     """A strategy's name from any spelling of it (or from a Strategy, decided or not)."""
     if isinstance(requested, Strategy) or (isinstance(requested, type) and issubclass(requested, Strategy)):
         return requested.name
-    key = str(requested).strip().lower()
-    table = _names()
-    if key not in table:
-        raise ValueError(f"unknown strategy {requested!r}; use one of: {', '.join(_REGISTRY)}")
-    return table[key]
+    return by_spelling(requested, _names(), "strategy", _REGISTRY)
 
 
 def strategy_class(name) -> type[Strategy]:

@@ -6,6 +6,7 @@ over a freshly quantised base, the merge back to a plain model, and a hand-writt
 The Llama here is wide enough (hidden 256) that NF4's blocks of 64 weights and their absmax are what a real model
 holds; it is saved in bf16 and loaded as users load a folder."""
 import itertools
+import json
 import sys
 import textwrap
 
@@ -318,3 +319,17 @@ def test_train_qlora_bad_input_is_one_line_exit_2_nothing_written(case, says, ll
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning")]
     assert code == 2 and len(err) == 1 and says in err[0], err
     assert not any(p.is_file() for p in (tmp_path / "run").rglob("*"))
+
+
+def test_search_qlora_trials_train_adapters_over_the_4bit_base_and_leave_the_folder_as_it_was(llama_bf16, tmp_path):
+    """Each trial quantises its own base from the folder (the trials share no state) and trains its adapters."""
+    before = {p.name: p.read_bytes() for p in llama_bf16.iterdir()}
+    out = tmp_path / "study.json"
+    code = cli.main(["search", "--model", str(llama_bf16), "--qlora", "--trials", "2", "--max-steps", "4",
+                     "--eval-every", "2", "--eval-batches", "1", "--batch-size", "2", "--seq-len", "32",
+                     "--precision", "fp32", "--device", "cpu", "--no-progress", "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0 and summary["states"] == {"COMPLETE": 2}, summary
+    assert summary["ran_on"]["memory"].startswith("QLoRA r=8 over a 4-bit NF4 base"), summary["ran_on"]
+    assert summary["ran_on"]["model"].startswith("LlamaForCausalLM"), summary["ran_on"]
+    assert {p.name: p.read_bytes() for p in llama_bf16.iterdir()} == before

@@ -98,7 +98,8 @@ def test_cli_search_with_sqlite_continues_and_writes_json(tmp_path):
     assert main([*args, "--trials", "2", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["n_trials"] == 2 and summary["study_name"] == "cli"
-    assert set(summary) == {"study_name", "n_trials", "states", "best", "trials", "meta"}
+    assert set(summary) == {"study_name", "n_trials", "states", "best", "ran_on", "trials", "meta"}
+    assert summary["ran_on"]["memory"].startswith("full fine-tune") and summary["ran_on"]["data"], summary["ran_on"]
     assert main([*args, "--trials", "0"]) == 2
 
 

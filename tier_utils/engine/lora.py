@@ -12,6 +12,7 @@ model with the adapters folded in.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn as nn
@@ -88,7 +89,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=list(targets))
     source = getattr(model, "tier_utils_source", None)
-    wrapped = peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated alias `is_gradient_checkpointing` while it wraps: a FutureWarning the
+        # user can do nothing about (peft's to change), printed on every LoRA run.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        wrapped = peft.get_peft_model(model, config)
     if source is not None and source.spec and not source.kwargs:
         # What load_model(adapter folder) rebuilds the base from: the spec it was loaded by (a folder's absolute
         # path, a built-in's name), where peft would record a relative path or nothing.

@@ -136,6 +136,12 @@ def _setting(value):
     return f"{value:.3g}" if isinstance(value, float) else value
 
 
+def _ran_on(s) -> dict:
+    """What a trial trained: its model, data and tokenizer, and how it held the model (memory settings)."""
+    return {"model": s.model, "data": s.data, "tokenizer": s.tokenizer,
+            "memory": s.memory["describe"] if s.memory else "full fine-tune"}
+
+
 class SearchResult(Result):
     def __init__(self, study: optuna.Study, base_config: TrainConfig, meta: dict):
         self.study, self.base_config, self.meta = study, base_config, meta
@@ -152,12 +158,20 @@ class SearchResult(Result):
                          "out_of_memory": t.user_attrs.get("out_of_memory")})
         return pd.DataFrame(rows)
 
+    @property
+    def ran_on(self) -> dict | None:
+        """The model, data, tokenizer and memory settings the trials trained (None: no trial finished)."""
+        return next((t.user_attrs["ran_on"] for t in self.study.trials if "ran_on" in t.user_attrs), None)
+
     def summary_line(self) -> str:
-        """"search: 8 trials (6 COMPLETE, 2 PRUNED), best trial 3: val loss 2.1 with lr=..."."""
+        """"search: 8 trials (6 COMPLETE, 2 PRUNED) of TinyGPT on ... (full fine-tune), best trial 3: val loss 2.1
+        with lr=..."."""
         best = self.to_json()["best"]
         states = self.table["state"].value_counts() if len(self.study.trials) else {}
+        on = self.ran_on
         line = (f"search: {len(self.study.trials)} trials ("
-                + ", ".join(f"{n} {state}" for state, n in dict(states).items()) + ")")
+                + ", ".join(f"{n} {state}" for state, n in dict(states).items()) + ")"
+                + (f" of {on['model']} on {on['data']} ({on['memory']})" if on else ""))
         if best is None:
             return line + ", none completed"
         params = ", ".join(f"{k}={_setting(v)}" for k, v in best["params"].items())
@@ -213,7 +227,8 @@ class SearchResult(Result):
         except ValueError:
             pass
         return jsonable({"study_name": self.study.study_name, "n_trials": len(self.study.trials),
-                         "states": states, "best": best, "trials": self.table, "meta": self.meta})
+                         "states": states, "best": best, "ran_on": self.ran_on, "trials": self.table,
+                         "meta": self.meta})
 
 
 class _NoOutOfMemoryTraceback(logging.Filter):
@@ -312,6 +327,7 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
             raise
         if result.interrupted:
             raise KeyboardInterrupt  # the study keeps this trial as FAIL; a rerun continues after it
+        trial.set_user_attr("ran_on", _ran_on(result.summary))  # kept in the storage: a continued study says it too
         return result.summary.val_loss
 
     if done < study_cfg.n_trials:

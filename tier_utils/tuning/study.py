@@ -330,9 +330,15 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
         trial.set_user_attr("ran_on", _ran_on(result.summary))  # kept in the storage: a continued study says it too
         return result.summary.val_loss
 
-    if done < study_cfg.n_trials:
-        # catch: a trial out of memory ends FAIL and the study goes on. Optuna's bar redraws: terminals only.
-        with _one_line_out_of_memory():
-            study.optimize(objective, n_trials=study_cfg.n_trials - done, timeout=study_cfg.timeout,
-                           catch=(TrainingOutOfMemory,), show_progress_bar=study_cfg.progress and interactive())
+    _optimize(study, objective, study_cfg, study_cfg.n_trials - done)
     return SearchResult(study, base, run_metadata(base.device))
+
+
+def _optimize(study: optuna.Study, objective, study_cfg: SearchConfig, trials: int) -> None:
+    """`trials` more trials of `objective` (none: the study has its n_trials already). A trial out of memory ends
+    FAIL, said in one line, and the study goes on. Optuna's bar redraws: terminals only."""
+    if trials <= 0:
+        return
+    with _one_line_out_of_memory():
+        study.optimize(objective, n_trials=trials, timeout=study_cfg.timeout, catch=(TrainingOutOfMemory,),
+                       show_progress_bar=study_cfg.progress and interactive())

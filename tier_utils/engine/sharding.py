@@ -14,13 +14,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..core.allocator import return_freed_memory
 from ..core.precision import Precision
 from .activation_checkpointing import repeated_blocks
+
+if TYPE_CHECKING:  # torch.distributed.fsdp is imported where a model is sharded: 0.6 s on every `import tier_utils`
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def describe_policy(policy: MixedPrecisionPolicy) -> str:
@@ -54,6 +57,8 @@ def shard(model: torch.nn.Module, env, precision: Precision, reshard_after_forwa
     """`fully_shard` per repeated block, then on the root, in place (the module's weights become DTensors).
     Call it before building the optimizer, which must hold the sharded parameters. `allocator`: what the run did
     with the host allocator (host_allocator), for the summary."""
+    from torch.distributed.fsdp import fully_shard
+
     mesh = env.mesh()
     policy = precision.mixed_precision_policy()
     blocks = repeated_blocks(model)

@@ -14,16 +14,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-
+# torch.distributed.checkpoint is imported in the functions that use it: it pulls in DTensor and sympy (0.6 s here),
+# which every `import tier_utils` would pay (each CLI call, notebook kernel and torchrun rank) for a sharded run's
+# checkpoint.
 from ..core.errors import CheckpointError, one_line
 from .checkpoint import load_checkpoint, save_checkpoint
 
@@ -35,6 +28,9 @@ def save_sharded(folders: list[Path], model, optimizer, trainer: dict, env) -> N
     """Every rank: its shard of model + optimizer into each folder; rank 0 adds `trainer` and renames."""
     if not folders:
         return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     for folder in folders:
         partial = folder.with_name(folder.name + ".partial")
@@ -66,6 +62,8 @@ def check_complete(folder: Path) -> None:
         if not (folder / name).is_file():
             raise CheckpointError(f"sharded checkpoint {folder} has no {name}: not one tier_utils wrote, or "
                                   "damaged; delete it to start over")
+    from torch.distributed.checkpoint import FileSystemReader
+
     shards = sorted({info.relative_path for info in FileSystemReader(str(folder)).read_metadata()
                      .storage_data.values()})
     missing = [s for s in shards if not (folder / s).is_file()]
@@ -84,6 +82,14 @@ def read_trainer(folder: Path, mmap: bool = False) -> dict:
 def load_sharded(folder: Path, model, optimizer=None) -> None:
     """Every rank: the weights (and, given one, the optimizer state) from a sharded checkpoint, resharded
     to this run's ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     try:
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
@@ -101,4 +107,6 @@ def load_sharded(folder: Path, model, optimizer=None) -> None:
 
 def full_model_state(model) -> dict:
     """The unsharded weights on rank 0's CPU (an empty dict on the other ranks); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

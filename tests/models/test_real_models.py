@@ -12,6 +12,7 @@ from real import BPE_VOCAB, nano_gpt_files
 from tiny import TINY, TINY_ARGS
 
 import tier_utils as tu
+from tier_utils.cli import main as cli_main
 from tier_utils.core.errors import DataError, ModelSpecError
 
 
@@ -149,20 +150,31 @@ def test_hf_dataset_saved_to_disk_uses_its_own_validation_split(tmp_path):
     assert result.summary.data == "dataset docs [train]"
 
 
-@pytest.mark.parametrize("make_args,message", [
+BAD_LOCAL_INPUT = [
     (lambda d, f: ["smoke", "--model", d], "no config.json"),
     (lambda d, f: ["smoke", *TINY_ARGS, "--tokenizer", f], "vocabulary has 256"),
     (lambda d, f: ["train", "--out", d / "run", "--model", "tiny-encoder", *TINY_ARGS, "--data", d / "t.csv",
                    "--text-column", "body"], "no column 'body'"),
+]
+# The hub's: in a process started offline (HF_HUB_OFFLINE is read once, as huggingface_hub is imported).
+BAD_HUB_INPUT = [
     (lambda d, f: ["smoke", "--model", "hf:gpt2"], "not reachable from here"),
     (lambda d, f: ["smoke", "--model", "gpt2"], "a hub model is written hf:gpt2"),
-])
-def test_bad_real_model_input_is_one_line_exit_2(trained_hf_folder, tmp_path, make_args, message):
+]
+
+
+@pytest.mark.parametrize("make_args,message", BAD_LOCAL_INPUT + BAD_HUB_INPUT)
+def test_bad_real_model_input_is_one_line_exit_2(trained_hf_folder, tmp_path, capsys, make_args, message):
     (tmp_path / "t.csv").write_text("text,label\nhello,0\n")
-    done = run_cli(*make_args(tmp_path, trained_hf_folder))
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    args = [str(a) for a in make_args(tmp_path, trained_hf_folder)]
+    if (make_args, message) in BAD_LOCAL_INPUT:  # the CLI's own entry, in this process: the same exit and stderr
+        code, stderr = cli_main(args), capsys.readouterr().err
+    else:
+        done = run_cli(*args)
+        code, stderr = done.returncode, done.stderr
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 

@@ -1,7 +1,9 @@
 """The AMP benchmark's memory rows (BenchConfig.memory_rows): beside the precisions' rows, which train every weight,
 one row per named memory setting (LoRA over a frozen base, QLoRA's 4-bit NF4 base, 8-bit AdamW), measured as the
 precisions are (the same batches, timed repeats interleaved with theirs, static bytes, the CUDA peak, the accuracy
-run) and judged against the fp32 baseline (verdicts.memory_row_check, parity, val accuracy).
+run) and judged against the fp32 baseline (verdicts.memory_row_check, parity, val accuracy). An adapter row trains a
+small share of the weights, so its gap to the full fine-tune is a figure, WARN at most; a 4-bit row's loss curve is
+judged against its 16-bit twin's where both ran (verdicts._judge_adapter_row).
 
 Every row runs in the precision `auto` picks on the device, the one a user would train in here: the rows are timed
 interleaved with the precisions, so the fastest precision this run measures is not known when they start.
@@ -9,8 +11,8 @@ A LoRA or QLoRA row trains its own copy of the model (copy.deepcopy, then engine
 QLoRA quantises the copy, so the caller's model is never touched), from its own start: its adapters, initialised
 from the run's seed. An 8-bit-optimizer row trains the run's model itself, its settings held while it runs. A row
 that cannot run here (bitsandbytes or peft missing, no nn.Linear to quantise or adapt) is SKIPPED with the reason.
-A 4-bit row's loss curve is also compared with its 16-bit twin's where both ran (QLoRA with LoRA): what the 4-bit
-base costs, apart from what training adapters instead of every weight costs.
+A 4-bit row's loss curve is compared with its 16-bit twin's where both ran (QLoRA with LoRA): what the 4-bit base
+costs, apart from what training adapters instead of every weight costs.
 """
 from __future__ import annotations
 

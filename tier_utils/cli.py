@@ -152,11 +152,8 @@ def _run_search(args) -> tuple[dict, int]:
                     settings_from(args, SearchConfig, trial=settings_from(args, TrainConfig,
                                                                                    memory=memory_of(args))))
     _show(result.table)
-    summary = result.to_json()
-    if summary["best"]:
-        print(f"best: trial {summary['best']['trial']} · val loss {summary['best']['val_loss']:.4f} · "
-              f"{summary['best']['params']}")
-    return summary, 0
+    print(result.summary_line())  # what the trials trained, and the best one
+    return result.to_json(), 0
 
 
 def _run_export(args) -> tuple[dict, int]:

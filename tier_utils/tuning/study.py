@@ -168,8 +168,8 @@ class SearchResult(Result):
         with lr=..."."""
         best = self.to_json()["best"]
         states = self.table["state"].value_counts() if len(self.study.trials) else {}
-        on = self.ran_on
-        line = (f"search: {len(self.study.trials)} trials ("
+        on, n = self.ran_on, len(self.study.trials)
+        line = (f"search: {n} trial{'s' if n != 1 else ''} ("
                 + ", ".join(f"{n} {state}" for state, n in dict(states).items()) + ")"
                 + (f" of {on['model']} on {on['data']} ({on['memory']})" if on else ""))
         if best is None:

@@ -76,7 +76,9 @@ def test_a_run_killed_and_resumed_beside_a_busy_process_is_bitwise_the_uninterru
     config = {**RESUME_CONFIG, "device": "cpu"}
     script.write_text(_KILLED_RUN.replace("**CONFIG", f"**{config!r}"))
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
-    kill_at = random.Random().randint(2, 13)
+    # From call 3: the first checkpoint (step 2) is on disk, and its thread count is read below (a kill at call 2
+    # left none: this test failed one run in twelve).
+    kill_at = random.Random().randint(3, 13)
     killed = subprocess.run([sys.executable, str(script), str(ckpt), str(kill_at), "idle"], capture_output=True,
                             text=True, env=env, timeout=600)
     assert killed.returncode == -9, (kill_at, killed.stderr[-2000:])

@@ -138,8 +138,7 @@ def _setting(value):
 
 def _ran_on(s) -> dict:
     """What a trial trained: its model, data and tokenizer, and how it held the model (memory settings)."""
-    return {"model": s.model, "data": s.data, "tokenizer": s.tokenizer,
-            "memory": s.memory["describe"] if s.memory else "full fine-tune"}
+    return {"model": s.model, "data": s.data, "tokenizer": s.tokenizer, "memory": s.memory["describe"]}
 
 
 class SearchResult(Result):
@@ -168,8 +167,8 @@ class SearchResult(Result):
         with lr=..."."""
         best = self.to_json()["best"]
         states = self.table["state"].value_counts() if len(self.study.trials) else {}
-        on, n = self.ran_on, len(self.study.trials)
-        line = (f"search: {n} trial{'s' if n != 1 else ''} ("
+        on, count = self.ran_on, len(self.study.trials)
+        line = (f"search: {count} trial{'s' if count != 1 else ''} ("
                 + ", ".join(f"{n} {state}" for state, n in dict(states).items()) + ")"
                 + (f" of {on['model']} on {on['data']} ({on['memory']})" if on else ""))
         if best is None:

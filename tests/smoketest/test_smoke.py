@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 from tiny import TINY
 
+import tier_utils
 from tier_utils import SmokeConfig, TinyEncoder, TinyGPT, load_model, smoke
 from tier_utils.cli import main
 from tier_utils.core import budget
@@ -413,3 +414,49 @@ def test_relative_deviation_in_slices_equals_the_whole_and_keeps_nan(monkeypatch
     assert smoke_checks._rel_dev(low, ref) == pytest.approx(whole, rel=1e-6)
     low[2, 4, 6] = float("nan")
     assert torch.isnan(torch.tensor(smoke_checks._rel_dev(low, ref)))
+
+
+BF16_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BF16_CONFIGS))
+def test_a_bf16_stored_model_passes_smoke_and_analysis(family, tmp_path):
+    """As nearly every recent hub model is stored: padding, determinism and the analysis' comparisons are judged
+    against bf16's rounding, not fp32's (two kernel paths differ by ~3e-3 in bf16: a FAIL on every such model)."""
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, sizes = BF16_CONFIGS[family]
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64) if family != "gpt2" else dict(vocab_size=256)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**shape, **sizes))
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    warnings.filterwarnings("ignore", "holds no tokenizer files")  # byte ids are what this model was made for
+    report = smoke(str(tmp_path), batch_sizes=(1,), device="cpu", progress=False)
+    rows = report.table.set_index("check")
+    assert rows.loc["init: weights dtype"].value == "bf16"
+    padding = rows.loc["shapes: padded batch + attention_mask"]
+    assert padding.status == "PASS" and padding.threshold == "<= 0.05" and "bf16 rounding" in padding.detail
+    bad = report.table[report.table.status == "FAIL"]
+    assert bad.empty, bad.to_string()
+    findings = tier_utils.analyze(str(tmp_path), device="cpu", progress=False, n_batches=1)
+    assert "FAIL" not in set(findings.table.status), findings.table.to_string()
+
+
+class MaskIgnoringGPT(TinyGPT):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None):
+        return super().forward(input_ids, None, inputs_embeds)  # left padding leaks into the real tokens
+
+
+@pytest.mark.parametrize("cls", [MaskIgnoringEncoder, MaskIgnoringGPT], ids=["encoder", "decoder"])
+def test_padding_leak_fails_in_bf16_too(cls):
+    """The bound follows the dtype, and a real leak stays far outside bf16's rounding."""
+    torch.manual_seed(0)
+    model = cls(**TINY, **({"num_classes": 3} if cls is MaskIgnoringEncoder else {})).to(torch.bfloat16)
+    model.padding_side = "left" if cls is MaskIgnoringGPT else "right"
+    report = smoke(model, checks=["shapes"], device="cpu", progress=False)
+    row = report.table.set_index("check").loc["shapes: padded batch + attention_mask"]
+    assert row.status == "FAIL" and row.threshold == "<= 0.05" and "attention_mask" in row.detail

@@ -368,6 +368,14 @@ def native_support(name: str, device) -> tuple[bool, str]:
     return precision_class(name).native_support(device)
 
 
+def computed_in(dtype: torch.dtype | None) -> type[Precision]:
+    """The registered mode whose weights and forward are both in `dtype` (fp32's for fp32, for a dtype no mode holds,
+    and for None): its tolerances bound how far two computations of one model held in `dtype` may differ (two kernel
+    paths, another summation order), so a check comparing them judges the model, not the dtype's rounding."""
+    return next((cls for cls in _REGISTRY.values() if not cls.autocasts and cls.param_dtype == dtype
+                 and cls.compute_dtype == dtype), Fp32)
+
+
 def autocast_precisions() -> tuple[str, ...]:
     """The registered modes whose forward runs under autocast over fp32 weights (bf16, fp16 and any registered
     like them): what smoke, analysis and `info` set beside fp32, in registry order."""

@@ -117,7 +117,9 @@ class TinyEncoder(_TokenModel):
         x = self.embed(input_ids, inputs_embeds)
         pad = None if attention_mask is None else attention_mask == 0
         x = self.ln_f(self.encoder(x, src_key_padding_mask=pad))
-        keep = torch.ones(x.shape[:2], device=x.device) if attention_mask is None else attention_mask.to(x.dtype)
+        # In the activations' dtype: an fp32 mask would promote a bf16 model's pooled vector past its head.
+        keep = (torch.ones(x.shape[:2], device=x.device, dtype=x.dtype) if attention_mask is None
+                else attention_mask.to(x.dtype))
         pooled = (x * keep.unsqueeze(-1)).sum(1) / keep.sum(1, keepdim=True).clamp(min=1)
         return self.head(pooled)
 

@@ -22,6 +22,7 @@ from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import (
     Precision,
     autocast_precisions,
+    computed_in,
     dtype_name,
     native_support,
     precision_class,
@@ -34,7 +35,10 @@ from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory_grid import memory
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
-PADDING_TOL = 1e-3  # same relative measure, padded row vs the same tokens alone
+# Two computations of one model compared by the same relative measure: a padded row vs the same tokens alone, the
+# same input twice, train vs eval mode. These are fp32's bounds; a model held in bf16 or fp16 gets its dtype's
+# (`_tolerance`), or every bf16-stored model would fail on two kernel paths' rounding.
+PADDING_TOL, KERNEL_TOL = 1e-3, 1e-5
 INIT_GAIN = (1e-3, 4.0)  # std * sqrt(fan_in) of weight matrices; about 1 keeps the activation scale
 EMBEDDING_STD_MAX = 4.0  # nn.Embedding's default init is std 1
 RECHECK_LR = 1e-3  # the one Adam step that lets gradients reach what sits behind zero-initialised weights
@@ -85,6 +89,16 @@ def _rel_dev(x: torch.Tensor, ref: torch.Tensor) -> float:
         diff = torch.maximum(diff, (a - r).abs().max().cpu())
         scale = torch.maximum(scale, r.abs().max().cpu())
     return (diff / scale.clamp_min(1e-12)).item()
+
+
+def _tolerance(adapter: ModelAdapter, fp32_tol: float) -> tuple[float, str]:
+    """The bound for two computations of the model in the dtype its weights are held in, and what set it: fp32's
+    `fp32_tol`, or the rounding of a coarser dtype (the tolerance of the mode that computes in it)."""
+    held = computed_in(adapter.weights_dtype)
+    tol = held.tolerances().logits
+    if tol <= fp32_tol:
+        return fp32_tol, ""
+    return tol, f"; bound {tol:g}: {dtype_name(held.compute_dtype)} rounding, the dtype the weights are held in"
 
 
 def _output_bytes(adapter: ModelAdapter) -> int:
@@ -170,12 +184,13 @@ def _padding_case(name: str, adapter: ModelAdapter) -> Check:
                      "wrong output shape for a padded batch")
     row = padded[1, real] if adapter.task == "causal-lm" else padded[1]
     dev = _rel_dev(row, alone[0])
-    ok = math.isfinite(dev) and dev <= PADDING_TOL
+    tol, why = _tolerance(adapter, PADDING_TOL)
+    ok = math.isfinite(dev) and dev <= tol
     detail = (f"row padded {keep}->{T} vs the same {keep} tokens alone: max relative difference {dev:.2g} "
               f"({adapter.padding_side} padding" + (", position ids from the mask)" if adapter.takes_position_ids
-                                                   and adapter.task == "causal-lm" else ")")
+                                                   and adapter.task == "causal-lm" else ")") + why
               + ("" if ok else "; padding changes real tokens' outputs: is attention_mask used?"))
-    return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {PADDING_TOL:g}", detail)
+    return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {tol:g}", detail)
 
 
 # --- gradient flow ------------------------------------------------------------------------------
@@ -539,16 +554,17 @@ def _determinism(adapter: ModelAdapter, report):
         return
     same = torch.allclose(first, second, rtol=0, atol=0, equal_nan=True)
     diff = 0.0 if same else _rel_dev(second, first)
-    status = "PASS" if same else "WARN" if diff <= 1e-5 else "FAIL"
+    tol, why = _tolerance(adapter, KERNEL_TOL)
+    status = "PASS" if same else "WARN" if diff <= tol else "FAIL"
     yield Check("determinism: eval, same input twice", status, _sig(diff), "identical",
                 "bit-identical outputs" if same else
                 f"outputs differ by {diff:.2g} (relative): " + ("non-deterministic kernels" if status == "WARN"
-                                                              else "something random stays on in eval mode"))
+                                                              else "something random stays on in eval mode") + why)
     drop = _rel_dev(trained, first)
-    if drop > 1e-5:
+    if drop > tol:
         detail = f"train-mode outputs differ by {drop:.2g} (relative): dropout or similar is active in training"
     else:  # a rounding-level difference comes from different kernels (e.g. an eval fast path)
-        detail = f"train and eval mode agree to {drop:.2g} (relative): no active dropout"
+        detail = f"train and eval mode agree to {drop:.2g} (relative): no active dropout{why}"
     yield Check("determinism: train vs eval mode", "PASS", _sig(drop), None, detail)
 
 

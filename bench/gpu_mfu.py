@@ -32,10 +32,11 @@ import torch
 from tier_utils.core.files import write_json
 from tier_utils.core.measure import StepTimer, count_flops, probe_ms, probe_size, summarize
 from tier_utils.core.results import run_metadata
-from tier_utils.data.datasets import build_datasets, make_loader, to_device
+from tier_utils.data.datasets import make_loader, to_device
 from tier_utils.engine.compiling import COMPILE_MODES
 from tier_utils.engine.step import make_optimizer, make_scheduler
 from tier_utils.models.loading import load_model
+from tier_utils.tasks import build_datasets
 from tier_utils.training.loop import train
 
 SHAPE = dict(d_model=768, n_layer=12, n_head=12, max_len=1024)

@@ -25,7 +25,7 @@ def test_demo_model_loads_byte_level_and_its_val_loss_is_well_below_uniform():
     model = load_model(DEMO_MODEL)
     adapter = adapt(model)
     card = demo_card()
-    assert (adapter.task, adapter.vocab_size) == ("causal-lm", 256)
+    assert (adapter.task.name, adapter.vocab_size) == ("causal-lm", 256)
     tier2_lengths = (AnalysisConfig.seq_len, JOB.seq_len, FAST.seq_len)
     assert adapter.max_len >= max(tier2_lengths)
     assert (ASSETS / WEIGHTS_NAME).stat().st_size <= 5 * 2**20

@@ -11,7 +11,7 @@ PACKAGE = Path(tier_utils.__file__).parent
 # rank know nothing of each other. The modules at the top of the package are the surfaces (cli, widgets, report,
 # presets, the demo recipe) and may import anything.
 # training sits above planning (5.5): its out-of-memory answer is the planner's prediction.
-RANK = {"core": 0, "data": 1, "models": 2, "adapter": 3, "engine": 4,
+RANK = {"core": 0, "data": 1, "tasks": 1.5, "models": 2, "adapter": 3, "engine": 4,
         "smoketest": 5, "analysis": 5, "training": 5.5, "planning": 5, "exporting": 5, "benchmark": 6, "tuning": 6}
 TOP = 7
 

@@ -30,7 +30,7 @@ from .core.precision import (
     supported_precisions,
 )
 from .core.results import Check
-from .data.datasets import DataSplits, build_datasets, corpus_split, corpus_topics, make_loader
+from .data.datasets import DataSplits, corpus_split, corpus_topics, make_loader
 from .data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .data.userdata import DataSource
 from .exporting.exporter import ExportConfig, ExportResult, export
@@ -43,6 +43,7 @@ from .planning.planner import FitConfig, FitResult, fit
 from .planning.ranks import RanksConfig, RanksResult, plan_ranks
 from .report import write_report
 from .smoketest.suite import SmokeConfig, SmokeReport, smoke
+from .tasks import Task, build_datasets, register_task
 from .training.config import TrainConfig
 from .training.history import TrainResult
 from .training.loop import train
@@ -55,7 +56,8 @@ __all__ = [
     # setup: models, data, precision
     "BUILTIN_MODELS", "DEFAULT_MODEL", "TinyEncoder", "TinyGPT", "load_model", "load_weights", "ModelAdapter", "adapt",
     "Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
-    "DataSplits", "DataSource", "build_datasets", "corpus_split", "corpus_topics", "make_loader",
+    "DataSplits", "DataSource", "build_datasets", "corpus_split", "corpus_topics", "make_loader", "Task",
+    "register_task",
     "Precision", "SlowPrecisionWarning", "canonical_precision", "resolve_device", "resolve_precision",
     "supported_precisions", "InfoConfig", "InfoResult", "info",
     # tier 1, tier 2

@@ -18,10 +18,11 @@ from .core.files import atomic_write_bytes, write_json
 from .core.inputs import writable_dir
 from .core.precision import resolve_precision
 from .core.results import run_metadata
-from .data.datasets import BYTE_VOCAB, build_datasets, make_loader
+from .data.datasets import BYTE_VOCAB, make_loader
 from .engine.evaluation import evaluate
 from .models.builtins import DEMO_MODEL
 from .models.demo_model import CARD_NAME, MODEL_KWARGS, WEIGHTS_NAME, describe_demo, weights_bytes
+from .tasks import build_datasets
 from .training.config import TrainConfig
 from .training.loop import train
 

@@ -80,8 +80,8 @@ def _facts(result) -> tuple[str, str, str | None]:
 def _first_loss(result: TrainResult) -> str:
     steps = result.history[result.history["kind"] == "step"]
     adapter = adapt(result.model)
-    classes = adapter.num_classes if adapter.task == "classification" else adapter.vocab_size
-    what = "classes" if adapter.task == "classification" else "vocabulary"
+    classes = adapter.task.width(adapter)
+    what = "classes" if adapter.task.has_classes else "vocabulary"
     uniform = f"uniform ln({classes:,}) = {math.log(classes):.2f} nats (a guess spread evenly over the {what})"
     if steps.empty:
         return f"loss: no step logged; {uniform}"

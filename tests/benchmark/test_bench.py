@@ -34,8 +34,8 @@ from tier_utils.core.errors import LoggerError, ModelSpecError
 from tier_utils.core.measure import SavedTensorMeter, Stats
 from tier_utils.core.precision import native_support, resolve_precision
 from tier_utils.core.settings import precision_list
-from tier_utils.data.datasets import build_datasets
 from tier_utils.models.builtins import TinyGPT
+from tier_utils.tasks import build_datasets
 
 CPU = torch.device("cpu")
 BF16_NATIVE = native_support("bf16", CPU)[0]

@@ -20,6 +20,7 @@ from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.planning.planner import device_room, fit, static_bytes
 from tier_utils.planning.validation import bisect_batch
+from tier_utils.tasks import task_named
 
 pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -114,7 +115,7 @@ def test_bf16_with_checkpointing_fits_more_than_without():
 
 def test_a_model_without_repeated_blocks_is_refused():
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
-    plain.task, plain.max_len = "causal-lm", 32
+    plain.task, plain.max_len = task_named("causal-lm"), 32
     with pytest.raises(NoRepeatedBlocks, match="drop activation_checkpointing"):
         train(plain, None, max_steps=1, memory=MemorySettings(checkpointing=True), **RUN)
 

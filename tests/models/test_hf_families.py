@@ -57,7 +57,7 @@ def test_healthy_family_is_clean_through_smoke_and_analyze(name):
     adapter = adapt(model)
     length = DEFAULT_MAX_LEN if name in NO_POSITION_TABLE else T
     assert adapter.max_len == length
-    assert adapter.task == ("classification" if name.endswith("Classification") else "causal-lm")
+    assert adapter.task.name == ("classification" if name.endswith("Classification") else "causal-lm")
     full = name in EVERY_CHECK
     report = smoke(adapter, batch_sizes=(1,), seq_lens=(16,), device="cpu", progress=False,
                    checks=None if full else "shapes,gradients,stability,init,memory,determinism")
@@ -67,7 +67,7 @@ def test_healthy_family_is_clean_through_smoke_and_analyze(name):
     by_check = {r["check"]: r for r in rows}
     padding = by_check["shapes: padded batch + attention_mask"]
     assert padding["status"] == "PASS"
-    assert ("left padding" if adapter.task == "causal-lm" else "right padding") in padding["detail"]
+    assert ("left padding" if adapter.task.name == "causal-lm" else "right padding") in padding["detail"]
     default_row = by_check.get("shapes: max length (default)")
     assert (default_row is not None) == (name in NO_POSITION_TABLE)
     found = analyze(adapter, device="cpu", n_batches=1, batch_size=2, seq_len=16, progress=False,

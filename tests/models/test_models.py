@@ -68,8 +68,8 @@ def test_hf_specs_build_from_config_without_download():
     gpt2 = load_model("hf:GPT2LMHeadModel", **HF_GPT2)
     bert = load_model("hf:BertForSequenceClassification", **HF_BERT)
     a, b = adapt(gpt2), adapt(bert)
-    assert (a.task, a.vocab_size, a.max_len, a.takes_input_ids_kwarg) == ("causal-lm", 256, 64, True)
-    assert (b.task, b.num_classes, b.max_len, b.takes_attention_mask) == ("classification", 4, 64, True)
+    assert (a.task.name, a.vocab_size, a.max_len, a.takes_input_ids_kwarg) == ("causal-lm", 256, 64, True)
+    assert (b.task.name, b.num_classes, b.max_len, b.takes_attention_mask) == ("classification", 4, 64, True)
     batch = b.example_batch(3, 10)
     loss, logits = b.forward_loss(batch)
     assert logits.shape == (3, 4) and torch.isfinite(loss)
@@ -100,7 +100,7 @@ def test_constructor_error_includes_its_message(model_file):
 def test_adapter_probes_unknown_models(model_file):
     bag = adapt(load_model(f"{model_file}:Bag"))
     # Task from the output shape; vocab from the first embedding; length from a position table.
-    assert (bag.task, bag.num_classes, bag.vocab_size, bag.max_len) == ("classification", 3, 50, 16)
+    assert (bag.task.name, bag.num_classes, bag.vocab_size, bag.max_len) == ("classification", 3, 50, 16)
     assert not bag.takes_input_ids_kwarg
     assert bag.logits(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 3)
 
@@ -137,7 +137,7 @@ def test_adapter_asks_for_what_it_cannot_find():
 
     with pytest.raises(AdapterError, match="pass max_len=N"):
         adapt(HiddenLimit())
-    assert adapt(HiddenLimit(), max_len=16).task == "causal-lm"
+    assert adapt(HiddenLimit(), max_len=16).task.name == "causal-lm"
 
 
 def test_output_without_logits_is_a_clear_error():

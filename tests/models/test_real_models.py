@@ -25,7 +25,7 @@ def run_cli(*args, cwd=None):
 def test_folder_loads_with_its_own_tokenizer(trained_hf_folder):
     model = tu.load_model(str(trained_hf_folder))
     adapter = tu.adapt(model)
-    assert type(model).__name__ == "GPT2LMHeadModel" and adapter.task == "causal-lm"
+    assert type(model).__name__ == "GPT2LMHeadModel" and adapter.task.name == "causal-lm"
     assert adapter.tokenizer.name == str(trained_hf_folder.resolve()) and adapter.tokenizer.vocab_size == BPE_VOCAB
     ids = adapter.tokenizer.encode("def f(x):\n    return x")
     assert 0 < len(ids) < len("def f(x):\n    return x")  # BPE merges: fewer ids than bytes

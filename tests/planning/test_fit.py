@@ -18,6 +18,7 @@ from tier_utils.engine.activation_checkpointing import checkpointed
 from tier_utils.engine.step import TrainStep, make_optimizer
 from tier_utils.planning.planner import GPU_COLUMNS, FitConfig, device_room, fit, static_bytes
 from tier_utils.planning.validation import bisect_batch
+from tier_utils.tasks import task_named
 
 T = 64
 MODEL = dict(d_model=32, n_layer=3, n_head=2, max_len=T)
@@ -75,7 +76,7 @@ def test_checkpointing_wraps_the_repeated_blocks_and_gives_them_back():
 def test_nothing_fits_is_a_warn_row_and_a_model_without_blocks_gets_no_checkpointing_rows(monkeypatch):
     monkeypatch.setenv(FREE_MEMORY_ENV, "64KiB")
     plain = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
-    plain.task, plain.max_len = "causal-lm", 32
+    plain.task, plain.max_len = task_named("causal-lm"), 32
     result = fit(plain, precisions="fp32", optimizers="adamw", device="cpu", progress=False)
     row = result.full_table().iloc[0]
     assert list(result.table.checkpointing) == ["off", "off"]  # fp32, and LoRA over it

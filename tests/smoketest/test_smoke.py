@@ -434,7 +434,7 @@ def test_a_bf16_stored_model_passes_smoke_and_analysis(family, tmp_path):
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**shape, **sizes))
     model.to(torch.bfloat16).save_pretrained(tmp_path)
-    warnings.filterwarnings("ignore", "holds no tokenizer files")  # byte ids are what this model was made for
+    warnings.filterwarnings("ignore", ".*holds no tokenizer files")  # byte ids are what this model was made for
     report = smoke(str(tmp_path), batch_sizes=(1,), device="cpu", progress=False)
     rows = report.table.set_index("check")
     assert rows.loc["init: weights dtype"].value == "bf16"

@@ -16,9 +16,9 @@ from tiny import TINY_ARGS, tiny
 from torchrun import text_file, torchrun, worker_script
 
 from tier_utils.core.seeding import seed_everything
-from tier_utils.data.datasets import build_datasets
 from tier_utils.engine.distributed import DistEnv, eval_shard
 from tier_utils.models.checkpoint import load_checkpoint
+from tier_utils.tasks import build_datasets
 from tier_utils.training.loop import train
 
 PER_RANK_BATCH, ACCUM, STEPS = 4, 2, 6  # global batch 4 x 2 ranks x 2 micro-batches = 16

@@ -26,11 +26,12 @@ from tier_utils import cli
 from tier_utils.adapter.adapter import adapt
 from tier_utils.core.errors import CheckpointError, TrainingDiverged
 from tier_utils.core.precision import SlowPrecisionWarning, resolve_precision
-from tier_utils.data.datasets import build_datasets, make_loader
+from tier_utils.data.datasets import make_loader
 from tier_utils.engine.evaluation import evaluate
 from tier_utils.engine.step import StepOutput, TrainStep, make_optimizer, make_scheduler
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.models.loading import load_model
+from tier_utils.tasks import build_datasets
 from tier_utils.training.config import TrainConfig
 from tier_utils.training.history import History, TrainResult
 from tier_utils.training.loop import train

@@ -14,16 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.precision import dtype_name
-from ..data.datasets import DataSplits, build_datasets
+from ..data.datasets import DataSplits
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
 from ..models.stored_dtype import parameters_dtype
-
-TASKS = ("causal-lm", "classification")
+from ..tasks import Task, build_datasets, task_named, task_of_architecture, task_of_output
 
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
 _VOCAB_KEYS = ("vocab_size", "n_vocab")
@@ -40,7 +38,7 @@ TARGET_KEYWORDS = ("targets", "labels")
 @dataclass
 class ModelAdapter:
     model: nn.Module
-    task: str
+    task: Task | None  # what the model predicts, and every fact that follows (tier_utils.tasks); set by adapt()
     vocab_size: int
     max_len: int
     num_classes: int | None
@@ -86,7 +84,7 @@ class ModelAdapter:
             kwargs["attention_mask"] = torch.ones_like(input_ids)  # default positions: no position_ids needed
         elif attention_mask is not None and self.takes_attention_mask:
             kwargs["attention_mask"] = attention_mask
-            if self.takes_position_ids and self.task == "causal-lm":
+            if self.takes_position_ids and self.task.positions_from_mask:
                 # Left padding shifts the real tokens; count positions from the first real one, as HF's
                 # generate() does (an all-ones mask gives the default 0..T-1).
                 kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -102,14 +100,12 @@ class ModelAdapter:
         return extract_logits(self.forward(input_ids, attention_mask, inputs_embeds, labels), self.name)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy; for a causal LM, over every position (labels are next tokens)."""
-        if self.task == "causal-lm":
-            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
-        return F.cross_entropy(logits, labels)
+        """The task's mean cross-entropy (a per-position task: over every scored position)."""
+        return self.task.loss(logits, labels)
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, logits) for a batch dict; call it inside the precision's autocast."""
-        labels = batch["labels"] if self.task == "causal-lm" else None
+        labels = batch["labels"] if self.task.feeds_targets else None
         logits = self.logits(batch["input_ids"], batch.get("attention_mask"), labels=labels)
         return self.loss(logits, batch["labels"]), logits
 
@@ -126,10 +122,7 @@ class ModelAdapter:
         T = min(seq_len or self.max_len, self.max_len)
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
-        if self.task == "causal-lm":
-            labels = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
-        else:
-            labels = torch.randint(0, self.num_classes, (batch_size,), generator=g)
+        labels = self.task.example_labels(self, batch_size, T, g)
         batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones(batch_size, T, dtype=torch.long)}
         return {k: v.to(self.device) for k, v in batch.items()}
 
@@ -156,7 +149,8 @@ class ModelAdapter:
 
     def summary(self) -> dict:
         params = list(self.model.parameters())
-        return {"model": self.name, "task": self.task, "parameters": sum(p.numel() for p in params),
+        # The task is None only while adapt() first probes the model (a forward that raises is reported then).
+        return {"model": self.name, "task": self.task and self.task.name, "parameters": sum(p.numel() for p in params),
                 "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
@@ -224,24 +218,23 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     if not vocab:
         raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
                            "(model_kwargs={'vocab_size': N} in any tier, or adapt(model, vocab_size=N))")
-    if task is not None and task not in TASKS:
-        raise AdapterError(f"unknown task {task!r}; use one of: {', '.join(TASKS)}")
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
     usable = _position_rows(model)
     length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
-    adapter = ModelAdapter(model, task or "", int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
+    adapter = ModelAdapter(model, task_named(task) if task is not None else None, int(vocab),
+                           DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)
     adapter.fills_mask = adapter.takes_attention_mask and hasattr(model, "warn_if_padding_and_no_attention_mask")
     adapter.targets_keyword = _targets_keyword(adapter, params)
-    adapter.task = task or _declared_task(model) or _probe_task(adapter)
+    adapter.task = adapter.task or _declared_task(model) or _probe_task(adapter)
     if length == math.inf:
         _check_default_length(adapter)
-    if adapter.task == "classification" and adapter.num_classes is None:
+    if adapter.task.has_classes and adapter.num_classes is None:
         adapter.num_classes = (getattr(config, "num_labels", None) or getattr(model, "num_classes", None)
                                or _probe_output(adapter).shape[-1])
     side = getattr(model, "padding_side", None)
-    adapter.padding_side = side if side in ("left", "right") else "left" if adapter.task == "causal-lm" else "right"
+    adapter.padding_side = side if side in ("left", "right") else adapter.task.padding_side
     adapter.tokenizer = _tokenizer_for(model, tokenizer, adapter.vocab_size)
     source = source_of(model)
     adapter.stored_dtype = source.stored_dtype if source and source.stored_dtype else parameters_dtype(model)
@@ -334,16 +327,17 @@ def _check_default_length(adapter: ModelAdapter) -> None:
                             "for longer)")
 
 
-def _declared_task(model: nn.Module) -> str | None:
+def _declared_task(model: nn.Module) -> Task | None:
+    """A module's declared `task` (a registered name, or a Task), else the one its class name ends in."""
     declared = getattr(model, "task", None)
-    if declared in TASKS:
+    if isinstance(declared, Task):
         return declared
-    name = type(model).__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal-lm"
-    if name.endswith("ForSequenceClassification"):
-        return "classification"
-    return None
+    if isinstance(declared, str):  # a `task` attribute that names no registered task is the model's own business
+        try:
+            return task_named(declared)
+        except AdapterError:
+            pass
+    return task_of_architecture(type(model).__name__)
 
 
 def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:
@@ -365,13 +359,14 @@ def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tens
         adapter.model.train(was_training)
 
 
-def _probe_task(adapter: ModelAdapter) -> str:
-    """No declared task: a (B, T, V) output means a causal LM, (B, C) a classifier."""
+def _probe_task(adapter: ModelAdapter) -> Task:
+    """No declared task: the first task whose output layout the model's logits have ((B, T, V): a causal LM,
+    (B, C): a classifier)."""
     out = _probe_output(adapter)
-    if out.dim() == 3:
-        return "causal-lm"
-    if out.dim() == 2:
-        adapter.num_classes = adapter.num_classes or out.size(-1)
-        return "classification"
+    task = task_of_output(out)
+    if task is not None:
+        if task.has_classes:
+            adapter.num_classes = adapter.num_classes or out.size(-1)
+        return task
     raise AdapterError(f"{adapter.name} returned logits of shape {tuple(out.shape)}; expected (B, T, vocab) "
                        "or (B, classes); pass task= explicitly")

@@ -124,7 +124,7 @@ def _score(stats: _HeadStats, example: dict | None, mask: torch.Tensor, causal: 
 
 
 def run(ctx: Context) -> Outcome:
-    model, causal = ctx.adapter.model, ctx.adapter.task == "causal-lm"
+    model, causal = ctx.adapter.model, ctx.adapter.task.causal_attention
     stats, example = _HeadStats(), {}
     seq_len = int(ctx.batches[0]["input_ids"].size(1))
     limit = ctx.budget.probe_limit if ctx.budget else DEFAULT_MAP_BYTES

@@ -55,7 +55,7 @@ def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = adapter.logits(ids, batch.get("attention_mask")).float()
     if not leaves:
         raise RuntimeError(f"{adapter.name}'s forward never called its token embedding")
-    if adapter.task == "causal-lm":
+    if adapter.task.per_token:  # the prediction at the last real position
         last = mask.long().sum(1).clamp_min(1) - 1  # the last real position of each row
         logits = logits[torch.arange(len(ids), device=ids.device), last]
     logp = F.log_softmax(logits, dim=-1)
@@ -98,7 +98,7 @@ def run(ctx: Context) -> Outcome:
         return Outcome([Check("saliency", "WARN", 0.0, None, "gradient x input is zero everywhere: no gradient "
                               "reaches the token embeddings (detached or frozen path)")])
     lengths = mask.sum(1)
-    if adapter.task == "causal-lm":
+    if adapter.task.per_token:
         pos = torch.arange(sal.size(1), device=sal.device)
         recent = (pos[None, :] >= (lengths[:, None] - RECENT)) & mask
         share = (mag * recent).sum(1) / total.clamp_min(1e-30)
@@ -121,7 +121,7 @@ def run(ctx: Context) -> Outcome:
                          columns=COLUMNS)
     top = table.nlargest(3, "share")
     target0 = int(target[0])
-    goal = (f"next token {label(target0)!r}" if adapter.task == "causal-lm" else f"class {target0}")
+    goal = adapter.task.name_target(target0, label)
     detail = f"{what}{scope}; example 0 ({goal}) leans most on " + ", ".join(
         f"{r.text!r}@{r.position}" for r in top.itertuples())
     return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],

@@ -82,7 +82,7 @@ def _log_probs(ctx: Context, ids, mask) -> torch.Tensor:
 
 def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
     """(agree, kl, correct_before, flipped) as flat tensors over the compared predictions."""
-    if ctx.adapter.task == "causal-lm":
+    if ctx.adapter.task.per_token:  # per position: compare the predictions of the tokens that survived
         valid = new_mask & (origin >= 0)
         b, j = valid.nonzero(as_tuple=True)
         k = origin[b, j]

@@ -349,7 +349,8 @@ class BenchmarkRun:
         verdicts = [c for p, r in zip(ready.plans, records)
                     for c in record_checks(r, records[0], self.log.skip_reason(p), cfg.thresholds, cfg.accuracy_steps,
                                            overhead, cpu_load())]
-        config = BenchRun(adapter.name, adapter.task, adapter.summary()["parameters"], ready.data.splits.describe(),
+        config = BenchRun(adapter.name, adapter.task.name, adapter.summary()["parameters"],
+                          ready.data.splits.describe(),
                           settings=cfg, tokens_per_step=ready.data.tokens_per_step, fit=ready.fit,
                           lora=describe_lora(adapter.model))
         metadata = {**run_metadata(self.dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -6,7 +6,7 @@ download). Datasets yield the batch dicts the adapter expects: `input_ids`, `lab
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np  # always installed: pandas and matplotlib need it
 import torch
@@ -115,12 +115,13 @@ class TokenRows(Dataset):
         return {"input_ids": row[:-1], "labels": labels, "attention_mask": self.mask}
 
 
-def synthetic_tokens(n: int, seq_len: int, vocab_size: int, task: str = "causal-lm",
-                     num_classes: int | None = None, seed: int = 0) -> TokenRows:
-    """Random tokens for speed-only runs (the loss means nothing)."""
+def synthetic_rows(n: int, seq_len: int, vocab_size: int, num_classes: int | None = None,
+                   seed: int = 0) -> TokenRows:
+    """Random tokens for speed-only runs (the loss means nothing): next tokens as labels, or random class ids
+    where `num_classes` is given."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
-    class_ids = torch.randint(0, num_classes or 2, (n,), generator=g) if task == "classification" else None
+    class_ids = torch.randint(0, num_classes, (n,), generator=g) if num_classes else None
     return TokenRows(rows, class_ids)
 
 
@@ -170,116 +171,136 @@ class DataSplits:
 CORPUS_VALIDATION = "whole documentation topics held out (every 5th per topic group), so no text is in both"
 
 
-def build_datasets(data=None, task: str = "causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
-                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
-                   max_len: int | None = None, tokenizer: Tokenizer | None = None) -> DataSplits:
-    """Datasets for a task from any supported source.
+@dataclass(frozen=True)
+class DataRequest:
+    """What a task's reader needs besides the data: the model's sizes, its tokenizer and how to split."""
 
-    data: None (the bundled corpus), "synthetic", a text file, a folder of .txt files, a .csv / .tsv /
-    .jsonl / .parquet table, `hf-dataset:NAME[/CONFIG][:SPLIT]` or a folder `datasets.save_to_disk` wrote
-    (any of these as a path string, or a `DataSource` naming its text and label columns), a list of
-    strings, a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
-    `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
-    tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
-    Validation: the source's own split when it has one; else the last `val_fraction` of the text
-    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
-    Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
-    `max_len`, class ids in [0, num_classes).
-    """
-    if seq_len < 1:
-        raise DataError(f"seq_len must be >= 1, got {seq_len}")
-    tokenizer = tokenizer or ByteTokenizer()
-    if isinstance(data, str) and data == "synthetic":
-        n = 512
-        train = synthetic_tokens(n, seq_len, vocab_size, task, num_classes, seed)
-        val = synthetic_tokens(n // 8, seq_len, vocab_size, task, num_classes, seed + 1)
-        return DataSplits(train, val, "synthetic", "synthetic random tokens", "none (random ids)",
-                          "a second random draw")
+    seq_len: int = 64
+    vocab_size: int = BYTE_VOCAB
+    num_classes: int | None = None
+    val_fraction: float = 0.1
+    seed: int = 0
+    max_len: int | None = None
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+
+
+def synthetic_splits(request: DataRequest, num_classes: int | None = None) -> DataSplits:
+    n = 512
+    train = synthetic_rows(n, request.seq_len, request.vocab_size, num_classes, request.seed)
+    val = synthetic_rows(n // 8, request.seq_len, request.vocab_size, num_classes, request.seed + 1)
+    return DataSplits(train, val, "synthetic", "synthetic random tokens", "none (random ids)", "a second random draw")
+
+
+def given_splits(data, request: DataRequest) -> DataSplits | None:
+    """The forms any task takes as they are: a (train, val) pair of Datasets, or one Dataset split here."""
     if isinstance(data, tuple) and len(data) == 2 and all(isinstance(d, Dataset) for d in data):
         return DataSplits(data[0], data[1], "datasets", "the Datasets given", "as given", "the second Dataset given")
     if isinstance(data, Dataset):
-        return DataSplits(*_split(data, val_fraction, seed), "dataset", "the Dataset given", "as given",
-                          f"a seeded random {val_fraction:.0%} of its examples")
-    if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor) for d in data)):
-        dataset = _tensor_dataset(data, task, vocab_size, num_classes, max_len)
-        return DataSplits(*_split(dataset, val_fraction, seed), "tensors", "the tensors given", "as given",
-                          f"a seeded random {val_fraction:.0%} of the rows")
-    if data is not None and not is_user_source(data) and not (isinstance(data, list)
-                                                               and all(isinstance(t, str) for t in data)):
+        return DataSplits(*split_off(data, request.val_fraction, request.seed), "dataset", "the Dataset given",
+                          "as given", f"a seeded random {request.val_fraction:.0%} of its examples")
+    return None
+
+
+def is_tensor_data(data) -> bool:
+    return isinstance(data, torch.Tensor) or (isinstance(data, tuple) and all(isinstance(d, torch.Tensor)
+                                                                                 for d in data))
+
+
+def tensor_splits(dataset: Dataset, request: DataRequest) -> DataSplits:
+    return DataSplits(*split_off(dataset, request.val_fraction, request.seed), "tensors", "the tensors given",
+                      "as given", f"a seeded random {request.val_fraction:.0%} of the rows")
+
+
+def user_texts(data, request: DataRequest, labels: bool) -> Texts:
+    """Text from any user source (a list of strings, a file, a folder, a table, a dataset), checked against the
+    model's vocabulary first."""
+    if not is_user_source(data) and not (isinstance(data, list) and all(isinstance(t, str) for t in data)):
         raise DataError(f"unsupported data {type(data).__name__}; use None, 'synthetic', a file or folder path, "
                         "hf-dataset:NAME, a list of strings, tensors or a Dataset")
-    if tokenizer.vocab_size > vocab_size:
-        fix = (f"build the model with vocab_size>={tokenizer.vocab_size} or pass token tensors"
-               if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
-        raise DataError(f"text is tokenized by {tokenizer.name} (vocab {tokenizer.vocab_size}) but the model's vocab "
-                        f"is {vocab_size}; {fix}")
-    if data is None:
-        return _corpus(task, seq_len, num_classes, tokenizer)
+    check_vocabulary(request)
     if isinstance(data, list):
         if not "".join(data):
             raise DataError("data is an empty list of strings; give some text, a text file, 'synthetic' or None")
-        texts = Texts(data, None, None, None, f"{len(data)} strings given")
-    else:
-        texts = read_source(data, labels=task == "classification")
-    if task != "classification":
-        return _windows(texts, seq_len, val_fraction, tokenizer)
-    if texts.train_labels is None:
-        raise DataError("plain text has no labels for classification; give a table with a label column, "
-                        "(input_ids, labels) tensors or a Dataset")
-    return _labelled(texts, seq_len, num_classes, val_fraction, seed, tokenizer)
+        return Texts(data, None, None, None, f"{len(data)} strings given")
+    return read_source(data, labels=labels)
 
 
-def _corpus(task: str, seq_len: int, num_classes: int | None, tokenizer: Tokenizer) -> DataSplits:
+def check_vocabulary(request: DataRequest) -> None:
+    tokenizer = request.tokenizer
+    if tokenizer.vocab_size > request.vocab_size:
+        fix = (f"build the model with vocab_size>={tokenizer.vocab_size} or pass token tensors"
+               if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
+        raise DataError(f"text is tokenized by {tokenizer.name} (vocab {tokenizer.vocab_size}) but the model's vocab "
+                        f"is {request.vocab_size}; {fix}")
+
+
+def corpus_name() -> str:
     train_topics, val_topics = corpus_split()
-    name = f"bundled corpus (CPython docs, {len(train_topics)} + {len(val_topics)} topics)"
-    if task == "classification":
-        if num_classes is not None and num_classes < len(TOPIC_GROUPS):
-            raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
-                            f"{num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
-                            f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
-        return DataSplits(_snippets(train_topics, seq_len, tokenizer), _snippets(val_topics, seq_len, tokenizer),
-                          "corpus", name, tokenizer.name, CORPUS_VALIDATION, list(TOPIC_GROUPS))
-    corpus = corpus_topics()
+    return f"bundled corpus (CPython docs, {len(train_topics)} + {len(val_topics)} topics)"
+
+
+def corpus_windows(request: DataRequest) -> DataSplits:
+    """The bundled corpus as causal-LM windows: training topics, and whole held-out topics for validation."""
+    check_vocabulary(request)
+    train_topics, val_topics = corpus_split()
+    corpus, tokenizer = corpus_topics(), request.tokenizer
     join = "\n\n".join
-    return DataSplits(TokenWindows(tokenizer.encode(join(corpus[t] for t in train_topics)), seq_len),
-                      TokenWindows(tokenizer.encode(join(corpus[t] for t in val_topics)), seq_len), "corpus", name,
-                      tokenizer.name, CORPUS_VALIDATION)
+    return DataSplits(TokenWindows(tokenizer.encode(join(corpus[t] for t in train_topics)), request.seq_len),
+                      TokenWindows(tokenizer.encode(join(corpus[t] for t in val_topics)), request.seq_len),
+                      "corpus", corpus_name(), tokenizer.name, CORPUS_VALIDATION)
 
 
-def _windows(texts: Texts, seq_len: int, val_fraction: float, tokenizer: Tokenizer) -> DataSplits:
+def corpus_snippets(request: DataRequest) -> DataSplits:
+    """The bundled corpus as a classification set: each snippet labelled with the part of the docs it came from."""
+    check_vocabulary(request)
+    if request.num_classes is not None and request.num_classes < len(TOPIC_GROUPS):
+        raise DataError(f"the corpus classification set has {len(TOPIC_GROUPS)} classes but the model has "
+                        f"{request.num_classes}; build it with num_classes={len(TOPIC_GROUPS)} "
+                        f"(num_labels={len(TOPIC_GROUPS)} for a Hugging Face model)")
+    train_topics, val_topics = corpus_split()
+    seq_len, tokenizer = request.seq_len, request.tokenizer
+    return DataSplits(_snippets(train_topics, seq_len, tokenizer), _snippets(val_topics, seq_len, tokenizer),
+                      "corpus", corpus_name(), tokenizer.name, CORPUS_VALIDATION, list(TOPIC_GROUPS))
+
+
+def text_windows(texts: Texts, request: DataRequest) -> DataSplits:
     """Causal-LM windows: the source's own validation texts, else the last `val_fraction` of the tokens."""
+    seq_len, tokenizer = request.seq_len, request.tokenizer
     kind = "dataset" if texts.val is not None else "text"
     tokens = tokenizer.encode("\n\n".join(texts.train))
     if texts.val is not None:
         train, val, how = tokens, tokenizer.encode("\n\n".join(texts.val)), texts.validation
     else:
-        cut = int(len(tokens) * (1 - val_fraction))  # contiguous: validation text never seen in training
+        cut = int(len(tokens) * (1 - request.val_fraction))  # contiguous: validation text never seen in training
         train, val = tokens[:cut], tokens[cut:]
-        how = f"the last {val_fraction:.0%} of the text ({len(val):,} tokens, contiguous, so no window is in both)"
+        how = (f"the last {request.val_fraction:.0%} of the text ({len(val):,} tokens, contiguous, so no window is "
+               "in both)")
     if len(train) < seq_len + 1 or len(val) < seq_len + 1:
         raise DataError(f"{texts.name} is too short: {len(train)} training and {len(val)} validation tokens for "
                         f"windows of {seq_len + 1}; give more text or a smaller seq_len")
     return DataSplits(TokenWindows(train, seq_len), TokenWindows(val, seq_len), kind, texts.name, tokenizer.name, how)
 
 
-def _labelled(texts: Texts, seq_len: int, num_classes: int | None, val_fraction: float, seed: int,
-              tokenizer: Tokenizer) -> DataSplits:
+def labelled_rows(texts: Texts, request: DataRequest) -> DataSplits:
     """One example per row, cut to seq_len; labels as class ids. The source's own validation rows, else a
     seeded random `val_fraction` of the rows (whole rows, so no example is in both)."""
+    if texts.train_labels is None:
+        raise DataError("plain text has no labels for classification; give a table with a label column, "
+                        "(input_ids, labels) tensors or a Dataset")
     rows = texts.train + (texts.val or [])
-    labels, names = class_ids(texts.train_labels + (texts.val_labels or []), num_classes, texts.name)
-    ids = [tokenizer.encode(t)[:seq_len] for t in rows]
+    labels, names = class_ids(texts.train_labels + (texts.val_labels or []), request.num_classes, texts.name)
+    ids = [request.tokenizer.encode(t)[:request.seq_len] for t in rows]
     if any(len(t) == 0 for t in ids):
         raise DataError(f"{texts.name} has empty text rows; drop them or fill the text column")
-    data = Snippets(ids, labels.tolist(), seq_len, tokenizer.pad_id or 0)
+    data = Snippets(ids, labels.tolist(), request.seq_len, request.tokenizer.pad_id or 0)
     n_train = len(texts.train)
     if texts.val is not None:
         train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows)))
         how = texts.validation
     else:
-        train, val = _split(data, val_fraction, seed)
-        how = f"a seeded random {val_fraction:.0%} of the rows ({len(val)} rows)"
-    return DataSplits(train, val, "table", texts.name, tokenizer.name, how, names or None)
+        train, val = split_off(data, request.val_fraction, request.seed)
+        how = f"a seeded random {request.val_fraction:.0%} of the rows ({len(val)} rows)"
+    return DataSplits(train, val, "table", texts.name, request.tokenizer.name, how, names or None)
 
 
 def _check_ids(ids: torch.Tensor, what: str, high: int | None, fix: str) -> None:
@@ -296,31 +317,40 @@ def _check_ids(ids: torch.Tensor, what: str, high: int | None, fix: str) -> None
         raise DataError(f"{what} holds {bad}, outside [0, {high}); {fix}")
 
 
-def _tensor_dataset(data, task: str, vocab_size: int, num_classes: int | None, max_len: int | None) -> Dataset:
-    vocab_fix = f"the model's vocab_size is {vocab_size}: re-tokenize or build the model with a larger vocab_size"
-    if task == "causal-lm":
-        if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.size(1) < 2:
-            raise DataError("causal-LM tensors must be one (N, seq_len + 1) long tensor of token ids")
-        _check_ids(data, "the token tensor", vocab_size, vocab_fix)
-        if max_len is not None and data.size(1) - 1 > max_len:
-            raise DataError(f"token rows of {data.size(1)} give inputs of {data.size(1) - 1} tokens, past the model's "
-                            f"max_len={max_len}; cut rows to at most {max_len + 1} tokens")
-        return TokenRows(data.long())
+def token_rows(data, request: DataRequest) -> Dataset:
+    """Causal-LM tensors: one (N, seq_len + 1) long tensor of token ids, checked whole."""
+    if not isinstance(data, torch.Tensor) or data.dim() != 2 or data.size(1) < 2:
+        raise DataError("causal-LM tensors must be one (N, seq_len + 1) long tensor of token ids")
+    _check_ids(data, "the token tensor", request.vocab_size, _vocab_fix(request))
+    if request.max_len is not None and data.size(1) - 1 > request.max_len:
+        raise DataError(f"token rows of {data.size(1)} give inputs of {data.size(1) - 1} tokens, past the model's "
+                        f"max_len={request.max_len}; cut rows to at most {request.max_len + 1} tokens")
+    return TokenRows(data.long())
+
+
+def labelled_tensors(data, request: DataRequest) -> Dataset:
+    """Classification tensors: an (input_ids (N, T), labels (N,)) pair, checked whole."""
     if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 2 and data[1].dim() == 1):
         raise DataError("classification tensors must be an (input_ids (N, T), labels (N,)) pair")
     ids, labels = data
+    num_classes = request.num_classes
     if len(ids) != len(labels):
         raise DataError(f"{len(ids)} input rows but {len(labels)} labels; give one label per row")
-    _check_ids(ids, "input_ids", vocab_size, vocab_fix)
+    _check_ids(ids, "input_ids", request.vocab_size, _vocab_fix(request))
     _check_ids(labels, "labels", num_classes, f"the model has {num_classes} classes: use class ids 0..{num_classes - 1}"
                if num_classes else "use class ids from 0")
-    if max_len is not None and ids.size(1) > max_len:
-        raise DataError(f"input_ids rows of {ids.size(1)} tokens are past the model's max_len={max_len}; "
-                        f"cut them to at most {max_len}")
+    if request.max_len is not None and ids.size(1) > request.max_len:
+        raise DataError(f"input_ids rows of {ids.size(1)} tokens are past the model's max_len={request.max_len}; "
+                        f"cut them to at most {request.max_len}")
     return Snippets(list(ids.long()), labels.tolist(), ids.size(1))
 
 
-def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+def _vocab_fix(request: DataRequest) -> str:
+    return (f"the model's vocab_size is {request.vocab_size}: re-tokenize or build the model with a larger "
+            "vocab_size")
+
+
+def split_off(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     n = len(ds)
     n_val = max(1, int(n * val_fraction))
     if n - n_val < 1:

@@ -47,5 +47,5 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
         model.train()
     loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
     val_loss = loss_sum / count
-    return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task == "causal-lm" else math.nan,
+    return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task.has_perplexity else math.nan,
             "accuracy": correct / count, "targets": int(count)}

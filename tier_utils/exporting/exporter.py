@@ -172,7 +172,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     # A copy: the caller's model keeps its device, dtype and mode.
     adapter = replace(source, model=copy.deepcopy(source.model).to("cpu", prec.dtype).eval())
     wrapper = _Logits(adapter).eval()
-    keys = ("input_ids", "attention_mask") if adapter.task == "classification" else ("input_ids",)
+    keys = adapter.task.export_inputs
     t_trace = min(16, adapter.max_len)
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
     splits = adapter.datasets(data, max(s[1] for s in shapes))
@@ -192,7 +192,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                 continue
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.tolerances(), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
-    config = ExportRun(adapter.name, adapter.task, fmt, prec.name, prec.reason, inputs=list(keys),
+    config = ExportRun(adapter.name, adapter.task.name, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
                        rel_tolerance=prec.tolerances().export, argmax_agreement=prec.tolerances().agreement)

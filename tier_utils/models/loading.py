@@ -18,14 +18,12 @@ import torch.nn as nn
 from ..core.errors import CheckpointError, ModelSpecError, describe, one_line
 from ..core.hub import HUB_PREFIX, from_hub
 from ..data.tokenizer import is_tokenizer_folder
+from ..tasks import CAUSAL_LM, Task, task_named, task_of_architecture
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
 from .checkpoint import blocked_global, load_checkpoint
 from .demo_model import load_demo
 from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, tensors_dtype
 from .weights import load_weights
-
-# transformers' Auto class per task; a folder's or hub model's task comes from its config's `architectures`.
-AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
 
 
 @dataclass
@@ -248,7 +246,7 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
                              "such as hf:gpt2")
     task = kwargs.pop("task", None)
     config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
-    auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
+    auto = getattr(transformers, _hf_task(config, task, HUB_PREFIX + name).auto_class)
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
     model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
     kwargs, quantized = _quantization(kwargs)
@@ -282,7 +280,7 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     task = kwargs.pop("task", None)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
+        auto = getattr(transformers, _hf_task(config, task, spec).auto_class)
         stored = folder_dtype(path, config)
         with _no_loading_bar(transformers):
             model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
@@ -339,13 +337,21 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
 
 
-def _hf_task(config, task: str | None, spec: str) -> str:
+def _hf_task(config, task: str | None, spec: str) -> Task:
+    """The task a folder or hub model loads as: `task=` if given, else the one its config's architecture names (a
+    causal LM where it names none); transformers' Auto class for it loads the model."""
     if task is not None:
-        if task not in AUTO_CLASSES:
-            raise ModelSpecError(f"unknown task {task!r} for {spec}; use one of: {', '.join(AUTO_CLASSES)}")
-        return task
-    architecture = (getattr(config, "architectures", None) or [""])[0]
-    return "classification" if architecture.endswith("ForSequenceClassification") else "causal-lm"
+        try:
+            chosen = task_named(task)
+        except ValueError as exc:
+            raise ModelSpecError(f"{one_line(exc)} (for {spec})") from exc
+    else:
+        architecture = (getattr(config, "architectures", None) or [""])[0]
+        chosen = task_of_architecture(architecture) or CAUSAL_LM
+    if chosen.auto_class is None:
+        raise ModelSpecError(f"the {chosen.name} task has no transformers Auto class, so {spec} cannot load as it; "
+                             "build the model in Python and pass the module")
+    return chosen
 
 
 def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:

@@ -103,7 +103,7 @@ def _tolerance(adapter: ModelAdapter, fp32_tol: float) -> tuple[float, str]:
 
 def _output_bytes(adapter: ModelAdapter) -> int:
     """fp32 bytes of the output per token (a causal LM's logits row; a classifier's, an upper bound)."""
-    return 4 * (adapter.vocab_size if adapter.task == "causal-lm" else adapter.num_classes)
+    return 4 * adapter.task.width(adapter)
 
 
 def _limit(report) -> float:
@@ -111,7 +111,7 @@ def _limit(report) -> float:
 
 
 def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
-    return (b, t, adapter.vocab_size) if adapter.task == "causal-lm" else (b, adapter.num_classes)
+    return adapter.task.output_shape(adapter, b, t)
 
 
 # --- shapes -------------------------------------------------------------------------------------
@@ -182,13 +182,13 @@ def _padding_case(name: str, adapter: ModelAdapter) -> Check:
     if tuple(padded.shape) != _expected_shape(adapter, 2, T):
         return Check(name, "FAIL", str(tuple(padded.shape)), str(_expected_shape(adapter, 2, T)),
                      "wrong output shape for a padded batch")
-    row = padded[1, real] if adapter.task == "causal-lm" else padded[1]
+    row = padded[1, real] if adapter.task.per_token else padded[1]
     dev = _rel_dev(row, alone[0])
     tol, why = _tolerance(adapter, PADDING_TOL)
     ok = math.isfinite(dev) and dev <= tol
     detail = (f"row padded {keep}->{T} vs the same {keep} tokens alone: max relative difference {dev:.2g} "
               f"({adapter.padding_side} padding" + (", position ids from the mask)" if adapter.takes_position_ids
-                                                   and adapter.task == "causal-lm" else ")") + why
+                                                   and adapter.task.positions_from_mask else ")") + why
               + ("" if ok else "; padding changes real tokens' outputs: is attention_mask used?"))
     return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {tol:g}", detail)
 
@@ -203,7 +203,7 @@ def _gradients(adapter: ModelAdapter, report):
         return
     batch = adapter.example_batch(2, min(adapter.max_len, 32))
     value, got = _backward(adapter, batch)
-    chance = math.log(adapter.vocab_size if adapter.task == "causal-lm" else adapter.num_classes)
+    chance = adapter.task.chance_loss(adapter)
     status = "FAIL" if not math.isfinite(value) else "WARN" if value > 2 * chance else "PASS"
     yield Check("gradients: loss on random tokens", status, _sig(value), f"finite, <= 2 ln(C) = {2 * chance:.3g}",
                 f"cross-entropy {value:.4g}; a fresh model should be near ln(C) = {chance:.3g}"

@@ -282,7 +282,8 @@ class _Run:
         unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
         best = self.checkpoints.best_path
         summary = TrainSummary(
-            model=self.built.name, task=adapter.task, parameters=sum(p.numel() for p in adapter.model.parameters()),
+            model=self.built.name, task=adapter.task.name,
+            parameters=sum(p.numel() for p in adapter.model.parameters()),
             data=data.description.data, tokenizer=data.description.tokenizer,
             validation=data.description.validation, steps=step, total_steps=data.total_steps,
             epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),

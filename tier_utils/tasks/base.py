@@ -1,0 +1,175 @@
+"""The task as an object: one class per kind of model (what it predicts, how it is recognised and loaded, its batch,
+loss and metrics, the data it reads), in one registry, like the precision modes. Nothing outside a task's class
+tests its name: a tier asks the task it was handed (`adapter.task`), so a task defined elsewhere runs through every
+tier. A task instance holds no state of one model: the adapter passes itself where a fact needs the model's sizes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.errors import AdapterError, DataError
+from ..core.inputs import by_spelling
+from ..data.datasets import (
+    DataRequest,
+    DataSplits,
+    given_splits,
+    is_tensor_data,
+    synthetic_splits,
+    tensor_splits,
+    user_texts,
+)
+from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
+
+
+class Task:
+    """A kind of model. The defaults are a classifier's; subclasses set what differs."""
+
+    name = ""
+    aliases: tuple[str, ...] = ()
+    # transformers' Auto class that loads a folder or hub model of this task as its own architecture, and the
+    # endings of the model class names (a config's `architectures`, a module's type) that declare the task.
+    auto_class: str | None = None
+    architectures: tuple[str, ...] = ()
+    peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
+    per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
+    has_classes = False  # the output width is the model's number of classes (else its vocabulary)
+    causal_attention = False  # its self-attention sees only the past (what an attention map may hold)
+    padding_side = "right"  # where a padded batch of this task puts its padding, unless the model says
+    # Whether the forward gets the targets (the per-position labels), for a model that returns every position's
+    # logits only when given them (the GPT training-code convention).
+    feeds_targets = False
+    positions_from_mask = False  # left padding shifts the real tokens: positions count from the first real one
+    has_perplexity = False  # exp(loss) is a perplexity
+    export_inputs: tuple[str, ...] = ("input_ids", "attention_mask")
+    prediction = "class"  # what one prediction is, in a sentence
+
+    def __str__(self) -> str:
+        return self.name
+
+    def width(self, adapter) -> int:
+        """How many values one prediction scores: the classes, or the vocabulary."""
+        return adapter.num_classes if self.has_classes else adapter.vocab_size
+
+    def output_shape(self, adapter, batch: int, length: int) -> tuple[int, ...]:
+        return (batch, length, self.width(adapter)) if self.per_token else (batch, self.width(adapter))
+
+    def chance_loss(self, adapter) -> float:
+        """The cross-entropy of a uniform guess: what a fresh model's loss should be near."""
+        return math.log(self.width(adapter))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every scored target (-100 marks a target not scored)."""
+        if self.per_token:
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return F.cross_entropy(logits, labels)
+
+    def example_labels(self, adapter, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        if self.per_token:
+            return torch.randint(0, self.width(adapter), (batch, length), generator=generator)
+        return torch.randint(0, self.width(adapter), (batch,), generator=generator)
+
+    def fits_output(self, logits: torch.Tensor) -> bool:
+        """Whether a probe's logits have this task's layout (how a model that declares nothing is recognised)."""
+        return logits.dim() == (3 if self.per_token else 2)
+
+    def name_target(self, target: int, label) -> str:
+        """One prediction's target in words (`label` decodes a token id)."""
+        return f"{self.prediction} {label(target)!r}" if not self.has_classes else f"{self.prediction} {target}"
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """`data` as train and validation Datasets of this task's batches: the forms every task takes as they are
+        (Datasets), then None (the task's bundled demo), "synthetic", tensors, and text from any user source."""
+        given = given_splits(data, request)
+        if given is not None:
+            return given
+        if data is None:
+            return self.demo(request)
+        if isinstance(data, str) and data == "synthetic":
+            return synthetic_splits(request, self.synthetic_classes(request))
+        if is_tensor_data(data):
+            return tensor_splits(self.tensors(data, request), request)
+        return self.from_texts(user_texts(data, request, labels=self.has_classes), request)
+
+    # What a task reads, each its own: a task defined elsewhere overrides what it takes.
+    def demo(self, request: DataRequest) -> DataSplits:
+        raise DataError(f"the {self.name} task has no bundled demo data; pass data")
+
+    def synthetic_classes(self, request: DataRequest) -> int | None:
+        """Random class ids' range for synthetic data; None: next tokens are the labels."""
+        return (request.num_classes or 2) if self.has_classes else None
+
+    def tensors(self, data, request: DataRequest):
+        raise DataError(f"the {self.name} task takes no tensors; pass a Dataset of its batches")
+
+    def from_texts(self, texts, request: DataRequest) -> DataSplits:
+        raise DataError(f"the {self.name} task reads no text; pass a Dataset of its batches")
+
+
+_REGISTRY: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Add a task (an instance): its name and aliases resolve to it from then on."""
+    taken = _spellings()
+    clash = [s for s in (task.name, *task.aliases) if s.lower() in taken and taken[s.lower()] != task.name]
+    if not isinstance(task, Task) or not task.name or clash:
+        raise ValueError(f"cannot register {task!r}: not a named Task instance, or {clash} already name a task")
+    _REGISTRY[task.name] = task
+    return task
+
+
+def _spellings() -> dict[str, str]:
+    table = {}
+    for name, task in _REGISTRY.items():
+        table.update({s.lower(): name for s in (name, *task.aliases)})
+    return table
+
+
+def task_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def task_named(task) -> Task:
+    """The registered task for any spelling of its name (a Task is returned as is); an unknown one is a one-line
+    AdapterError listing the known ones."""
+    if isinstance(task, Task):
+        return task
+    try:
+        return _REGISTRY[by_spelling(task, _spellings(), "task", task_names())]
+    except ValueError as exc:
+        raise AdapterError(str(exc)) from exc
+
+
+def task_of_architecture(architecture: str) -> Task | None:
+    """The task a model class name declares by its ending (`...ForCausalLM`, `...ForSequenceClassification`)."""
+    return next((t for t in _REGISTRY.values() if architecture.endswith(t.architectures)), None)
+
+
+def task_of_output(logits: torch.Tensor) -> Task | None:
+    """The first registered task whose layout a probe's logits have (registry order: the built-in ones first)."""
+    return next((t for t in _REGISTRY.values() if t.fits_output(logits)), None)
+
+
+def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
+                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
+                   max_len: int | None = None, tokenizer=None) -> DataSplits:
+    """Datasets for a task (a registered name or a Task) from any supported source.
+
+    data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
+    a folder of .txt files, a .csv / .tsv / .jsonl / .parquet table, `hf-dataset:NAME[/CONFIG][:SPLIT]` or a folder
+    `datasets.save_to_disk` wrote (any of these as a path string, or a `DataSource` naming its columns), a list of
+    strings, a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
+    `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
+    tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
+    Validation: the source's own split when it has one; else the last `val_fraction` of the text
+    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
+    Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
+    `max_len`, class ids in [0, num_classes).
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer())
+    return task_named(task).datasets(data, request)

@@ -1,0 +1,65 @@
+"""The language tasks of decoder and encoder models: next-token prediction and sequence classification."""
+from __future__ import annotations
+
+from ..data.datasets import (
+    DataRequest,
+    DataSplits,
+    corpus_snippets,
+    corpus_windows,
+    labelled_rows,
+    labelled_tensors,
+    text_windows,
+    token_rows,
+)
+from .base import Task, register_task
+
+
+class CausalLM(Task):
+    """A decoder LM: (B, T, vocab) logits, each position scored on the next token."""
+
+    name = "causal-lm"
+    aliases = ("causal_lm",)
+    auto_class = "AutoModelForCausalLM"
+    architectures = ("ForCausalLM", "LMHeadModel")
+    peft_task_type = "CAUSAL_LM"
+    per_token = True
+    causal_attention = True
+    padding_side = "left"  # batched generation pads on the left
+    feeds_targets = True
+    positions_from_mask = True
+    has_perplexity = True
+    export_inputs = ("input_ids",)
+    prediction = "next token"
+
+    def demo(self, request: DataRequest) -> DataSplits:
+        return corpus_windows(request)
+
+    def tensors(self, data, request: DataRequest):
+        return token_rows(data, request)
+
+    def from_texts(self, texts, request: DataRequest) -> DataSplits:
+        return text_windows(texts, request)
+
+
+class Classification(Task):
+    """An encoder classifier: (B, classes) logits, one label per sequence."""
+
+    name = "classification"
+    aliases = ("sequence-classification",)
+    auto_class = "AutoModelForSequenceClassification"
+    architectures = ("ForSequenceClassification",)
+    peft_task_type = "SEQ_CLS"
+    has_classes = True
+
+    def demo(self, request: DataRequest) -> DataSplits:
+        return corpus_snippets(request)
+
+    def tensors(self, data, request: DataRequest):
+        return labelled_tensors(data, request)
+
+    def from_texts(self, texts, request: DataRequest) -> DataSplits:
+        return labelled_rows(texts, request)
+
+
+CAUSAL_LM = register_task(CausalLM())
+CLASSIFICATION = register_task(Classification())

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..core.errors import DataError
 from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
-from .userdata import Texts, class_ids, is_user_source, read_source
+from .userdata import Reading, Texts, class_ids, is_user_source, read_source
 
 # Topic groups for the classification set (snippet -> which part of the docs it came from).
 TOPIC_GROUPS = ("statements", "expressions", "types", "runtime")
@@ -211,7 +211,7 @@ def tensor_splits(dataset: Dataset, request: DataRequest) -> DataSplits:
                       "as given", f"a seeded random {request.val_fraction:.0%} of the rows")
 
 
-def user_texts(data, request: DataRequest, labels: bool) -> Texts:
+def user_texts(data, request: DataRequest, reading: Reading) -> Texts:
     """Text from any user source (a list of strings, a file, a folder, a table, a dataset), checked against the
     model's vocabulary first."""
     if not is_user_source(data) and not (isinstance(data, list) and all(isinstance(t, str) for t in data)):
@@ -222,7 +222,7 @@ def user_texts(data, request: DataRequest, labels: bool) -> Texts:
         if not "".join(data):
             raise DataError("data is an empty list of strings; give some text, a text file, 'synthetic' or None")
         return Texts(data, None, None, None, f"{len(data)} strings given")
-    return read_source(data, labels=labels)
+    return read_source(data, reading)
 
 
 def check_vocabulary(request: DataRequest) -> None:

@@ -20,6 +20,10 @@ TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json
 # The column names tried, in order, when the user names none.
 TEXT_COLUMNS = ("text", "sentence", "content", "document")
 LABEL_COLUMNS = ("label", "labels", "class")
+# A pair's two sides (a seq2seq task's source and target), and the column of `translation` dicts datasets keep.
+SOURCE_COLUMNS = ("input", "source", "src", "text", "document", "question")
+TARGET_COLUMNS = ("target", "output", "tgt", "summary", "answer")
+TRANSLATION_COLUMN = "translation"
 VAL_SPLITS = ("validation", "valid", "val", "test")
 
 
@@ -45,6 +49,24 @@ def data_source(data, text_column: str | None = None, label_column: str | None =
     return DataSource(str(data), text_column, label_column)
 
 
+@dataclass(frozen=True)
+class Reading:
+    """Which columns a task reads from a table: its text (the names tried in order) and, where it has one, a second
+    column (a classifier's labels, a seq2seq task's targets), each with what to call it and the flag naming it."""
+
+    text: tuple[str, ...] = TEXT_COLUMNS
+    second: tuple[str, ...] | None = None
+    text_what: str = "text"
+    second_what: str = "label"
+    text_flag: str = "--text-column"
+    second_flag: str = "--label-column"
+
+
+PLAIN = Reading()  # running text: a language model's
+LABELLED = Reading(second=LABEL_COLUMNS)
+PAIRS = Reading(SOURCE_COLUMNS, TARGET_COLUMNS, "source", "target", "--source-column", "--target-column")
+
+
 @dataclass
 class Texts:
     """What a source holds: training texts, validation texts (None: the caller holds a part out), labels
@@ -62,27 +84,37 @@ def is_user_source(data) -> bool:
     return isinstance(data, (str, Path, DataSource)) and str(data) != "synthetic"
 
 
-def read_source(data, labels: bool = False) -> Texts:
-    """The texts (and labels, when `labels`) of a path, `hf-dataset:` spec or DataSource."""
+def read_source(data, reading: Reading = PLAIN) -> Texts:
+    """The texts (and the second column `reading` names: labels, targets) of a path, `hf-dataset:` spec or
+    DataSource."""
     text_column = getattr(data, "text_column", None)
     label_column = getattr(data, "label_column", None)
     text = str(data).strip()
     if text.startswith(HF_DATASET_PREFIX):
-        return _read_hf_dataset(text[len(HF_DATASET_PREFIX):], text_column, label_column, labels)
+        return _read_hf_dataset(text[len(HF_DATASET_PREFIX):], text_column, label_column, reading)
     path = Path(text).expanduser()
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
-            return _read_hf_dataset(text, text_column, label_column, labels)
-        return _read_folder(path, labels)
+            return _read_hf_dataset(text, text_column, label_column, reading)
+        return _read_folder(path, reading)
     if not path.is_file():
         raise DataError(f"data {text!r} not found; give a text file, a folder of .txt files, a .csv/.jsonl/.parquet "
                         "table, hf-dataset:NAME, 'synthetic' or None for the bundled corpus")
     if path.suffix.lower() in TABLE_SUFFIXES:
-        return _read_table(path, text_column, label_column, labels)
-    if labels:
-        raise DataError("plain text has no labels for classification; give a .csv/.jsonl/.parquet table with a "
-                        "label column (--label-column), (input_ids, labels) tensors or a Dataset")
+        return _read_table(path, text_column, label_column, reading)
+    if reading.second is not None:
+        raise _no_second(reading, "plain text")
     return Texts([_read_text(path)], None, None, None, f"text file {path.name}")
+
+
+def _no_second(reading: Reading, what: str) -> DataError:
+    """Running text given where a task reads a second column."""
+    if reading.second_what == "label":
+        return DataError(f"{what} has no labels for classification; give a .csv/.jsonl/.parquet table with a label "
+                         "column (--label-column), (input_ids, labels) tensors or a Dataset")
+    return DataError(f"{what} has no {reading.text_what}-{reading.second_what} pairs, which a sequence-to-sequence "
+                     f"model needs; give a .csv/.jsonl/.parquet table with {reading.text_what} and "
+                     f"{reading.second_what} columns ({reading.text_flag}, {reading.second_flag})")
 
 
 def _read_text(path: Path) -> str:
@@ -99,17 +131,17 @@ def _read_text(path: Path) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def _read_folder(path: Path, labels: bool) -> Texts:
+def _read_folder(path: Path, reading: Reading) -> Texts:
     files = sorted(path.rglob("*.txt"))
     if not files:
         raise DataError(f"the folder {path} holds no .txt files; give a folder of UTF-8 .txt files or one file")
-    if labels:
-        raise DataError("a folder of text files has no labels for classification; give a table with a label column")
+    if reading.second is not None:
+        raise _no_second(reading, "a folder of text files")
     return Texts(["\n\n".join(_read_text(f) for f in files)], None, None, None,
                  f"folder {path.name} ({len(files)} .txt files)")
 
 
-def _read_table(path: Path, text_column, label_column, labels: bool) -> Texts:
+def _read_table(path: Path, text_column, label_column, reading: Reading) -> Texts:
     import pandas as pd
 
     kind = TABLE_SUFFIXES[path.suffix.lower()]
@@ -125,19 +157,19 @@ def _read_table(path: Path, text_column, label_column, labels: bool) -> Texts:
     except (ValueError, OSError) as exc:
         raise DataError(f"cannot read {path.name} as {kind} ({one_line(exc)[:160]}); check the file") from exc
     columns = {str(c): frame[c].tolist() for c in frame.columns}
-    texts, label_values = _columns(columns, path.name, text_column, label_column, labels)
+    texts, label_values = _columns(columns, path.name, text_column, label_column, reading)
     return Texts(texts, None, label_values, None, f"table {path.name} ({len(texts)} rows)")
 
 
-def _columns(columns: dict, where: str, text_column, label_column, labels: bool) -> tuple[list[str], list | None]:
-    """The text column's strings and (for classification) the label column's values."""
-    text_col = _pick(columns, text_column, TEXT_COLUMNS, where, "text", "--text-column")
+def _columns(columns: dict, where: str, text_column, label_column, reading: Reading) -> tuple[list[str], list | None]:
+    """The text column's strings and the second column's values (a classifier's labels, a pair's targets)."""
+    text_col = _pick(columns, text_column, reading.text, where, reading.text_what, reading.text_flag)
     texts = ["" if v is None else str(v) for v in columns[text_col]]
     if not any(texts):
         raise DataError(f"the column {text_col!r} of {where} is empty; give rows with text")
-    if not labels:
+    if reading.second is None:
         return texts, None
-    label_col = _pick(columns, label_column, LABEL_COLUMNS, where, "label", "--label-column")
+    label_col = _pick(columns, label_column, reading.second, where, reading.second_what, reading.second_flag)
     return texts, list(columns[label_col])
 
 
@@ -153,7 +185,7 @@ def _pick(columns: dict, given: str | None, tried: tuple, where: str, what: str,
     return found
 
 
-def _read_hf_dataset(spec: str, text_column, label_column, labels: bool) -> Texts:
+def _read_hf_dataset(spec: str, text_column, label_column, reading: Reading) -> Texts:
     """NAME[/CONFIG][:SPLIT], or a folder `save_to_disk` wrote. The split trains; the dataset's own
     validation split (validation, valid, val, test) validates, else a part is held out by the caller."""
     try:
@@ -187,7 +219,7 @@ def _read_hf_dataset(spec: str, text_column, label_column, labels: bool) -> Text
         if len(loaded[s]) == 0:
             raise DataError(f"the {s!r} split of {name} is empty; pick another split")
         return _columns({c: loaded[s][c] for c in loaded[s].column_names}, f"{name} [{s}]", text_column,
-                        label_column, labels)
+                        label_column, reading)
 
     train, train_labels = part(train_split)
     val, val_labels = part(val_split) if val_split else (None, None)

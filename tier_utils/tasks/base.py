@@ -22,10 +22,11 @@ from ..data.datasets import (
     user_texts,
 )
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
+from ..data.userdata import PLAIN
 
 
 class Task:
-    """A kind of model. The defaults are a classifier's; subclasses set what differs."""
+    """A kind of model. Subclasses set the facts that differ from these defaults (one prediction per row)."""
 
     name = ""
     aliases: tuple[str, ...] = ()
@@ -45,6 +46,7 @@ class Task:
     has_perplexity = False  # exp(loss) is a perplexity
     export_inputs: tuple[str, ...] = ("input_ids", "attention_mask")
     prediction = "class"  # what one prediction is, in a sentence
+    reading = PLAIN  # the columns its text data is read from (data.userdata.Reading)
 
     def __str__(self) -> str:
         return self.name
@@ -91,7 +93,7 @@ class Task:
             return synthetic_splits(request, self.synthetic_classes(request))
         if is_tensor_data(data):
             return tensor_splits(self.tensors(data, request), request)
-        return self.from_texts(user_texts(data, request, labels=self.has_classes), request)
+        return self.from_texts(user_texts(data, request, self.reading), request)
 
     # What a task reads, each its own: a task defined elsewhere overrides what it takes.
     def demo(self, request: DataRequest) -> DataSplits:

@@ -11,6 +11,7 @@ from ..data.datasets import (
     text_windows,
     token_rows,
 )
+from ..data.userdata import LABELLED
 from .base import Task, register_task
 
 
@@ -50,6 +51,7 @@ class Classification(Task):
     architectures = ("ForSequenceClassification",)
     peft_task_type = "SEQ_CLS"
     has_classes = True
+    reading = LABELLED
 
     def demo(self, request: DataRequest) -> DataSplits:
         return corpus_snippets(request)

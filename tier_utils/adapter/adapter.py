@@ -21,7 +21,7 @@ from ..data.datasets import DataSplits
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
 from ..models.stored_dtype import parameters_dtype
-from ..tasks import Task, build_datasets, task_named, task_of_architecture, task_of_output
+from ..tasks import Task, build_datasets, recognized_task, task_named, task_of_output, unsupported_encoder_decoder
 
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
 _VOCAB_KEYS = ("vocab_size", "n_vocab")
@@ -88,6 +88,8 @@ class ModelAdapter:
                 # Left padding shifts the real tokens; count positions from the first real one, as HF's
                 # generate() does (an all-ones mask gives the default 0..T-1).
                 kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if self.task is not None and (input_ids is not None or labels is not None):
+            kwargs.update(self.task.model_inputs(self, input_ids, labels))  # an encoder-decoder's decoder inputs
         if inputs_embeds is not None:
             if not self.takes_inputs_embeds:
                 raise AdapterError(f"{self.name}.forward takes no inputs_embeds argument")
@@ -103,10 +105,18 @@ class ModelAdapter:
         """The task's mean cross-entropy (a per-position task: over every scored position)."""
         return self.task.loss(logits, labels)
 
+    def batch_forward(self, batch: dict):
+        """The model's raw output for a batch dict of this task: its targets go in where the task feeds them (a
+        seq2seq decoder's teacher-forced inputs; the GPT convention's targets keyword)."""
+        labels = batch.get("labels") if self.task.feeds_targets else None
+        return self.forward(batch["input_ids"], batch.get("attention_mask"), labels=labels)
+
+    def batch_logits(self, batch: dict) -> torch.Tensor:
+        return extract_logits(self.batch_forward(batch), self.name)
+
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, logits) for a batch dict; call it inside the precision's autocast."""
-        labels = batch["labels"] if self.task.feeds_targets else None
-        logits = self.logits(batch["input_ids"], batch.get("attention_mask"), labels=labels)
+        logits = self.batch_logits(batch)
         return self.loss(logits, batch["labels"]), logits
 
     def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
@@ -208,9 +218,9 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
         raise AdapterError(f"{type(model).__name__} has no parameters; there is nothing to smoke-test or train")
     name = type(model).__name__
     config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise AdapterError(f"{name} is an encoder-decoder model, which tier_utils does not support yet; "
-                           "use a decoder-only LM or an encoder classifier")
+    unsupported = unsupported_encoder_decoder(config)
+    if unsupported:
+        raise AdapterError(f"{name}: {unsupported}")
     params = _forward_params(model)
     takes_kw = "input_ids" in params
     vocab = (vocab_size or _first_attr((config, model), _VOCAB_KEYS)
@@ -221,13 +231,13 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
     usable = _position_rows(model)
     length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
-    adapter = ModelAdapter(model, task_named(task) if task is not None else None, int(vocab),
+    adapter = ModelAdapter(model, task_named(task) if task is not None else _declared_task(model, params), int(vocab),
                            DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)
     adapter.fills_mask = adapter.takes_attention_mask and hasattr(model, "warn_if_padding_and_no_attention_mask")
     adapter.targets_keyword = _targets_keyword(adapter, params)
-    adapter.task = adapter.task or _declared_task(model) or _probe_task(adapter)
+    adapter.task = adapter.task or _probe_task(adapter)
     if length == math.inf:
         _check_default_length(adapter)
     if adapter.task.has_classes and adapter.num_classes is None:
@@ -327,8 +337,9 @@ def _check_default_length(adapter: ModelAdapter) -> None:
                             "for longer)")
 
 
-def _declared_task(model: nn.Module) -> Task | None:
-    """A module's declared `task` (a registered name, or a Task), else the one its class name ends in."""
+def _declared_task(model: nn.Module, params: set[str]) -> Task | None:
+    """A module's declared `task` (a registered name, or a Task), else the one its class name, its config or its
+    forward's parameters declare."""
     declared = getattr(model, "task", None)
     if isinstance(declared, Task):
         return declared
@@ -337,7 +348,7 @@ def _declared_task(model: nn.Module) -> Task | None:
             return task_named(declared)
         except AdapterError:
             pass
-    return task_of_architecture(type(model).__name__)
+    return recognized_task(type(model).__name__, getattr(model, "config", None), frozenset(params))
 
 
 def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:

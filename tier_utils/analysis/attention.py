@@ -135,7 +135,7 @@ def run(ctx: Context) -> Outcome:
             grad = torch.enable_grad() if cap.needs_grad else torch.no_grad()
             try:
                 with grad, ctx.precision.autocast():
-                    out = ctx.adapter.forward(batch["input_ids"], batch.get("attention_mask"))
+                    out = ctx.adapter.batch_forward(batch)
             except Exception as exc:
                 if not cap._hf:
                     raise

@@ -96,7 +96,7 @@ def _outputs(ctx: Context, batch: dict, precision) -> dict[str, list[torch.Tenso
     outs: dict[str, list[torch.Tensor]] = {}
     with tap_outputs(ctx.adapter.model, lambda n, m, t: outs.setdefault(n, []).append(t)), torch.no_grad():
         with precision.autocast():
-            ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+            ctx.adapter.batch_logits(batch)
     return outs
 
 
@@ -126,7 +126,7 @@ def _run(ctx: Context) -> Outcome:
     out_nonfinite = 0  # the model's own output, which may be computed outside every leaf module
     with tap_outputs(model, stats), torch.no_grad():
         for i, batch in enumerate(ctx.batches):  # fp32 reference: no autocast
-            logits = ctx.adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+            logits = ctx.adapter.batch_logits(batch)
             out_nonfinite += int((~torch.isfinite(logits)).sum())
             if i == 0:
                 row_bytes = stats.bytes / len(batch["input_ids"])

@@ -182,6 +182,7 @@ class DataRequest:
     seed: int = 0
     max_len: int | None = None
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    target_len: int | None = None  # a pair's target side (None: seq_len); the source side is seq_len
 
 
 def synthetic_splits(request: DataRequest, num_classes: int | None = None) -> DataSplits:

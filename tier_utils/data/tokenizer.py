@@ -33,6 +33,11 @@ class Tokenizer:
     def decode(self, ids) -> str:
         raise NotImplementedError
 
+    def encode_example(self, text: str, target: bool = False) -> torch.Tensor:
+        """One example as the model's tokenizer encodes it on its own, its special tokens included (a pair's
+        source, or with `target` its target); running text cut into windows uses `encode`."""
+        return self.encode(text)
+
     def label(self, token: int) -> str:
         """A short printable label for one token (plots, attribution tables)."""
         text = self.decode([token])
@@ -84,13 +89,18 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self.hf.decode([int(t) for t in ids])
 
+    def encode_example(self, text: str, target: bool = False) -> torch.Tensor:
+        encoded = self.hf(text_target=text) if target else self.hf(text)  # with T5's / BART's special tokens
+        return torch.tensor(encoded["input_ids"], dtype=torch.long)
+
     def save(self, folder) -> None:
         self.hf.save_pretrained(folder)
 
 
 def is_tokenizer_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "vocab.json", "tokenizer.model"))
+    # spiece.model: T5's SentencePiece; source.spm: Marian's.
+    return path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                                 "tokenizer.model", "spiece.model", "source.spm"))
 
 
 def load_tokenizer(spec) -> Tokenizer:

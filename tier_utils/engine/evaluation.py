@@ -34,11 +34,12 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
                     break
                 batch = to_device(batch, device)
                 with precision.autocast():
-                    logits = adapter.logits(batch["input_ids"], batch.get("attention_mask"))
+                    logits = adapter.batch_logits(batch)
                 logits, labels = logits.float(), batch["labels"]
-                n = labels.numel()
+                scored = adapter.task.scored(labels)  # a seq2seq target's padding is not scored
+                n = scored.sum()
                 sums[0] += adapter.loss(logits, labels) * n
-                sums[1] += (logits.argmax(-1) == labels).sum()
+                sums[1] += ((logits.argmax(-1) == labels) & scored).sum()
                 sums[2] += n
                 done += 1
             for _ in range((forwards or 0) - done):

@@ -1,4 +1,4 @@
-"""The built-in networks (tiny-gpt, tiny-encoder) and the names of the built-in specs."""
+"""The built-in networks (tiny-gpt, tiny-encoder, tiny-seq2seq) and the names of the built-in specs."""
 from __future__ import annotations
 
 import torch
@@ -124,6 +124,32 @@ class TinyEncoder(_TokenModel):
         return self.head(pooled)
 
 
+class TinySeq2Seq(_TokenModel):
+    """Encoder-decoder built on nn.Transformer: one token and position table for both sides, an encoder over the
+    source, a causal decoder reading it through cross-attention, an LM head over the target positions."""
+
+    task = "seq2seq"
+
+    def __init__(self, vocab_size: int = 256, max_len: int = 128, d_model: int = 128,
+                 n_layer: int = 2, n_head: int = 4, dropout: float = 0.0):
+        super().__init__(vocab_size, max_len, d_model)
+        if d_model % n_head:
+            raise ModelSpecError(f"d_model={d_model} is not divisible by n_head={n_head}; pick sizes that divide")
+        self.transformer = nn.Transformer(d_model, n_head, n_layer, n_layer, 4 * d_model, dropout,
+                                          batch_first=True, norm_first=True)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, inputs_embeds=None):
+        src, tgt = self.embed(input_ids, inputs_embeds), self.embed(decoder_input_ids)
+        pad = None if attention_mask is None else attention_mask == 0
+        T = tgt.size(1)
+        future = torch.ones(T, T, dtype=torch.bool, device=tgt.device).triu(1)  # a target sees only its past
+        out = self.transformer(src, tgt, tgt_mask=future, src_key_padding_mask=pad, memory_key_padding_mask=pad,
+                               tgt_is_causal=True)
+        return self.head(out)
+
+
 def _init_weights(module: nn.Module) -> None:
     # GPT-2's init: N(0, 0.02) for linear and embedding weights, zero biases.
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -132,7 +158,7 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder}
+BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder, "tiny-seq2seq": TinySeq2Seq}
 DEFAULT_MODEL = "tiny-gpt"
 # A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/models/demo_model.py); fixed sizes, no
 # kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.

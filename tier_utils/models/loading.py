@@ -18,10 +18,11 @@ import torch.nn as nn
 from ..core.errors import CheckpointError, ModelSpecError, describe, one_line
 from ..core.hub import HUB_PREFIX, from_hub
 from ..data.tokenizer import is_tokenizer_folder
-from ..tasks import CAUSAL_LM, Task, task_named, task_of_architecture
+from ..tasks import CAUSAL_LM, Task, recognized_task, task_named, unsupported_encoder_decoder
 from .builtins import BUILTIN_MODELS, DEFAULT_MODEL, DEMO_MODEL
 from .checkpoint import blocked_global, load_checkpoint
 from .demo_model import load_demo
+from .pretrained import from_pretrained
 from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, tensors_dtype
 from .weights import load_weights
 
@@ -246,9 +247,10 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
                              "such as hf:gpt2")
     task = kwargs.pop("task", None)
     config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
-    auto = getattr(transformers, _hf_task(config, task, HUB_PREFIX + name).auto_class)
+    chosen = _hf_task(config, task, HUB_PREFIX + name)
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
-    model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
+    model = from_pretrained(transformers, chosen, config, HUB_PREFIX + name,
+                            lambda load, **kw: from_hub(load, name, "model", **kw), **_load_dtype(kwargs, stored))
     kwargs, quantized = _quantization(kwargs)
     return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name,
                     stored, quantized)
@@ -280,10 +282,11 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     task = kwargs.pop("task", None)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        auto = getattr(transformers, _hf_task(config, task, spec).auto_class)
+        chosen = _hf_task(config, task, spec)
         stored = folder_dtype(path, config)
         with _no_loading_bar(transformers):
-            model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
+            model = from_pretrained(transformers, chosen, config, spec, lambda load, **kw: load(path, **kw),
+                                    **_load_dtype(kwargs, stored))
     except ModelSpecError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:
@@ -338,16 +341,21 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
 
 
 def _hf_task(config, task: str | None, spec: str) -> Task:
-    """The task a folder or hub model loads as: `task=` if given, else the one its config's architecture names (a
-    causal LM where it names none); transformers' Auto class for it loads the model."""
+    """The task a folder or hub model loads as: `task=` if given, else the one its config declares (its
+    architecture's name, an encoder-decoder's flag; a causal LM where it declares none). `_pretrained` refuses a
+    head that would drop the checkpoint's weights."""
+    unsupported = unsupported_encoder_decoder(config)
+    if unsupported:
+        raise ModelSpecError(f"{spec}: {unsupported}")
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    declared = recognized_task(architecture, config)
+    chosen = declared or CAUSAL_LM
     if task is not None:
         try:
-            chosen = task_named(task)
+            asked = task_named(task)
         except ValueError as exc:
             raise ModelSpecError(f"{one_line(exc)} (for {spec})") from exc
-    else:
-        architecture = (getattr(config, "architectures", None) or [""])[0]
-        chosen = task_of_architecture(architecture) or CAUSAL_LM
+        chosen = asked
     if chosen.auto_class is None:
         raise ModelSpecError(f"the {chosen.name} task has no transformers Auto class, so {spec} cannot load as it; "
                              "build the model in Python and pass the module")

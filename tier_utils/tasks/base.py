@@ -25,6 +25,9 @@ from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
 from ..data.userdata import PLAIN
 
 
+IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
+
+
 class Task:
     """A kind of model. Subclasses set the facts that differ from these defaults (one prediction per row)."""
 
@@ -37,6 +40,9 @@ class Task:
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
     has_classes = False  # the output width is the model's number of classes (else its vocabulary)
+    # Whether a checkpoint may lack this task's head (a base folder fine-tuned as a classifier): its new weights start
+    # at random and are trained; elsewhere missing weights mean the folder holds another model.
+    takes_new_head = False
     causal_attention = False  # its self-attention sees only the past (what an attention map may hold)
     padding_side = "right"  # where a padded batch of this task puts its padding, unless the model says
     # Whether the forward gets the targets (the per-position labels), for a model that returns every position's
@@ -50,6 +56,15 @@ class Task:
 
     def __str__(self) -> str:
         return self.name
+
+    def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
+        """Whether a model declares this task: by its class name's ending (a module's type, a config's first
+        architecture); a task may also read the config or the forward's parameters."""
+        return bool(self.architectures) and architecture.endswith(self.architectures)
+
+    def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
+        """What the forward takes besides the ids and the mask (an encoder-decoder: its decoder's inputs)."""
+        return {}
 
     def width(self, adapter) -> int:
         """How many values one prediction scores: the classes, or the vocabulary."""
@@ -67,6 +82,10 @@ class Task:
         if self.per_token:
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
         return F.cross_entropy(logits, labels)
+
+    def scored(self, labels: torch.Tensor) -> torch.Tensor:
+        """Which targets count (the loss's ignore_index, -100, marks the rest: a seq2seq target's padding)."""
+        return labels != IGNORE_INDEX
 
     def example_labels(self, adapter, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
         if self.per_token:
@@ -145,9 +164,11 @@ def task_named(task) -> Task:
         raise AdapterError(str(exc)) from exc
 
 
-def task_of_architecture(architecture: str) -> Task | None:
-    """The task a model class name declares by its ending (`...ForCausalLM`, `...ForSequenceClassification`)."""
-    return next((t for t in _REGISTRY.values() if architecture.endswith(t.architectures)), None)
+def recognized_task(architecture: str, config=None, params: frozenset = frozenset()) -> Task | None:
+    """The first registered task a model declares (registry order): by its class name's ending
+    (`...ForCausalLM`, `...ForSequenceClassification`), its config (an encoder-decoder's) or its forward's
+    parameters (decoder inputs)."""
+    return next((t for t in _REGISTRY.values() if t.recognizes(architecture, config, params)), None)
 
 
 def task_of_output(logits: torch.Tensor) -> Task | None:

@@ -51,6 +51,7 @@ class Classification(Task):
     architectures = ("ForSequenceClassification",)
     peft_task_type = "SEQ_CLS"
     has_classes = True
+    takes_new_head = True
     reading = LABELLED
 
     def demo(self, request: DataRequest) -> DataSplits:

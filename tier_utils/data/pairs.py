@@ -1,0 +1,82 @@
+"""Source-target pairs for a sequence-to-sequence model: each side encoded as the model's tokenizer encodes it (its
+special tokens: T5's and BART's end of sequence), truncated to its own length, padded; unscored target places are
+-100 in the labels, so the loss and the accuracy skip them."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ..core.errors import DataError
+from .datasets import DataRequest, DataSplits, split_off
+from .userdata import Texts
+
+IGNORE = -100  # a target place the loss does not score (torch's cross_entropy ignore_index; tasks.IGNORE_INDEX)
+
+
+class Pairs(Dataset):
+    """Sources with their mask, and targets as labels (-100 past each target's end)."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor):
+        if not len(ids):
+            raise DataError("no source-target pairs; give at least one row with both")
+        self.ids, self.mask, self.labels = ids, mask, labels
+
+    @classmethod
+    def encode(cls, sources: list[str], targets: list[str], request: DataRequest, where: str = "the pairs") -> Pairs:
+        """Both sides through the request's tokenizer, each cut to its length; the cuts are counted and said."""
+        tokenizer, seq_len = request.tokenizer, request.seq_len
+        target_len = request.target_len or seq_len
+        src = [tokenizer.encode_example(s) for s in sources]
+        tgt = [tokenizer.encode_example(t, target=True) for t in targets]
+        empty = next((i for i, t in enumerate(tgt) if len(t) == 0), None)
+        if empty is not None:
+            raise DataError(f"{where} has an empty target in row {empty}; drop the row or fill its target")
+        for side, n, flag in ((src, seq_len, "seq_len"), (tgt, target_len, "target_len")):
+            cut = sum(len(x) > n for x in side)
+            if cut:
+                warnings.warn(f"{cut} of {len(side)} {'sources' if side is src else 'targets'} in {where} are longer "
+                              f"than {n} tokens and were cut to it; raise {flag} to keep them whole", stacklevel=3)
+        ids = torch.full((len(src), seq_len), tokenizer.pad_id or 0, dtype=torch.long)
+        mask = torch.zeros(len(src), seq_len, dtype=torch.long)
+        labels = torch.full((len(tgt), target_len), IGNORE, dtype=torch.long)
+        for i, (s, t) in enumerate(zip(src, tgt)):
+            s, t = s[:seq_len], t[:target_len]
+            ids[i, :len(s)], mask[i, :len(s)], labels[i, :len(t)] = s, 1, t
+        return cls(ids, mask, labels)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+def pair_rows(texts: Texts, request: DataRequest) -> DataSplits:
+    """A table's (or dataset's) source and target columns as Pairs: the source's own validation rows, else a seeded
+    random `val_fraction` of the rows."""
+    rows, targets = texts.train + (texts.val or []), texts.train_labels + (texts.val_labels or [])
+    data = Pairs.encode(rows, ["" if t is None else str(t) for t in targets], request, texts.name)
+    n_train = len(texts.train)
+    if texts.val is not None:
+        train, val, how = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows))), texts.validation
+    else:
+        train, val = split_off(data, request.val_fraction, request.seed)
+        how = f"a seeded random {request.val_fraction:.0%} of the pairs ({len(val)} pairs)"
+    return DataSplits(train, val, "table", texts.name, request.tokenizer.name, how)
+
+
+def paired_tensors(data, request: DataRequest) -> Pairs:
+    """Seq2seq tensors: an (input_ids (N, S), labels (N, T)) pair of token ids, -100 where a target place is not
+    scored."""
+    if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 2 and data[1].dim() == 2):
+        raise DataError("seq2seq tensors must be an (input_ids (N, S), labels (N, T)) pair of token ids")
+    ids, labels = data
+    if len(ids) != len(labels):
+        raise DataError(f"{len(ids)} source rows but {len(labels)} target rows; give one target per source")
+    if ids.is_floating_point() or labels.is_floating_point() or ids.min() < 0 or \
+            max(int(ids.max()), int(labels.max())) >= request.vocab_size or (labels.lt(0) & labels.ne(IGNORE)).any():
+        raise DataError(f"seq2seq tensors must hold integer ids in [0, {request.vocab_size}) (labels may also be "
+                        "-100); re-tokenize with the model's tokenizer")
+    return Pairs(ids.long(), torch.ones_like(ids, dtype=torch.long), labels.long())

@@ -1,0 +1,49 @@
+"""transformers' from_pretrained through a task's Auto class, refusing any load that would not be the checkpoint's
+own model: a config that Auto class has no head for, and a head that drops trained weights (transformers' UNEXPECTED
+keys: a BART folder loaded as `BartForCausalLM` loses its encoder). Weights the checkpoint lacks (MISSING keys) are a
+new head: allowed where the task takes one (a base folder fine-tuned as a classifier), said, and refused elsewhere
+(a causal LM whose lm_head would start at random is not the user's model)."""
+from __future__ import annotations
+
+import warnings
+
+import torch.nn as nn
+
+from ..core.errors import ModelSpecError
+from ..tasks import Task
+
+
+def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs) -> nn.Module:
+    """`load(auto_class.from_pretrained, **kwargs)` for `task`'s Auto class, checked against the checkpoint."""
+    auto = getattr(transformers, task.auto_class)
+    held = (getattr(config, "architectures", None) or [type(config).__name__.removesuffix("Config")])[0]
+    logging = transformers.utils.logging
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report: what it says is checked below and said in one line
+    try:
+        model, info = load(auto.from_pretrained, output_loading_info=True, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise ModelSpecError(f"{spec} holds a {held}, which has no {task.name} head ({task.auto_class} does not "
+                             f"take {type(config).__name__}); drop task= (--model-arg task=...) to load it as its "
+                             "own architecture") from exc
+    finally:
+        logging.set_verbosity(verbosity)
+    name = type(model).__name__
+    dropped = sorted(info.get("unexpected_keys") or ())
+    if dropped:
+        raise ModelSpecError(f"loading {spec} as {name} would drop {len(dropped)} trained tensors ({_few(dropped)}): "
+                             f"the folder holds a {held}; drop task= (--model-arg task=...) to load it as that")
+    new = sorted(info.get("missing_keys") or ())
+    if new and not task.takes_new_head:
+        raise ModelSpecError(f"loading {spec} as {name} would start {len(new)} tensors at random ({_few(new)}), so "
+                             f"it would not be the model in the folder (a {held}); load it as that (drop task=)")
+    if new:
+        warnings.warn(f"{spec} has no weights for {_few(new)}: {name}'s new head starts at random and is trained "
+                      "(the base's weights are the folder's)", stacklevel=4)
+    return model
+
+
+def _few(names: list[str], k: int = 3) -> str:
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")

@@ -1,0 +1,96 @@
+"""Sequence to sequence: an encoder-decoder (T5, BART, Marian, a hand-written `nn.Transformer`) reading a source
+and scored on each target token under teacher forcing."""
+from __future__ import annotations
+
+import torch
+
+from ..data.datasets import DataRequest, DataSplits, corpus_name, corpus_split, corpus_topics
+from ..data.pairs import Pairs, pair_rows, paired_tensors
+from ..data.userdata import PAIRS
+from .base import Task, register_task
+
+# The bundled demo's transduction: a snippet of the corpus, and the same snippet in capitals. A tiny encoder-decoder
+# learns it in seconds on a CPU (each target token reads one source token through cross-attention), with no download.
+DEMO_SNIPPETS_PER_TOPIC = 24
+
+
+class Seq2Seq(Task):
+    """(B, T_target, vocab) logits: each target position scored on its token, the decoder reading the targets
+    shifted right (teacher forcing) and the source through cross-attention."""
+
+    name = "seq2seq"
+    aliases = ("text2text", "encoder-decoder")
+    auto_class = "AutoModelForSeq2SeqLM"
+    peft_task_type = "SEQ_2_SEQ_LM"
+    per_token = True
+    feeds_targets = True  # the targets make the decoder's inputs
+    export_inputs = ("input_ids", "attention_mask", "decoder_input_ids")
+    prediction = "target token"
+    reading = PAIRS
+
+    def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
+        """A transformers encoder-decoder (its config says so), or a module whose forward takes decoder inputs."""
+        return bool(getattr(config, "is_encoder_decoder", False)) or "decoder_input_ids" in params
+
+    def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
+        """Teacher forcing: the decoder reads the targets shifted right by the model's own rule. Without targets (a
+        probe of the source side alone), the source is its own target, so every length check sees T_target = T."""
+        target = labels if labels is not None else input_ids
+        return {"decoder_input_ids": decoder_inputs(adapter.model, target)}
+
+    def demo(self, request: DataRequest) -> DataSplits:
+        train_topics, val_topics = corpus_split()
+
+        def part(topics):
+            corpus, sources = corpus_topics(), []
+            for topic in topics:
+                words = corpus[topic].split()
+                step = max(1, len(words) // DEMO_SNIPPETS_PER_TOPIC)
+                sources += [" ".join(words[i:i + 6]) for i in range(0, len(words) - 6, step)]
+            return Pairs.encode(sources, [s.upper() for s in sources], request)
+
+        return DataSplits(part(train_topics), part(val_topics), "corpus",
+                          f"{corpus_name()}: snippets and the same in capitals", request.tokenizer.name,
+                          "whole documentation topics held out (every 5th per topic group), so no text is in both")
+
+    def tensors(self, data, request: DataRequest):
+        return paired_tensors(data, request)
+
+    def from_texts(self, texts, request: DataRequest) -> DataSplits:
+        return pair_rows(texts, request)
+
+
+def unsupported_encoder_decoder(config) -> str | None:
+    """Why a transformers encoder-decoder can't run as a text-to-text model here (Whisper, VisionEncoderDecoder,
+    SpeechEncoderDecoder: their encoder reads audio or pixels), or None: it is one transformers' AutoModelForSeq2SeqLM
+    loads, or no encoder-decoder at all."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as TEXT_TO_TEXT
+
+    kind = getattr(config, "model_type", "")
+    if kind in TEXT_TO_TEXT:
+        return None
+    return (f"{kind or type(config).__name__} is an encoder-decoder whose encoder does not read text, which tier_utils "
+            "does not support yet; text-to-text encoder-decoders (T5, BART, Marian, ...) and decoder-only LMs run")
+
+
+def decoder_inputs(model, target: torch.Tensor) -> torch.Tensor:
+    """The decoder's inputs for `target` ids (-100 where a target is not scored): the model's own shift where it has
+    one (transformers' encoder-decoders start with their decoder_start_token_id), else its declared start token (0
+    if none) followed by the targets, with unscored places as padding."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=target)
+    config = getattr(model, "config", None)
+    start = next((v for v in (getattr(model, "decoder_start_token_id", None),
+                              getattr(config, "decoder_start_token_id", None)) if isinstance(v, int)), 0)
+    pad = next((v for v in (getattr(model, "pad_token_id", None), getattr(config, "pad_token_id", None))
+                if isinstance(v, int)), 0)
+    shifted = torch.full_like(target, pad)
+    shifted[:, 0] = start
+    shifted[:, 1:] = target[:, :-1].masked_fill(target[:, :-1] == -100, pad)
+    return shifted
+
+
+SEQ2SEQ = register_task(Seq2Seq())

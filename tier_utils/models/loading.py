@@ -248,7 +248,7 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
                              "such as hf:gpt2")
     task = kwargs.pop("task", None)
     config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
-    auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, HUB_PREFIX + name)])
+    auto = auto_class(config, task, HUB_PREFIX + name)
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
     model = from_hub(auto.from_pretrained, name, "model", **_load_dtype(kwargs, stored))
     kwargs, quantized = _quantization(kwargs)
@@ -282,7 +282,7 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     task = kwargs.pop("task", None)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        auto = getattr(transformers, AUTO_CLASSES[_hf_task(config, task, spec)])
+        auto = auto_class(config, task, spec)
         stored = folder_dtype(path, config)
         with _no_loading_bar(transformers):
             model = auto.from_pretrained(path, **_load_dtype(kwargs, stored))
@@ -337,6 +337,12 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     path = path.resolve()
     tokenizer = str(path) if is_tokenizer_folder(path) else getattr(source_of(base), "tokenizer", None)
     return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
+
+
+def auto_class(config, task: str | None, spec: str):
+    """transformers' Auto class a folder's or hub id's model is built with: its task's (`task` overrides). The
+    host-RAM pre-flight builds the same on the meta device."""
+    return getattr(_transformers(), AUTO_CLASSES[_hf_task(config, task, spec)])
 
 
 def _hf_task(config, task: str | None, spec: str) -> str:

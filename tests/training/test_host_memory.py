@@ -162,8 +162,9 @@ def test_a_checkpoint_file_is_sized_from_the_spec_it_records_or_else_its_tensors
     # Rebuilt on the meta device; its tensors are read whole beside the rebuilt model as it loads.
     assert (sized.parameters, sized.stored_bytes) == (parameters(), weights_of("tiny-gpt", dict(TINY)).stored_bytes
                                                       + held)
+    tied = {**state, "alias.weight": state["tok_emb.weight"]}  # one storage, saved and read once
     save_checkpoint(tmp_path / "gone.pt", {"source": ModelSource(str(tmp_path / "gone.py:Net"), {}).record(None),
-                                           "model": state})
+                                           "model": tied})
     sized = weights_of(str(tmp_path / "gone.pt"), {})  # its spec no longer builds: its tensors say the size
     assert (sized.parameters, sized.stored_bytes, sized.module) == (sum(t.numel() for t in state.values()), held, None)
 

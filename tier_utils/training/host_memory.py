@@ -180,14 +180,15 @@ def _checkpoint(path: Path, spec: str) -> Weights | None:
         return None
     recorded, saved = state.get("source") or {}, state.get("model")
     tensors = [t for t in saved.values() if isinstance(t, torch.Tensor)] if isinstance(saved, dict) else []
-    # Tied tensors share one storage in the file and in RAM: each storage counted once.
-    held = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    # Tied tensors share one storage, in the file and in RAM: each storage counted once.
+    unique = list({t.untyped_storage()._cdata: t for t in tensors}.values())
+    held = sum(t.untyped_storage().nbytes() for t in unique)
     rebuilt = weights_of(recorded["spec"], dict(recorded.get("kwargs") or {})) if recorded.get("spec") else None
     if rebuilt is not None:
         return replace(rebuilt, name=spec, stored_bytes=rebuilt.stored_bytes + held)
-    if recorded.get("lora") or not tensors:
+    if recorded.get("lora") or not unique:
         return None
-    return Weights(spec, sum(t.numel() for t in tensors), held, None)
+    return Weights(spec, sum(t.numel() for t in unique), held, None)
 
 
 def _built(spec: str, built: nn.Module) -> Weights:

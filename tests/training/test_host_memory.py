@@ -132,6 +132,9 @@ def test_a_folder_is_sized_from_the_model_its_config_builds_not_its_files(tmp_pa
     adapters.mkdir()
     (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path)}))
     assert weights_of(str(adapters), {}).parameters == llama_parameters()
+    # Neither config nor header says the dtype: the smallest it could load in, so the prediction stays a lower bound.
+    unsaid = weights_of(llama_folder(tmp_path / "unsaid", dtype=None, weights="pytorch_model.bin"), {})
+    assert next(unsaid.module.parameters()).dtype == torch.bfloat16
 
 
 def test_a_hub_id_is_sized_from_its_config_and_offline_fails_in_one_line(monkeypatch):

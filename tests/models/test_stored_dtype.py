@@ -3,13 +3,14 @@ every loader records the stored dtype, smoke and analysis run the model as loade
 copy, and every training-side result names stored and master dtype. The folders are made here with
 save_pretrained (a tiny Llama in bf16, a tiny OPT in fp16), loaded by folder as users do."""
 import json
+import os
 import warnings
 
 import pytest
 import torch
 
 from tier_utils import adapt, analyze, load_model, smoke
-from tier_utils.models.stored_dtype import as_loaded, fp32_copy, parameters_dtype, safetensors_dtype
+from tier_utils.models.stored_dtype import as_loaded, fp32_copy, parameters_dtype, safetensors_counts, safetensors_dtype
 
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -243,3 +244,61 @@ def test_all_names_stored_and_master_dtype_in_summary_page_and_json(llama_bf16, 
     assert json.loads((out / "train.json").read_text())["summary"]["master_dtype"] == "fp32"
     assert "stored_dtype: bf16" in (out / "index.html").read_text()
     assert "weights stored bf16, run as loaded (bf16)" in (out / "smoke.csv").read_text()
+
+
+def _safetensors(path, header: dict, data: int) -> str:
+    """A .safetensors file with `header`, `data` bytes of tensors after it (sparse: truncate writes no bytes)."""
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    os.truncate(path, 8 + len(text) + data)
+    return str(path)
+
+
+def test_a_header_is_read_without_mapping_the_file_however_large(tmp_path, monkeypatch):
+    """128 GiB of bf16 in a sparse file, past any RAM + swap: mapping it fails where overcommit is strict, so the
+    reader takes the 8-byte length and the JSON header with plain reads, and nothing may map it."""
+    import mmap
+
+    import safetensors
+
+    elements = 2**36
+    file = _safetensors(tmp_path / "model.safetensors",
+                        {"__metadata__": {"format": "pt"}, "w": {"dtype": "BF16", "shape": [2**18, 2**18],
+                                                                 "data_offsets": [0, 2 * elements]}}, 2 * elements)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the header reader mapped the file")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    monkeypatch.setattr(safetensors, "safe_open", refused)
+    assert safetensors_counts(file) == {torch.bfloat16: elements}
+    assert safetensors_dtype(file) == torch.bfloat16
+
+
+def _headed(header) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+ENTRY = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "shorter than its 8-byte header length"),
+    (b"\x05\x00\x00", "shorter than its 8-byte header length"),
+    ((2**40).to_bytes(8, "little") + b"{}", "over safetensors' 100 MB limit"),
+    ((500).to_bytes(8, "little") + b"{}", "past the file's end"),
+    ((5).to_bytes(8, "little") + b"{nope", "not JSON"),
+    ((2).to_bytes(8, "little") + b"[]", "not a table of tensors"),
+    (_headed(ENTRY) + bytes(10), "cut short"),  # 16 bytes of tensors named, 10 there
+    (_headed({"w": {"dtype": "F32", "shape": 4}}), "not a table of tensors"),
+])
+def test_a_damaged_or_short_file_is_one_line_naming_it(tmp_path, content, why):
+    from tier_utils.core.errors import ModelSpecError
+
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(content)
+    with pytest.raises(ModelSpecError) as caught:
+        safetensors_counts(file)
+    line = str(caught.value)
+    assert "\n" not in line and str(file) in line and why in line, line

@@ -1,5 +1,7 @@
 """The host-RAM pre-flight: a run predicted past the available RAM (TIER_UTILS_FREE_MEMORY stands in for it) is
-refused in one line before anything loads or is written; the prediction sizes the model without allocating it."""
+refused in one line before anything loads or is written; the prediction sizes the model that will be built (from a
+folder's or hub id's config, a checkpoint's recorded spec) without allocating it."""
+import json
 import os
 import subprocess
 import sys
@@ -33,8 +35,8 @@ def test_a_spec_is_sized_on_the_meta_device_and_a_folder_from_its_headers(tmp_pa
     save_file({"a.weight": torch.zeros(8, 4, dtype=torch.bfloat16), "b.bias": torch.zeros(3)},
               str(tmp_path / "model.safetensors"))
     folder = weights_of(str(tmp_path), {})
+    # No config.json, so no model to build: its headers say what it holds.
     assert (folder.parameters, folder.stored_bytes, folder.module) == (35, 8 * 4 * 2 + 3 * 4, None)
-    assert weights_of("hf:someone/some-model", {}) is None  # a hub id would download: not sized here
 
 
 def test_a_run_past_the_available_ram_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
@@ -89,3 +91,118 @@ def test_a_module_on_a_gpu_adds_no_host_memory_to_load():
     weights = weights_of(TinyGPT(**TINY).to("meta"), {})  # held off the host, as on a GPU
     assert weights.stored_bytes == weights.resident == 0
     assert _peak(weights, None, TrainConfig(), torch.device("cuda"))[0] == 0
+
+
+LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192)
+
+
+def llama_folder(folder, dtype="bfloat16", weights="model.safetensors", **sizes):
+    """A save_pretrained-style folder: its config.json (a Llama of `sizes`) beside a weights file holding one small
+    tensor, as a partial or mismatched download leaves it. transformers builds the whole model from the config."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**{**LLAMA, **sizes}, architectures=["LlamaForCausalLM"], dtype=dtype).save_pretrained(folder)
+    tensor = {"model.norm.weight": torch.ones(sizes.get("hidden_size", LLAMA["hidden_size"]))}
+    if weights.endswith(".safetensors"):
+        save_file(tensor, str(folder / weights))
+    else:
+        torch.save(tensor, folder / weights)
+    return str(folder)
+
+
+def llama_parameters(**sizes) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**{**LLAMA, **sizes})).parameters())
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_a_folder_is_sized_from_the_model_its_config_builds_not_its_files(tmp_path, weights):
+    weights_ = weights_of(llama_folder(tmp_path, weights=weights), {})
+    assert weights_.parameters == llama_parameters()  # the whole model, not the one tensor in the file
+    assert weights_.stored_bytes == 2 * llama_parameters() + 4 * 8  # bf16 as its config says; rotary buffers fp32
+    assert {p.device.type for p in weights_.module.parameters()} == {"meta"}
+    # What the model arguments change (from_pretrained's config overrides) is what is built.
+    assert weights_of(str(tmp_path), {"num_hidden_layers": 1}).parameters == llama_parameters(num_hidden_layers=1)
+    adapters = tmp_path.parent / f"{tmp_path.name}-adapters"  # peft's folder: its base is what is built
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path)}))
+    assert weights_of(str(adapters), {}).parameters == llama_parameters()
+    # Neither config nor header says the dtype: the smallest it could load in, so the prediction stays a lower bound.
+    unsaid = weights_of(llama_folder(tmp_path / "unsaid", dtype=None, weights="pytorch_model.bin"), {})
+    assert next(unsaid.module.parameters()).dtype == torch.bfloat16
+
+
+def test_a_hub_id_is_sized_from_its_config_and_offline_fails_in_one_line(monkeypatch):
+    import transformers
+
+    from tier_utils.core import hub
+    from tier_utils.core.errors import ModelSpecError
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    with pytest.raises(ModelSpecError) as caught:  # the line load_model gives, said before anything loads
+        weights_of("hf:someone/some-model", {})
+    assert "\n" not in str(caught.value) and "not reachable from here" in str(caught.value)
+    config = transformers.LlamaConfig(**LLAMA, dtype="float16")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, **kw: config)
+    sized = weights_of("hf:someone/some-model", {})
+    assert (sized.parameters, next(sized.module.parameters()).dtype) == (llama_parameters(), torch.float16)
+
+
+def test_a_checkpoint_file_is_sized_from_the_spec_it_records_or_else_its_tensors(tmp_path):
+    from tier_utils.models.checkpoint import save_checkpoint
+    from tier_utils.models.loading import ModelSource
+
+    state = TinyGPT(**TINY).state_dict()
+    save_checkpoint(tmp_path / "last.pt", {"source": ModelSource("tiny-gpt", dict(TINY)).record(None),
+                                           "model": state})
+    sized = weights_of(str(tmp_path / "last.pt"), {})
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    # Rebuilt on the meta device; its tensors are read whole beside the rebuilt model as it loads.
+    assert (sized.parameters, sized.stored_bytes) == (parameters(), weights_of("tiny-gpt", dict(TINY)).stored_bytes
+                                                      + held)
+    tied = {**state, "alias.weight": state["tok_emb.weight"]}  # one storage, saved and read once
+    save_checkpoint(tmp_path / "gone.pt", {"source": ModelSource(str(tmp_path / "gone.py:Net"), {}).record(None),
+                                           "model": tied})
+    sized = weights_of(str(tmp_path / "gone.pt"), {})  # its spec no longer builds: its tensors say the size
+    assert (sized.parameters, sized.stored_bytes, sized.module) == (sum(t.numel() for t in state.values()), held, None)
+
+
+def test_a_70b_config_beside_a_small_file_is_refused_in_one_line_under_1_gib_of_rss(tmp_path):
+    """The run the pre-flight exists to stop: refused before any weight is built, its whole process (torch and
+    transformers imported, the model built on the meta device) under 1 GiB at its peak. An address-space cap
+    makes a regression fail fast instead of building 280 GB."""
+    folder = llama_folder(tmp_path / "llama-70b", **LLAMA_70B)
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))\n"
+              "from tier_utils.cli import main\n"
+              "code = main(sys.argv[1:])\n"
+              "print(f'peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}', file=sys.stderr)\n"
+              "sys.exit(code)\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", script, "train", "--model", folder, "--precision", "fp32",
+                           "--max-steps", "2", "--no-progress", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TIER_UTILS_FREE_MEMORY": "64GiB", "HF_HUB_OFFLINE": "1",
+                                            "CUDA_VISIBLE_DEVICES": ""})  # a CUDA context would pass the cap
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line, peak = proc.stderr.splitlines()[-2:]
+    assert line.startswith(f"error: training {folder} on the CPU in fp32") and "70,553,706,496 parameters" in line
+    assert int(peak.removeprefix("peak ")) < 2**30, peak
+    assert not out.exists()
+
+
+def test_a_folder_whose_weights_are_cut_short_is_one_line_naming_the_file_before_anything_loads(tmp_path):
+    from tier_utils.core.errors import ModelSpecError
+
+    folder = llama_folder(tmp_path / "llama")
+    file = tmp_path / "llama" / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 4)  # a download cut off after its header
+    with pytest.raises(ModelSpecError) as caught:
+        train(folder, checkpoint_dir=tmp_path / "ckpt", **RUN)
+    line = str(caught.value)
+    assert "\n" not in line and f"{file} is not a readable safetensors file (cut short" in line
+    assert not (tmp_path / "ckpt").exists()

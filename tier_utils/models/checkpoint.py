@@ -49,16 +49,17 @@ def save_checkpoint(path, state: dict) -> Path:
     return [atomic_write_bytes(p, buf.getbuffer()) for p in paths][0]
 
 
-def load_checkpoint(path, mmap: bool = False) -> dict:
+def load_checkpoint(path, mmap: bool = False, meta: bool = False) -> dict:
     """Load a checkpoint on the CPU, refusing anything that is not plain tensors and containers. `mmap`: its
-    tensors stay in the file until read, for a look at its other entries that costs no copy of the weights."""
+    tensors stay in the file until read, for a look at its other entries that costs no copy of the weights. `meta`:
+    its tensors on the meta device, shapes and dtypes with none of their bytes read (the host-RAM pre-flight)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found; check checkpoint_dir or drop resume")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty; delete it to start over")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="meta" if meta else "cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         blocked = blocked_global(exc)
         if blocked is None:  # e.g. a raw pickle, or random bytes that happen to parse as one

@@ -340,6 +340,12 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
 
 
+def auto_class(config, task: str | None, spec: str):
+    """transformers' Auto class a folder's or hub id's model is built with: its task's (`task` overrides). The
+    host-RAM pre-flight builds the same on the meta device."""
+    return getattr(_transformers(), _hf_task(config, task, spec).auto_class)
+
+
 def _hf_task(config, task: str | None, spec: str) -> Task:
     """The task a folder or hub model loads as: `task=` if given, else the one its config declares (its
     architecture's name, an encoder-decoder's flag; a causal LM where it declares none). `_pretrained` refuses a

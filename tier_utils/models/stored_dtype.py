@@ -8,6 +8,7 @@ training run (`Precision.convert_module`). Every result names both.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -15,11 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..core.errors import ModelSpecError
 from ..core.precision import dtype_name, kept_dtypes
 
 # safetensors' header names of the floating dtypes (its integer and bool tensors say nothing of the weights).
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_HEADER_LIMIT = 100_000_000  # safetensors' own cap on a header's length
 
 
 def _dominant(counts: Counter) -> torch.dtype | None:
@@ -51,18 +54,57 @@ def config_dtype(config) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
+def safetensors_header(path) -> dict:
+    """A .safetensors file's tensors as its header lists them ({name: {dtype, shape, data_offsets}}), read with
+    plain reads: the 8-byte little-endian length, then that many bytes of JSON. Never mapped: safetensors' own
+    reader maps the whole file, which fails as a traceback for a file past RAM + swap under strict overcommit. A
+    damaged or short file is one line naming it (ModelSpecError)."""
+    path = Path(path)
+
+    def damaged(why: str) -> ModelSpecError:
+        return ModelSpecError(f"{path} is not a readable safetensors file ({why}); save or download it again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise damaged(f"{size} bytes, shorter than its 8-byte header length")
+        length = int.from_bytes(head, "little")
+        if length > _HEADER_LIMIT:  # read whole below: a corrupt length must not read gigabytes
+            raise damaged(f"its header length {length:,} is over safetensors' 100 MB limit")
+        if 8 + length > size:
+            raise damaged(f"its header length {length:,} runs past the file's end at {size:,} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:  # bad JSON or bad UTF-8
+            raise damaged(f"its header is not JSON: {exc}") from exc
+    if isinstance(header, dict):
+        header.pop("__metadata__", None)
+    if not isinstance(header, dict) or not all(_is_entry(entry) for entry in header.values()):
+        raise damaged("its header is not a table of tensors, each with a dtype, a shape and its data offsets")
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise damaged(f"cut short: its header places {end:,} bytes of tensors, the file holds "
+                      f"{size - 8 - length:,}")
+    return header
+
+
+def _is_entry(entry) -> bool:
+    def ints(value) -> bool:
+        return isinstance(value, list) and all(isinstance(n, int) and n >= 0 for n in value)
+
+    return isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and ints(entry.get("shape")) \
+        and ints(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2
+
+
 def safetensors_counts(path) -> Counter:
     """How many floating elements a .safetensors file holds in each dtype, from its header alone (no tensor is
     read)."""
-    from safetensors import safe_open
-
     counts = Counter()
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            view = f.get_slice(key)
-            dtype = _SAFETENSORS.get(view.get_dtype())
-            if dtype is not None:
-                counts[dtype] += math.prod(view.get_shape())
+    for entry in safetensors_header(path).values():
+        dtype = _SAFETENSORS.get(entry["dtype"])
+        if dtype is not None:
+            counts[dtype] += math.prod(entry["shape"])
     return counts
 
 

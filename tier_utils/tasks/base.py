@@ -24,7 +24,6 @@ from ..data.datasets import (
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
 from ..data.userdata import PLAIN
 
-
 IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
 
 

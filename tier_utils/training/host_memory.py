@@ -2,10 +2,14 @@
 in one line (`HostMemoryShort`) before it loads the weights or trains. A Colab CPU runtime (12.7 GB) ends the
 kernel without a word otherwise, and everything the notebook held goes with it.
 
-The prediction needs no weights in memory: the parameter count comes from the caller's own module, from the
-safetensors headers of a save_pretrained folder, or from the model built on the meta device (built-ins,
-file.py:Name, package.module:Name, hf:<ModelClass>: shapes only, nothing allocated). Specs it cannot size that
-way (hub ids, checkpoint files, a build that fails on the meta device) are not refused here. What it predicts:
+The prediction sizes the model that will be built, with no weights in memory: the caller's own module; the model
+built on the meta device (shapes only, nothing allocated: a refused 70 B Llama's process stays under 1 GiB,
+tested) from what the real load builds from: a save_pretrained folder's config.json (transformers builds the whole
+model from it, whatever weights the folder holds: a partial download, .bin files only), a hub id's config (a small
+download; offline and not cached, load_model's one line), a peft adapter folder's base, a training checkpoint's
+recorded spec (its tensors, read whole beside the model as it loads, count too; read on the meta device here),
+built-ins, file.py:Name, package.module:Name and hf:<ModelClass>. Where no model builds so: a folder's safetensors
+headers (read without mapping the file), a checkpoint's tensors; else nothing is refused here. What it predicts:
 - training on the CPU: the mode's static bytes, the planner's count (planning/memory_rows.py mode_static_bytes:
   weights, gradients and the optimizer state per trainable parameter, a frozen one's weight with LoRA); activations come
   on top, so it is a lower bound;
@@ -15,9 +19,10 @@ overrides it, core/budget.py).
 """
 from __future__ import annotations
 
+import json
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,12 +31,13 @@ import torch.nn as nn
 from ..adapter.adapter import ModelAdapter
 from ..core.budget import gib, read_budget
 from ..core.device import device_facts
-from ..core.errors import HostMemoryShort
-from ..core.hub import HUB_PREFIX
+from ..core.errors import CheckpointError, HostMemoryShort
+from ..core.hub import HUB_PREFIX, from_hub
 from ..core.memory_settings import resolve_memory
 from ..core.precision import Precision, resolve_precision
-from ..models.loading import load_model
-from ..models.stored_dtype import safetensors_counts
+from ..models.checkpoint import load_checkpoint
+from ..models.loading import auto_class, load_model
+from ..models.stored_dtype import config_dtype, folder_dtype, safetensors_counts
 from ..planning.memory_rows import mode_static_bytes, quantized_bytes
 from .config import TrainConfig
 
@@ -81,7 +87,8 @@ def _peak(weights: Weights, precision: Precision, cfg: TrainConfig, device: torc
 
 
 def weights_of(model, model_kwargs: dict) -> Weights | None:
-    """`model`'s weights without loading them (see the module's docstring); None where they cannot be sized so."""
+    """`model`'s weights as they will be built, without loading them (see the module's docstring); None where they
+    cannot be sized so."""
     if isinstance(model, ModelAdapter):
         model = model.model
     if isinstance(model, nn.Module):  # loaded already: in host RAM only what sits on the CPU (a GPU's adds none)
@@ -91,18 +98,101 @@ def weights_of(model, model_kwargs: dict) -> Weights | None:
         return None
     spec, path = str(model).strip(), Path(str(model).strip()).expanduser()
     if path.is_dir():
-        counts = sum((safetensors_counts(f) for f in sorted(path.glob("*.safetensors"))), Counter())
-        return Weights(spec, sum(counts.values()), sum(n * d.itemsize for d, n in counts.items()), None) \
-            if counts else None
-    hub_id = spec.startswith(HUB_PREFIX) and not _is_class_name(spec[len(HUB_PREFIX):])
-    if path.is_file() or hub_id:  # a checkpoint file; a download
-        return None
+        return _folder(path, spec, model_kwargs)
+    if path.is_file():
+        return _checkpoint(path, spec)
+    if spec.startswith(HUB_PREFIX) and not _is_class_name(spec[len(HUB_PREFIX):]):
+        return _hub(spec, model_kwargs)
     try:  # shapes only: the meta device allocates nothing
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the real build says them
             built = load_model(spec, **model_kwargs)
     except Exception:  # a model that cannot be built on the meta device, or a bad spec (the real build says so)
         return None
+    return _built(spec, built)
+
+
+def _folder(path: Path, spec: str, kwargs: dict) -> Weights | None:
+    """A save_pretrained folder: the model its config builds, which from_pretrained builds whole whatever weights
+    the folder holds (a partial download, .bin files only); its safetensors headers where no config builds one. A
+    peft adapter folder: its base."""
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        try:
+            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (ValueError, AttributeError):  # not a JSON object: load_model says so
+            return None
+        return weights_of(base, kwargs) if base else None
+    # Read for every folder: a damaged file is one line naming it here, not a traceback once loading has begun.
+    counts = sum((safetensors_counts(f) for f in sorted(path.glob("*.safetensors"))), Counter())
+    built = None
+    if (path / "config.json").is_file():
+        try:
+            import transformers
+
+            config = transformers.AutoConfig.from_pretrained(path)
+        except Exception:  # an architecture transformers doesn't know, a bad config: load_model says so
+            config = None
+        built = _from_config(config, spec, kwargs, folder_dtype(path, config)) if config is not None else None
+    if built is None and counts:
+        return Weights(spec, sum(counts.values()), sum(n * d.itemsize for d, n in counts.items()), None)
+    return built
+
+
+def _hub(spec: str, kwargs: dict) -> Weights | None:
+    """A hub id: the model its config builds (the config is a small download; offline and not cached, the one line
+    load_model gives, said before anything loads)."""
+    try:
+        import transformers
+    except ImportError:  # load_model says how to install it
+        return None
+    config = from_hub(transformers.AutoConfig.from_pretrained, spec[len(HUB_PREFIX):], "model config")
+    return _from_config(config, spec, kwargs, config_dtype(config))
+
+
+def _from_config(config, spec: str, kwargs: dict, stored: torch.dtype | None) -> Weights | None:
+    """What load_model builds from a folder's or hub id's `config`, built on the meta device: model arguments that
+    name config fields set them (as from_pretrained's do), in the dtype it loads in (the one asked, else as stored;
+    where neither the config nor a header says, bf16, the smallest it could be: the prediction stays a lower
+    bound). None where it cannot be built so."""
+    for key, value in kwargs.items():
+        if key not in ("dtype", "torch_dtype") and hasattr(config, key):
+            setattr(config, key, value)
+    asked = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    asked = getattr(torch, asked, None) if isinstance(asked, str) else asked  # "auto": as stored
+    dtype = asked if isinstance(asked, torch.dtype) else stored or torch.bfloat16
+    try:
+        auto = auto_class(config, kwargs.get("task"), spec)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # the real build says them
+            built = auto.from_config(config, dtype=dtype)
+    except Exception:  # e.g. a model only its own code builds: not sized
+        return None
+    return _built(spec, built)
+
+
+def _checkpoint(path: Path, spec: str) -> Weights | None:
+    """A tier_utils training checkpoint: the model rebuilt from the spec it records, and its tensors, read whole
+    into host RAM beside it as it loads; its tensors alone where the spec no longer builds (not a LoRA run's:
+    those are its adapters only). None for any other file (load_model says what it is)."""
+    try:
+        state = load_checkpoint(path, meta=True)  # shapes and dtypes: none of the weights' bytes read
+    except CheckpointError:
+        return None
+    recorded, saved = state.get("source") or {}, state.get("model")
+    tensors = [t for t in saved.values() if isinstance(t, torch.Tensor)] if isinstance(saved, dict) else []
+    # Tied tensors share one storage, in the file and in RAM: each storage counted once.
+    unique = list({t.untyped_storage()._cdata: t for t in tensors}.values())
+    held = sum(t.untyped_storage().nbytes() for t in unique)
+    rebuilt = weights_of(recorded["spec"], dict(recorded.get("kwargs") or {})) if recorded.get("spec") else None
+    if rebuilt is not None:
+        return replace(rebuilt, name=spec, stored_bytes=rebuilt.stored_bytes + held)
+    if recorded.get("lora") or not unique:
+        return None
+    return Weights(spec, sum(t.numel() for t in unique), held, None)
+
+
+def _built(spec: str, built: nn.Module) -> Weights:
+    """A model built on the meta device, as the planner counts it."""
     return Weights(spec, sum(p.numel() for p in built.parameters()), _bytes([*built.parameters(), *built.buffers()]),
                    built)
 

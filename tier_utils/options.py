@@ -208,10 +208,13 @@ def add_data(parser, data: bool = True) -> None:
     """--data (unless the verb made its own) and the columns a table or dataset is read from."""
     if data:
         parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
-    parser.add_argument("--text-column", metavar="NAME", help="a table's or dataset's text column "
-                                                              "(default: text, sentence, content or document)")
-    parser.add_argument("--label-column", metavar="NAME", help="its label column, for a classifier (default: "
-                                                               "label, labels or class)")
+    # A seq2seq model's source and target columns are the same two settings under the names its users say.
+    parser.add_argument("--text-column", "--source-column", dest="text_column", metavar="NAME",
+                        help="a table's or dataset's text column (default: text, sentence, content or document), or "
+                             "a seq2seq pair's source (default: input, source, src, text, document or question)")
+    parser.add_argument("--label-column", "--target-column", dest="label_column", metavar="NAME",
+                        help="its label column, for a classifier (default: label, labels or class), or a seq2seq "
+                             "pair's target (default: target, output, tgt, summary or answer)")
 
 
 def data_of(args):

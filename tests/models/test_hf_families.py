@@ -75,14 +75,23 @@ def test_healthy_family_is_clean_through_smoke_and_analyze(name):
     assert _problems(found.table.to_dict("records")) == []
 
 
-def test_encoder_decoder_is_refused_in_one_line(capsys):
-    with pytest.raises(AdapterError, match="encoder-decoder model, which tier_utils does not support"):
-        adapt(load_model("hf:T5ForConditionalGeneration", vocab_size=256, d_model=32, num_layers=1, num_heads=2,
-                         d_ff=64, d_kv=16), task="causal-lm")
-    code = main(["smoke", "--model", "hf:T5ForConditionalGeneration", "--model-arg", "vocab_size=256",
-                 "--model-arg", "d_model=32", "--model-arg", "num_layers=1", "--no-progress"])
+def test_an_encoder_decoder_runs_as_seq2seq_and_no_other_task(capsys):
+    t5 = dict(vocab_size=256, d_model=32, num_layers=1, num_heads=2, d_ff=64, d_kv=16)
+    with pytest.raises(AdapterError, match="runs as the seq2seq task; drop task=causal-lm"):
+        adapt(load_model("hf:T5ForConditionalGeneration", **t5), task="causal-lm")
+    code = main(["smoke", "--model", "hf:T5ForConditionalGeneration", *[f"--model-arg={k}={v}" for k, v in t5.items()],
+                 "--checks", "shapes", "--device", "cpu", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_an_encoder_decoder_that_reads_no_text_is_refused_in_one_line(capsys):
+    code = main(["smoke", "--model", "hf:WhisperForConditionalGeneration",
+                 "--model-arg", "d_model=32", "--model-arg", "encoder_layers=1", "--model-arg", "decoder_layers=1",
+                 "--model-arg", "encoder_attention_heads=2", "--model-arg", "decoder_attention_heads=2",
+                 "--no-progress"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "encoder-decoder" in err and len(err.splitlines()) == 1
+    assert code == 2 and "whisper is an encoder-decoder whose encoder does not read text" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_model_without_position_table_runs_from_the_cli(capsys):

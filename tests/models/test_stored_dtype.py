@@ -65,7 +65,8 @@ def test_a_hub_id_records_its_configs_dtype_and_loads_in_it(llama_bf16, monkeypa
 
     monkeypatch.setattr(loading, "from_hub", from_hub)
     model = loaded("hf:org/tiny-llama")
-    assert asked[-1] == {"dtype": torch.bfloat16}  # decided here, from the config: never transformers' default
+    # decided here, from the config: never transformers' default; the loading report is read for dropped weights
+    assert asked[-1] == {"dtype": torch.bfloat16, "output_loading_info": True}
     assert model.tier_utils_source.stored_dtype == parameters_dtype(model) == torch.bfloat16
 
 

@@ -231,7 +231,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     declared = _first_attr((config, model), _MAX_LEN_KEYS)
     usable = _position_rows(model)
     length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
-    adapter = ModelAdapter(model, task_named(task) if task is not None else _declared_task(model, params), int(vocab),
+    adapter = ModelAdapter(model, _task_for(model, task, params), int(vocab),
                            DEFAULT_MAX_LEN if length == math.inf else int(length),
                            num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
                            "position_ids" in params)
@@ -335,6 +335,19 @@ def _check_default_length(adapter: ModelAdapter) -> None:
     adapter.max_len_note = (f"{adapter.name} has no position table and declares no maximum length, so no limit of "
                             f"its own: checked up to {adapter.max_len} tokens (tier_utils' default; pass max_len=N "
                             "for longer)")
+
+
+def _task_for(model: nn.Module, task, params: set[str]) -> Task | None:
+    """The task asked for, else the one the model declares; None: its output decides. A model that can run as its
+    declared task only (an encoder-decoder) refuses another."""
+    declared = _declared_task(model, params)
+    if task is None:
+        return declared
+    asked = task_named(task)
+    if declared is not None and declared.binds_model and asked is not declared:
+        raise AdapterError(f"{type(model).__name__} runs as the {declared.name} task; drop task={asked.name} "
+                           "(--model-arg task=...)")
+    return asked
 
 
 def _declared_task(model: nn.Module, params: set[str]) -> Task | None:

@@ -201,7 +201,7 @@ class _Mixed(Precision):
 
     def forward_context(self):
         # The tensors' device type (a CPU's under a GPU profile), whatever hardware the mode was decided for.
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        return _autocast(self.device.type, self.compute_dtype)
 
     def _held(self) -> str:
         return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
@@ -268,6 +268,20 @@ class Fp16True(_Fp16, _True):
     note = ("; weights, gradients and AdamW state in fp16 with no loss scaling (GradScaler cannot unscale fp16 "
             "gradients): gradients below 6e-8 flush to zero, an overflow is not skipped, and AdamW's second "
             "moment underflows for gradients below ~5e-3 (eps 1e-4); prefer bf16-true where bf16 is native")
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype):
+    """torch.autocast, with nn.MultiheadAttention's inference fast path off on a CPU: that path (a padded batch
+    through nn.Transformer in eval) checks only CUDA's autocast and fails on the CPU's mixed dtypes (torch 2.13)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    if device_type == "cpu":
+        torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
 
 
 @contextlib.contextmanager

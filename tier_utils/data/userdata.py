@@ -163,6 +163,10 @@ def _read_table(path: Path, text_column, label_column, reading: Reading) -> Text
 
 def _columns(columns: dict, where: str, text_column, label_column, reading: Reading) -> tuple[list[str], list | None]:
     """The text column's strings and the second column's values (a classifier's labels, a pair's targets)."""
+    if reading.second is None and text_column is None and not any(c in columns for c in reading.text) and any(
+            c in columns for c in TARGET_COLUMNS):
+        raise DataError(f"{where} holds source-target pairs (columns {', '.join(columns)}), which a sequence-to-"
+                        "sequence model reads; give this model running text, or name its text with --text-column")
     text_col = _pick(columns, text_column, reading.text, where, reading.text_what, reading.text_flag)
     texts = ["" if v is None else str(v) for v in columns[text_col]]
     if not any(texts):

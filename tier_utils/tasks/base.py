@@ -42,6 +42,9 @@ class Task:
     # Whether a checkpoint may lack this task's head (a base folder fine-tuned as a classifier): its new weights start
     # at random and are trained; elsewhere missing weights mean the folder holds another model.
     takes_new_head = False
+    # Whether a model that declares this task can run as no other (an encoder-decoder's forward needs its decoder's
+    # inputs): a task= naming another is refused.
+    binds_model = False
     causal_attention = False  # its self-attention sees only the past (what an attention map may hold)
     padding_side = "right"  # where a padded batch of this task puts its padding, unless the model says
     # Whether the forward gets the targets (the per-position labels), for a model that returns every position's
@@ -177,7 +180,7 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
-                   max_len: int | None = None, tokenizer=None) -> DataSplits:
+                   max_len: int | None = None, tokenizer=None, target_len: int | None = None) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
     data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
@@ -186,6 +189,7 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     strings, a (train, val) pair of Datasets, a single Dataset (split off `val_fraction`), or tensors:
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
     tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
+    target_len: a seq2seq pair's target length (None: seq_len, the source's).
     Validation: the source's own split when it has one; else the last `val_fraction` of the text
     (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
     Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
@@ -193,5 +197,6 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
-    request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer())
+    request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
+                          target_len)
     return task_named(task).datasets(data, request)

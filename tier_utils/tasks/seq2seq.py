@@ -24,6 +24,7 @@ class Seq2Seq(Task):
     peft_task_type = "SEQ_2_SEQ_LM"
     per_token = True
     feeds_targets = True  # the targets make the decoder's inputs
+    binds_model = True
     export_inputs = ("input_ids", "attention_mask", "decoder_input_ids")
     prediction = "target token"
     reading = PAIRS
@@ -77,16 +78,17 @@ def unsupported_encoder_decoder(config) -> str | None:
 
 def decoder_inputs(model, target: torch.Tensor) -> torch.Tensor:
     """The decoder's inputs for `target` ids (-100 where a target is not scored): the model's own shift where it has
-    one (transformers' encoder-decoders start with their decoder_start_token_id), else its declared start token (0
-    if none) followed by the targets, with unscored places as padding."""
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=target)
+    one (transformers' encoder-decoders start with their decoder_start_token_id), else its declared start token (its
+    pad id, 0 if none: T5's rule) followed by the targets, with unscored places as padding."""
     config = getattr(model, "config", None)
     start = next((v for v in (getattr(model, "decoder_start_token_id", None),
-                              getattr(config, "decoder_start_token_id", None)) if isinstance(v, int)), 0)
+                              getattr(config, "decoder_start_token_id", None)) if isinstance(v, int)), None)
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare) and start is not None:  # a config built in Python may name no start token: then ours
+        return prepare(labels=target)
     pad = next((v for v in (getattr(model, "pad_token_id", None), getattr(config, "pad_token_id", None))
                 if isinstance(v, int)), 0)
+    start = pad if start is None else start
     shifted = torch.full_like(target, pad)
     shifted[:, 0] = start
     shifted[:, 1:] = target[:, :-1].masked_fill(target[:, :-1] == -100, pad)

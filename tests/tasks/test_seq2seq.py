@@ -1,0 +1,200 @@
+"""Encoder-decoders as users bring them: T5 and BART folders with their own tokenizer (trained here: no hub), pairs
+files, a hand-written nn.Transformer; never loaded as another head."""
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from tiny import TINY
+
+import tier_utils
+from tier_utils.cli import main
+from tier_utils.core.errors import AdapterError, DataError, ModelSpecError
+from tier_utils.tasks import SEQ2SEQ, build_datasets, task_named
+from tier_utils.tasks.seq2seq import decoder_inputs
+
+transformers = pytest.importorskip("transformers")
+SMALL = dict(d_model=32, n_layer=1, n_head=2, max_len=32)
+PAIRS = [{"input": f"item {i} of the list", "target": f"ITEM {i} OF THE LIST"} for i in range(40)]
+
+
+def pairs_tokenizer():
+    """A word-level tokenizer over the pairs' words, with T5's specials: pad 0, end of sequence 1 appended."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for p in PAIRS for side in p.values() for w in side.split()})
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seq2seq")
+    tok = pairs_tokenizer()
+    vocab = len(tok)
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0))
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, decoder_start_token_id=1, forced_eos_token_id=1))
+    made = {}
+    for name, model in (("t5", t5), ("bart", bart)):
+        model.to(torch.bfloat16).save_pretrained(root / name)  # stored in bf16, as hub models are
+        tok.save_pretrained(root / name)
+        made[name] = root / name
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    made["pairs"] = data
+    return made
+
+
+@pytest.mark.parametrize("name,architecture", [("t5", "T5ForConditionalGeneration"),
+                                               ("bart", "BartForConditionalGeneration")])
+def test_a_folder_loads_as_its_own_encoder_decoder_and_passes_smoke(folders, name, architecture):
+    adapter = tier_utils.adapt(tier_utils.load_model(str(folders[name])))
+    assert type(adapter.model).__name__ == architecture and adapter.task is SEQ2SEQ
+    assert adapter.tokenizer.name == str(folders[name].resolve())
+    report = tier_utils.smoke(adapter, checks=["shapes", "gradients", "stability", "determinism"], device="cpu",
+                              progress=False)
+    failed = report.table[report.table.status == "FAIL"]
+    assert failed.empty, failed.to_string()
+    assert report.model["task"] == "seq2seq"
+
+
+def test_pairs_are_encoded_as_the_tokenizer_does_with_unscored_padding(folders):
+    tok = tier_utils.load_tokenizer(str(folders["t5"]))
+    splits = build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=8, vocab_size=tok.vocab_size, tokenizer=tok)
+    row = splits.train[0]
+    target = row["labels"][row["labels"] != -100]
+    assert target[-1].item() == 1  # T5's end of sequence, which a plain encode leaves out
+    assert row["labels"][len(target):].eq(-100).all() and row["attention_mask"].sum() == len(
+        row["input_ids"][row["attention_mask"] == 1])
+    assert "a seeded random 10% of the pairs" in splits.validation
+
+
+def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), "--target-column", "target",
+                 "--max-steps", "6", "--batch-size", "8", "--seq-len", "12", "--eval-batches", "1", "--device", "cpu",
+                 "--no-progress", "--out", str(out), "--json", str(tmp_path / "t.json")])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary["task"] == "seq2seq" and summary["model"] == "T5ForConditionalGeneration"
+    assert 0 < summary["val_loss"] < 20 and 0 <= summary["accuracy"] <= 1 and summary["perplexity"] is None
+    # the targets scored: the pairs' real tokens, never the padding past their end
+    assert 0 < summary["val_targets"] <= 4 * 12
+
+
+def test_bart_as_a_causal_lm_is_refused_in_one_line_and_nothing_is_written(folders, tmp_path, capsys):
+    """transformers would load BartForCausalLM, drop the encoder and start the decoder's head at random."""
+    out = tmp_path / "run"
+    code = main(["smoke", "--model", str(folders["bart"]), "--model-arg", "task=causal-lm", "--no-progress",
+                 "--json", str(tmp_path / "s.json")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert "as BartForCausalLM would drop" in err[0] and "holds a BartForConditionalGeneration" in err[0]
+    assert not (tmp_path / "s.json").exists() and not out.exists()
+
+
+def test_t5_as_a_causal_lm_is_refused_naming_its_own_architecture(folders):
+    with pytest.raises(ModelSpecError, match="holds a T5ForConditionalGeneration, which has no causal-lm head"):
+        tier_utils.load_model(str(folders["t5"]), task="causal-lm")
+
+
+def test_every_text_to_text_encoder_decoder_in_transformers_loads_as_seq2seq():
+    """The mapping walked, config by config: every encoder-decoder AutoModelForSeq2SeqLM takes loads through it,
+    never through AutoModelForCausalLM, which for BART, Marian, Pegasus and others builds a decoder alone."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    from tier_utils.models.loading import auto_class
+
+    walked = 0
+    for kind in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        config = CONFIG_MAPPING[kind]()
+        if not config.is_encoder_decoder:
+            continue  # an audio LM in the mapping: a decoder, not an encoder-decoder
+        assert auto_class(config, None, kind) is transformers.AutoModelForSeq2SeqLM, kind
+        walked += 1
+    assert walked >= 25
+
+
+@pytest.mark.parametrize("rows,needle", [
+    ([{"input": "a", "answer_text": "b"}], "has no target column"),
+    ([{"input": "a b", "target": ""}, {"input": "c", "target": "d"}], "has an empty target in row 0"),
+])
+def test_bad_pairs_are_one_line(tmp_path, rows, needle):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=needle):
+        build_datasets(str(data), SEQ2SEQ, seq_len=8)
+
+
+def test_text_given_to_a_seq2seq_model_and_pairs_given_to_a_causal_lm_are_one_line(folders, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("running text " * 50)
+    with pytest.raises(DataError, match="has no source-target pairs, which a sequence-to-sequence model needs"):
+        build_datasets(str(text), SEQ2SEQ, seq_len=8)
+    with pytest.raises(DataError, match="holds source-target pairs .* which a sequence-to-sequence model reads"):
+        build_datasets(str(folders["pairs"]), "causal-lm", seq_len=8)
+
+
+def test_targets_longer_than_the_target_length_are_cut_and_counted(folders):
+    with pytest.warns(UserWarning, match="40 of 40 targets in .* are longer than 3 tokens and were cut"):
+        splits = build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=16, target_len=3)
+    assert splits.train[0]["labels"].shape == (3,)
+
+
+def test_the_decoder_reads_the_models_own_shift(folders):
+    bart = tier_utils.load_model(str(folders["bart"]))
+    labels = torch.tensor([[5, 6, 7, -100]])
+    assert torch.equal(decoder_inputs(bart, labels), bart.prepare_decoder_input_ids_from_labels(labels=labels))
+    assert decoder_inputs(bart, labels)[0, 0].item() == 1  # BART's decoder_start_token_id
+    mine = tier_utils.load_model("tiny-seq2seq", **SMALL)
+    assert decoder_inputs(mine, labels).tolist() == [[0, 5, 6, 7]]
+
+
+class HandWritten(nn.Module):
+    """A user's own encoder-decoder on nn.Transformer: no declared task, a forward that takes decoder inputs."""
+
+    def __init__(self, vocab=256, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(32, d)
+        self.net = nn.Transformer(d, 2, 1, 1, 64, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None):
+        src = self.embed(input_ids) + self.pos.weight[:input_ids.size(1)]
+        tgt = self.embed(decoder_input_ids) + self.pos.weight[:decoder_input_ids.size(1)]
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1), dtype=torch.bool)
+        pad = None if attention_mask is None else attention_mask == 0
+        return self.out(self.net(src, tgt, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad))
+
+
+def test_a_hand_written_nn_transformer_is_recognised_and_trains():
+    torch.manual_seed(0)
+    model = HandWritten()
+    assert tier_utils.adapt(model).task is SEQ2SEQ
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tier_utils.train(model, None, max_steps=30, batch_size=8, seq_len=32, lr=3e-3, eval_every=10,
+                                  eval_batches=2, progress=False, device="cpu")
+    evals = result.history[result.history.kind == "eval"]
+    assert result.summary.task == "seq2seq"
+    assert evals.val_loss.iloc[-1] < evals.val_loss.iloc[0]  # it learns the capitals
+
+
+def test_a_forced_other_task_on_an_encoder_decoder_is_one_line():
+    with pytest.raises(AdapterError, match="runs as the seq2seq task; drop task=classification"):
+        tier_utils.adapt(tier_utils.load_model("tiny-seq2seq", **SMALL), task="classification")
+    assert task_named("text2text") is SEQ2SEQ
+    assert tier_utils.adapt(tier_utils.TinyGPT(**TINY)).task is not SEQ2SEQ

@@ -210,11 +210,11 @@ def add_data(parser, data: bool = True) -> None:
         parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
     # A seq2seq model's source and target columns are the same two settings under the names its users say.
     parser.add_argument("--text-column", "--source-column", dest="text_column", metavar="NAME",
-                        help="a table's or dataset's text column (default: text, sentence, content or document), or "
-                             "a seq2seq pair's source (default: input, source, src, text, document or question)")
+                        help="a table's or dataset's text column (default: text, sentence, content or document; "
+                             "for a seq2seq pair's source: input, source, src, text, document or question)")
     parser.add_argument("--label-column", "--target-column", dest="label_column", metavar="NAME",
-                        help="its label column, for a classifier (default: label, labels or class), or a seq2seq "
-                             "pair's target (default: target, output, tgt, summary or answer)")
+                        help="its label column, for a classifier (default: label, labels or class; for a seq2seq "
+                             "pair's target: target, output, tgt, summary or answer)")
 
 
 def data_of(args):

@@ -51,24 +51,25 @@ def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """((B, T) gradient x input per token, zero on padding; (B,) target token/class ids)."""
     adapter = ctx.adapter
     ids, mask = batch["input_ids"], ctx.mask(batch)
-    with _leaf_embeddings(adapter.embeddings()) as leaves, torch.enable_grad(), ctx.precision.autocast():
-        logits = adapter.logits(ids, batch.get("attention_mask")).float()
+    task = adapter.task
+    with _leaf_embeddings(task.source_embedding(adapter)) as leaves, torch.enable_grad(), ctx.precision.autocast():
+        logits = adapter.batch_logits(batch).float()
     if not leaves:
         raise RuntimeError(f"{adapter.name}'s forward never called its token embedding")
-    if adapter.task.per_token:  # the prediction at the last real position
-        last = mask.long().sum(1).clamp_min(1) - 1  # the last real position of each row
-        logits = logits[torch.arange(len(ids), device=ids.device), last]
+    if task.per_token:  # each row's last prediction
+        logits = logits[torch.arange(len(ids), device=ids.device), task.last_prediction(batch, mask)]
     logp = F.log_softmax(logits, dim=-1)
     target = logp.argmax(-1)
     # Each row's target depends only on its own row, so one backward gives every row's gradient.
-    (grad,) = torch.autograd.grad(logp.gather(1, target[:, None]).sum(), leaves[-1])
-    sal = (grad.float() * leaves[-1].detach().float()).sum(-1)
+    source = leaves[task.source_call]
+    (grad,) = torch.autograd.grad(logp.gather(1, target[:, None]).sum(), source)
+    sal = (grad.float() * source.detach().float()).sum(-1)
     return sal * mask, target
 
 
 def run(ctx: Context) -> Outcome:
     adapter = ctx.adapter
-    if adapter.embeddings() is None:
+    if adapter.task.source_embedding(adapter) is None:
         return Outcome([Check("saliency", "SKIP", None, None,
                               f"{adapter.name} exposes no nn.Embedding to attribute to")])
     # One sequence first, timed and its saved activations counted: as many of the first batch's sequences as

@@ -74,15 +74,21 @@ def _embedding_noise(embedding, level, g):
         handle.remove()
 
 
-def _log_probs(ctx: Context, ids, mask) -> torch.Tensor:
+def _log_probs(ctx: Context, ids, mask, labels) -> torch.Tensor:
+    """Log-probabilities for (perturbed) input ids; a task that feeds its targets gets the clean ones (a seq2seq
+    decoder reads the same targets whatever noise the source carries)."""
     with torch.no_grad(), ctx.precision.autocast():
-        logits = ctx.adapter.logits(ids, mask.long())
+        logits = ctx.adapter.logits(ids, mask.long(), labels=labels if ctx.adapter.task.feeds_targets else None)
     return F.log_softmax(logits.float(), dim=-1)
 
 
 def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
     """(agree, kl, correct_before, flipped) as flat tensors over the compared predictions."""
-    if ctx.adapter.task.per_token:  # per position: compare the predictions of the tokens that survived
+    task = ctx.adapter.task
+    if task.per_token and not task.predicts_input_positions:  # target positions: the source's noise moves none
+        valid = task.scored(labels)
+        clean, pert, labels = clean[valid], pert[valid], labels[valid]
+    elif task.per_token:  # per input position: compare the predictions of the tokens that survived
         valid = new_mask & (origin >= 0)
         b, j = valid.nonzero(as_tuple=True)
         k = origin[b, j]
@@ -97,9 +103,9 @@ def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
 
 def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
     adapter = ctx.adapter
-    embedding = adapter.embeddings()
+    embedding = adapter.task.source_embedding(adapter)
     start = time.perf_counter()
-    clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in ctx.batches]
+    clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b), b["labels"]) for b in ctx.batches]
     # Every further pass costs about what the clean one did: as many sequences as fit the time budget.
     passes = (0 in levels) + len(perturbations) * sum(level != 0 for level in levels)
     total = sum(len(b["input_ids"]) for b in ctx.batches)
@@ -108,7 +114,7 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
     batches = head_rows(ctx.batches, rows_kept)
     clean = [c[: len(b["input_ids"])] for c, b in zip(clean, batches)]
     # Level 0 compares a second clean run with the first: the eval-mode determinism check.
-    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b)) for b in batches] if 0 in levels else clean
+    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b), b["labels"]) for b in batches] if 0 in levels else clean
     rows, notes = [], []
     scope = (f"; {rows_kept} of {total} sequences, as many as fit the {BUDGET_S:g} s budget at "
              f"{per_sequence * passes:.2g} s each for {passes} passes" if rows_kept < total else "")
@@ -125,12 +131,12 @@ def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
                     pert, new_mask, origin = rerun, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
                 elif kind == "embedding_noise":
                     with _embedding_noise(embedding, level, g):
-                        pert = _log_probs(ctx, ids, mask)
+                        pert = _log_probs(ctx, ids, mask, batch["labels"])
                     new_mask, origin = mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
                 else:
                     perturb = _substitute if kind == "substitution" else _delete
                     new_ids, new_mask, origin = perturb(ids, mask, level, adapter.vocab_size, g)
-                    pert = _log_probs(ctx, new_ids, new_mask)
+                    pert = _log_probs(ctx, new_ids, new_mask, batch["labels"])
                 parts.append(_compare(ctx, ref, pert, batch["labels"], mask, new_mask, origin))
             agree, kl, correct, flipped = (torch.cat(t) for t in zip(*parts))
             n_correct = int(correct.sum())

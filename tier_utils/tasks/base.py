@@ -38,6 +38,7 @@ class Task:
     architectures: tuple[str, ...] = ()
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
+    predicts_input_positions = False  # a per-position task's positions are its input's (else its targets')
     has_classes = False  # the output width is the model's number of classes (else its vocabulary)
     # Whether a checkpoint may lack this task's head (a base folder fine-tuned as a classifier): its new weights start
     # at random and are trained; elsewhere missing weights mean the folder holds another model.
@@ -84,6 +85,18 @@ class Task:
         if self.per_token:
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
         return F.cross_entropy(logits, labels)
+
+    # Which call of the source embedding in one forward embeds the input (a model that embeds twice calls it last
+    # for its input, unless the task says otherwise: an encoder-decoder embeds its source first).
+    source_call = -1
+
+    def source_embedding(self, adapter):
+        """The token embedding that reads the input (attribution and embedding noise perturb its output)."""
+        return adapter.embeddings()
+
+    def last_prediction(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's last prediction's position, for a per-position task: its last real input position."""
+        return mask.long().sum(1).clamp_min(1) - 1
 
     def scored(self, labels: torch.Tensor) -> torch.Tensor:
         """Which targets count (the loss's ignore_index, -100, marks the rest: a seq2seq target's padding)."""

@@ -24,6 +24,7 @@ class CausalLM(Task):
     architectures = ("ForCausalLM", "LMHeadModel")
     peft_task_type = "CAUSAL_LM"
     per_token = True
+    predicts_input_positions = True
     causal_attention = True
     padding_side = "left"  # batched generation pads on the left
     feeds_targets = True

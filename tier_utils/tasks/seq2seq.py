@@ -33,6 +33,18 @@ class Seq2Seq(Task):
         """A transformers encoder-decoder (its config says so), or a module whose forward takes decoder inputs."""
         return bool(getattr(config, "is_encoder_decoder", False)) or "decoder_input_ids" in params
 
+    source_call = 0  # one table for both sides (tiny-seq2seq): the encoder embeds the source first
+
+    def source_embedding(self, adapter):
+        """The encoder's token embedding (T5 and BART keep one module per side, tied to the shared table)."""
+        encoder = getattr(adapter.model, "get_encoder", None)
+        embedding = encoder().get_input_embeddings() if callable(encoder) else None
+        return embedding if isinstance(embedding, torch.nn.Embedding) else adapter.embeddings()
+
+    def last_prediction(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+        """The last scored target position (targets start at 0; -100 past their end)."""
+        return self.scored(batch["labels"]).long().sum(1).clamp_min(1) - 1
+
     def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """Teacher forcing: the decoder reads the targets shifted right by the model's own rule. Without targets (a
         probe of the source side alone), the source is its own target, so every length check sees T_target = T."""

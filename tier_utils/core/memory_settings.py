@@ -7,6 +7,10 @@ is passed down and named in every result.
 Bytes per parameter (docs/precision.md): a frozen base weight holds its dtype's size (4-bit NF4: about half a byte
 and its quantisation state, measured by engine/quantization.py); a trained parameter its weight, its gradient
 and the optimizer's state (its class says how much: core/optimizers.py).
+
+The flags that say what the frozen base is held in (--qlora, --lora's bits=, --base-bits, --base-dtype) each claim
+a quantised or an unquantised base: `MemorySettings._base_claims` reads them and `MemorySettings._agreed` refuses any
+two that disagree, in one line naming both. That rule is the only place a contradiction among them is decided.
 """
 from __future__ import annotations
 
@@ -123,9 +127,10 @@ class MemorySettings:
                                               "trains)")
     base_dtype: str | None = setting(None, "LoRA's frozen base: fp16, bf16 or fp32 (none: its stored dtype where "
                                            "the device computes in it natively; on a card without bf16 a bf16 base "
-                                           "becomes fp16 after a range check; else fp32)", choices=tuple(BASE_DTYPES))
-    base_bits: int = setting(16, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; needs "
-                                 "lora)")
+                                           "becomes fp16 after a range check; else fp32); not with a 4-bit base",
+                                     choices=tuple(BASE_DTYPES))
+    base_bits: int | None = setting(None, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; "
+                                          "needs lora) (none: what --lora's bits= or --qlora say, else 16)")
     optimizer: str = setting(DEFAULT_OPTIMIZER.name, f"the optimizer: {', '.join(OPTIMIZERS)} (adamw: fp32 "
                                                      "moments; the 8-bit ones bitsandbytes', paged on CUDA only)")
     checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their activations are "
@@ -136,22 +141,19 @@ class MemorySettings:
         if isinstance(lora, str):
             lora, bits = _split_bits(lora)
         object.__setattr__(self, "lora", lora_setting(lora))
-        if bits is not None:
-            object.__setattr__(self, "base_bits", bits)
         if self.base_dtype is not None:
             object.__setattr__(self, "base_dtype", str(self.base_dtype).strip().lower())
         try:
             object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
         except ValueError as exc:
             raise MemorySettingError(str(exc)) from None
+        quantized = self._agreed(self._base_claims(bits, self.base_bits, self.base_dtype))
+        object.__setattr__(self, "base_bits", 4 if quantized else 16)
         self._check()
 
     def _check(self) -> None:
         if not isinstance(self.checkpointing, bool):
             raise MemorySettingError(f"checkpointing must be True or False, got {self.checkpointing!r}")
-        if isinstance(self.base_bits, bool) or self.base_bits not in BASE_BITS:
-            raise MemorySettingError(f"base bits {self.base_bits!r} is not supported; use 4 (QLoRA, e.g. --lora "
-                                     "r=8,bits=4 or --qlora) or 16")
         if self.quantized and self.lora is None:
             raise MemorySettingError("a 4-bit base (QLoRA) trains LoRA adapters over it; give lora too, e.g. "
                                      "--lora r=8,alpha=16,bits=4 or --qlora")
@@ -165,10 +167,48 @@ class MemorySettings:
         except ValueError as exc:
             raise MemorySettingError(str(exc)) from None
 
+    # The one rule for flags that say what the frozen base is held in: each claims a quantised or an unquantised
+    # base, and any two that disagree are one line naming both.
+    @staticmethod
+    def _base_claims(lora_bits, base_bits, base_dtype, qlora: bool = False) -> dict[str, bool]:
+        """What each flag given says the frozen base is, by the flag's spelling: quantised to 4 bits (True) or held
+        in a float dtype (False). A bit width other than 4 or 16 is one line."""
+        for bits in (lora_bits, base_bits):
+            if bits is not None and (isinstance(bits, bool) or bits not in BASE_BITS):
+                raise MemorySettingError(f"base bits {bits!r} is not supported; use 4 (QLoRA, e.g. --lora r=8,bits=4 "
+                                         "or --qlora) or 16")
+        claims = {"--qlora": True} if qlora else {}
+        if lora_bits is not None:
+            claims[f"--lora ...,bits={lora_bits}"] = lora_bits == 4
+        if base_bits is not None:
+            claims[f"--base-bits {base_bits}"] = base_bits == 4
+        if base_dtype is not None:
+            claims[f"--base-dtype {base_dtype}"] = False
+        return claims
+
+    @staticmethod
+    def _agreed(claims: dict[str, bool]) -> bool:
+        """Whether the base is quantised, as every claim says (none: it is not); two that disagree are one line
+        naming both, whichever way they were given (flags, or MemorySettings' fields of the same names)."""
+        four = [flag for flag, quantized in claims.items() if quantized]
+        held = [flag for flag, quantized in claims.items() if not quantized]
+        if four and held:
+            raise MemorySettingError(f"{four[0]} asks for a 4-bit NF4 base (QLoRA) and {held[0]} for an unquantised "
+                                     "one; drop one of them")
+        return bool(four)
+
     @classmethod
-    def qlora(cls, lora: LoraSettings | None = None, **given) -> MemorySettings:
-        """QLoRA: LoRA adapters (default LoraSettings()) over a 4-bit NF4 base."""
-        return cls(lora=lora or LoraSettings(), base_bits=4, **given)
+    def qlora(cls, lora=None, **given) -> MemorySettings:
+        """QLoRA: LoRA adapters (`lora`, in any form `lora` takes; none: LoraSettings()) over a 4-bit NF4 base, with
+        the other settings `given` (the CLI's --qlora beside its other flags). A setting that says otherwise (no
+        LoRA, a 16-bit base, a base dtype) is one line."""
+        text, bits = _split_bits(lora) if isinstance(lora, str) else (lora, None)
+        adapters = lora_setting(text)
+        if lora is not None and adapters is None:
+            raise MemorySettingError(f"--lora {lora} asks for no LoRA and --qlora for LoRA adapters over a 4-bit "
+                                     "base; drop one of them")
+        cls._agreed(cls._base_claims(bits, given.get("base_bits"), given.get("base_dtype"), qlora=True))
+        return cls(lora=adapters or LoraSettings(), **{**given, "base_bits": 4})
 
     @property
     def quantized(self) -> bool:

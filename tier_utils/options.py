@@ -107,8 +107,8 @@ _CONVERTERS = {tuple[int, ...]: _int_list, LoraSettings: _lora_arg}
 # What a value looks like, by its type (a tuple setting is a list of names)...
 _METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
 # ...or, where the type says too little, by the option's name.
-_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "device": "NAME", "format": "NAME", "mlflow_uri": "URI",
-                  "storage": "URI"}
+_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "optimizer": "NAME", "device": "NAME", "format": "NAME",
+                  "mlflow_uri": "URI", "storage": "URI"}
 
 
 def _with_default(text: str, default) -> str:

@@ -132,7 +132,7 @@ class MemorySettings:
     base_bits: int | None = setting(None, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; "
                                           "needs lora) (none: what --lora's bits= or --qlora say, else 16)")
     optimizer: str = setting(DEFAULT_OPTIMIZER.name, f"the optimizer: {', '.join(OPTIMIZERS)} (adamw: fp32 "
-                                                     "moments; the 8-bit ones bitsandbytes', paged on CUDA only)")
+                                                     "moments; the 8-bit ones bitsandbytes'; the paged one needs CUDA)")
     checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their activations are "
                                          "recomputed in backward, not kept", flag="checkpointing")
 

@@ -92,11 +92,12 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
 
 def _lora_arg(value: str) -> str | None:
     """'r=8,alpha=16[,bits=4][,targets=q_proj,v_proj]', a rank, or 0/off, checked while parsing (a bad one is
-    argparse's one-line error); MemorySettings reads it."""
+    argparse's one-line error); MemorySettings reads it, as given (--lora off beside --qlora is a contradiction)."""
     try:
-        return MemorySettings(lora=value).lora and value
+        MemorySettings(lora=value)
     except (LoraError, MemorySettingError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 _lora_arg.metavar = "SPEC"
@@ -106,8 +107,8 @@ _CONVERTERS = {tuple[int, ...]: _int_list, LoraSettings: _lora_arg}
 # What a value looks like, by its type (a tuple setting is a list of names)...
 _METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "NAME,NAME"}
 # ...or, where the type says too little, by the option's name.
-_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "device": "NAME", "format": "NAME", "mlflow_uri": "URI",
-                  "storage": "URI"}
+_METAVAR_NAMES = {"data": "SOURCE", "precision": "NAME", "optimizer": "NAME", "device": "NAME", "format": "NAME",
+                  "mlflow_uri": "URI", "storage": "URI"}
 
 
 def _with_default(text: str, default) -> str:
@@ -150,11 +151,10 @@ def add_memory(parser, checkpointing: bool = True) -> None:
 
 
 def memory_of(args) -> MemorySettings:
-    """The MemorySettings the parsed options say (--qlora: a 4-bit base under --lora's adapters)."""
+    """The MemorySettings the parsed options say (--qlora: a 4-bit base under --lora's adapters); MemorySettings
+    refuses any two that contradict each other, in one line."""
     given = {f.name: getattr(args, f.name) for f in fields(MemorySettings) if hasattr(args, f.name)}
-    if getattr(args, "qlora", False):
-        given.update(lora=given.get("lora") or LoraSettings(), base_bits=4)
-    return MemorySettings(**given)
+    return MemorySettings.qlora(**given) if getattr(args, "qlora", False) else MemorySettings(**given)
 
 
 def add_parameters(parser, func, helps: dict) -> None:

@@ -18,9 +18,10 @@ from tier_utils import cli
 from tier_utils.benchmark import amp as bench
 from tier_utils.benchmark.amp import amp_benchmark
 from tier_utils.benchmark.config import BenchConfig
+from tier_utils.core.optimizers import AdamW
 from tier_utils.engine import compiling
 from tier_utils.engine.compiling import CompileFallbackWarning
-from tier_utils.engine.step import make_optimizer, optimizer_impl
+from tier_utils.engine.step import make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.training.config import TrainConfig
 from tier_utils.training.loop import train
@@ -120,9 +121,9 @@ def test_compile_settings_are_validated_and_the_optimizer_is_named():
     with pytest.raises(ValueError, match="compile must be one of off, on, both"):
         BenchConfig(compile="sometimes")
     cpu = make_optimizer(tiny(seed=0), 1e-3, 0.1)
-    assert optimizer_impl(cpu) == "foreach"  # fused is for CUDA parameters
+    assert AdamW.implementation(cpu) == "foreach"  # fused is for CUDA parameters
     if torch.cuda.is_available():
-        assert optimizer_impl(make_optimizer(tiny(seed=0).cuda(), 1e-3, 0.1)) == "fused"
+        assert AdamW.implementation(make_optimizer(tiny(seed=0).cuda(), 1e-3, 0.1)) == "fused"
     result = train(tiny(seed=0), **{**RUN, "max_steps": 1})
     assert result.summary.optimizer == "AdamW (foreach)"
     assert isinstance(result.table, pd.DataFrame) and "compile_reason" in set(result.table["metric"])

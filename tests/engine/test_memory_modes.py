@@ -155,7 +155,7 @@ def test_lora_settings_parse_and_refuse():
 def test_lora_static_bytes_are_those_of_the_wrapped_model(spec, kwargs):
     model = load_model(spec, **kwargs)
     settings = LoraSettings(r=4, alpha=8)
-    fp32_base = DecidedMemory(MemorySettings(lora=settings), torch.float32, "adamw", "test")
+    fp32_base = DecidedMemory(MemorySettings(lora=settings), torch.float32, "test")
     predicted = lora_static_bytes(model, fp32_base)
     wrapped = apply_lora(model, settings)
     assert predicted == static_bytes(wrapped)

@@ -12,14 +12,8 @@ from tier_utils.cli import main
 from tier_utils.core.device import CPU_FLAGS_ENV, GPU_PROFILE_ENV, device_facts
 from tier_utils.core.errors import MemorySettingError
 from tier_utils.core.measure import static_memory
-from tier_utils.core.memory_settings import (
-    MIN_8BIT_SIZE,
-    DecidedMemory,
-    LoraSettings,
-    MemorySettings,
-    memory_setting,
-    resolve_memory,
-)
+from tier_utils.core.memory_settings import DecidedMemory, LoraSettings, MemorySettings, memory_setting, resolve_memory
+from tier_utils.core.optimizers import MIN_8BIT_SIZE, optimizer_class
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.lora import lora_static_bytes
 from tier_utils.engine.step import make_optimizer
@@ -50,7 +44,7 @@ def test_settings_parse_describe_and_print_readably():
     (dict(base_bits=4), "a 4-bit base \\(QLoRA\\) trains LoRA adapters over it; give lora"),
     (dict(base_dtype="fp16"), "applies to LoRA's frozen base; give lora"),
     (dict(lora=4, base_dtype="fp8"), "not one of fp32, bf16, fp16"),
-    (dict(optimizer="sgd"), "optimizer must be one of adamw, adamw8bit, paged-adamw8bit"),
+    (dict(optimizer="sgd"), "unknown optimizer 'sgd'; use one of: adamw, adamw8bit, paged-adamw8bit"),
 ])
 def test_bad_settings_are_one_line(given, match):
     with pytest.raises(MemorySettingError, match=match) as info:
@@ -156,7 +150,7 @@ def test_lora_keeps_a_bf16_base_in_bf16_and_fit_predicts_what_train_holds(bf16_l
 def test_lora_static_bytes_count_the_decided_base(bf16_llama):
     model = load_model(bf16_llama)
     n = sum(p.numel() for p in model.parameters())
-    at = {dtype: sum(lora_static_bytes(model, DecidedMemory(MemorySettings(lora=4), dtype, "adamw", "")).values())
+    at = {dtype: sum(lora_static_bytes(model, DecidedMemory(MemorySettings(lora=4), dtype, "")).values())
           for dtype in (torch.float32, torch.bfloat16)}
     assert at[torch.float32] - at[torch.bfloat16] == 2 * n
 
@@ -172,11 +166,11 @@ def test_adamw8bit_holds_under_a_third_of_adamws_state_and_as_predicted():
     numels = [p.numel() for p in model.parameters()]
     sizes = {}
     for kind in ("adamw", "adamw8bit"):
-        optimizer = make_optimizer(model, 1e-3, 0.1, kind=kind)
+        optimizer = make_optimizer(model, 1e-3, 0.1, optimizer=optimizer_class(kind))
         model(torch.randn(2, 128)).sum().backward()
         optimizer.step()
         sizes[kind] = [_state_bytes(optimizer, p) for p in model.parameters()]
-        assert MemorySettings(optimizer=kind).state_bytes(numels) == sum(sizes[kind]), kind  # fit's count
+        assert optimizer_class(kind).state_bytes(numels) == sum(sizes[kind]), kind  # fit's count
         model.zero_grad(set_to_none=True)
     pairs = list(zip(numels, sizes["adamw"], sizes["adamw8bit"]))
     assert any(n >= MIN_8BIT_SIZE for n in numels)

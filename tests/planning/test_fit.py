@@ -183,9 +183,8 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     def config(name, ck=False, memory=None):
         return ModeRow(name, ck, 0, nothing, 0.0, memory=memory, mode=resolve_precision(name, cpu, warn=False))
 
-    lora = DecidedMemory(MemorySettings(lora=LoraSettings()), torch.bfloat16, "adamw", "")
-    eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16,
-                              "adamw8bit", "")
+    lora = DecidedMemory(MemorySettings(lora=LoraSettings()), torch.bfloat16, "")
+    eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16, "")
     modes = [config("bf16"), config("fp16"), config("fp32"), config("bf16", True), config("bf16-true"),
              config("bf16-true", True), config("bf16", memory=lora), config("bf16", memory=eight_bit)]
     assert sorted(modes, key=lambda c: cost_rank(c, True)) == modes

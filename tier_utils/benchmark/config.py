@@ -10,10 +10,10 @@ import torch
 from ..core.inputs import select_names
 from ..core.loggers import logger_names
 from ..core.memory_settings import MEMORY_CHOICES, MemorySettings, memory_setting
+from ..core.optimizers import OPTIMIZERS
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.step import bitsandbytes_optim
 from ..engine.strategies import launched_strategies
 
 Mode = Literal["eager", "compiled", "eager+checkpointing"]  # how a benchmarked step runs (memory rows: memory_mode)
@@ -24,7 +24,7 @@ COMPILE_CHOICES: dict[str, list[Mode]] = {"off": ["eager"], "on": ["compiled"], 
 MEMORY_BASES = ("activations", "total", "peak_allocated")
 # The memory_rows names: each memory setting's name (core.memory_settings.memory_setting) that is not the full
 # fine-tune with AdamW the precision rows already are.
-MEMORY_ROWS = tuple(n for n in (*MEMORY_CHOICES, "paged-adamw8bit") if memory_setting(n) != MemorySettings())
+MEMORY_ROWS = tuple(n for n in dict.fromkeys((*MEMORY_CHOICES, *OPTIMIZERS)) if memory_setting(n) != MemorySettings())
 
 
 def memory_mode(row: str) -> str:
@@ -127,8 +127,7 @@ class BenchConfig:
             self.compile = "on" if self.compile else "off"
         self.loggers = logger_names(self.loggers)  # a missing package fails here, before minutes of measuring
         self.memory = memory_setting(self.memory)
-        if self.memory.optimizer != "adamw":
-            bitsandbytes_optim(self.memory.optimizer)  # missing: one line naming the extra, before any work
+        self.memory.optimizer_class.require()  # a missing package: one line naming it, before any work
         if self.memory.checkpointing:
             raise ValueError("the benchmark runs each precision with and without checkpointing as rows: use "
                              "activation_checkpointing=True (--activation-checkpointing), not memory's checkpointing")

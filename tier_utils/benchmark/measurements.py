@@ -9,6 +9,7 @@ import gc
 import torch
 
 from ..core.measure import SavedTensorMeter, StepTimer, static_memory
+from ..core.optimizers import DEFAULT_OPTIMIZER
 from ..core.precision import dtype_name
 from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
@@ -72,7 +73,8 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     load_start(convert_for(prec, adapter.model), start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
-    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps, held.optimizer if held else "adamw")
+    opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps,
+                         held.optimizer if held else DEFAULT_OPTIMIZER)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
     return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
                      count_rounding=count_rounding)

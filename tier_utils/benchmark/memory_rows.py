@@ -29,7 +29,6 @@ from ..core.memory_settings import DecidedMemory, memory_setting, resolve_memory
 from ..core.precision import resolve_precision
 from ..engine.lora import held_memory, hold, model_state
 from ..engine.quantization import apply_memory
-from ..engine.step import bitsandbytes_optim
 from .config import BenchConfig, memory_mode
 from .measurements import AdapterStart, held_bytes
 from .record import Plan, PrecisionRecord
@@ -54,8 +53,7 @@ def _row_plan(name: str, adapter, prec, dev: torch.device) -> tuple[Plan, str | 
     settings = memory_setting(name)
     facts = device_facts(dev)
     try:
-        if settings.optimizer != "adamw":
-            bitsandbytes_optim(settings.optimizer)  # missing: the reason names the extra
+        settings.optimizer_class.require()  # missing: the reason names the extra
         if settings.lora is None:  # the run's model, with another optimizer
             return replace(plan, memory=resolve_memory(settings, prec, facts, adapter.stored_dtype)), None
         model = copy.deepcopy(adapter.model)

@@ -6,12 +6,15 @@ is passed down and named in every result.
 
 Bytes per parameter (docs/precision.md): a frozen base weight holds its dtype's size (4-bit NF4: about half a byte
 and its quantisation state, measured by engine/quantization.py); a trained parameter its weight, its gradient
-and the optimizer's state: AdamW two fp32 moments (8 bytes), bitsandbytes' 8-bit AdamW two uint8 moments and a
-float32 absmax per block of STATE_BLOCK values for tensors of at least MIN_8BIT_SIZE elements (smaller ones it
-keeps in 32-bit, as AdamW).
+and the optimizer's state (its class says how much: core/optimizers.py).
+
+The flags that say what the frozen base is held in (--qlora, --lora's bits=, --base-bits, --base-dtype) each claim
+a quantised or an unquantised base: `MemorySettings._base_claims` reads them and `MemorySettings._agreed` refuses any
+two that disagree, in one line naming both. That rule is the only place a contradiction among them is decided.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import asdict, dataclass, replace
 
@@ -19,19 +22,12 @@ import torch
 
 from .device import DeviceFacts
 from .errors import LoraError, MemorySettingError
+from .optimizers import DEFAULT_OPTIMIZER, MIN_8BIT_SIZE, OPTIMIZERS, Optimizer, canonical_optimizer, optimizer_class
 from .precision import Precision, dtype_name
 from .settings import check_fields, setting
 
-OPTIMIZERS = ("adamw", "adamw8bit", "paged-adamw8bit")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BASE_BITS = (16, 4)
-# bitsandbytes' 8-bit optimizers (0.45-0.50, measured on its CPU backend): state1/state2 uint8 per element, a
-# float32 absmax per block of 256 elements for each, and a 256-entry float32 code map each, for tensors of at
-# least min_8bit_size = 4096 elements; smaller tensors keep two float32 states.
-MIN_8BIT_SIZE = 4096
-STATE_BLOCK = 256
-QMAP_BYTES = 2 * 256 * 4
-_OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "paged-adamw8bit": "PagedAdamW8bit"}
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -123,19 +119,20 @@ def _split_bits(text: str) -> tuple[str, int | None]:
 @dataclass(frozen=True)
 class MemorySettings:
     """What a training step holds its weights and optimizer state in: full fine-tuning (every weight trains, in the
-    precision's dtype) or LoRA adapters over a frozen base (its dtype, or 4-bit NF4: QLoRA), the optimizer's state
-    format, and activation checkpointing."""
+    precision's dtype) or LoRA adapters over a frozen base (its dtype, or 4-bit NF4: QLoRA), the optimizer (its
+    class: core/optimizers.py), and activation checkpointing."""
 
     lora: LoraSettings | None = setting(None, "LoRA adapters (peft) over the frozen base: r=N,alpha=X[,dropout=X]"
                                               "[,bits=4][,targets=NAME,NAME], e.g. r=8,alpha=16 (none: every weight "
                                               "trains)")
     base_dtype: str | None = setting(None, "LoRA's frozen base: fp16, bf16 or fp32 (none: its stored dtype where "
                                            "the device computes in it natively; on a card without bf16 a bf16 base "
-                                           "becomes fp16 after a range check; else fp32)", choices=tuple(BASE_DTYPES))
-    base_bits: int = setting(16, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; needs "
-                                 "lora)")
-    optimizer: str = setting("adamw", "the optimizer's state: adamw (fp32 moments), adamw8bit or paged-adamw8bit "
-                                      "(bitsandbytes' 8-bit moments; paged on CUDA)", choices=OPTIMIZERS)
+                                           "becomes fp16 after a range check; else fp32); not with a 4-bit base",
+                                     choices=tuple(BASE_DTYPES))
+    base_bits: int | None = setting(None, "bits per frozen base weight: 16, or 4 (QLoRA: NF4 through bitsandbytes; "
+                                          "needs lora) (none: what --lora's bits= or --qlora say, else 16)")
+    optimizer: str = setting(DEFAULT_OPTIMIZER.name, f"the optimizer: {', '.join(OPTIMIZERS)} (adamw: fp32 "
+                                                     "moments; the 8-bit ones bitsandbytes'; the paged one needs CUDA)")
     checkpointing: bool = setting(False, "activation checkpointing on the repeated blocks: their activations are "
                                          "recomputed in backward, not kept", flag="checkpointing")
 
@@ -144,19 +141,20 @@ class MemorySettings:
         if isinstance(lora, str):
             lora, bits = _split_bits(lora)
         object.__setattr__(self, "lora", lora_setting(lora))
-        if bits is not None:
-            object.__setattr__(self, "base_bits", bits)
         if self.base_dtype is not None:
             object.__setattr__(self, "base_dtype", str(self.base_dtype).strip().lower())
+        try:
+            object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
+        except ValueError as exc:
+            raise MemorySettingError(str(exc)) from None
+        quantized = self._agreed(self._base_claims(bits, self.base_bits, self.base_dtype))
+        object.__setattr__(self, "base_bits", 4 if quantized else 16)
         self._check()
 
     def _check(self) -> None:
         if not isinstance(self.checkpointing, bool):
             raise MemorySettingError(f"checkpointing must be True or False, got {self.checkpointing!r}")
-        if isinstance(self.base_bits, bool) or self.base_bits not in BASE_BITS:
-            raise MemorySettingError(f"base bits {self.base_bits!r} is not supported; use 4 (QLoRA, e.g. --lora "
-                                     "r=8,bits=4 or --qlora) or 16")
-        if self.base_bits == 4 and self.lora is None:
+        if self.quantized and self.lora is None:
             raise MemorySettingError("a 4-bit base (QLoRA) trains LoRA adapters over it; give lora too, e.g. "
                                      "--lora r=8,alpha=16,bits=4 or --qlora")
         if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
@@ -169,50 +167,77 @@ class MemorySettings:
         except ValueError as exc:
             raise MemorySettingError(str(exc)) from None
 
+    # The one rule for flags that say what the frozen base is held in: each claims a quantised or an unquantised
+    # base, and any two that disagree are one line naming both.
+    @staticmethod
+    def _base_claims(lora_bits, base_bits, base_dtype, qlora: bool = False) -> dict[str, bool]:
+        """What each flag given says the frozen base is, by the flag's spelling: quantised to 4 bits (True) or held
+        in a float dtype (False). A bit width other than 4 or 16 is one line."""
+        for bits in (lora_bits, base_bits):
+            if bits is not None and (isinstance(bits, bool) or bits not in BASE_BITS):
+                raise MemorySettingError(f"base bits {bits!r} is not supported; use 4 (QLoRA, e.g. --lora r=8,bits=4 "
+                                         "or --qlora) or 16")
+        claims = {"--qlora": True} if qlora else {}
+        if lora_bits is not None:
+            claims[f"--lora ...,bits={lora_bits}"] = lora_bits == 4
+        if base_bits is not None:
+            claims[f"--base-bits {base_bits}"] = base_bits == 4
+        if base_dtype is not None:
+            claims[f"--base-dtype {base_dtype}"] = False
+        return claims
+
+    @staticmethod
+    def _agreed(claims: dict[str, bool]) -> bool:
+        """Whether the base is quantised, as every claim says (none: it is not); two that disagree are one line
+        naming both, whichever way they were given (flags, or MemorySettings' fields of the same names)."""
+        four = [flag for flag, quantized in claims.items() if quantized]
+        held = [flag for flag, quantized in claims.items() if not quantized]
+        if four and held:
+            raise MemorySettingError(f"{four[0]} asks for a 4-bit NF4 base (QLoRA) and {held[0]} for an unquantised "
+                                     "one; drop one of them")
+        return bool(four)
+
     @classmethod
-    def qlora(cls, lora: LoraSettings | None = None, **given) -> MemorySettings:
-        """QLoRA: LoRA adapters (default LoraSettings()) over a 4-bit NF4 base."""
-        return cls(lora=lora or LoraSettings(), base_bits=4, **given)
+    def qlora(cls, lora=None, **given) -> MemorySettings:
+        """QLoRA: LoRA adapters (`lora`, in any form `lora` takes; none: LoraSettings()) over a 4-bit NF4 base, with
+        the other settings `given` (the CLI's --qlora beside its other flags). A setting that says otherwise (no
+        LoRA, a 16-bit base, a base dtype) is one line."""
+        text, bits = _split_bits(lora) if isinstance(lora, str) else (lora, None)
+        adapters = lora_setting(text)
+        if lora is not None and adapters is None:
+            raise MemorySettingError(f"--lora {lora} asks for no LoRA and --qlora for LoRA adapters over a 4-bit "
+                                     "base; drop one of them")
+        cls._agreed(cls._base_claims(bits, given.get("base_bits"), given.get("base_dtype"), qlora=True))
+        return cls(lora=adapters or LoraSettings(), **{**given, "base_bits": 4})
+
+    @property
+    def quantized(self) -> bool:
+        """The frozen base is 4-bit NF4 (QLoRA)."""
+        return self.base_bits == 4
+
+    @property
+    def optimizer_class(self) -> type[Optimizer]:
+        return optimizer_class(self.optimizer)
 
     def bytes_per_param(self, base_dtype: torch.dtype = torch.float32, trained_dtype: torch.dtype = torch.float32,
                         quantized: float | None = None) -> dict:
-        """Bytes per parameter, for a tensor of at least MIN_8BIT_SIZE elements: `base` per frozen base weight
-        (this object's base dtype, else `base_dtype`; 4-bit: `quantized`, engine.quantization's measured NF4
-        bytes), and per trained parameter its `weights` (LoRA: fp32 adapters, else `trained_dtype`), `grads` and
-        `optimizer` state. A full fine-tune has no frozen base (base 0)."""
+        """Bytes per parameter, for a tensor of at least MIN_8BIT_SIZE elements (where every optimizer's state
+        reaches its steady rate): `base` per frozen base weight (this object's base dtype, else `base_dtype`;
+        4-bit: `quantized`, engine.quantization's measured NF4 bytes), and per trained parameter its `weights`
+        (LoRA: fp32 adapters, else `trained_dtype`), `grads` and `optimizer` state. A full fine-tune has no frozen
+        base (base 0)."""
         trained = 4 if self.lora is not None else trained_dtype.itemsize
         if self.lora is None:
             base = 0.0
-        elif self.base_bits == 4:
+        elif self.quantized:
             if quantized is None:
                 raise MemorySettingError("a 4-bit base's bytes come from bitsandbytes (engine.quantization."
                                          "quantized_bytes_per_param); pass quantized=")
             base = quantized
         else:
             base = BASE_DTYPES[self.base_dtype].itemsize if self.base_dtype else base_dtype.itemsize
-        return {"base": base, "weights": trained, "grads": trained, "optimizer": self.state_bytes_per_param(
-            MIN_8BIT_SIZE, trained)}
-
-    def state_bytes_per_param(self, numel: int, trained_size: int = 4) -> float:
-        """The optimizer's state bytes per element of a trained tensor of `numel` elements."""
-        if self.optimizer == "adamw" or numel < MIN_8BIT_SIZE:
-            return 2 * trained_size if self.optimizer == "adamw" else 8.0
-        return 2 + 2 * 4 / STATE_BLOCK
-
-    def state_bytes(self, numels, trained_size: int = 4) -> int:
-        """The optimizer's state bytes over trained tensors of `numels` elements: torch's AdamW keeps a float32
-        step count per tensor, bitsandbytes an int (no tensor) and an 8-bit tensor's two code maps."""
-        total = 0.0
-        for n in numels:
-            total += n * self.state_bytes_per_param(n, trained_size)
-            if self.optimizer == "adamw":
-                total += 4
-            elif n >= MIN_8BIT_SIZE:
-                total += QMAP_BYTES
-        return int(total)
-
-    def optimizer_name(self) -> str:
-        return _OPTIMIZER_NAMES[self.optimizer]
+        return {"base": base, "weights": trained, "grads": trained,
+                "optimizer": self.optimizer_class.state_bytes_per_param(MIN_8BIT_SIZE, trained)}
 
     def describe(self, base: str | None = None) -> str:
         """In words, e.g. "LoRA r=8 over a bf16 base, fp32 adapters, AdamW8bit, checkpointing"; `base`: the
@@ -220,9 +245,9 @@ class MemorySettings:
         if self.lora is None:
             words = ["full fine-tune"]
         else:
-            held = "a 4-bit NF4" if self.base_bits == 4 else f"a {self.base_dtype or base or 'stored-dtype'}"
-            words = [f"{'QLoRA' if self.base_bits == 4 else 'LoRA'} r={self.lora.r} over {held} base", "fp32 adapters"]
-        words.append(self.optimizer_name())
+            held = "a 4-bit NF4" if self.quantized else f"a {self.base_dtype or base or 'stored-dtype'}"
+            words = [f"{'QLoRA' if self.quantized else 'LoRA'} r={self.lora.r} over {held} base", "fp32 adapters"]
+        words.append(self.optimizer_class.label)
         if self.checkpointing:
             words.append("checkpointing")
         return ", ".join(words)
@@ -233,8 +258,9 @@ class MemorySettings:
     def __repr__(self) -> str:
         """The fields that differ from the defaults, LoRA in its --lora spelling: MemorySettings(lora='r=8,alpha=16',
         base_bits=4)."""
+        default = MemorySettings()
         changed = {f: getattr(self, f) for f in ("lora", "base_dtype", "base_bits", "optimizer", "checkpointing")
-                   if getattr(self, f) != MemorySettings.__dataclass_fields__[f].default}
+                   if getattr(self, f) != getattr(default, f)}
         shown = ", ".join(f"{k}={str(v)!r}" if k == "lora" else f"{k}={v!r}" for k, v in changed.items())
         return f"MemorySettings({shown})"
 
@@ -246,24 +272,26 @@ class MemorySettings:
 # The panel's memory choices, and what each means (memory_setting's names).
 MEMORY_CHOICES = {"full": "full fine-tune", "lora": "LoRA", "qlora": "QLoRA (4-bit base)",
                   "adamw8bit": "8-bit optimizer"}
+# Each name memory_setting takes, and the settings it means: the panel's, and each registered optimizer's own.
+_NAMED = {"full": MemorySettings, "lora": lambda: MemorySettings(lora=LoraSettings()), "qlora": MemorySettings.qlora,
+          **{name: functools.partial(MemorySettings, optimizer=name) for name in OPTIMIZERS}}
 
 
 def memory_setting(value, checkpointing: bool | None = None) -> MemorySettings:
     """What a `memory` setting may be given as: None (full fine-tune, AdamW), MemorySettings, a dict of its fields,
-    or a name: full, lora, qlora, adamw8bit, paged-adamw8bit; `checkpointing` on top when given."""
+    or a name: full, lora, qlora, or an optimizer's (a full fine-tune with it); `checkpointing` on top when
+    given."""
     if value is None:
         memory = MemorySettings()
     elif isinstance(value, MemorySettings):
         memory = value
     elif isinstance(value, dict):
         memory = MemorySettings(**value)
-    elif isinstance(value, str) and value.strip().lower() in (*MEMORY_CHOICES, "paged-adamw8bit"):
-        name = value.strip().lower()
-        memory = (MemorySettings(lora=LoraSettings()) if name == "lora" else MemorySettings.qlora()
-                  if name == "qlora" else MemorySettings(optimizer=name) if "adamw" in name else MemorySettings())
+    elif isinstance(value, str) and value.strip().lower() in _NAMED:
+        memory = _NAMED[value.strip().lower()]()
     else:
         raise MemorySettingError(f"memory must be MemorySettings, a dict of its fields or one of "
-                                 f"{', '.join(MEMORY_CHOICES)}, paged-adamw8bit; got {value!r}")
+                                 f"{', '.join(_NAMED)}; got {value!r}")
     if checkpointing is not None and checkpointing != memory.checkpointing:
         memory = replace(memory, checkpointing=checkpointing)
     return memory
@@ -272,11 +300,10 @@ def memory_setting(value, checkpointing: bool | None = None) -> MemorySettings:
 @dataclass(frozen=True)
 class DecidedMemory:
     """MemorySettings decided for one run: the frozen base's dtype (None: a full fine-tune, every weight in the
-    precision's dtype), the adapters' (fp32), the optimizer that is built (paged only on CUDA) and why."""
+    precision's dtype), the adapters' (fp32), and why; the optimizer it builds."""
 
     settings: MemorySettings
     base_dtype: torch.dtype | None
-    optimizer: str
     reason: str
     adapter_dtype: torch.dtype = torch.float32
 
@@ -290,11 +317,16 @@ class DecidedMemory:
 
     @property
     def quantized(self) -> bool:
-        return self.settings.base_bits == 4
+        return self.settings.quantized
+
+    @property
+    def optimizer(self) -> type[Optimizer]:
+        """The optimizer the run builds: the one asked for (one the device cannot run was refused when decided,
+        so a result never names another than ran)."""
+        return self.settings.optimizer_class
 
     def describe(self) -> str:
-        text = self.settings.describe(dtype_name(self.base_dtype) if self.base_dtype is not None else None)
-        return text if self.optimizer == self.settings.optimizer else text + f" ({self.optimizer} here)"
+        return self.settings.describe(dtype_name(self.base_dtype) if self.base_dtype is not None else None)
 
     def bytes_per_param(self, precision: Precision, quantized: float | None = None) -> dict:
         return self.settings.bytes_per_param(self.base_dtype or precision.param_dtype, precision.param_dtype,
@@ -303,7 +335,7 @@ class DecidedMemory:
     def to_dict(self) -> dict:
         return {**self.settings.to_dict(), "decided_base_dtype": self.base_dtype and dtype_name(self.base_dtype),
                 "adapter_dtype": dtype_name(self.adapter_dtype) if self.lora is not None else None,
-                "decided_optimizer": self.optimizer, "reason": self.reason, "describe": self.describe()}
+                "decided_optimizer": self.optimizer.name, "reason": self.reason, "describe": self.describe()}
 
 
 def out_of_fp16_range(named_tensors) -> list[str]:
@@ -319,13 +351,11 @@ def _named(names: list[str]) -> str:
 def resolve_memory(settings: MemorySettings, precision: Precision, facts: DeviceFacts,
                    stored_dtype: torch.dtype | None, model: torch.nn.Module | None = None) -> DecidedMemory:
     """`settings` decided for one run: the base dtype (LoRA) from the precision, the device's facts, the stored
-    dtype and, before a bf16 base becomes fp16, `model`'s weights checked against fp16's range; the optimizer
-    (paged only on CUDA, as bitsandbytes pages). A contradiction is one line (MemorySettingError)."""
-    optimizer = settings.optimizer
-    if optimizer == "paged-adamw8bit" and facts.device.type != "cuda":
-        optimizer = "adamw8bit"  # bitsandbytes pages on CUDA only (it warns and runs unpaged elsewhere)
+    dtype and, before a bf16 base becomes fp16, `model`'s weights checked against fp16's range. An optimizer the
+    tensors' device cannot run (paged AdamW8bit off CUDA) or a contradiction is one line (MemorySettingError)."""
+    settings.optimizer_class.check_runs_on(facts.device)
     if settings.lora is None:
-        return DecidedMemory(settings, None, optimizer, "full fine-tune: every weight in the precision's dtype")
+        return DecidedMemory(settings, None, "full fine-tune: every weight in the precision's dtype")
     base, reason = _base_dtype(settings, precision, facts, stored_dtype)
     if base == torch.float16 and (stored_dtype or torch.float32) != torch.float16 and model is not None:
         over = out_of_fp16_range(model.named_parameters())
@@ -336,7 +366,7 @@ def resolve_memory(settings: MemorySettings, precision: Precision, facts: Device
             base, reason = torch.float32, (f"base kept fp32: {_named(over)} hold values beyond fp16's ±{FP16_MAX:g} "
                                            f"and {facts.describe()} has no native bf16")
             warnings.warn(f"LoRA base: {reason}", stacklevel=2)
-    return DecidedMemory(settings, base, optimizer, reason)
+    return DecidedMemory(settings, base, reason)
 
 
 def _base_dtype(settings: MemorySettings, precision: Precision, facts: DeviceFacts,

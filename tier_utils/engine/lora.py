@@ -115,7 +115,7 @@ def lora_static_bytes(model: nn.Module, memory: DecidedMemory, quantized: float 
     tensors = [memory.lora.r * n for m in layers for n in m.weight.shape[::-1]]  # A: r x in, B: out x r
     adapter = sum(tensors)
     return {"weights_bytes": base + 4 * adapter, "grads_bytes": 4 * adapter,
-            "optimizer_state_bytes": memory.settings.state_bytes(tensors)}
+            "optimizer_state_bytes": memory.optimizer.state_bytes(tensors)}
 
 
 def describe_lora(model: nn.Module) -> dict | None:

@@ -13,45 +13,22 @@ from dataclasses import dataclass
 import torch
 
 from ..adapter.adapter import ModelAdapter
+from ..core.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from ..core.precision import Precision
-from .quantization import require_bitsandbytes
 from .strategies import Single, Strategy
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, eps: float = 1e-8,
-                   kind: str = "adamw") -> torch.optim.Optimizer:
-    """The one place the optimizer is built: AdamW, or with `kind` (a DecidedMemory's optimizer) bitsandbytes'
-    8-bit AdamW (adamw8bit; paged-adamw8bit pages its state on CUDA). Weight decay on matrices only (not biases,
-    norms or 1-d params), as in nanoGPT. `eps`: the precision's `adamw_eps` (1e-8 is 0 in fp16).
-
-    torch's AdamW runs fused on CUDA (one kernel launch for all parameters, the fastest there), foreach elsewhere.
-    `optimizer_impl` names the choice.
-    """
+                   optimizer: type[Optimizer] = DEFAULT_OPTIMIZER) -> torch.optim.Optimizer:
+    """The one place the optimizer is built: `optimizer`'s class (a DecidedMemory's; core/optimizers.py) over the
+    trainable parameters, with weight decay on matrices only (not biases, norms or 1-d params), as in nanoGPT.
+    `eps`: the precision's `adamw_eps` (1e-8 is 0 in fp16)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
-    if kind != "adamw":
-        optim = bitsandbytes_optim(kind)
-        return (optim.PagedAdamW8bit if kind == "paged-adamw8bit" else optim.AdamW8bit)(groups, lr=lr, eps=eps)
-    impl = {"fused": True} if params and all(p.is_cuda for p in params) else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, eps=eps, **impl)
-
-
-def bitsandbytes_optim(kind: str):
-    """bitsandbytes.optim, for the 8-bit optimizer `kind`; without bitsandbytes one line naming the extra (the
-    configs ask as they are made, before anything is built or written)."""
-    return require_bitsandbytes(f"--optimizer {kind}").optim
-
-
-def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
-    """How the optimizer's step runs: fused, foreach or for-loop (torch's AdamW), else bitsandbytes."""
-    if not isinstance(optimizer, torch.optim.AdamW):
-        return "bitsandbytes"
-    d = optimizer.defaults
-    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+    return optimizer.build([g for g in groups if g["params"]], lr=lr, eps=eps)
 
 
 def make_scheduler(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

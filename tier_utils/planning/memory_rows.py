@@ -20,7 +20,7 @@ def memory_rows(model: nn.Module, decided: list[Precision], lora: LoraSettings |
     rows = [(prec, None) for prec in decided]
     fp32_weights = [prec for prec in decided if prec.param_dtype == torch.float32]
     rows += [(prec, _planned(MemorySettings(optimizer=o), None)) for prec in fp32_weights for o in optimizers
-             if o != "adamw"]
+             if MemorySettings(optimizer=o) != MemorySettings()]  # the full fine-tune with AdamW is the row above
     if lora is None or not resolve_targets(model, lora):  # a model with no nn.Linear has nothing to adapt
         return rows
     for prec in fp32_weights:
@@ -28,13 +28,12 @@ def memory_rows(model: nn.Module, decided: list[Precision], lora: LoraSettings |
         rows += [(prec, _planned(MemorySettings(lora=lora, base_dtype=base, optimizer=o), BASE_DTYPES[base]))
                  for o in optimizers]
         if base != "fp32" and quantized_bytes() is not None:
-            rows += [(prec, _planned(MemorySettings(lora=lora, base_dtype=base, base_bits=4, optimizer=o),
-                                     BASE_DTYPES[base])) for o in optimizers]
+            rows += [(prec, _planned(MemorySettings.qlora(lora, optimizer=o), BASE_DTYPES[base])) for o in optimizers]
     return rows
 
 
 def _planned(settings: MemorySettings, base_dtype) -> DecidedMemory:
-    return DecidedMemory(settings, base_dtype, settings.optimizer, "planned by fit")
+    return DecidedMemory(settings, base_dtype, "planned by fit")
 
 
 def quantized_bytes() -> float | None:
@@ -55,5 +54,5 @@ def mode_static_bytes(model: nn.Module, precision: Precision, memory: DecidedMem
         return sum(lora_static_bytes(model, memory, quantized).values())
     size = precision.param_dtype.itemsize
     trained = [p.numel() for p in model.parameters() if p.requires_grad]
-    state = (memory.settings if memory is not None else MemorySettings()).state_bytes(trained, size)
+    state = (memory.settings if memory is not None else MemorySettings()).optimizer_class.state_bytes(trained, size)
     return sum(p.numel() * size * (2 if p.requires_grad else 1) for p in model.parameters()) + state

@@ -24,7 +24,8 @@ from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget
 from ..core.device import GPU_PROFILES, predicted_facts
 from ..core.files import jsonable
 from ..core.measure import static_memory
-from ..core.memory_settings import OPTIMIZERS, DecidedMemory, LoraSettings, lora_setting
+from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
+from ..core.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, AdamW8bit, Optimizer, canonical_optimizer
 from ..core.precision import PRECISIONS, Precision, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
@@ -60,8 +61,9 @@ class FitConfig:
     lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over a frozen base: fp32 (under fp32), fp16 "
                                                         "and bf16 (under their mixed precision) and 4-bit NF4 (QLoRA): "
                                                         "r=N,alpha=X[,targets=...] (0: none)")
-    optimizers: tuple = setting(("adamw", "adamw8bit"), "optimizer states to plan: adamw, adamw8bit (bitsandbytes' "
-                                                        "8-bit moments; fp32 weights' modes and LoRA)")
+    optimizers: tuple = setting((DEFAULT_OPTIMIZER.name, AdamW8bit.name),
+                                f"optimizers to plan, each over the fp32 weights' modes and LoRA: "
+                                f"{', '.join(OPTIMIZERS)} (8-bit: bitsandbytes' moments)")
     device: str | torch.device | None = device_field()
     validate: str | bool | None = setting(None, "find the largest batch that really runs a step, by bisection: on "
                                                 "(the recommended mode and fp32), all (every mode), off (none: on "
@@ -74,9 +76,9 @@ class FitConfig:
         self.lora = lora_setting(self.lora)
         self.optimizers = tuple(o.strip() for o in (self.optimizers.split(",") if isinstance(self.optimizers, str)
                                                     else self.optimizers) if o.strip())
-        wrong = [o for o in self.optimizers if o not in OPTIMIZERS[:2]]
-        if wrong or not self.optimizers:
-            raise ValueError(f"optimizers: {', '.join(wrong) or 'none given'}; plan adamw, adamw8bit or both")
+        if not self.optimizers:
+            raise ValueError(f"optimizers: none given; plan one or more of {', '.join(OPTIMIZERS)}")
+        self.optimizers = tuple(dict.fromkeys(canonical_optimizer(o) for o in self.optimizers))
         check_switch(self, "checkpointing")
         if isinstance(self.validate, bool):  # the API's True/False: on/off
             self.validate = "on" if self.validate else "off"
@@ -123,6 +125,10 @@ class ModeRow:
         return self.memory.lora if self.memory is not None else None
 
     @property
+    def optimizer(self) -> type[Optimizer]:
+        return self.memory.optimizer if self.memory is not None else DEFAULT_OPTIMIZER
+
+    @property
     def name(self) -> str:
         """The mode in words, the table's index: e.g. "bf16-true + checkpointing", "LoRA r=8 · fp16 base · fp16 ·
         AdamW8bit"."""
@@ -130,8 +136,8 @@ class ModeRow:
         if self.lora is not None:
             base = "nf4" if self.memory.quantized else dtype_name(self.memory.base_dtype)
             name = f"{'QLoRA' if self.memory.quantized else 'LoRA'} r={self.lora.r} · {base} base · {name}"
-        if self.memory is not None and self.memory.optimizer != "adamw":
-            name += f" · {self.memory.settings.optimizer_name()}"
+        if self.optimizer is not DEFAULT_OPTIMIZER:
+            name += f" · {self.optimizer.label}"
         return name + (" + checkpointing" if self.checkpointing else "")
 
     @property
@@ -173,15 +179,16 @@ def device_room(budget: Budget) -> float:
 def cost_rank(c: ModeRow, native: bool) -> tuple:
     """Where mode `c` stands among the modes that fit, cheapest first (docs/precision.md, "How fit chooses a
     mode"): what it costs the training first (nothing; the recompute of checkpointing; a true mode's rounded-away
-    updates; LoRA training only adapters, each again with checkpointing), then its speed on the device (a native
+    updates; LoRA training only adapters, each again with checkpointing; plus its optimizer's `accuracy_cost`,
+    AdamW8bit's quantised moments one step), then its speed on the device (a native
     2-byte compute, then fp32, then an emulated one), no loss scaler before one, the wider range first."""
     low_weights = c.mode.param_dtype.itemsize < 4
     quantized = c.memory is not None and c.memory.quantized
     technique = 6 if quantized else 4 if c.lora is not None else 2 if low_weights else 0
-    eight_bit = c.memory is not None and c.memory.optimizer != "adamw"  # quantised moments: a little accuracy
     low = c.mode.compute_dtype.itemsize < 4
     speed = 0 if low and native else 2 if low else 1
-    return technique + c.checkpointing + eight_bit, speed, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+    return (technique + c.checkpointing + c.optimizer.accuracy_cost, speed, c.mode.needs_scaler,
+            -torch.finfo(c.mode.compute_dtype).max)
 
 
 def speed_rank(c: ModeRow, native: bool) -> tuple:
@@ -395,7 +402,7 @@ def _recommended_and_baseline(result: FitResult) -> set[str]:
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
          lora: LoraSettings | None = None, budget: Budget | None = None,
-         optimizers: tuple = ("adamw",)) -> tuple[list[ModeRow], int]:
+         optimizers: tuple = (DEFAULT_OPTIMIZER.name,)) -> tuple[list[ModeRow], int]:
     """A ModeRow per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
     precision with checkpointing; with `lora`, LoRA over each base (`memory_rows`); with adamw8bit among
     `optimizers`, the fp32-weight modes and LoRA again with 8-bit optimizer state; and how many blocks

@@ -10,7 +10,6 @@ from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
 from ..engine.compiling import compile_mode_setting
-from ..engine.step import bitsandbytes_optim
 from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
@@ -86,8 +85,7 @@ class TrainConfig:
     def __post_init__(self):
         self.precision = precision_setting(self.precision)
         self.memory = memory_setting(self.memory)
-        if self.memory.optimizer != "adamw":
-            bitsandbytes_optim(self.memory.optimizer)  # missing: one line naming the extra, before any work
+        self.memory.optimizer_class.require()  # a missing package: one line naming it, before any work
         check_switch(self, "merge")
         if self.merge and (self.memory.lora is None or self.save_hf is None):
             raise ValueError("merge writes a LoRA run's merged model to save_hf; give lora and save_hf too, or "
@@ -104,7 +102,7 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
         self.strategy = canonical_strategy(self.strategy)
         sharded = strategy_class(self.strategy).sharded
-        if sharded and self.memory.base_bits == 4:
+        if sharded and self.memory.quantized:
             raise ValueError(f"a 4-bit base (QLoRA) cannot be sharded by {self.strategy}: use strategy='{DDP.name}' "
                              "or one process, or drop bits=4")
         if sharded and self.memory.lora is not None and self.save_hf is not None:

@@ -31,7 +31,6 @@ from ..engine.activation_checkpointing import disable_checkpointing
 from ..engine.evaluation import evaluate
 from ..engine.lora import describe_lora
 from ..engine.quantization import describe_quantized
-from ..engine.step import optimizer_impl
 from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
@@ -292,7 +291,7 @@ class _Run:
             skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
             precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
-            optimizer=f"{self.built.memory.settings.optimizer_name()} ({optimizer_impl(self.optimization.optimizer)})",
+            optimizer=self.built.memory.optimizer.describe(self.optimization.optimizer),
             memory=self.built.memory.to_dict(),
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
             compile_reason=info.reason if info else "off (compile=False)",

@@ -26,6 +26,7 @@ from ..core.budget import gib, read_budget, release_memory, without_oom
 from ..core.device import device_facts
 from ..core.errors import TrainingOutOfMemory
 from ..core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
+from ..core.optimizers import DEFAULT_OPTIMIZER
 from ..core.precision import PRECISIONS, canonical_precision
 from ..core.results import run_metadata
 from ..planning.planner import FitResult, ModeRow, device_room, plan
@@ -112,14 +113,14 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow 
     room = device_room(budget)  # what `fit` says a training step may use here
     # A LoRA run's model already has its adapters: planned as it is, its trainable parameters are theirs.
     lora = ran.memory_settings.lora
-    optimizers = ("adamw",) if ran.memory_settings.optimizer == "adamw" else ("adamw", "adamw8bit")
+    optimizers = tuple(dict.fromkeys((DEFAULT_OPTIMIZER.name, ran.memory_settings.optimizer)))  # and the run's
     configs, blocks = plan(adapter, PRECISIONS, ran.length, checkpointing=True,
                            lora=None if lora else LoraSettings(), budget=budget, optimizers=optimizers)
     if lora:  # planned as the model holds them: its base in the dtype it has, its adapters trained
         base = next((p.dtype for p in adapter.model.parameters() if not p.requires_grad and p.is_floating_point()),
                     torch.float32)
-        configs = [replace(c, memory=DecidedMemory(replace(ran.memory_settings, checkpointing=c.checkpointing), base,
-                                                   c.memory.optimizer if c.memory else "adamw", "the run's"))
+        configs = [replace(c, memory=DecidedMemory(replace(ran.memory_settings, checkpointing=c.checkpointing,
+                                                           optimizer=c.optimizer.name), base, "the run's"))
                    for c in configs]
     fit = FitResult(configs, ran.length, adapter.summary(), budget, run_metadata(device), blocks=blocks,
                     batch_size=ran.batch)
@@ -147,10 +148,8 @@ def _most(configs: list[ModeRow], length: int, room: float) -> str:
 
 def _same_mode(configs: list[ModeRow], ran: RanOut) -> ModeRow | None:
     settings = ran.memory_settings
-    eight_bit = settings.optimizer != "adamw"
     return next((c for c in configs if c.precision == ran.precision and c.checkpointing == settings.checkpointing
-                 and (c.lora is None) == (settings.lora is None)
-                 and (c.memory is not None and c.memory.optimizer != "adamw") == eight_bit), None)
+                 and (c.lora is None) == (settings.lora is None) and c.optimizer is settings.optimizer_class), None)
 
 
 def _resume(ran: RanOut, cheapest: ModeRow | None) -> str:

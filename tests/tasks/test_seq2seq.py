@@ -198,3 +198,24 @@ def test_a_forced_other_task_on_an_encoder_decoder_is_one_line():
         tier_utils.adapt(tier_utils.load_model("tiny-seq2seq", **SMALL), task="classification")
     assert task_named("text2text") is SEQ2SEQ
     assert tier_utils.adapt(tier_utils.TinyGPT(**TINY)).task is not SEQ2SEQ
+
+
+def test_each_evaluation_scores_what_the_model_writes(monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tier_utils.train("tiny-seq2seq", None, model_kwargs=SMALL, max_steps=4, batch_size=8, seq_len=16,
+                                  eval_batches=1, progress=False, device="cpu")
+    made = result.summary.generation
+    assert made["n"] == 16 and len(made["samples"]) == 16 and 0 <= made["exact_match"] <= 1
+    assert made["decoding"] == "greedy, at most 16 new tokens" and made["seconds"] > 0
+    first = made["samples"][0]
+    assert first["target"] == first["source"].upper()  # the bundled demo: the snippet in capitals
+    if made["skipped"] is None:
+        assert 0 <= made["chrf"] <= 100 and 0 <= made["bleu"] <= 100
+    row = result.table.set_index("metric").loc["generation", "value"]
+    assert "exact match" in row and "on 16 validation sources (greedy" in row
+    from tier_utils.engine import generation
+
+    monkeypatch.setitem(__import__("sys").modules, "sacrebleu", None)  # as if the extra were not installed
+    assert generation._sacrebleu(["a"], ["a"]) == (None, None, "sacrebleu is not installed: pip install "
+                                                               "'tier_utils[seq2seq]'")

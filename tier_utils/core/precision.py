@@ -201,7 +201,7 @@ class _Mixed(Precision):
 
     def forward_context(self):
         # The tensors' device type (a CPU's under a GPU profile), whatever hardware the mode was decided for.
-        return _autocast(self.device.type, self.compute_dtype)
+        return _Autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _held(self) -> str:
         return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
@@ -270,18 +270,21 @@ class Fp16True(_Fp16, _True):
             "moment underflows for gradients below ~5e-3 (eps 1e-4); prefer bf16-true where bf16 is native")
 
 
-@contextlib.contextmanager
-def _autocast(device_type: str, dtype: torch.dtype):
+class _Autocast(torch.autocast):
     """torch.autocast, with nn.MultiheadAttention's inference fast path off on a CPU: that path (a padded batch
     through nn.Transformer in eval) checks only CUDA's autocast and fails on the CPU's mixed dtypes (torch 2.13)."""
-    fast = torch.backends.mha.get_fastpath_enabled()
-    if device_type == "cpu":
-        torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast)
+
+    def __enter__(self):
+        self._fast_path = torch.backends.mha.get_fastpath_enabled()
+        if self.device == "cpu":
+            torch.backends.mha.set_fastpath_enabled(False)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(self._fast_path)
 
 
 @contextlib.contextmanager

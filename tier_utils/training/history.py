@@ -19,6 +19,7 @@ from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import Stats, StepTimer, summarize
 from ..core.plotting import caption, integer_axis, power_of_two_axis, save_png
 from ..core.results import Result
+from ..engine.generation import Generated
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -241,6 +242,9 @@ class TrainSummary:
     sharding: str | None = None
     param_bytes_per_rank: int | None = None  # the parameter bytes this rank holds (its shard under fsdp)
     consolidated: str | None = None  # fsdp with consolidate: the unsharded last.pt rank 0 wrote
+    # A generating task's last evaluation (engine.generation.Generated.to_dict: chrF, BLEU, exact match, samples),
+    # or {"skipped": why}; None: the task generates nothing.
+    generation: dict | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -296,6 +300,8 @@ class TrainResult(Result):
             ("val_loss", number(s.val_loss, ".4f")),
             ("perplexity", number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
+            ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
+                                             else Generated(**s.generation).describe())),
             ("best_val_loss", None if s.best_step is None else f"{s.best_val_loss:.4f} at step {s.best_step}"
                                                                + (f" ({s.best_checkpoint})" * bool(s.best_checkpoint))),
             ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),

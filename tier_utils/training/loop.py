@@ -29,6 +29,7 @@ from ..data.datasets import to_device
 from ..engine import sharding
 from ..engine.activation_checkpointing import disable_checkpointing
 from ..engine.evaluation import evaluate
+from ..engine.generation import Generated, generate_and_score
 from ..engine.lora import describe_lora
 from ..engine.quantization import describe_quantized
 from ..engine.strategies import Strategy, resolve_strategy
@@ -254,8 +255,17 @@ class _Run:
         metrics = evaluate(self.adapter, self.data.val_loader, self.precision, self.cfg.eval_batches,
                            self.env.all_sum, self.data.eval_forwards)
         self.progress.val_targets = metrics["targets"]
+        if self.adapter.task.generates:
+            self.progress.generated = self._generate()
         self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.progress.step / self.data.steps_per_epoch}
+
+    def _generate(self) -> Generated | str:
+        """What the model writes for a few validation sources, scored: in one process (a sharded model's forward
+        needs every rank, and the scores are the same anywhere), else why not."""
+        if self.env.world_size > 1:
+            return f"generation runs in one process; not under torchrun ({self.env.world_size} ranks)"
+        return generate_and_score(self.adapter, self.data.splits.val, self.precision)
 
     def _finish(self) -> Finished:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""
@@ -308,9 +318,17 @@ class _Run:
             weights_detail=prec.describe_weights(adapter.stored_dtype),
             activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
+            generation=_generation(self.progress.generated),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)
+
+
+def _generation(generated) -> dict | None:
+    """The summary's record of the last evaluation's generation (a reason where it was skipped)."""
+    if generated is None:
+        return None
+    return {"skipped": generated} if isinstance(generated, str) else generated.to_dict()
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,8 @@ def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
     exc = info.value
     assert exc.step == 17 and exc.quantity == "loss scale" and exc.value == 0.5
     assert "loss scale became 0.5 at step 17 in fp16" in str(exc)
+    # every step was skipped: the scaler's overflow is the cause, not the learning rate (issue 50)
+    assert "likeliest cause: fp16's GradScaler skipped every step (17 of 17)" in str(exc)
     partial = exc.result
     assert partial.summary.diverged_at_step == 17 and partial.skipped_steps == 16
     assert partial.history.query("kind == 'step'")["skipped_steps"].sum() == 16

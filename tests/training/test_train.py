@@ -454,8 +454,15 @@ def test_malicious_checkpoint_is_refused(tmp_path):
 
 def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
     train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
-    with pytest.raises(CheckpointError, match="lr=0.0003"):
-        train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3, **FAST)
+    with pytest.raises(CheckpointError) as info:
+        train(tiny(), precision="bf16", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3,
+              memory="adamw8bit" if importlib.util.find_spec("bitsandbytes") else None, **FAST)
+    # Issue 50: the saved settings beside this run's, the memory settings in words rather than a raw dict.
+    message = str(info.value)
+    assert "is from a run with lr=0.0003 (this run: 0.001), " in message
+    assert "precision='fp32' (this run: 'bf16')" in message and "{" not in message
+    if importlib.util.find_spec("bitsandbytes"):
+        assert "memory='full fine-tune, AdamW' (this run: 'full fine-tune, AdamW8bit')" in message
 
 
 def test_resume_refuses_a_checkpoint_from_different_data(tmp_path):

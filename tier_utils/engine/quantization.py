@@ -14,9 +14,7 @@ peft's merge_and_unload, the whole model in the base's stored dtype.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -25,29 +23,16 @@ from ..core.errors import QuantizationError
 from ..core.memory_settings import DecidedMemory
 from ..models.loading import is_pretrained_spec, load_model, source_of
 from .activation_checkpointing import repeated_blocks
-from .lora import apply_lora, is_lora
+from .lora import apply_lora, is_lora, quiet_peft
 
 QUANT_TYPE = "nf4"
 _EXTRA = "pip install 'tier_utils[qlora]' (or bitsandbytes)"
 
 
-@contextmanager
-def _quiet_cpu_kernel_hint():
-    """bitsandbytes' CPU backend logs, at import, that an optional kernels package would speed it up: a hint about
-    an install the user did not ask for, printed on every run; its logger's level is the user's again afterwards."""
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def require_bitsandbytes(what: str):
     """The bitsandbytes module, or one line naming the extra that installs it."""
     try:
-        with _quiet_cpu_kernel_hint():
+        with quiet_peft():  # bitsandbytes' import-time hint, said by whichever package imports it first
             import bitsandbytes
     except ImportError:
         raise QuantizationError(f"{what} needs bitsandbytes; {_EXTRA}") from None

@@ -1,16 +1,20 @@
 """The `all` main job (API and CLI), end to end with tiny sizes."""
 import json
+import warnings
 
 import pandas as pd
 import pytest
+import torch
 from test_report import Fake, FakeBench
-from tiny import TINY, TINY_ARGS
+from tiny import TINY, TINY_ARGS, tiny
 
 from tier_utils import BenchConfig, TrainConfig, mainjob
 from tier_utils.cli import main
 from tier_utils.core.errors import TrainingDiverged
+from tier_utils.core.precision import SlowPrecisionWarning
 from tier_utils.core.results import Result
 from tier_utils.mainjob import run_all
+from tier_utils.models.loading import load_model
 from tier_utils.presets import Preset
 
 TINY_SIZES = Preset(batch_size=4, seq_len=16, analysis_batches=1,
@@ -49,7 +53,8 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
                  "benchmark TinyGPT: ", "model checks: ", " at batch 4 x 16 tokens"):
         assert head in printed
     # fit's fastest here is what the benchmark measured in the same run; the last line leads with the answer
-    assert "measured by this run's benchmark at batch 4 x 16)" in printed or "fastest here fp32" in printed
+    assert ("fastest here " in printed or "no mode was measurably faster here (closest: " in printed) and \
+        "measured by this run's benchmark at batch 4 x 16" in printed
     last = printed.splitlines()[-1]
     assert data["summary"] == last
     assert last.split(" here: ")[0] in BenchConfig().precisions and last.index(" here: ") < last.index("model checks")
@@ -71,7 +76,7 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
 
     def diverging(model, data, config):
         partial = real_train(model, data, config, max_steps=1)
-        partial.summary.diverged_at_step = 2
+        partial.summary.diverged_at_step, partial.summary.diverged = 2, "loss became nan at step 2 in fp16"
         raise TrainingDiverged(2, "fp16", float("nan"), result=partial)
 
     monkeypatch.setattr(mainjob, "train", diverging)
@@ -80,6 +85,37 @@ def test_diverged_training_is_a_fail_with_its_partial_history(tmp_path, tiny_siz
     result = run_all("tiny-gpt", tmp_path, fast=True, progress=False, model_kwargs=TINY)
     assert result.statuses["train"] == "FAIL" and result.status == "FAIL" and result.model_status == "FAIL"
     assert result.results["train"].summary.steps == 1 and (tmp_path / "train.csv").exists()
+
+
+LOUD = """
+from tier_utils import TinyGPT
+
+
+class Loud(TinyGPT):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs) * 7e4
+"""
+
+
+@pytest.mark.parametrize("case,line", [
+    ("every step skipped", "fp16 and the run ended with train_loss nan; likeliest cause: fp16's GradScaler skipped "
+                           "every step (4 of 4)"),
+    ("a weight past fp16", "fp16 would overflow: head.weight holds values beyond fp16's ±65504"),
+])
+def test_a_non_finite_training_fails_all_with_its_line(case, line, tmp_path, tiny_sizes, monkeypatch):
+    # Before (issue 50, item 6): NaN train and val loss, exit 0.
+    (tmp_path / "loud.py").write_text(LOUD)
+    model = load_model(f"{tmp_path / 'loud.py'}:Loud", **TINY) if case == "every step skipped" else tiny(seed=0)
+    if case == "a weight past fp16":
+        with torch.no_grad():
+            model.head.weight[0, 0] = 1e6
+    for tier in ("smoke", "analyze", "amp_benchmark"):  # only training matters here
+        monkeypatch.setattr(mainjob, tier, lambda *a, **k: Fake(["PASS"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPrecisionWarning)  # fp16 on a CPU
+        result = run_all(model, tmp_path / "report", fast=True, precision="fp16", device="cpu", progress=False)
+    assert result.statuses["train"] == "FAIL" and result.model_status == "FAIL"  # the CLI's exit 1
+    assert line in result.summary_text()
 
 
 def test_benchmark_verdict_fail_is_reported_but_not_a_model_failure(tmp_path, monkeypatch):

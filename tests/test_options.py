@@ -30,3 +30,20 @@ def test_a_builtins_argument_of_the_wrong_type_names_the_type_it_takes(kwargs, s
 def test_the_cli_says_it_in_one_line(capsys):
     assert main(["info", "--model-arg", "d_model=abc"]) == 2
     assert capsys.readouterr().err.startswith("error: tiny-gpt: d_model takes an int, got 'abc'")
+
+
+@pytest.mark.parametrize("verb", ["train", "all", "search"])
+def test_the_renamed_checkpointing_flag_still_works_with_a_one_line_notice(verb, capsys):
+    """Issue 50: --activation-checkpointing became --checkpointing with no alias, and the error suggested
+    --no-checkpointing. The old spelling keeps working for a release; a near miss names the new one."""
+    out = ["--out", "x"] if verb != "search" else []
+    parse = build_parser().parse_args
+    assert parse([verb, *out, "--activation-checkpointing"]).checkpointing is True
+    assert capsys.readouterr().err == ("warning: --activation-checkpointing is now --checkpointing; the old "
+                                       "spelling goes in a later release\n")
+    assert parse([verb, *out, "--no-activation-checkpointing"]).checkpointing is False
+    assert "--no-activation-checkpointing is now --no-checkpointing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse([verb, *out, "--activation_checkpointing"])
+    assert "; did you mean --checkpointing?" in capsys.readouterr().err
+    assert "activation-checkpointing" not in build_parser()._subparsers._group_actions[0].choices[verb].format_help()

@@ -57,3 +57,40 @@ def test_the_adapter_gives_a_transformers_model_the_mask_it_knows(monkeypatch):
                        pad_token_id=3)
     adapt(model).logits(torch.full((2, 8), 3))
     assert seen and all(mask is not None and bool(mask.all()) for mask in seen)
+
+
+def test_an_adapter_folder_loads_from_the_cli_without_peft_or_bitsandbytes_lines(tmp_path, capsys, caplog, monkeypatch):
+    """Issue 50: loading an adapter folder printed transformers' FutureWarning for the `is_gradient_checkpointing`
+    peft reads, and bitsandbytes' import-time hint that `kernels` would speed its CPU path (on CPUs with AVX512-BF16)
+    was often stderr's last line. The CLI runs every verb without either; its own warnings still show."""
+    import logging
+    import warnings
+
+    import torch
+
+    from tier_utils import cli
+    from tier_utils.engine.lora import LoraSettings, apply_lora, quiet_peft
+    from tier_utils.models.loading import load_model
+
+    with quiet_peft():  # its first import in this process: bitsandbytes' hint would land in caplog
+        pytest.importorskip("peft")
+    torch.manual_seed(0)
+    load_model("hf:LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=32, vocab_size=256).save_pretrained(tmp_path / "base")
+    apply_lora(load_model(str(tmp_path / "base")), LoraSettings(r=4, alpha=8)).save_pretrained(tmp_path / "adapter")
+
+    def info(args):
+        # as bitsandbytes logs it when first imported (by peft, or anyone), on a CPU with AVX512-BF16
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward from "
+                                                                   "kernels-community: No module named 'kernels'")
+        load_model(str(tmp_path / "adapter"))
+        warnings.warn("tier_utils' own warning", stacklevel=1)
+        return None, 0
+
+    monkeypatch.setattr(cli, "_run_info", info)
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["info", "--model", str(tmp_path / "adapter"), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "is_gradient_checkpointing" not in err and "gemm_4bit_forward" not in err + caplog.text, err
+    assert "warning: tier_utils' own warning" in err

@@ -26,6 +26,7 @@ from .core.errors import TierError, TrainingDiverged, one_line
 from .core.files import atomic_write_bytes, jsonable, write_json
 from .core.inputs import writable_dir, writable_file
 from .core.threads import machine_load, run_threads
+from .engine.lora import quiet_peft
 from .exporting.exporter import ExportConfig, export
 from .mainjob import run_all
 from .models.loading import load_model
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on bad arguments
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_peft():  # peft's and bitsandbytes' lines with nothing to act on
             warnings.showwarning = _warning_line
             _check_outputs(args)
             with run_threads():  # chosen once, before the verb's first line: every tier it runs keeps it

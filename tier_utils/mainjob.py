@@ -19,7 +19,15 @@ from .analysis import analyze
 from .benchmark.amp import BenchmarkResult, amp_benchmark
 from .benchmark.mainjob.batch_size import fp32_measure, grow_batch
 from .benchmark.mainjob.consistency import consistency, recorded_load
-from .core.errors import HostMemoryShort, ModelForwardError, TierError, TrainingDiverged, TrainingOutOfMemory, describe
+from .core.errors import (
+    Fp16RangeError,
+    HostMemoryShort,
+    ModelForwardError,
+    TierError,
+    TrainingDiverged,
+    TrainingOutOfMemory,
+    describe,
+)
 from .core.files import holds_lock, jsonable
 from .core.inputs import writable_dir
 from .core.measure import load_average
@@ -211,12 +219,13 @@ def _run_tiers(steps: dict) -> tuple[dict, dict]:
 
 def _attempt(name: str, run) -> tuple:
     """`run()` and its seconds. The model breaking a tier is a FAIL in the report (a TierFailure) and the
-    other tiers run, and so is running out of memory (training's line, whole: it says what fits); the user's
-    input (any other TierError) raises: one line, its exit code (2), no report."""
+    other tiers run, and so is running out of memory (training's line, whole: it says what fits) and a weight fp16
+    makes inf (the line names it); the user's input (any other TierError) raises: one line, its exit code (2), no
+    report."""
     start = time.perf_counter()
     try:
         outcome = run()
-    except (TrainingOutOfMemory, HostMemoryShort) as exc:
+    except (TrainingOutOfMemory, HostMemoryShort, Fp16RangeError) as exc:
         outcome = TierFailure(name, describe(exc, limit=None))
     except TierError as exc:
         if not isinstance(exc, ModelForwardError):

@@ -8,6 +8,7 @@ import ast
 import difflib
 import inspect
 import json
+import sys
 import textwrap
 import types
 import typing
@@ -148,6 +149,26 @@ def add_memory(parser, checkpointing: bool = True) -> None:
         field = MemorySettings.__dataclass_fields__["checkpointing"]
         parser.add_argument("--checkpointing", dest="checkpointing", action=argparse.BooleanOptionalAction,
                             default=field.default, help=_with_default(field.metadata["help"], field.default))
+        for old, new in RENAMED.items():
+            parser.add_argument(old, dest="checkpointing", action=_Renamed, new=new)
+
+
+# Flags renamed, old spelling -> new: the old one still works for a release, with a one-line notice on stderr, and
+# an unknown flag's "did you mean" names the new one.
+RENAMED = {"--activation-checkpointing": "--checkpointing", "--no-activation-checkpointing": "--no-checkpointing"}
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of a renamed on/off flag (hidden from help): sets what the new one sets, and says so."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is now {self.new}; the old spelling goes in a later release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, not self.new.startswith("--no-"))
 
 
 def memory_of(args) -> MemorySettings:
@@ -246,7 +267,7 @@ class Parser(argparse.ArgumentParser):
             verbs = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction)).choices
             verb = verbs[parsed.verb]
             options = [o for a in verb._actions for o in a.option_strings]
-            near = [m for x in extras if x.startswith("-")
+            near = [RENAMED.get(m, m) for x in extras if x.startswith("-")  # a renamed flag by its new spelling
                     for m in difflib.get_close_matches(x.split("=")[0].replace("_", "-"), options, n=1)]
             verb.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {near[0]}?" if near else ""))
         return parsed

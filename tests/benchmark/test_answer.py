@@ -3,11 +3,13 @@ the modes whose verdicts failed and why (benchmark/answer.py), from injected rec
 from types import SimpleNamespace
 
 from tier_utils.benchmark.answer import answer_line
-from tier_utils.benchmark.verdicts import PrecisionCheck
+from tier_utils.benchmark.verdicts import PrecisionCheck, Speedup
 
 
-def _record(precision, speedup, weights="float32", activations=None, rounded=None):
-    sp = None if speedup is None else SimpleNamespace(median=speedup)
+def _record(precision, speedup, weights="float32", activations=None, rounded=None, iqr=0.05):
+    """`speedup` measured with an IQR range of ±`iqr` around it (outside fp32's noise where that excludes 1)."""
+    low, high = speedup and speedup - iqr, speedup and speedup + iqr
+    sp = None if speedup is None else Speedup(speedup, low, high, low <= 1 <= high, iqr)
     return SimpleNamespace(precision=precision, mode="eager", checkpointing=False, dtype="x", memory_row=None,
                            speed=SimpleNamespace(speedup=sp),
                            memory={"weights_dtype": weights, "reduction": {"activations": activations}},
@@ -44,5 +46,17 @@ def test_a_missed_speed_target_is_named_but_the_speed_reached_still_answers():
 def test_when_no_mode_beats_fp32_with_its_accuracy_the_baseline_leads():
     records = [_record("fp32", None), _record("bf16", 0.85)]
     line = answer_line(records, _checks({"bf16": ("speedup vs fp32", 0.85, 1.5)}, modes=("bf16",)))
-    assert line.startswith("fp32 here: no mode ran faster with its accuracy kept (bf16 0.85×)")
+    assert line.startswith("fp32 here: no mode ran measurably faster with its accuracy kept (bf16 0.85×)")
     assert answer_line([_record("bf16", 1.2)], []) == "no baseline ran: no speedup to give"
+
+
+def test_a_lead_inside_the_noise_is_not_called_faster():
+    """Issue 50: the main job's bf16-true 1.04x, IQR range 0.92-1.17x, was led with while its own verdict row said
+    "no measurable difference"; the lead and the faster mode beside it follow the verdicts' rule."""
+    records = [_record("fp32", None), _record("bf16", 1.02, iqr=0.1), _record("bf16-true", 1.04, "bfloat16", iqr=0.13)]
+    line = answer_line(records, _checks({}, modes=("bf16", "bf16-true")))
+    assert line.startswith("fp32 here: no mode ran measurably faster with its accuracy kept (bf16-true 1.04×, bf16 "
+                           "1.02×)")
+    records = [_record("fp32", None), _record("bf16", 1.4), _record("bf16-true", 1.5, "bfloat16", iqr=0.6)]
+    line = answer_line(records, _checks({}, modes=("bf16", "bf16-true")))
+    assert line == "bf16 here: 1.40× fp32, parity PASS"  # bf16-true's 1.5x spans 1: not named as the faster one

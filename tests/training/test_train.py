@@ -207,6 +207,8 @@ def test_fp16_loss_scale_collapse_raises_instead_of_a_nan_success():
     exc = info.value
     assert exc.step == 17 and exc.quantity == "loss scale" and exc.value == 0.5
     assert "loss scale became 0.5 at step 17 in fp16" in str(exc)
+    # every step was skipped: the scaler's overflow is the cause, not the learning rate (issue 50)
+    assert "likeliest cause: fp16's GradScaler skipped every step (17 of 17)" in str(exc)
     partial = exc.result
     assert partial.summary.diverged_at_step == 17 and partial.skipped_steps == 16
     assert partial.history.query("kind == 'step'")["skipped_steps"].sum() == 16
@@ -453,8 +455,15 @@ def test_malicious_checkpoint_is_refused(tmp_path):
 
 def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
     train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, eval_every=0, **FAST)
-    with pytest.raises(CheckpointError, match="lr=0.0003"):
-        train(tiny(), precision="fp32", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3, **FAST)
+    with pytest.raises(CheckpointError) as info:
+        train(tiny(), precision="bf16", max_steps=2, checkpoint_dir=tmp_path, resume=True, lr=1e-3,
+              memory="adamw8bit" if importlib.util.find_spec("bitsandbytes") else None, **FAST)
+    # Issue 50: the saved settings beside this run's, the memory settings in words rather than a raw dict.
+    message = str(info.value)
+    assert "is from a run with lr=0.0003 (this run: 0.001), " in message
+    assert "precision='fp32' (this run: 'bf16')" in message and "{" not in message
+    if importlib.util.find_spec("bitsandbytes"):
+        assert "memory='full fine-tune, AdamW' (this run: 'full fine-tune, AdamW8bit')" in message
 
 
 def test_resume_refuses_a_checkpoint_from_different_data(tmp_path):

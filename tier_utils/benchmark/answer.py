@@ -2,8 +2,9 @@
 baseline, the faster mode where there is one and what it costs, then the modes whose verdicts failed and why.
 
 "bf16 here: 7.0× fp32, −42 % activations, parity PASS; bf16-true 8.3× but rounds away 40 % of updates · failed:
-fp16-true (val accuracy diff -0.02, threshold 0.01)". The mode led with is the fastest eager one that ran faster
-than the baseline and kept its accuracy (no FAIL in CORRECTNESS: a missed speed or memory target is named among
+fp16-true (val accuracy diff -0.02, threshold 0.01)". The mode led with is the fastest eager one that ran measurably
+faster than the baseline (`Speedup.measurably_faster`: outside the noise, as the speed verdicts judge it) and kept
+its accuracy (no FAIL in CORRECTNESS: a missed speed or memory target is named among
 the failures, not held against the speed it did reach), a mixed mode (fp32 master weights) before a true one, as
 fit's cost order has it; where none did, the baseline leads and the line says so. The memory rows (memory_rows.py)
 follow, each with its memory and speed against the baseline and its parity: "· memory rows in bf16 vs fp32: qlora
@@ -29,13 +30,13 @@ def _precision_answer(ran, base, checks) -> str:
     failed = _failed(checks)
     others = sorted((r for r in ran if r is not base), key=_speedup, reverse=True)
     kept = [r for r in others if not set(failed.get(r.precision, ())) & set(CORRECTNESS)]
-    faster_kept = [r for r in kept if _speedup(r) > 1.0]
+    faster_kept = [r for r in kept if r.speed.speedup.measurably_faster]
     lead = next((r for r in faster_kept if _fp32_weights(r)), faster_kept[0] if faster_kept else None)
     if lead is None:
         speeds = ", ".join(f"{r.precision} {_speedup(r):.2f}×" for r in others) or "no other mode ran"
-        return f"{base.precision} here: no mode ran faster with its accuracy kept ({speeds})"
+        return f"{base.precision} here: no mode ran measurably faster with its accuracy kept ({speeds})"
     line = f"{lead.precision} here: {_speedup(lead):.2f}× {base.precision}" + _gains(lead, checks)
-    quicker = [r for r in others if _speedup(r) > _speedup(lead)]
+    quicker = [r for r in others if _speedup(r) > _speedup(lead) and r.speed.speedup.measurably_faster]
     faster = next((r for r in quicker if r in kept), quicker[0] if quicker else None)
     if faster is not None:
         line += f"; {faster.precision} {_speedup(faster):.2f}× but {_cost(faster, failed)}"

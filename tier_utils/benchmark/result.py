@@ -10,6 +10,7 @@ from ..core.files import jsonable
 from ..core.results import Result, checks_table, problem_rows, status_counts, worst_status
 from .answer import answer_line
 from .record import BenchRun, Outcome, PrecisionRecord
+from .verdicts import Speedup
 
 SCHEMA = "tier_utils.bench/1"
 
@@ -45,13 +46,13 @@ class BenchmarkResult(Result):
 
     judges = "device"  # its verdicts judge how this device runs each precision, not the model
 
-    def speedups(self) -> dict[str, float]:
-        """Precision -> its eager step's median speedup over fp32 as measured here (fp32 1.0); only the precisions
-        that ran without checkpointing, and none where the baseline was not fp32 (fp32 did not fit)."""
+    def speedups(self) -> dict[str, Speedup | None]:
+        """Precision -> its eager step's Speedup over fp32 as measured here (fp32: None, the baseline); only the
+        precisions that ran without checkpointing, and none where the baseline was not fp32 (fp32 did not fit)."""
         ran = [r for r in self.records if r.mode == "eager" and not r.checkpointing and r.speed is not None]
         if not any(r.precision == "fp32" and r.speed.speedup is None for r in ran):
             return {}
-        return {r.precision: r.speed.speedup.median if r.speed.speedup else 1.0 for r in ran}
+        return {r.precision: r.speed.speedup for r in ran}
 
     def summary_line(self) -> str:
         """"benchmark TinyGPT: FAIL (9 PASS, 1 FAIL) at batch 8 x 64 tokens on ...; weights stored float32, ..."."""

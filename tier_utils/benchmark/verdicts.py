@@ -44,6 +44,16 @@ class Speedup:
     no_measurable_difference: bool
     spread_over_median: float
 
+    @property
+    def measurably_faster(self) -> bool:
+        """Faster outside the noise: the IQRs don't overlap and the median is above 1. Every "faster" and "fastest"
+        a line names follows it (the answer's lead, fit's fastest here)."""
+        return not self.no_measurable_difference and self.median > 1.0
+
+    def describe(self, base: str) -> str:
+        """"1.04× fp32, IQR range 0.92–1.17×", `base` the step it is measured against."""
+        return f"{self.median:.2f}× {base}, IQR range {self.low:.2f}–{self.high:.2f}×"
+
 
 def speedup(base: Stats, other: Stats) -> Speedup:
     """`base`'s step time (fp32's, or eager's) over `other`'s."""

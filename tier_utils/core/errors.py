@@ -100,12 +100,21 @@ class TrainingDiverged(TierError):
 
     exit_code = 1  # a finding about this run's settings, not bad input: the partial results are written
 
-    def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss"):
+    def __init__(self, step: int, precision: str, value: float, result=None, quantity: str = "loss",
+                 cause: str | None = None, final: str | None = None):
+        """`cause`: the likeliest one the run saw (training/divergence.py); None: the learning rate. `final`: the
+        non-finite figures a run that ended with them reported (None: stopped at `step`)."""
         other = "" if precision == "fp32" else ", or train in fp32"
-        super().__init__(f"{quantity} became {value} at step {step} in {precision}; lower lr, keep grad_clip on "
-                         f"or lengthen warmup_steps{other}")
+        cause = cause or f"the learning rate; lower lr, keep grad_clip on or lengthen warmup_steps{other}"
+        ended = f" and the run ended with {final}" if final else ""
+        super().__init__(f"{quantity} became {value} at step {step} in {precision}{ended}; likeliest cause: {cause}")
         self.step, self.precision, self.value, self.result = step, precision, value, result
-        self.quantity = quantity
+        self.quantity, self.cause = quantity, cause
+
+
+class Fp16RangeError(TierError, ValueError):
+    """A weight the run's fp16 would make inf (beyond ±65504), named before training: every step would be skipped
+    or NaN."""
 
 
 class TrainingOutOfMemory(TierError):

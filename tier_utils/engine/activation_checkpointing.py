@@ -50,7 +50,7 @@ def require_blocks(model: nn.Module) -> int:
     if not blocks:
         raise NoRepeatedBlocks(f"activation checkpointing needs repeated blocks (an nn.ModuleList of one layer "
                                f"type) and {type(model).__name__} has none; drop activation_checkpointing "
-                               "(--activation-checkpointing)")
+                               "(--checkpointing; bench's --activation-checkpointing)")
     return len(blocks)
 
 

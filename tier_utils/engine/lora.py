@@ -11,7 +11,9 @@ model with the adapters folded in.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import warnings
 
 import torch
@@ -24,9 +26,30 @@ from .activation_checkpointing import repeated_blocks
 __all__ = ["LoraSettings", "lora_setting"]  # declared in core.memory_settings, beside the memory settings
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft (and bitsandbytes, which peft imports) without two lines that tell the user nothing to act on, the one
+    place that silences them (the CLI runs every verb inside it): transformers' FutureWarning for the deprecated
+    `is_gradient_checkpointing` that peft reads as it wraps or loads an adapter folder (peft's to change), and
+    bitsandbytes' hint, logged as it is first imported, that an optional `kernels` package would speed its CPU 4-bit
+    path (it was often the last line on stderr, where the answer is read). Both come back afterwards: the
+    warnings filters, and the bitsandbytes CPU logger's level (ERROR and above still show)."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _peft():
     try:
-        import peft
+        with quiet_peft():
+            import peft
     except ImportError as exc:
         raise LoraError("LoRA needs the peft package; pip install 'tier_utils[lora]' (or peft)") from exc
     return peft
@@ -89,10 +112,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=list(targets))
     source = getattr(model, "tier_utils_source", None)
-    with warnings.catch_warnings():
-        # peft reads transformers' deprecated alias `is_gradient_checkpointing` while it wraps: a FutureWarning the
-        # user can do nothing about (peft's to change), printed on every LoRA run.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with quiet_peft():
         wrapped = peft.get_peft_model(model, config)
     if source is not None and source.spec and not source.kwargs:
         # What load_model(adapter folder) rebuilds the base from: the spec it was loaded by (a folder's absolute

@@ -13,7 +13,7 @@ finds the largest batch that really runs a training step by bisection, side by s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -210,8 +210,8 @@ class FitResult(Result):
     validation: Validation = field(default_factory=Validation)  # what ran a real step, and what stayed predicted
     blocks: int = 0  # how many repeated blocks checkpointing wraps
     batch_size: int = 1  # the batch the plan is for
-    # precision -> step speedup over fp32 measured on this device in the same run (the AMP benchmark's, in `all`);
-    # None: this device's fastest is predicted, as every GPU's is.
+    # precision -> its step's Speedup over fp32 measured on this device in the same run (the AMP benchmark's, in
+    # `all`; fp32: None, the baseline); None: this device's fastest is predicted, as every GPU's is.
     measured_speedups: dict | None = None
     speed_source: str = ""  # where measured_speedups were measured, in words
 
@@ -236,21 +236,27 @@ class FitResult(Result):
                 for column, (room, native) in self.devices().items()}
 
     def fastest(self) -> dict[str, ModeRow | None]:
-        """Device column -> the fastest precision mode (no checkpointing, no LoRA) that fits the batch asked there
-        (None: none does). Here: by `measured_speedups` where the run measured them (only the modes it measured
-        compete), else predicted; on every GPU predicted (speed_rank)."""
+        """Device column -> the fastest mode that fits the batch asked there (None: none does, or none measured
+        faster). Here, where the run measured speedups: the fastest of the precision modes (no checkpointing, no
+        LoRA) measurably faster than fp32 (the benchmark's rule, `Speedup.measurably_faster`). Elsewhere predicted:
+        no recompute before checkpointing's, then the precision's speed (speed_rank), then a full fine-tune before
+        LoRA and QLoRA (cost_rank's order), so wherever a mode fits, a fastest does."""
         picked = {}
         for column, (room, native) in self.devices().items():
             measured = self.measured_speedups if column == "this_device" else None
-            runs = [c for c in self._fitting(room, native) if c.lora is None and not c.checkpointing
-                    and (measured is None or c.precision in measured)]
-            rank = (lambda c, m=measured: -m[c.precision]) if measured else (lambda c, n=native: speed_rank(c, n(c)))
-            picked[column] = min(runs, key=rank, default=None)
+            fitting = self._fitting(room, native)
+            if measured:
+                faster = [c for c in fitting if c.lora is None and not c.checkpointing
+                          and measured.get(c.precision) is not None and measured[c.precision].measurably_faster]
+                picked[column] = min(faster, key=lambda c, m=measured: -m[c.precision].median, default=None)
+            else:
+                picked[column] = min(fitting, default=None, key=lambda c, n=native: (
+                    c.checkpointing, speed_rank(c, n(c)), cost_rank(c, n(c))))
         return picked
 
     def with_measured_speedups(self, speedups: dict, source: str) -> FitResult:
-        """This plan with this device's fastest mode read from `speedups` (precision -> step speedup over fp32,
-        fp32 1.0), measured as `source` says; an empty `speedups` leaves it predicted."""
+        """This plan with this device's fastest mode read from `speedups` (precision -> its step's Speedup over
+        fp32, fp32 None), measured as `source` says; an empty `speedups` leaves it predicted."""
         return replace(self, measured_speedups=dict(speedups) or None, speed_source=source if speedups else "")
 
     def full_table(self) -> pd.DataFrame:
@@ -320,12 +326,25 @@ class FitResult(Result):
         cheapest, fastest = self.cheapest(), self.fastest()
         gpus = "; ".join(f"{col.replace(' (predicted)', '')} {_named(cheapest[col])} / {_named(fastest[col])}"
                          for col in cheapest if col != "this_device")
-        here = fastest["this_device"]
-        speed = (f"{self.measured_speedups[here.precision]:.2f}x fp32, measured {self.speed_source}"
-                 if here and self.measured_speedups else "predicted")
         return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here "
-                f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); fastest here "
-                f"{_named(here)} ({speed}); cheapest / fastest predicted on {gpus}; every mode: fit.csv")
+                f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); "
+                f"{self._fastest_here(fastest['this_device'], cheapest['this_device'])}; cheapest / fastest "
+                f"predicted on {gpus}")
+
+    def _fastest_here(self, here: ModeRow | None, cheapest: ModeRow | None) -> str:
+        """"fastest here bf16: 1.45× fp32, IQR range 1.30–1.60×, measured ...", or that no mode was measurably
+        faster (the closest one's speedup and its range), or predicted."""
+        measured, source = self.measured_speedups, self.speed_source
+        if not measured:
+            return f"fastest here {_named(here)} (predicted)"
+        if here is not None:
+            return f"fastest here {here.name}: {measured[here.precision].describe('fp32')}, measured {source}"
+        if cheapest is None:
+            return "fastest here none fits"
+        ran = {p: sp for p, sp in measured.items() if sp is not None}
+        best = max(ran, key=lambda p: ran[p].median, default=None)
+        closest = f"closest: {best} {ran[best].describe('fp32')}" if best else "no other mode ran"
+        return f"no mode was measurably faster here ({closest}, measured {source})"
 
     @property
     def verdict(self) -> str:
@@ -338,7 +357,9 @@ class FitResult(Result):
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
                          "fastest": {k: c.name if c else None for k, c in self.fastest().items()},
-                         "measured_speedups": self.measured_speedups, "speed_source": self.speed_source,
+                         "measured_speedups": self.measured_speedups and {
+                             p: sp and asdict(sp) for p, sp in self.measured_speedups.items()},
+                         "speed_source": self.speed_source,
                          "table": self.full_table(),
                          "configs": [{"mode": c.name, "precision": c.precision, "checkpointing": c.checkpointing,
                                       "lora": c.lora.to_dict() if c.lora else None, "static_bytes": c.static,

@@ -15,6 +15,7 @@ import torch
 from ..adapter.adapter import ModelAdapter
 from ..core.errors import CheckpointError
 from ..core.hub import HUB_PREFIX
+from ..core.memory_settings import memory_setting
 from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
@@ -112,9 +113,10 @@ class RunCheckpoints:
         saved, now = state["config"], self.cfg.to_dict()
         # A checkpoint that reshards on load resumes on another world size if the global batch is the same.
         fields = [k for k in TRAJECTORY_FIELDS if not (saved_strategy(state).sharded and k == "batch_size")]
-        differ = [f"{k}={saved.get(k)!r}" for k in fields if saved.get(k) != now[k]]
+        differ = [f"{k}={_readable(k, saved.get(k))} (this run: {_readable(k, now[k])})" for k in fields
+                  if saved.get(k) != now[k]]
         if state["precision"] != self.precision:
-            differ.append(f"precision={state['precision']!r}")
+            differ.append(f"precision={state['precision']!r} (this run: {self.precision!r})")
         return differ + self.strategy.resume_differences(state, self.data.global_batch)
 
     def _load(self) -> None:
@@ -143,3 +145,9 @@ class RunCheckpoints:
         set_rng_state(state["rng"][env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
         if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now
             resume_threads(state["threads"], state["step"])
+
+
+def _readable(name: str, value) -> str:
+    """A trajectory setting as a resume-mismatch line shows it: the memory settings in words (not their dict), the
+    rest as written in Python."""
+    return repr(memory_setting(value).describe() if name == "memory" else value)

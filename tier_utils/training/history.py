@@ -48,6 +48,8 @@ class History:
         self.rows: list[dict] = []
         self.timer = StepTimer(device)
         self.skipped_total = 0
+        # The first step whose loss and whose gradient norm were not finite, skipped or not: (step, value) by name.
+        self.first_nonfinite: dict[str, tuple[int, float]] = {}
         self.loss_scale_trace: list[tuple[int, float, float]] = []
         self._pending: list[tuple] = []  # (step, StepOutput, lr, tokens)
         self._window, self._epoch = _acc(), _acc()
@@ -72,6 +74,9 @@ class History:
         pending, self._pending = self._pending, []
         for (step, out, lr, tokens), (loss, gn) in zip(pending, values):
             skipped = out.skipped
+            for value, name in ((loss, "loss"), (gn, "gradient norm")):
+                if not math.isfinite(value):
+                    self.first_nonfinite.setdefault(name, (step, value))
             bad = next(((v, q) for v, q in ((loss, "loss"), (gn, "gradient norm")) if not math.isfinite(v)), None)
             if bad is not None and not skipped:
                 return step, *bad
@@ -148,13 +153,16 @@ class History:
     def state_dict(self) -> dict:
         """Plain containers for a checkpoint (call `sync()` first: pending tensors are not saved)."""
         return {"rows": [dict(r) for r in self.rows], "window": dict(self._window), "epoch": dict(self._epoch),
-                "skipped_total": self.skipped_total, "loss_scale_trace": [list(t) for t in self.loss_scale_trace]}
+                "skipped_total": self.skipped_total, "loss_scale_trace": [list(t) for t in self.loss_scale_trace],
+                "first_nonfinite": {k: list(v) for k, v in self.first_nonfinite.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = [dict(r) for r in state["rows"]]
         self._window, self._epoch = {**_acc(), **state["window"]}, {**_acc(), **state["epoch"]}
         self.skipped_total = state["skipped_total"]
         self.loss_scale_trace = [tuple(t) for t in state["loss_scale_trace"]]
+        # A checkpoint written before this was recorded has none to give.
+        self.first_nonfinite = {k: tuple(v) for k, v in state.get("first_nonfinite", {}).items()}
 
 
 def _take_peak_mb(device: torch.device) -> float:
@@ -217,7 +225,7 @@ class TrainSummary:
     resumed_from_step: int | None
     checkpoint: str | None
     interrupted: bool
-    diverged_at_step: int | None
+    diverged_at_step: int | None  # the step TrainingDiverged names (None: the run did not diverge)
     run_metadata: dict
     best_val_loss: float | None = None  # the lowest val loss of any evaluation, and its step
     best_step: int | None = None
@@ -245,6 +253,7 @@ class TrainSummary:
     # A generating task's last evaluation (engine.generation.Generated.to_dict: chrF, BLEU, exact match, samples),
     # or {"skipped": why}; None: the task generates nothing.
     generation: dict | None = None
+    diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -335,7 +344,7 @@ class TrainResult(Result):
         if t := s.tokens_per_s:
             line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
         if s.diverged_at_step is not None:
-            line += f" · FAIL: diverged at step {s.diverged_at_step}"
+            line += f" · FAIL: {s.diverged}"
         return line
 
     def plot(self):

@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..core.device import device_name
-from ..core.errors import TrainingDiverged
+from ..core.errors import TrainingDiverged, one_line
 from ..core.files import run_lock
 from ..core.inputs import writable_dir
 from ..core.precision import Precision, dtype_name, resolve_device, resolve_precision
@@ -35,6 +35,7 @@ from ..engine.quantization import describe_quantized
 from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
+from .divergence import divergence_error, ended_nonfinite
 from .finetune import Selection, restore_best, save_hf
 from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
@@ -159,6 +160,7 @@ class _Run:
         interrupted, finished = False, None
         try:
             self._loop(bar)
+            self._check_ended()
             finished = self._finish()
         except KeyboardInterrupt:
             interrupted = True
@@ -167,7 +169,7 @@ class _Run:
             if self.env.active or self.hist.sync() is None:
                 self._emit(self.progress.step)
         except TrainingDiverged as exc:
-            exc.result = self._logged(self.result(diverged_at=exc.step), "FAILED")
+            exc.result = self._logged(self.result(diverged=exc), "FAILED")
             raise
         except BaseException:  # e.g. on_eval's TrialPruned: the logged run ends too
             self.log.close("KILLED")
@@ -243,7 +245,15 @@ class _Run:
             return
         step, value, quantity = bad
         self._emit(step - 1)
-        raise TrainingDiverged(step, self.precision.name, value, quantity=quantity)
+        raise divergence_error(step, value, quantity, self.precision, self.built.nonfinite_at_load,
+                               self.hist.skipped_total)
+
+    def _check_ended(self) -> None:
+        """A run that ran its steps but ends with a non-finite train or validation loss fails as a diverged one
+        would (its save_hf is not written)."""
+        error = ended_nonfinite(self.hist, self.precision, self.built.nonfinite_at_load, self.progress.step)
+        if error is not None:
+            raise error
 
     def _report(self, metrics: dict) -> None:
         if self.on_eval is not None and self.env.is_main:
@@ -282,13 +292,13 @@ class _Run:
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, finished: Finished | None = None, interrupted: bool = False,
-               diverged_at: int | None = None) -> TrainResult:
+               diverged: TrainingDiverged | None = None) -> TrainResult:
         history, hist, prec, step = self.hist.frame(), self.hist, self.precision, self.progress.step
         last_step = hist.last("step") or {}
         last_eval = next((r for r in reversed(hist.rows) if r["kind"] in ("eval", "epoch")), {})
         cfg, env, info, adapter, data = self.cfg, self.env, self.optimization.compiled, self.adapter, self.data
         finished = finished or Finished()
-        unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged_at else None
+        unsaved = "the run was interrupted" if interrupted else "the run diverged" if diverged else None
         best = self.checkpoints.best_path
         summary = TrainSummary(
             model=self.built.name, task=adapter.task.name,
@@ -310,7 +320,8 @@ class _Run:
             consolidated=finished.consolidated and str(finished.consolidated), rank=env.rank,
             resumed_from_step=self.progress.resumed_from,
             checkpoint=str(self.checkpoints.last_path) if self.progress.last_saved is not None else None,
-            interrupted=interrupted, diverged_at_step=diverged_at, run_metadata=run_metadata(self.device, prec.dtype),
+            interrupted=interrupted, diverged_at_step=diverged and diverged.step,
+            diverged=diverged and one_line(diverged), run_metadata=run_metadata(self.device, prec.dtype),
             **self.selection.summary(step, data.total_steps, best), weights=finished.weights,
             hf_folder=cfg.save_hf if finished.saved_hf else None,
             hf_detail=finished.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),

@@ -27,6 +27,7 @@ from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from ..engine.strategies import Strategy
 from ..models.checkpoint import data_fingerprint
 from .config import FINE_LOG_STEPS, TrainConfig
+from .divergence import checked_weights
 from .finetune import check_save_hf
 from .history import MAX_STEP_ROWS
 
@@ -40,6 +41,7 @@ class BuiltModel:
     checkpointing: str | None  # activation checkpointing's description (None: off)
     placement: str | None  # how the strategy holds the model on its ranks (None: one process)
     memory: DecidedMemory  # the memory settings decided for this run: LoRA's base dtype, the optimizer built
+    nonfinite_at_load: tuple[str, ...]  # the weights that were NaN or inf as loaded: a non-finite loss's cause
 
 
 def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precision, strategy: Strategy,
@@ -52,6 +54,7 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
         # A spec's 4-bit base is quantised as it loads (transformers' BitsAndBytesConfig for a folder or hub id)
         model, model_kwargs = load_quantized(model, precision.compute_dtype, **model_kwargs), {}
     adapter = resolve_model(model, **model_kwargs)
+    at_load = checked_weights(adapter.model, precision)  # a weight fp16 makes inf: refused before anything else
     # Decided once, here: LoRA's base dtype (and fp16's range check on these weights), the optimizer built.
     memory = resolve_memory(cfg.memory, precision, device_facts(device), adapter.stored_dtype, adapter.model)
     if cfg.memory.checkpointing:
@@ -67,7 +70,7 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
     adapter.check_forward()
     name = adapter.name
     return BuiltModel(adapter, name, checkpointing, strategy.setup_module(adapter.model, precision, allocator),
-                      memory)
+                      memory, at_load)
 
 
 def with_lora(adapter: ModelAdapter, memory: DecidedMemory, precision: Precision) -> ModelAdapter:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from tiny import TINY
 
 import tier_utils
+import tier_utils.models.builtins
 from tier_utils.cli import main
 from tier_utils.core.errors import AdapterError, DataError, ModelSpecError
 from tier_utils.tasks import SEQ2SEQ, build_datasets, task_named
@@ -219,3 +220,35 @@ def test_each_evaluation_scores_what_the_model_writes(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "sacrebleu", None)  # as if the extra were not installed
     assert generation._sacrebleu(["a"], ["a"]) == (None, None, "sacrebleu is not installed: pip install "
                                                                "'tier_utils[seq2seq]'")
+
+
+class LeakyDecoder(tier_utils.models.builtins.TinySeq2Seq):
+    """Its decoder has no causal mask: each target position reads the answers after it."""
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, inputs_embeds=None):
+        return self.head(self.transformer(self.embed(input_ids, inputs_embeds), self.embed(decoder_input_ids)))
+
+
+def test_smoke_checks_both_lengths_and_fails_a_decoder_that_reads_the_future():
+    rows = tier_utils.smoke(LeakyDecoder(**SMALL), checks=["shapes"], device="cpu", progress=False).table
+    rows = rows.set_index("check")
+    assert rows.loc["shapes: source 12, target 4", "status"] == "PASS"
+    assert rows.loc["shapes: source 4, target 12", "value"] == "(2, 12, 256)"
+    leak = rows.loc["decoder: a later target token changes no earlier logit"]
+    assert leak.status == "FAIL" and "the decoder sees future targets" in leak.detail
+    healthy = tier_utils.smoke("tiny-seq2seq", model_kwargs=SMALL, checks=["shapes"], device="cpu", progress=False)
+    assert healthy.table.set_index("check").loc["decoder: a later target token changes no earlier logit",
+                                                "status"] == "PASS"
+
+
+def test_t5s_fp16_overflow_shows_in_headroom_with_its_reason():
+    """A feed-forward scaled as T5's grow in training: outputs past fp16's 65504, on any CPU."""
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0))
+    with torch.no_grad():
+        t5.encoder.block[0].layer[-1].DenseReluDense.wo.weight.mul_(3e4)
+    found = tier_utils.analyze(t5, analyses=("headroom",), device="cpu", progress=False).table.set_index("check")
+    advice = found.loc["recommendation"]
+    assert advice.status == "WARN" and advice.value == "prefer bf16"
+    assert "encoder.block.0.layer.1.DenseReluDense.wo" in advice.detail and "> fp16 max 65504" in advice.detail

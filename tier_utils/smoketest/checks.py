@@ -96,7 +96,7 @@ def _tolerance(adapter: ModelAdapter, fp32_tol: float) -> tuple[float, str]:
     `fp32_tol`, or the rounding of a coarser dtype (the tolerance of the mode that computes in it)."""
     held = computed_in(adapter.weights_dtype)
     tol = held.tolerances().logits
-    if tol <= fp32_tol:
+    if held.compute_dtype == torch.float32 or tol <= fp32_tol:  # fp32's own bounds are the check's
         return fp32_tol, ""
     return tol, f"; bound {tol:g}: {dtype_name(held.compute_dtype)} rounding, the dtype the weights are held in"
 
@@ -133,6 +133,11 @@ def _shapes(adapter: ModelAdapter, report):
             continue
         yield _guarded(f"shapes: {what}", _shape_case, adapter, b, t)
     yield _guarded("shapes: padded batch + attention_mask", _padding_case, adapter)
+    if adapter.task.decodes_targets:  # an encoder-decoder: its two lengths apart, and its decoder's causality
+        S = min(12, L)
+        for s_len, t_len in ((S, max(1, S // 3)), (max(1, S // 3), S)):
+            yield _guarded(f"shapes: source {s_len}, target {t_len}", _pair_case, adapter, s_len, t_len)
+        yield _guarded("decoder: a later target token changes no earlier logit", _decoder_causal_case, adapter)
 
 
 def _own_limit(exc: BaseException) -> str | None:
@@ -191,6 +196,40 @@ def _padding_case(name: str, adapter: ModelAdapter) -> Check:
                                                    and adapter.task.positions_from_mask else ")") + why
               + ("" if ok else "; padding changes real tokens' outputs: is attention_mask used?"))
     return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {tol:g}", detail)
+
+
+def _pair_case(name: str, adapter: ModelAdapter, s_len: int, t_len: int) -> Check:
+    """A source and a target of different lengths: one prediction per target position."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, adapter.vocab_size, (2, s_len), generator=g).to(adapter.device)
+    target = torch.randint(0, adapter.vocab_size, (2, t_len), generator=g).to(adapter.device)
+    with torch.no_grad():
+        got = tuple(adapter.logits(ids, torch.ones_like(ids), labels=target).shape)
+    want = (2, t_len, adapter.vocab_size)
+    return Check(name, "PASS" if got == want else "FAIL", str(got), str(want),
+                 f"source (2, {s_len}), target (2, {t_len}) -> logits {got}")
+
+
+def _decoder_causal_case(name: str, adapter: ModelAdapter) -> Check:
+    """The teacher-forced target's later half changed: the logits of the first half must not move, or the decoder
+    reads the answer it is scored on."""
+    g = torch.Generator().manual_seed(6)
+    T = min(12, adapter.max_len)
+    ids = torch.randint(0, adapter.vocab_size, (2, T), generator=g).to(adapter.device)
+    target = torch.randint(0, adapter.vocab_size, (2, T), generator=g).to(adapter.device)
+    later = target.clone()
+    k = T // 2
+    later[:, k:] = (later[:, k:] + 1) % adapter.vocab_size
+    with torch.no_grad():
+        before = adapter.logits(ids, torch.ones_like(ids), labels=target)[:, :k]
+        after = adapter.logits(ids, torch.ones_like(ids), labels=later)[:, :k]
+    dev = _rel_dev(after, before)
+    tol, why = _tolerance(adapter, KERNEL_TOL)
+    ok = math.isfinite(dev) and dev <= tol
+    return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {tol:g}",
+                 f"target positions {k}..{T - 1} changed: the first {k} positions' logits moved by {dev:.2g} "
+                 f"(relative){why}" + ("" if ok else "; the decoder sees future targets: is its self-attention "
+                                                    "causal?"))
 
 
 # --- gradient flow ------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class Task:
     positions_from_mask = False  # left padding shifts the real tokens: positions count from the first real one
     has_perplexity = False  # exp(loss) is a perplexity
     generates = False  # each evaluation also scores what the model writes (engine.generation)
+    decodes_targets = False  # the forward reads the targets through a causal decoder (smoke checks its causality)
     export_inputs: tuple[str, ...] = ("input_ids", "attention_mask")
     prediction = "class"  # what one prediction is, in a sentence
     reading = PLAIN  # the columns its text data is read from (data.userdata.Reading)

@@ -26,6 +26,7 @@ class Seq2Seq(Task):
     feeds_targets = True  # the targets make the decoder's inputs
     binds_model = True
     generates = True
+    decodes_targets = True
     export_inputs = ("input_ids", "attention_mask", "decoder_input_ids")
     prediction = "target token"
     reading = PAIRS

@@ -252,3 +252,20 @@ def test_t5s_fp16_overflow_shows_in_headroom_with_its_reason():
     advice = found.loc["recommendation"]
     assert advice.status == "WARN" and advice.value == "prefer bf16"
     assert "encoder.block.0.layer.1.DenseReluDense.wo" in advice.detail and "> fp16 max 65504" in advice.detail
+
+
+def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shapes(folders):
+    """Cross-attention is rectangular (target queries x source keys); the decoder's self-attention is causal."""
+    g = torch.Generator().manual_seed(0)
+    vocab = tier_utils.load_tokenizer(str(folders["bart"])).vocab_size
+    pairs = (torch.randint(3, vocab, (16, 10), generator=g), torch.randint(3, vocab, (16, 4), generator=g))
+    found = tier_utils.analyze(str(folders["bart"]), pairs, analyses=("attention",), n_batches=1, device="cpu",
+                               progress=False)
+    maps = found.outcomes["attention"].artifacts["maps"]
+    shapes = {name.split(".", 1)[1]: tuple(m.shape[1:]) for name, m in maps.items()}
+    assert shapes == {"encoder.layers.0.self_attn": (10, 10), "decoder.layers.0.self_attn": (4, 4),
+                      "decoder.layers.0.encoder_attn": (4, 10)}
+    decoder = maps["model.decoder.layers.0.self_attn"]
+    assert decoder.triu(1).abs().max() == 0  # no target position reads a later one
+    fig = found.plot("attention", layers=["model.decoder.layers.0.encoder_attn"])
+    assert fig.axes[0].images[0].get_array().shape == (4, 10)

@@ -61,11 +61,11 @@ def _no_maps(ctx: Context, cap: AttentionCapture) -> Check:
                  f"nn.MultiheadAttention, no HF output_attentions): {why}")
 
 
-def _allowed(mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(B, T, T) bool: which keys each query may see (padding masked, causal for a causal LM)."""
-    allowed = mask[:, None, :] & mask[:, :, None]
+def _allowed(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, Tq, Tk) bool: which keys each query may see (padding masked on both sides, causal where the layer is)."""
+    allowed = queries[:, :, None] & keys[:, None, :]
     if causal:
-        allowed = allowed & torch.ones(mask.size(1), mask.size(1), dtype=torch.bool, device=mask.device).tril()
+        allowed = allowed & torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
     return allowed
 
 
@@ -76,15 +76,15 @@ class _HeadStats:
         self.sums: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, name: str, weights: torch.Tensor, allowed: torch.Tensor) -> None:
-        w = weights.float().nan_to_num(0.0)  # (B, H, T, T); fully masked rows may be NaN
-        T = w.size(-1)
-        support = allowed.sum(-1)  # (B, T) keys per query
-        rows = (support >= 2).unsqueeze(1).expand(-1, w.size(1), -1)  # (B, H, T) rows with a choice to make
+        w = weights.float().nan_to_num(0.0)  # (B, H, Tq, Tk); fully masked rows may be NaN
+        Tq, Tk = w.shape[-2:]  # a cross-attention map is rectangular: target queries, source keys
+        support = allowed.sum(-1)  # (B, Tq) keys per query
+        rows = (support >= 2).unsqueeze(1).expand(-1, w.size(1), -1)  # (B, H, Tq) rows with a choice to make
         ent = -(w * w.clamp_min(1e-12).log()).sum(-1) / support.clamp_min(2).log().unsqueeze(1)
-        pos = torch.arange(T, device=w.device)
-        dist = (pos[:, None] - pos[None, :]).abs()  # (T, T)
+        dist = (torch.arange(Tq, device=w.device)[:, None] - torch.arange(Tk, device=w.device)[None, :]).abs()
         mean_dist = (w * dist).sum(-1)
-        profile = torch.zeros_like(w).scatter_add_(-1, dist.expand_as(w), w)  # [..., d]: mass at distance d
+        # [..., d]: mass at distance d, over every distance a query and a key can be apart
+        profile = w.new_zeros(*w.shape[:-1], max(Tq, Tk)).scatter_add_(-1, dist.expand_as(w), w)
         r = rows.float()
         s = self.sums.setdefault(name, {})
         for key, value in (("entropy", ent), ("max_weight", w.amax(-1)), ("mean_distance", mean_dist)):
@@ -109,29 +109,32 @@ def _classify(entropy: float, max_weight: float) -> str:
     return "ok"
 
 
-def _score(stats: _HeadStats, example: dict | None, mask: torch.Tensor, causal: bool, found: AttentionMap) -> None:
-    """Add one captured map to the statistics (and to the example maps on the first batch)."""
+def _score(stats: _HeadStats, example: dict | None, masks: dict, task, found: AttentionMap) -> None:
+    """Add one captured map to the statistics (and to the example maps on the first batch). The task says what the
+    layer's queries and keys are (an encoder-decoder's: source or target) and whether it is causal."""
     weights = found.weights
-    if weights.dim() != 4 or weights.shape[-2:] != (mask.size(1), mask.size(1)):
-        return  # cross-attention or an unexpected layout: not a self-attention map
-    mask = mask[:weights.size(0)]
-    padding = mask[:, None, :] & mask[:, :, None]
-    allowed = _allowed(mask, causal) if found.allowed is None else found.allowed & padding
+    queries, keys, causal = task.attention_role(found.name)
+    q_mask, k_mask = masks[queries], masks[keys]
+    if weights.dim() != 4 or weights.shape[-2:] != (q_mask.size(1), k_mask.size(1)):
+        return  # an unexpected layout: not a map over this batch's tokens
+    q_mask, k_mask = q_mask[:weights.size(0)], k_mask[:weights.size(0)]
+    padding = _allowed(q_mask, k_mask, causal=False)
+    allowed = _allowed(q_mask, k_mask, causal) if found.allowed is None else found.allowed & padding
     stats.add(found.name, weights, allowed)
     if example is not None and found.name not in example:
-        n = int(mask[0].sum())
-        example[found.name] = weights[0, :, :n, :n].float().cpu()
+        example[found.name] = weights[0, :, :int(q_mask[0].sum()), :int(k_mask[0].sum())].float().cpu()
 
 
 def run(ctx: Context) -> Outcome:
-    model, causal = ctx.adapter.model, ctx.adapter.task.causal_attention
+    model, task = ctx.adapter.model, ctx.adapter.task
     stats, example = _HeadStats(), {}
     seq_len = int(ctx.batches[0]["input_ids"].size(1))
     limit = ctx.budget.probe_limit if ctx.budget else DEFAULT_MAP_BYTES
     with capture_attention(model, seq_len, limit) as cap:
         for i, batch in enumerate(ctx.batches):
             cap.new_forward()
-            cap.on_map = partial(_score, stats, example if i == 0 else None, ctx.mask(batch), causal)
+            masks = {"source": ctx.mask(batch), "target": task.target_mask(batch)}
+            cap.on_map = partial(_score, stats, example if i == 0 else None, masks, task)
             grad = torch.enable_grad() if cap.needs_grad else torch.no_grad()
             try:
                 with grad, ctx.precision.autocast():
@@ -149,7 +152,8 @@ def run(ctx: Context) -> Outcome:
                 return Outcome([_no_maps(ctx, cap)])
     if not stats.sums:
         return Outcome([Check("attention maps", "SKIP", None, None,
-                              f"{cap.source}: no (B, heads, T, T) self-attention maps were captured")])
+                              f"{cap.source}: no (B, heads, queries, keys) attention maps over the batch's tokens "
+                              "were captured")])
     return _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
 
 

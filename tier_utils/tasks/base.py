@@ -100,6 +100,15 @@ class Task:
         """Each row's last prediction's position, for a per-position task: its last real input position."""
         return mask.long().sum(1).clamp_min(1) - 1
 
+    def attention_role(self, layer: str) -> tuple[str, str, bool]:
+        """What an attention layer's queries and keys are ("source": the input tokens; "target": an encoder-decoder's
+        target tokens) and whether it is causal: every layer of a one-stack model attends over its input."""
+        return "source", "source", self.causal_attention
+
+    def target_mask(self, batch: dict) -> torch.Tensor | None:
+        """(B, T) bool: the target positions a decoder reads (None: the task has no target side)."""
+        return None
+
     def scored(self, labels: torch.Tensor) -> torch.Tensor:
         """Which targets count (the loss's ignore_index, -100, marks the rest: a seq2seq target's padding)."""
         return labels != IGNORE_INDEX

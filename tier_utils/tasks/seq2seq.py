@@ -12,6 +12,8 @@ from .base import Task, register_task
 # The bundled demo's transduction: a snippet of the corpus, and the same snippet in capitals. A tiny encoder-decoder
 # learns it in seconds on a CPU (each target token reads one source token through cross-attention), with no download.
 DEMO_SNIPPETS_PER_TOPIC = 24
+# The names transformers' encoder-decoders and torch's nn.Transformer give their cross-attention modules.
+CROSS_ATTENTION = ("EncDecAttention", "encoder_attn", "multihead_attn", "crossattention", "cross_attn")
 
 
 class Seq2Seq(Task):
@@ -46,6 +48,19 @@ class Seq2Seq(Task):
     def last_prediction(self, batch: dict, mask: torch.Tensor) -> torch.Tensor:
         """The last scored target position (targets start at 0; -100 past their end)."""
         return self.scored(batch["labels"]).long().sum(1).clamp_min(1) - 1
+
+    def attention_role(self, layer: str) -> tuple[str, str, bool]:
+        """By the layer's name, as transformers and nn.Transformer name them: cross-attention (T5's EncDecAttention,
+        BART's encoder_attn, nn.Transformer's multihead_attn) reads the source for each target position; the
+        decoder's self-attention is causal over the targets; the rest is the encoder's, over the source."""
+        if any(key in layer for key in CROSS_ATTENTION):
+            return "target", "source", False
+        if "decoder" in layer:
+            return "target", "target", True
+        return "source", "source", False
+
+    def target_mask(self, batch: dict) -> torch.Tensor:
+        return self.scored(batch["labels"])
 
     def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """Teacher forcing: the decoder reads the targets shifted right by the model's own rule. Without targets (a

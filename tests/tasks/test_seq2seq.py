@@ -269,3 +269,11 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert decoder.triu(1).abs().max() == 0  # no target position reads a later one
     fig = found.plot("attention", layers=["model.decoder.layers.0.encoder_attn"])
     assert fig.axes[0].images[0].get_array().shape == (4, 10)
+
+
+def test_export_takes_the_decoder_inputs_with_their_own_dynamic_length(tmp_path):
+    written = tier_utils.export("tiny-seq2seq", tmp_path / "s2s.pt2", model_kwargs=SMALL, format="pt2", repeats=1)
+    assert written.status == "PASS" and written.config.inputs == ["input_ids", "attention_mask", "decoder_input_ids"]
+    program = torch.export.load(str(tmp_path / "s2s.pt2")).module()
+    ids, target = torch.randint(0, 256, (3, 10)), torch.randint(0, 256, (3, 4))
+    assert program(ids, torch.ones_like(ids), target).shape == (3, 4, 256)  # a source of 10, a target of 4

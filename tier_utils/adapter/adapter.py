@@ -72,9 +72,10 @@ class ModelAdapter:
     def weights_dtype(self) -> torch.dtype | None:
         return parameters_dtype(self.model)
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **given):
         """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
-        to a model that needs targets to return every position; any id works there, zeros are used if none."""
+        to a model that needs targets to return every position; any id works there, zeros are used if none.
+        `given`: the task's other inputs, given rather than made here (an exported program's decoder inputs)."""
         kwargs = {}
         if self.targets_keyword is not None:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -88,7 +89,9 @@ class ModelAdapter:
                 # Left padding shifts the real tokens; count positions from the first real one, as HF's
                 # generate() does (an all-ones mask gives the default 0..T-1).
                 kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        if self.task is not None and (input_ids is not None or labels is not None):
+        if given:
+            kwargs.update(given)
+        elif self.task is not None and (input_ids is not None or labels is not None):
             kwargs.update(self.task.model_inputs(self, input_ids, labels))  # an encoder-decoder's decoder inputs
         if inputs_embeds is not None:
             if not self.takes_inputs_embeds:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 import pandas as pd
 import torch
 
-from ..adapter.adapter import resolve_model
+from ..adapter.adapter import extract_logits, resolve_model
 from ..core.display import round_to_spread
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
@@ -71,8 +71,10 @@ class _Logits(torch.nn.Module):
         self.adapter = adapter
         self.model = adapter.model  # registered, so the program holds its weights
 
-    def forward(self, input_ids, attention_mask=None):
-        return self.adapter.logits(input_ids, attention_mask)
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None):
+        # An encoder-decoder's decoder inputs are an input of the program (teacher forcing), not made inside it.
+        given = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+        return extract_logits(self.adapter.forward(input_ids, attention_mask, **given), self.adapter.name)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     t_trace = min(16, adapter.max_len)
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
     splits = adapter.datasets(data, max(s[1] for s in shapes))
-    trace = _example(cfg.example, keys) if cfg.example is not None else _batch(splits.val, 2, t_trace, keys)
+    trace = (_example(cfg.example, keys, adapter) if cfg.example is not None
+             else _batch(splits.val, 2, t_trace, keys, adapter))
     program = _capture(wrapper, trace, adapter, fmt)
     payload = _serialize(program, trace, keys, fmt, adapter.name)
     written = atomic_write_bytes(path, payload)
@@ -184,7 +187,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     checks, latency = [], []
     with torch.inference_mode():
         for b, t in shapes:
-            batch = _batch(splits.val, b, t, keys)
+            batch = _batch(splits.val, b, t, keys, adapter)
             label = f"{b}x{t}"
             if runner is None:
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
@@ -214,21 +217,26 @@ def _runtime_version(fmt: str) -> str:
     return f"torch.export {torch.__version__}"
 
 
-def _example(example, keys) -> tuple:
+def _example(example, keys, adapter) -> tuple:
     if isinstance(example, torch.Tensor):
         example = {"input_ids": example}
     if not isinstance(example, dict) or "input_ids" not in example:
         raise ExportError("example must be token ids (B, T) or a batch dict with input_ids")
     ids = example["input_ids"].long().cpu()
-    if "attention_mask" in keys:
-        return ids, example.get("attention_mask", torch.ones_like(ids)).long().cpu()
-    return (ids,)
+    return _inputs({"attention_mask": torch.ones_like(ids), **example, "input_ids": ids}, keys, adapter)
 
 
-def _batch(dataset, b: int, t: int, keys) -> tuple:
-    """The first `b` validation examples, cut to `t` tokens."""
+def _batch(dataset, b: int, t: int, keys, adapter) -> tuple:
+    """The first `b` validation examples, cut to `t` tokens (each side of a pair to `t`)."""
     batch = next(iter(make_loader(dataset, min(b, len(dataset)), shuffle=False)))
-    return tuple(batch[k][:, :t].contiguous() for k in keys)
+    return tuple(x[:, :t].contiguous() for x in _inputs(batch, keys, adapter))
+
+
+def _inputs(batch: dict, keys, adapter) -> tuple:
+    """The program's inputs from a batch: the task's own (an encoder-decoder's decoder inputs, from its targets)
+    where the batch holds none."""
+    made = adapter.task.model_inputs(adapter, batch["input_ids"], batch.get("labels"))
+    return tuple((batch[k] if k in batch else made[k]).long().cpu() for k in keys)
 
 
 def _reason(exc: BaseException) -> str:
@@ -260,7 +268,9 @@ def _capture(wrapper, trace: tuple, adapter, fmt: str):
     from torch.export import Dim
 
     batch, seq = Dim("batch", max=4096), Dim("seq", max=adapter.max_len)
-    dynamic = tuple({0: batch, 1: seq} for _ in trace)
+    target = Dim("target", max=adapter.max_len)  # an encoder-decoder's target length, apart from its source's
+    dynamic = tuple({0: batch, 1: target if key.startswith("decoder") else seq}
+                    for key in adapter.task.export_inputs[:len(trace)])
     try:
         with _quiet():
             return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)

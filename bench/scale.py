@@ -20,7 +20,11 @@ killed and the script stops (a shared machine must not be pushed into swap or th
 bf16 (as the hub stores it; 6.4 GB of RSS, no fp32 copy) in a child, and the row `fit` names for a T4: the
 cheapest mode predicted to fit there (LoRA over an fp16 base, with AdamW8bit and checkpointing as needed).
 
-    python bench/scale.py [--models small,medium,llama-1b,llama-3b] [--verbs smoke,fit] [--threads N] [--json out.json]
+`--models t5-small`: smoke and `all --fast` on a T5-small shape (60 M parameters, an encoder-decoder) under the
+GPT-2-small budgets; its plain step feeds the same 1024 tokens as source and target.
+
+    python bench/scale.py [--models small,medium,llama-1b,llama-3b,t5-small] [--verbs smoke,fit] [--threads N]
+                          [--json out.json]
 """
 from __future__ import annotations
 
@@ -51,8 +55,14 @@ CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head":
                                              "num_hidden_layers": 16, "num_attention_heads": 32,
                                              "num_key_value_heads": 8, "max_position_embeddings": 2048,
                                              "tie_word_embeddings": True, "rope_theta": 500000.0}, "SGD",
-                        ("smoke", "fit"))}
-NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped"}
+                        ("smoke", "fit")),
+           # T5-small's sizes (60 M parameters): an encoder-decoder under the GPT-2-small budgets (issue 48).
+           "t5-small": ("T5ForConditionalGeneration", {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048,
+                                                       "num_layers": 6, "num_heads": 8, "pad_token_id": 0,
+                                                       "eos_token_id": 1, "decoder_start_token_id": 0}, "AdamW",
+                        ("smoke", "all --fast"))}
+NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped",
+         "t5-small": "T5-small-shaped"}
 # Llama-3.2-3B's sizes (3.21 B parameters, tied embeddings), fit at 1 x 1024 only: see _T4_FIT.
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
             "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 1024,
@@ -149,7 +159,7 @@ def model_args(cls: str, kwargs: dict) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="small,medium",
-                        help="comma-separated: small, medium, llama-1b (run in this order)")
+                        help="comma-separated: small, medium, llama-1b, t5-small (run in this order)")
     parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of every child, the plain step's included (default: one per core)")
@@ -173,6 +183,13 @@ def main(argv=None) -> int:
     except TooLittleMemory as exc:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
+    t5 = next((r for r in rows if r["model"] == NAMES["t5-small"]), None)
+    if t5 and all(verb in t5 for verb in ("smoke", "all --fast")):  # the GPT-2-small budgets
+        print(f"targets, {t5['model']}: smoke {t5['smoke']['steps']:.2f} <= {TARGETS['smoke']:g} steps: "
+              + ("met" if t5["smoke"]["steps"] <= TARGETS["smoke"] else "NOT met")
+              + " · " + " · ".join(f"{verb} peak RSS {t5[verb]['peak_rss_gib']:.2f} <= {RSS_TARGET_GIB:g} GiB: "
+                                   + ("met" if t5[verb]["peak_rss_gib"] <= RSS_TARGET_GIB else "NOT met")
+                                   for verb in ("smoke", "all --fast")), flush=True)
     small = next((r for r in rows if r["model"] == "GPT-2-small"), None)
     if small and all(verb in small for verb in (*TARGETS, "all --fast")):
         met = ["met" if small[verb]["steps"] <= limit else "NOT met" for verb, limit in TARGETS.items()]

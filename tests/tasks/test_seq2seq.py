@@ -277,3 +277,21 @@ def test_export_takes_the_decoder_inputs_with_their_own_dynamic_length(tmp_path)
     program = torch.export.load(str(tmp_path / "s2s.pt2")).module()
     ids, target = torch.randint(0, 256, (3, 10)), torch.randint(0, 256, (3, 4))
     assert program(ids, torch.ones_like(ids), target).shape == (3, 4, 256)  # a source of 10, a target of 4
+
+
+def test_a_hand_written_seq2seq_whose_forward_raises_is_one_line(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text(
+        "import torch.nn as nn\n\n"
+        "class Broken(nn.Module):\n"
+        "    task = 'seq2seq'\n\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Embedding(256, 8)\n\n"
+        "    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None):\n"
+        "        raise RuntimeError('my decoder is not written yet')\n")
+    out = tmp_path / "run"
+    code = main(["train", "--model", f"{tmp_path / 'broken.py'}:Broken", "--max-steps", "2", "--no-progress",
+                 "--device", "cpu", "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code in (1, 2) and len(err) == 1 and "my decoder is not written yet" in err[0], err
+    assert not (out / "metrics.csv").exists()

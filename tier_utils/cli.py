@@ -71,8 +71,6 @@ def _run_smoke(args) -> tuple[dict, int]:
 
 
 def _run_train(args) -> tuple[dict, int]:
-
-
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
     config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"), memory=memory_of(args))
@@ -91,6 +89,8 @@ def _run_train(args) -> tuple[dict, int]:
         args.json = None
         return jsonable(s), code
     files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
+    files += [atomic_write_bytes(out / f"{part}.csv", frame.to_csv(index=False).encode())  # e.g. samples.csv
+              for part, frame in result.more_tables().items()]
     files += [f for f in (s.checkpoint, s.best_checkpoint, s.consolidated, s.hf_folder) if f]
     print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
     _show(result.table)  # the summary as the notebook shows it

@@ -67,6 +67,10 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         shown = result.verdicts if hasattr(result, "verdicts") else result.table
         files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
         sections.append(_section(name, badge, result.summary_line(), shown, files, fig is not None))
+        for part, frame in result.more_tables().items():  # e.g. what an encoder-decoder wrote
+            stem = f"{name}_{part}"
+            atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
+            sections.append(_section(stem, "", "", frame, [f"{stem}.csv"], False))
     meta = metadata if metadata is not None else run_metadata()
     agreement = checks_table(consistency(results, recorded_load(meta)))
     if len(agreement):  # before the tiers: it says how far to trust their timings

@@ -295,3 +295,20 @@ def test_a_hand_written_seq2seq_whose_forward_raises_is_one_line(tmp_path, capsy
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code in (1, 2) and len(err) == 1 and "my decoder is not written yet" in err[0], err
     assert not (out / "metrics.csv").exists()
+
+
+@pytest.mark.slow  # the main job: all three tiers and the benchmark
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_the_main_job_reports_an_encoder_decoder_with_what_it_wrote(folders, name, tmp_path, capsys):
+    out = tmp_path / "report"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["all", "--fast", "--model", str(folders[name]), "--data", str(folders["pairs"]), "--out", str(out),
+                     "--no-progress", "--json", str(tmp_path / "all.json")])
+    assert code == 0, capsys.readouterr().err  # a healthy model passes its own checks
+    samples = (out / "train_samples.csv").read_text().splitlines()
+    assert samples[0] == "source,target,generated" and len(samples) > 1
+    page = (out / "index.html").read_text()
+    assert "train_samples" in page and ("ForConditionalGeneration") in page
+    summary = json.loads((tmp_path / "all.json").read_text())
+    assert {t["tier"] for t in summary["tiers"]} >= {"smoke", "analysis", "train", "amp_benchmark"}

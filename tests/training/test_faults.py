@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import signal
+import subprocess
+import sys
 import warnings
 
+import pandas as pd
 import pytest
 from tiny import TINY_ARGS, tiny
+from torchrun import rank_env, torchrun, worker_script
 
 from tier_utils.cli import main
 from tier_utils.core.errors import OutputError, one_line
@@ -75,3 +81,50 @@ def test_disk_full_while_checkpointing_keeps_the_last_good_one_and_is_one_line(t
     assert f"{folder / 'last.pt'} (step 2) is intact" in message
     assert load_checkpoint(folder / "last.pt")["step"] == 2  # the last good checkpoint survives, whole
     assert not [p for p in folder.iterdir() if p.name.startswith(".last.pt.")]  # the half-written temp is gone
+
+
+def _train_args(out, *extra):
+    return ["train", "--model", "tiny-gpt", *TINY_ARGS, "--precision", "fp32", "--device", "cpu", "--batch-size",
+            "2", "--seq-len", "16", "--max-steps", "8", "--checkpoint-every", "100", "--eval-every", "100",
+            "--eval-batches", "1", "--no-progress", "--out", str(out), *extra]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(worker_script())
+    return path
+
+
+def test_sigterm_finishes_the_step_saves_says_where_and_exits(tmp_path, worker):
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, str(worker), *_train_args(out)], capture_output=True, text=True,
+                         env=rank_env(TERM_AT="3"), timeout=120)
+    assert run.returncode == 130, run.stderr[-3000:]
+    last = out / "checkpoints" / "last.pt"
+    assert f"SIGTERM: stopped after step 3; saved {last}; rerun with --resume to continue" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert load_checkpoint(last)["step"] == 3  # the step it was in finished, and was saved (checkpoint_every: 100)
+    assert pd.read_csv(out / "metrics.csv").query("kind == 'step'")["step"].max() == 3
+
+
+def test_a_second_sigterm_stops_at_once(tmp_path, worker):
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, str(worker), *_train_args(out)], capture_output=True, text=True,
+                         env=rank_env(TERM_AT="3", TERM_TIMES="2"), timeout=120)
+    assert run.returncode == -signal.SIGTERM, run.stderr[-3000:]
+    assert "stopped after step" not in run.stderr and not (out / "checkpoints" / "last.pt").exists()
+
+
+@pytest.mark.slow  # a torchrun launch of 2 CPU ranks: about 10 s on 2 cores
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(tmp_path, worker):
+    out = tmp_path / "run"
+    # Rank 0 sends it to torchrun, which passes it to every rank, as a scheduler's SIGTERM to the job would.
+    run = torchrun([str(worker), *_train_args(out)], env_extra={"TERM_AT": "3", "TERM_TO": "launcher"})
+    said = re.findall(r"SIGTERM: stopped after step (\d+); saved (\S+); rerun with --resume", run.stderr)
+    assert len(said) == 1, run.stderr[-3000:]  # rank 0 says it; rank 1 stopped with it (it gave its RNG state)
+    step, path = int(said[0][0]), said[0][1]
+    assert path == str(out / "checkpoints" / "last.pt") and 3 <= step < 8
+    saved = load_checkpoint(path)
+    assert saved["step"] == step and len(saved["rng"]) == 2  # one checkpoint of both ranks at the same step
+    assert "error:" not in run.stderr and "tier_utils" not in run.stderr.split("SIGTERM: stopped")[1]

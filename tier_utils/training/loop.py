@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from .parts import (
     make_optimization,
     prepare_data,
 )
+from .stopping import StopSignal, Terminated
 from .tracking import open_train_run
 
 
@@ -94,7 +96,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     `.step` and the partial `.result`), and so does an fp16 loss scale that falls below
     MIN_LOSS_SCALE = 1 (e.g. 17 overflowing steps in a row from the initial 65536): gradients
     that overflow even unscaled will not recover. The last checkpoint written is from before it.
-    Ctrl-C returns the partial result with `.interrupted = True`. Under torchrun every rank calls
+    Ctrl-C returns the partial result with `.interrupted = True`; so does SIGTERM (stopping.py), after it finishes
+    the step it is in and saves it to checkpoint_dir (a second SIGTERM stops at once). Under torchrun every rank calls
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
@@ -145,6 +148,7 @@ class _Run:
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
         self.progress = Progress()
+        self.stop = StopSignal(self.env)
         self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
@@ -159,9 +163,13 @@ class _Run:
                            enabled=self.cfg.progress and self.env.is_main)
         interrupted, finished = False, None
         try:
-            self._loop(bar)
+            with self.stop.listening():
+                self._loop(bar)
             self._check_ended()
             finished = self._finish()
+        except Terminated:
+            interrupted = True
+            self._save_stopped()
         except KeyboardInterrupt:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
@@ -214,6 +222,7 @@ class _Run:
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
                 if p.step >= data.total_steps or self.selection.stop:
                     break
+                self.stop.check()  # SIGTERM during this step (on any rank): save and stop after it
 
     def _after_step(self, bar) -> None:
         cfg, s, spe = self.cfg, self.progress.step, self.data.steps_per_epoch
@@ -238,6 +247,18 @@ class _Run:
             last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.data.total_steps or stopping
             self._check(self.hist.sync())  # never write a diverged state
             self.checkpoints.save(last=bool(last), best=self.selection.best_step == s)
+
+    def _save_stopped(self) -> None:
+        """After SIGTERM: the finished steps as a row, this step's checkpoint (unless just written), and where it is."""
+        step, path = self.progress.step, self.checkpoints.last_path
+        self._check(self.hist.sync())  # never write a diverged state
+        self._emit(step)
+        if path is not None and self.progress.last_saved != step:
+            self.checkpoints.save(last=True)
+        saved = f"saved {path}; rerun with --resume to continue" if path is not None else \
+            "nothing saved (no checkpoint_dir)"
+        if self.env.is_main:
+            print(f"SIGTERM: stopped after step {step}; {saved}", file=sys.stderr)
 
     def _check(self, bad) -> None:
         """Stop at the first diverged step, keeping the good steps before it as a row."""

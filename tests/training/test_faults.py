@@ -128,3 +128,39 @@ def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(tmp_path, w
     saved = load_checkpoint(path)
     assert saved["step"] == step and len(saved["rng"]) == 2  # one checkpoint of both ranks at the same step
     assert "error:" not in run.stderr and "tier_utils" not in run.stderr.split("SIGTERM: stopped")[1]
+
+
+# Rank 1 runs out of CUDA memory as its step 7 starts (torch.cuda.OutOfMemoryError can be raised on a CPU); with
+# STUCK=1 rank 0 does not reach the collective it would fail in, as a rank waiting on NCCL does not, for 60 s.
+_RANK1_OOM = """
+import time
+import torch
+from tier_utils.engine.step import TrainStep
+real_oom_call, oom_calls = TrainStep.__call__, [0]
+
+def oom_call(self, micro):
+    oom_calls[0] += 1
+    if oom_calls[0] == 7 and os.environ["RANK"] == "1":
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if oom_calls[0] == 7 and os.environ.get("STUCK"):
+        time.sleep(60)
+    return real_oom_call(self, micro)
+
+TrainStep.__call__ = oom_call
+"""
+
+
+@pytest.mark.slow  # a torchrun launch of 2 CPU ranks: about 10 s on 2 cores
+@pytest.mark.parametrize("stuck", [False, True], ids=["in-a-collective", "never-returning"])
+def test_one_ranks_out_of_memory_is_one_line_on_every_rank(tmp_path, stuck):
+    worker = tmp_path / "worker.py"
+    worker.write_text(worker_script(preamble=_RANK1_OOM))
+    args = _train_args(tmp_path / "run", "--max-steps", "10", "--checkpoint-every", "4")
+    run = torchrun([str(worker), *args], env_extra={"STUCK": "1"} if stuck else {})
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, run.stderr[-3000:]
+    answer = next(line for line in errors if line.startswith("error: out of memory after 6 of 10 steps"))
+    told = next(line for line in errors if line.startswith("error: rank 1 stopped the run, so rank 0 stopped too"))
+    assert told.endswith(answer[len("error: "):])  # where rank 1's answer is: repeated in full
+    # No gloo traceback from rank 0; stuck, rank 0 answered before torchrun's SIGKILL (30 s after its SIGTERM).
+    assert "[rank0]: Traceback" not in run.stderr and "Connection closed" not in run.stderr

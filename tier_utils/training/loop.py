@@ -29,6 +29,7 @@ from ..core.threads import chooses_threads
 from ..data.datasets import to_device
 from ..engine import sharding
 from ..engine.activation_checkpointing import disable_checkpointing
+from ..engine.distributed import answering_for_ranks
 from ..engine.evaluation import evaluate
 from ..engine.generation import Generated, generate_and_score
 from ..engine.lora import describe_lora
@@ -115,7 +116,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
         locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
             else contextlib.nullcontext()
-        with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
+        # Under torchrun a rank's one-line error reaches the others as one line naming it (engine/distributed.py).
+        with locked, answering_for_ranks(env), _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
             return answered(lambda: _start(model, model_kwargs or {}, data, cfg, on_eval, strategy, device), cfg,
                             device)

@@ -16,6 +16,7 @@ import warnings
 
 import pandas as pd
 import pytest
+import torch
 from tiny import TINY_ARGS, tiny
 from torchrun import rank_env, torchrun, worker_script
 
@@ -106,6 +107,21 @@ def test_sigterm_finishes_the_step_saves_says_where_and_exits(tmp_path, worker):
     assert "Traceback" not in run.stderr
     assert load_checkpoint(last)["step"] == 3  # the step it was in finished, and was saved (checkpoint_every: 100)
     assert pd.read_csv(out / "metrics.csv").query("kind == 'step'")["step"].max() == 3
+
+
+@pytest.mark.slow  # three training processes
+def test_a_run_stopped_by_sigterm_resumes_exactly(tmp_path, worker):
+    def cli(out, *extra, **env):
+        run = subprocess.run([sys.executable, str(worker), *_train_args(out, "--deterministic", *extra)],
+                             capture_output=True, text=True, env=rank_env(**env), timeout=120)
+        assert "Traceback" not in run.stderr, run.stderr[-3000:]
+        return load_checkpoint(out / "checkpoints" / "last.pt")
+
+    cli(tmp_path / "part", TERM_AT="3")  # stopped mid-epoch, between checkpoints
+    resumed, whole = cli(tmp_path / "part", "--resume"), cli(tmp_path / "whole")
+    assert resumed["step"] == whole["step"] == 8
+    for name, tensor in whole["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
 
 
 def test_a_second_sigterm_stops_at_once(tmp_path, worker):

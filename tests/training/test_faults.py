@@ -103,7 +103,7 @@ def test_sigterm_finishes_the_step_saves_says_where_and_exits(tmp_path, worker):
                          env=rank_env(TERM_AT="3"), timeout=120)
     assert run.returncode == 130, run.stderr[-3000:]
     last = out / "checkpoints" / "last.pt"
-    assert f"SIGTERM: stopped after step 3; saved {last}; rerun with --resume to continue" in run.stderr
+    assert f"SIGTERM: stopped after step 3; saved {last}; rerun with --resume (resume=True) to continue" in run.stderr
     assert "Traceback" not in run.stderr
     assert load_checkpoint(last)["step"] == 3  # the step it was in finished, and was saved (checkpoint_every: 100)
     assert pd.read_csv(out / "metrics.csv").query("kind == 'step'")["step"].max() == 3

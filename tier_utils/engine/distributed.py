@@ -179,13 +179,23 @@ def _stopped_key() -> str:
 def _heard(env: DistEnv) -> RankStopped | None:
     """Another rank's recorded error as this rank's, or None."""
     store, key = dist.distributed_c10d._get_default_store(), _stopped_key()
-    if not store.check([key]):
+    try:
+        if not store.check([key]):
+            return None
+        code, rank, line = store.get(key).decode().split("\t", 2)
+    except dist.DistError:  # the store is gone (torchrun's agent ended): there is nothing to hear
         return None
-    code, rank, line = store.get(key).decode().split("\t", 2)
     if int(rank) == env.rank:
         return None
     return RankStopped(f"rank {rank} stopped the run, so rank {env.rank} stopped too; rank {rank}'s answer (also on "
                        f"its own stderr): {line}", int(code))
+
+
+def _record(env: DistEnv, exc: TierError) -> None:
+    """This rank's one-line error in the job's store, for the others (the first rank's wins)."""
+    store = dist.distributed_c10d._get_default_store()
+    with contextlib.suppress(dist.DistError):  # no store left to tell: the others fail at their collective as before
+        store.compare_set(_stopped_key(), "", f"{exc.exit_code}\t{env.rank}\t{one_line(exc)}")
 
 
 def _watch(env: DistEnv, done: threading.Event) -> None:
@@ -215,8 +225,7 @@ def answering_for_ranks(env: DistEnv):
     except RankStopped:
         raise
     except TierError as exc:
-        store = dist.distributed_c10d._get_default_store()
-        store.compare_set(_stopped_key(), "", f"{exc.exit_code}\t{env.rank}\t{one_line(exc)}")  # the first one
+        _record(env, exc)
         raise
     except Exception as exc:  # a collective that failed because a rank left: name it, if it said why
         heard = _heard(env)

@@ -257,7 +257,7 @@ class _Run:
         self._emit(step)
         if path is not None and self.progress.last_saved != step:
             self.checkpoints.save(last=True)
-        saved = f"saved {path}; rerun with --resume to continue" if path is not None else \
+        saved = f"saved {path}; rerun with --resume (resume=True) to continue" if path is not None else \
             "nothing saved (no checkpoint_dir)"
         if self.env.is_main:
             print(f"SIGTERM: stopped after step {step}; {saved}", file=sys.stderr)

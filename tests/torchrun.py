@@ -3,8 +3,8 @@
 `torchrun(target)` runs `python -m torch.distributed.run --standalone --nproc_per_node N target...` with the test's
 own import path (the worktree) in every rank. `worker_script(...)` is a CLI entry point for the ranks that runs one
 command or several (separated by --next) and can SIGKILL each rank as it starts optimizer step KILL_AT=k (after
-the checkpoint of step k-2 is on disk), forbid every file write on ranks other than 0, and swap torch.compile's
-backend for a cheap one.
+the checkpoint of step k-2 is on disk), send SIGTERM as step TERM_AT=k starts, forbid every file write on ranks
+other than 0, and swap torch.compile's backend for a cheap one.
 """
 from __future__ import annotations
 
@@ -61,6 +61,26 @@ if kill_at:
     TrainStep.__call__ = call
 """
 
+# SIGTERM as a scheduler sends it: rank 0 sends it TERM_TIMES times (default 1) as it starts optimizer step TERM_AT,
+# to itself, or with TERM_TO=launcher to torchrun, which passes it on to every rank.
+_TERM_AT = """
+term_at = int(os.environ.get("TERM_AT", 0))
+if term_at and int(os.environ.get("RANK", 0)) == 0:
+    from tier_utils.engine.step import TrainStep
+    real_term_call, term_calls = TrainStep.__call__, [0]
+
+    def term_call(self, micro):
+        term_calls[0] += 1
+        if term_calls[0] == term_at:
+            target = os.getppid() if os.environ.get("TERM_TO") == "launcher" else os.getpid()
+            for _ in range(int(os.environ.get("TERM_TIMES", 1))):
+                os.kill(target, signal.SIGTERM)
+                time.sleep(0.1)  # each its own delivery: two pending SIGTERMs would merge into one
+        return real_term_call(self, micro)
+
+    TrainStep.__call__ = term_call
+"""
+
 # `worker.py VERB ... --next VERB ...`: the commands one after the other in the same ranks (one launch, one import
 # of torch), exiting with the highest code. The ranks' process group is then the worker's, so it outlives each
 # command (a tier closes only a group it started, and gloo can't be joined again in the same process).
@@ -81,9 +101,9 @@ sys.exit(max(codes))
 def worker_script(rank0_writes_only: bool = False, cheap_compile: bool = False, preamble: str = "") -> str:
     """The source of a rank's entry point: `python worker.py VERB ...` runs the CLI. `preamble`: code each rank runs
     first (e.g. registering a strategy a test defines)."""
-    parts = ["import os, signal, sys", "from tier_utils import cli", preamble]
+    parts = ["import os, signal, sys, time", "from tier_utils import cli", preamble]
     parts += [_RANK0_WRITES_ONLY] * rank0_writes_only + [_CHEAP_COMPILE] * cheap_compile
-    parts += [_KILL_AT, _COMMANDS]
+    parts += [_KILL_AT, _TERM_AT, _COMMANDS]
     return "\n".join(textwrap.dedent(p) for p in parts) + "\n"
 
 

@@ -22,7 +22,7 @@ from .benchmark.amp import amp_benchmark
 from .benchmark.config import BENCH_RUN_ONLY, BenchConfig, Thresholds
 from .benchmark.strategies import strategy_benchmark
 from .colab import point_at
-from .core.errors import TierError, TrainingDiverged, one_line
+from .core.errors import OutputError, TierError, TrainingDiverged, one_line
 from .core.files import atomic_write_bytes, jsonable, write_json
 from .core.inputs import writable_dir, writable_file
 from .core.threads import machine_load, run_threads
@@ -70,6 +70,10 @@ def _run_smoke(args) -> tuple[dict, int]:
     return report.to_json(), 0 if report.passed else 1
 
 
+# What train writes into --out beside checkpoints/ (probed before training: a folder in their place fails no run).
+METRICS_FILE, PLOT_FILE = "metrics.csv", "training.png"
+
+
 def _run_train(args) -> tuple[dict, int]:
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
@@ -88,7 +92,7 @@ def _run_train(args) -> tuple[dict, int]:
     if s.rank != 0:  # under torchrun only rank 0 prints and writes
         args.json = None
         return jsonable(s), code
-    files = [result.to_csv(out / "metrics.csv"), result.save_plot(out / "training.png")]
+    files = [result.to_csv(out / METRICS_FILE), result.save_plot(out / PLOT_FILE)]
     files += [atomic_write_bytes(out / f"{part}.csv", frame.to_csv(index=False).encode())  # e.g. samples.csv
               for part, frame in result.more_tables().items()]
     files += [f for f in (s.checkpoint, s.best_checkpoint, s.consolidated, s.hf_folder) if f]
@@ -280,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                            "checkpoint_dir", "log_dir", "epochs",
                                                                            "max_steps", "memory"})
     add_memory(p)
-    p.set_defaults(run=_run_train)
+    p.set_defaults(run=_run_train, writes=(METRICS_FILE, PLOT_FILE))
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")
     add_common(p, precision=False)
@@ -361,6 +365,10 @@ def _check_outputs(args) -> None:
         out = None
     elif out is not None:
         writable_dir(out, "--out")
+        taken = [name for name in getattr(args, "writes", ()) if (Path(out) / name).is_dir()]
+        if taken:
+            raise OutputError(f"--out {out} holds a folder named {taken[0]} where {args.verb} writes its file; move "
+                              "it or give another --out")
     if args.json:
         inside_out = out is not None and Path(out).resolve() in Path(args.json).resolve().parents
         writable_file(args.json, "--json", folder_made_by_run=inside_out)

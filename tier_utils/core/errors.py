@@ -124,6 +124,15 @@ class TrainingOutOfMemory(TierError):
     exit_code = 2  # a setting to change: the batch, the mode
 
 
+class RankStopped(TierError):
+    """Under torchrun: another rank stopped with its own one-line error (out of memory, a full disk), so this one
+    stops too. The message names that rank and repeats its line; the exit code is that rank's."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class HostMemoryShort(TierError):
     """A run predicted to need more host RAM than is available, refused before it loads or trains (on a Colab CPU
     runtime the kernel would otherwise be killed without a word)."""

@@ -8,16 +8,27 @@ group even on one rank (its mesh is a process group): `join` joins one whatever 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import sys
+import threading
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Subset
 
-from ..core.errors import LaunchError
+from ..core.errors import LaunchError, RankStopped, TierError, one_line
 from ..core.precision import resolve_device
+
+# How long a rank waits at one collective for the others before it fails, on gloo and NCCL alike (their defaults: 30
+# and 10 minutes). A rank that stops with a one-line error tells the others at once (`answering_for_ranks`); this is
+# the bound for the rest (a rank killed outright, a hang), long enough for rank 0 to write a large checkpoint while
+# the others wait at the next step.
+RANK_TIMEOUT = timedelta(minutes=10)
+_WATCH_EVERY_S = 1.0  # how often a rank looks for another's error in the job's store
 
 
 def launch_hint(verb: str, strategy: str) -> str:
@@ -111,7 +122,8 @@ def join(device, verb: str, strategy: str) -> DistEnv:
         dev = torch.device("cpu")
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None)
+        dist.init_process_group("nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None,
+                                timeout=RANK_TIMEOUT)
     return DistEnv(rank, world, local_rank, dev, owns)
 
 
@@ -157,3 +169,68 @@ def refuse_sharded(model, verb: str) -> None:
         raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
                           f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
                           "--strategy fsdp --consolidate)")
+
+
+def _stopped_key() -> str:
+    """The job's store key for the first rank's error; a torchrun restart of the job gets a key of its own."""
+    return f"tier_utils/stopped/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _heard(env: DistEnv) -> RankStopped | None:
+    """Another rank's recorded error as this rank's, or None."""
+    store, key = dist.distributed_c10d._get_default_store(), _stopped_key()
+    try:
+        if not store.check([key]):
+            return None
+        code, rank, line = store.get(key).decode().split("\t", 2)
+    except dist.DistError:  # the store is gone (torchrun's agent ended): there is nothing to hear
+        return None
+    if int(rank) == env.rank:
+        return None
+    return RankStopped(f"rank {rank} stopped the run, so rank {env.rank} stopped too; rank {rank}'s answer (also on "
+                       f"its own stderr): {line}", int(code))
+
+
+def _record(env: DistEnv, exc: TierError) -> None:
+    """This rank's one-line error in the job's store, for the others (the first rank's wins)."""
+    store = dist.distributed_c10d._get_default_store()
+    with contextlib.suppress(dist.DistError):  # no store left to tell: the others fail at their collective as before
+        store.compare_set(_stopped_key(), "", f"{exc.exit_code}\t{env.rank}\t{one_line(exc)}")
+
+
+def _watch(env: DistEnv, done: threading.Event) -> None:
+    """A thread's loop: another rank's error, heard while this rank's main thread waits in a collective that will not
+    return (NCCL waits out RANK_TIMEOUT), ends this process with that one line. Exiting from here skips the run's
+    clean-up: its checkpoints are written whole or not at all, and a killed run's folder lock is taken over."""
+    while not done.wait(_WATCH_EVERY_S):
+        heard = _heard(env)
+        if heard is not None and not done.wait(_WATCH_EVERY_S):  # the main thread's own answer first, if it comes
+            print(f"error: {heard}", file=sys.stderr, flush=True)
+            os._exit(heard.exit_code)
+
+
+@contextlib.contextmanager
+def answering_for_ranks(env: DistEnv):
+    """A block of work on torchrun's ranks (one process: nothing). A rank that stops on a one-line error (TierError)
+    records it in the job's key-value store (torchrun's); every other rank stops with one line naming that rank and
+    repeating its answer: where its collective fails (gloo: at once), or from a watcher thread within about two
+    seconds where it would wait (NCCL)."""
+    if not (env.active and dist.is_initialized()):
+        yield
+        return
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(env, done), daemon=True, name="tier_utils-ranks").start()
+    try:
+        yield
+    except RankStopped:
+        raise
+    except TierError as exc:
+        _record(env, exc)
+        raise
+    except Exception as exc:  # a collective that failed because a rank left: name it, if it said why
+        heard = _heard(env)
+        if heard is None:
+            raise
+        raise heard from exc
+    finally:
+        done.set()

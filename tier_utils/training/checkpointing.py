@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..adapter.adapter import ModelAdapter
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, OutputError, one_line
 from ..core.hub import HUB_PREFIX
 from ..core.memory_settings import memory_setting
 from ..core.seeding import rng_state, set_rng_state
@@ -58,9 +58,20 @@ class RunCheckpoints:
         if not (last or best):
             return
         paths = [self.last_path] * last + [self.best_path] * best
-        self.strategy.save(paths, self.adapter.model, self.optimization.optimizer, self._trainer_state())
+        try:
+            self.strategy.save(paths, self.adapter.model, self.optimization.optimizer, self._trainer_state())
+        except OSError as exc:  # a full disk, a quota, a folder gone: the writes are atomic, so the old files stand
+            raise OutputError(self._unwritten(exc)) from exc
         if last:
             self.progress.last_saved = self.progress.step
+
+    def _unwritten(self, exc: OSError) -> str:
+        """The one line for a checkpoint that could not be written: what failed, and the last good one, intact."""
+        kept = self.progress.last_saved
+        good = f"the last good checkpoint {self.last_path} (step {kept}) is intact" if kept is not None else \
+            "no checkpoint was written before it"
+        return (f"could not write the step-{self.progress.step} checkpoint in {self.last_path.parent} "
+                f"({exc.strerror or one_line(exc)}); {good}; free space there and rerun with resume (--resume)")
 
     def _trainer_state(self) -> dict:
         """Everything a checkpoint holds but the weights and optimizer state (every rank calls it)."""

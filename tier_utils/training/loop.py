@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from ..core.threads import chooses_threads
 from ..data.datasets import to_device
 from ..engine import sharding
 from ..engine.activation_checkpointing import disable_checkpointing
+from ..engine.distributed import answering_for_ranks
 from ..engine.evaluation import evaluate
 from ..engine.generation import Generated, generate_and_score
 from ..engine.lora import describe_lora
@@ -50,6 +52,7 @@ from .parts import (
     make_optimization,
     prepare_data,
 )
+from .stopping import StopSignal, Terminated
 from .tracking import open_train_run
 
 
@@ -94,7 +97,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     `.step` and the partial `.result`), and so does an fp16 loss scale that falls below
     MIN_LOSS_SCALE = 1 (e.g. 17 overflowing steps in a row from the initial 65536): gradients
     that overflow even unscaled will not recover. The last checkpoint written is from before it.
-    Ctrl-C returns the partial result with `.interrupted = True`. Under torchrun every rank calls
+    Ctrl-C returns the partial result with `.interrupted = True`; so does SIGTERM (stopping.py), after it finishes
+    the step it is in and saves it to checkpoint_dir (a second SIGTERM stops at once). Under torchrun every rank calls
     train() and gets the same result; only rank 0 shows progress and writes checkpoints. A resume
     refuses a checkpoint written with other trajectory settings or other data.
     """
@@ -112,7 +116,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         # Rank 0 alone writes checkpoints, so it alone holds the folder: a second run on it is refused.
         locked = run_lock(cfg.checkpoint_dir, "checkpoint_dir") if cfg.checkpoint_dir is not None and env.is_main \
             else contextlib.nullcontext()
-        with locked, _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
+        # Under torchrun a rank's one-line error reaches the others as one line naming it (engine/distributed.py).
+        with locked, answering_for_ranks(env), _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
             return answered(lambda: _start(model, model_kwargs or {}, data, cfg, on_eval, strategy, device), cfg,
                             device)
@@ -145,6 +150,7 @@ class _Run:
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
         self.progress = Progress()
+        self.stop = StopSignal(self.env)
         self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
@@ -159,9 +165,13 @@ class _Run:
                            enabled=self.cfg.progress and self.env.is_main)
         interrupted, finished = False, None
         try:
-            self._loop(bar)
+            with self.stop.listening():
+                self._loop(bar)
             self._check_ended()
             finished = self._finish()
+        except Terminated:
+            interrupted = True
+            self._save_stopped()
         except KeyboardInterrupt:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
@@ -214,6 +224,7 @@ class _Run:
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
                 if p.step >= data.total_steps or self.selection.stop:
                     break
+                self.stop.check()  # SIGTERM during this step (on any rank): save and stop after it
 
     def _after_step(self, bar) -> None:
         cfg, s, spe = self.cfg, self.progress.step, self.data.steps_per_epoch
@@ -238,6 +249,18 @@ class _Run:
             last = (cfg.checkpoint_every and s % cfg.checkpoint_every == 0) or s == self.data.total_steps or stopping
             self._check(self.hist.sync())  # never write a diverged state
             self.checkpoints.save(last=bool(last), best=self.selection.best_step == s)
+
+    def _save_stopped(self) -> None:
+        """After SIGTERM: the finished steps as a row, this step's checkpoint (unless just written), and where it is."""
+        step, path = self.progress.step, self.checkpoints.last_path
+        self._check(self.hist.sync())  # never write a diverged state
+        self._emit(step)
+        if path is not None and self.progress.last_saved != step:
+            self.checkpoints.save(last=True)
+        saved = f"saved {path}; rerun with --resume (resume=True) to continue" if path is not None else \
+            "nothing saved (no checkpoint_dir)"
+        if self.env.is_main:
+            print(f"SIGTERM: stopped after step {step}; {saved}", file=sys.stderr)
 
     def _check(self, bad) -> None:
         """Stop at the first diverged step, keeping the good steps before it as a row."""

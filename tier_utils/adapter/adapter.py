@@ -18,10 +18,10 @@ import torch.nn as nn
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.precision import dtype_name
 from ..data.datasets import DataSplits
+from ..data.images import has_image_processor
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
 from ..models.stored_dtype import parameters_dtype
-from ..data.images import has_image_processor
 from ..tasks import (
     CAUSAL_LM,
     Task,
@@ -158,7 +158,10 @@ class ModelAdapter:
 
     def fit_length(self, seq_len: int, what: str = "seq_len") -> int:
         """The rule for every tier: a length past the model's max_len is capped to it, with a warning
-        (callers record the length used). The one place this is decided."""
+        (callers record the length used). The one place this is decided. A task that reads no tokens runs at the
+        model's own length (an image model: its image side), whatever a token length setting says."""
+        if not self.task.reads_tokens:
+            return self.max_len
         if seq_len <= self.max_len:
             return seq_len
         warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np  # always installed: pandas and matplotlib need it
 import torch
 from torch.utils.data import Dataset
 
@@ -44,8 +45,6 @@ class ImageProcessing:
         images = [im.convert("L" if self.channels == 1 else "RGB") for im in images]  # grayscale, RGBA, palette
         if self.processor is not None:
             return torch.as_tensor(self.processor(images, return_tensors="pt")["pixel_values"]).float()
-        import numpy as np
-
         from PIL import Image
 
         arrays = [np.asarray(im.resize((self.size, self.size), Image.BILINEAR), dtype=np.float32) / 255.0
@@ -183,11 +182,7 @@ def read_images(data, num_classes: int | None) -> LabelledImages:
         found = _read_folder(path / "train" if split is not None and (path / "train").is_dir() else path,
                              exclude=split)
         if split is not None:
-            val = _read_folder(split)
-            found.val_paths, found.val_labels = val.paths, [found.classes.index(c) if c in found.classes else -1
-                                                            for c in (val.classes[i] for i in val.labels)]
-            if -1 in found.val_labels:
-                raise DataError(f"{split} holds classes the training part has not ({', '.join(sorted(set(val.classes) - set(found.classes)))}); give both parts the same classes")
+            _add_validation(found, _read_folder(split), split)
     elif path.is_file():
         raise DataError(f"{path.name} is not an image folder or a table of image paths, but an image classifier reads "
                         "images; give a folder with one subfolder per class, images with a labels.json, or a "
@@ -219,6 +214,16 @@ def _read_folder(folder: Path, exclude: Path | None = None) -> LabelledImages:
                         "with one subfolder of images per class")
     return _labelled(images, [p.relative_to(folder).parts[0] if p.parent != folder else "" for p in images],
                      f"image folder {folder.name}")
+
+
+def _add_validation(found: LabelledImages, val: LabelledImages, split: Path) -> None:
+    """The folder's own validation part, its class ids numbered as the training part's."""
+    names = [val.classes[i] for i in val.labels]
+    unknown = sorted(set(names) - set(found.classes))
+    if unknown:
+        raise DataError(f"{split} holds classes the training part has not ({', '.join(unknown[:4])}); give both "
+                        "parts the same class subfolders")
+    found.val_paths, found.val_labels = val.paths, [found.classes.index(c) for c in names]
 
 
 def _labelled(paths: list[Path], values: list, name: str) -> LabelledImages:

@@ -22,7 +22,7 @@ from ..data.datasets import (
     user_texts,
 )
 from ..data.images import is_image_folder
-from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
+from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
 from ..data.userdata import PLAIN
 
 IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
@@ -62,6 +62,7 @@ class Task:
     reads_tokens = True
     unit = "token"  # what a throughput counts (`units`)
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
+    without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
     def __str__(self) -> str:
         return self.name
@@ -92,6 +93,10 @@ class Task:
         """A task whose inputs are not token ids: (its ids' range, its length, its preprocessor, a note where the
         length is a default); None: the model's vocabulary, max length and tokenizer are read as a language model's."""
         return None
+
+    def preprocessor_in(self, folder) -> bool:
+        """Whether a save_pretrained folder holds this task's preprocessor (its tokenizer's files)."""
+        return is_tokenizer_folder(folder)
 
     def units(self, batch: dict) -> int:
         """How many of `unit` a batch holds (a throughput's numerator)."""

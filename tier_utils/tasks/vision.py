@@ -14,6 +14,7 @@ from ..data.images import (
     DrawnImages,
     ImageFiles,
     ImageProcessing,
+    has_image_processor,
     load_image_processing,
     read_images,
     stratified_split,
@@ -41,6 +42,8 @@ class ImageClassification(Task):
     unit = "image"
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
+    without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "
+                            "with the folder of the image processor it was trained with")
 
     def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
         return super().recognizes(architecture, config, params) or "pixel_values" in params
@@ -73,6 +76,9 @@ class ImageClassification(Task):
             note = (f"{type(model).__name__} declares no image size: {size} x {size} (tier_utils' default; declare "
                     "image_size, or pass max_len=N)")
         return int(channels), int(size), replace(processing, size=size), note
+
+    def preprocessor_in(self, folder) -> bool:
+        return has_image_processor(folder)
 
     def units(self, batch: dict) -> int:
         return len(batch[self.input_key])

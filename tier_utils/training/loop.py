@@ -205,7 +205,7 @@ class _Run:
                     lr = self.optimization.optimizer.param_groups[0]["lr"]
                     out = step_fn(micro)
                     p.step += 1
-                    tokens = sum(b["input_ids"].numel() for b in micro) * self.env.world_size
+                    tokens = sum(self.adapter.task.units(b) for b in micro) * self.env.world_size
                     self.hist.record(p.step, out, lr, tokens)
                     bar.update()
                 self._after_step(bar)
@@ -288,7 +288,8 @@ class _Run:
             validation=data.description.validation, steps=step, total_steps=data.total_steps,
             epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),
             val_loss=last_eval.get("val_loss"), perplexity=last_eval.get("perplexity"),
-            accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets,
+            accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets, unit=adapter.task.unit,
+            top5_accuracy=last_eval.get("top5_accuracy"),
             skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
             precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),

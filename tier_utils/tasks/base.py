@@ -81,6 +81,15 @@ class Task:
         ids = torch.randint(0, adapter.vocab_size, (batch, length), generator=generator)
         return {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long)}
 
+    def stability_inputs(self, adapter, length: int) -> dict[str, torch.Tensor]:
+        """Tier 1's extreme inputs by name, each must give finite logits: the first and last token id and a random
+        one, each repeated."""
+        V = adapter.vocab_size
+        token = int(torch.randint(V, (1,), generator=torch.Generator().manual_seed(2)))
+        return {f"token id 0 x{length}": torch.zeros(2, length, dtype=torch.long),
+                f"token id {V - 1} x{length}": torch.full((2, length), V - 1),
+                f"token {token} repeated x{length}": torch.full((2, length), token)}
+
     def probe_input(self, adapter, length: int) -> torch.Tensor:
         """The one-row input of the adapter's probing forwards."""
         return torch.zeros(1, length, dtype=torch.long, device=adapter.device)

@@ -53,6 +53,13 @@ class ImageClassification(Task):
         side, channels = adapter.max_len, adapter.vocab_size
         return {"pixel_values": torch.randn(batch, channels, side, side, generator=generator)}
 
+    def stability_inputs(self, adapter, length: int) -> dict[str, torch.Tensor]:
+        """A black, a saturated and a high-contrast noise image (normalised pixels far past a photo's range)."""
+        shape = (2, adapter.vocab_size, adapter.max_len, adapter.max_len)
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(2)).sign() * 10
+        return {"black image (pixels -1)": torch.full(shape, -1.0),
+                "saturated image (pixels 10)": torch.full(shape, 10.0), "noise of +-10": noise}
+
     def probe_input(self, adapter, length: int) -> torch.Tensor:
         return torch.zeros(1, adapter.vocab_size, adapter.max_len, adapter.max_len, device=adapter.device)
 

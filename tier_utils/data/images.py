@@ -57,11 +57,12 @@ class ImageProcessing:
     def save(self, folder) -> None:
         """Saved beside the weights as transformers' image processor, so the folder loads with its processing."""
         processor = self.processor
-        if processor is None:
-            from transformers import ViTImageProcessor
+        if processor is None:  # the declared resize and normalisation, as ViT's processor (transformers 5: its PIL one)
+            import transformers
 
-            processor = ViTImageProcessor(size={"height": self.size, "width": self.size}, image_mean=list(self.mean),
-                                          image_std=list(self.std))
+            kind = getattr(transformers, "ViTImageProcessorPil", None) or transformers.ViTImageProcessor
+            processor = kind(size={"height": self.size, "width": self.size}, image_mean=list(self.mean),
+                             image_std=list(self.std))
         processor.save_pretrained(folder)
 
 

@@ -23,7 +23,7 @@ from ..data.datasets import (
 )
 from ..data.images import is_image_folder
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
-from ..data.userdata import PLAIN
+from ..data.userdata import PLAIN, is_user_source
 
 IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
 
@@ -157,7 +157,7 @@ class Task:
             return synthetic_splits(request, self.synthetic_classes(request))
         if is_tensor_data(data):
             return tensor_splits(self.tensors(data, request), request)
-        if is_image_folder(data):
+        if is_user_source(data) and is_image_folder(data):
             raise DataError(f"{data} is a folder of images, but the {self.name} task reads text; give an image "
                             "classifier (a ...ForImageClassification folder, tiny-vit) or text data")
         return self.from_texts(user_texts(data, request, self.reading), request)

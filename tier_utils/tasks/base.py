@@ -107,6 +107,10 @@ class Task:
         """Whether a save_pretrained folder holds this task's preprocessor (its tokenizer's files)."""
         return is_tokenizer_folder(folder)
 
+    def batch_words(self, batch: int, length: int) -> str:
+        """A batch's size in words, as result lines say it."""
+        return f"batch {batch} x {length} tokens"
+
     def units(self, batch: dict) -> int:
         """How many of `unit` a batch holds (a throughput's numerator)."""
         return batch[self.input_key].numel()

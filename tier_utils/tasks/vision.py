@@ -87,6 +87,9 @@ class ImageClassification(Task):
     def preprocessor_in(self, folder) -> bool:
         return has_image_processor(folder)
 
+    def batch_words(self, batch: int, length: int) -> str:
+        return f"batch {batch} images of {length} x {length}"
+
     def units(self, batch: dict) -> int:
         return len(batch[self.input_key])
 

@@ -107,6 +107,10 @@ class Task:
         """Whether a save_pretrained folder holds this task's preprocessor (its tokenizer's files)."""
         return is_tokenizer_folder(folder)
 
+    def skips_analysis(self, name: str) -> str | None:
+        """Why tier 2's analysis `name` does not apply to this task (None: it runs)."""
+        return None
+
     def batch_words(self, batch: int, length: int) -> str:
         """A batch's size in words, as result lines say it."""
         return f"batch {batch} x {length} tokens"

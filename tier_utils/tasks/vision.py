@@ -87,6 +87,15 @@ class ImageClassification(Task):
     def preprocessor_in(self, folder) -> bool:
         return has_image_processor(folder)
 
+    def skips_analysis(self, name: str) -> str | None:
+        """Tier 2's token analyses: attention scored per token position, token substitutions and per-token
+        saliency read token ids, which an image model has none of."""
+        return {"attention": "its maps are scored per token position (previous token, first token); an image "
+                             "model's patch attention is not analysed yet",
+                "robustness": "it perturbs token ids (substitutions, truncation); pixel noise, blur and brightness "
+                              "are not analysed yet",
+                "attribution": "it scores each token's embedding; pixel attribution is not analysed yet"}.get(name)
+
     def batch_words(self, batch: int, length: int) -> str:
         return f"batch {batch} images of {length} x {length}"
 

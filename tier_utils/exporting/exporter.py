@@ -260,7 +260,8 @@ def _capture(wrapper, trace: tuple, adapter, fmt: str):
     from torch.export import Dim
 
     batch, seq = Dim("batch", max=4096), Dim("seq", max=adapter.max_len)
-    dynamic = tuple({0: batch, 1: seq} for _ in trace)
+    # Token inputs: dynamic batch and sequence; an image model's pixels: dynamic batch at its own image size.
+    dynamic = tuple({0: batch, 1: seq} if adapter.task.reads_tokens else {0: batch} for _ in trace)
     try:
         with _quiet():
             return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)

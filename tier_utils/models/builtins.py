@@ -180,7 +180,7 @@ class TinyViT(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # In the weights' dtype, as transformers' ViT does: bf16 weights run without autocast in the benchmark.
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(len(x), -1, -1).to(x.dtype), x], dim=1)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         if x.size(1) != self.pos_embed.size(1):
             raise ValueError(f"images of {tuple(pixel_values.shape[-2:])} give {x.size(1) - 1} patches but the "
                              f"model was built for {self.image_size} x {self.image_size}; resize the images")

@@ -65,6 +65,7 @@ def test_a_vit_folder_fine_tunes_a_new_head_on_an_image_folder_and_saves_its_pro
     assert (tmp_path / "out" / "preprocessor_config.json").is_file()
     again = tier_utils.adapt(load_model(str(tmp_path / "out")))
     assert again.num_classes == 2 and "ViTImageProcessor" in again.tokenizer.name
+    assert again.model.config.id2label == {0: "circle", 1: "square"}  # the data's class names
 
 
 def test_smoke_on_a_vit_folder_passes_with_image_probes(vit_folder):

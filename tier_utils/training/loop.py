@@ -35,7 +35,7 @@ from ..engine.step import optimizer_impl
 from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
-from .finetune import Selection, restore_best, save_hf
+from .finetune import Selection, name_classes, restore_best, save_hf
 from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
 from .out_of_memory import answered
@@ -267,6 +267,7 @@ class _Run:
             weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
         full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
+        name_classes(model, self.data.splits.classes)
         saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full,
                            self.adapter.stored_dtype) if cfg.save_hf is not None and self.env.is_main else None
         return Finished(restored, saved_hf, consolidated)

@@ -139,3 +139,23 @@ def test_tiny_vit_learns_the_bundled_shapes():
     result = tier_utils.train("tiny-vit", max_steps=150, batch_size=32, lr=3e-3, eval_every=150, progress=False,
                               device="cpu")
     assert result.summary.accuracy > 0.5  # chance: 0.25
+
+
+def test_analysis_runs_headroom_and_says_why_the_token_analyses_skip_and_export_takes_pixels(tmp_path):
+    torch.manual_seed(0)
+    model = load_model("tiny-vit", **TINY_VIT)
+    report = tier_utils.analyze(model, analyses=["attention", "headroom"], batch_size=4, n_batches=1, device="cpu",
+                                progress=False)
+    rows = {(r["analysis"], r["status"]) for r in report.table.to_dict("records")}
+    assert ("attention", "SKIP") in rows and ("headroom", "PASS") in rows
+    exported = tier_utils.export(model, path=str(tmp_path / "vit.pt2"), format="pt2", repeats=1)
+    assert exported.config.inputs == ["pixel_values"] and all(c.status == "PASS" for c in exported.checks)
+
+
+@pytest.mark.slow
+def test_the_amp_benchmark_reports_an_image_classifier_in_images():
+    torch.manual_seed(0)
+    result = tier_utils.amp_benchmark(load_model("tiny-vit", **TINY_VIT), precisions=("fp32", "bf16"), batch_size=8,
+                                      repeats=1, timed_steps=1, accuracy_steps=2, eval_batches=1, progress=False,
+                                      device="cpu")
+    assert "batch 8 images of 16 x 16" in result.summary_line() and result.config.task == "image-classification"

@@ -38,7 +38,6 @@ class ImageProcessing:
     std: tuple[float, ...] = DEFAULT_STD
     processor: object = None  # transformers' image processor (PIL backend)
     name: str = "resize and normalise"
-    vocab_size = 0  # reads no token ids: a text source's vocabulary check never passes it
 
     def __call__(self, images: list) -> torch.Tensor:
         """(N, C, S, S) float pixel values for a list of PIL images of any mode and size."""

@@ -108,11 +108,9 @@ class ImageClassification(Task):
         given = given_splits(data, request)
         if given is not None:
             return given
-        processing = request.tokenizer
-        if not isinstance(processing, ImageProcessing):
-            raise DataError("image data needs the model's image processing; build the data through the model's "
-                            "adapter (adapter.datasets)")
-        classes = request.num_classes
+        if not isinstance(request.tokenizer, ImageProcessing):  # no model's processing given: seq_len is the side
+            request = replace(request, tokenizer=ImageProcessing(request.seq_len))
+        processing, classes = request.tokenizer, request.num_classes
         if data is None:
             return self.demo(request)
         if isinstance(data, str) and data == "synthetic":

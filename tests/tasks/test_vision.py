@@ -48,6 +48,7 @@ def test_a_vit_folder_loads_with_its_image_processor_and_no_torchvision_warning(
     assert adapter.task.name == "image-classification" and adapter.name == "ViTForImageClassification"
     assert (adapter.max_len, adapter.vocab_size, adapter.num_classes) == (32, 3, 4)  # image side, channels
     assert "ViTImageProcessor" in adapter.tokenizer.name
+    assert {"channels": 3, "image_size": 32}.items() <= adapter.summary().items()
     assert not [w for w in caught if "torchvision" in str(w.message)]
     batch = adapter.example_batch(2)
     assert batch["pixel_values"].shape == (2, 3, 32, 32) and adapter.batch_logits(batch).shape == (2, 4)

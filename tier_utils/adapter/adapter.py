@@ -179,7 +179,8 @@ class ModelAdapter:
                 "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
-                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
+                **dict(zip((self.task or CAUSAL_LM).size_names, (self.vocab_size, self.max_len))),
+                "num_classes": self.num_classes,
                 "tokenizer": self.tokenizer.name, **{key: dtype and dtype_name(dtype) for key, dtype in
                                                     (("stored_dtype", self.stored_dtype),
                                                      ("weights_dtype", self.weights_dtype))}}

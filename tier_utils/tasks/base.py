@@ -61,6 +61,7 @@ class Task:
     input_key = "input_ids"
     reads_tokens = True
     unit = "token"  # what a throughput counts (`units`)
+    size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 

@@ -40,6 +40,7 @@ class ImageClassification(Task):
     input_key = "pixel_values"
     reads_tokens = False
     unit = "image"
+    size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
     without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "

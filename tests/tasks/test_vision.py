@@ -160,3 +160,15 @@ def test_the_amp_benchmark_reports_an_image_classifier_in_images():
                                       repeats=1, timed_steps=1, accuracy_steps=2, eval_batches=1, progress=False,
                                       device="cpu")
     assert "batch 8 images of 16 x 16" in result.summary_line() and result.config.task == "image-classification"
+
+
+def test_lora_trains_the_new_head_beside_its_adapters(vit_folder):
+    from tier_utils.core.memory_settings import MemorySettings
+
+    with pytest.warns(UserWarning, match="new head starts at random"):
+        model = load_model(str(vit_folder), num_labels=3)
+    head = model.classifier.weight.detach().clone()
+    result = tier_utils.train(model, "synthetic", max_steps=2, batch_size=4, eval_batches=1, progress=False,
+                              device="cpu", memory=MemorySettings(lora="r=4,alpha=8"), precision="fp32", lr=1e-2)
+    trained = result.model.get_base_model().classifier
+    assert not torch.equal(trained.weight.detach(), head)  # the random head learned; frozen, it would not

@@ -42,6 +42,9 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
         raise ModelSpecError(f"loading {spec} as {name} would start {len(new)} tensors at random ({_few(new)}), so "
                              f"it would not be the model in the folder (a {held}); load it as that (drop task=)")
     if new:
+        # The modules those weights belong to: LoRA trains them whole beside its adapters (engine/lora.py), since a
+        # head that starts at random learns nothing frozen.
+        model.tier_utils_new_head = sorted({key.rpartition(".")[0] for key in new if "." in key})
         warnings.warn(f"{spec} has no weights of this size for {_few(new)}: {name}'s new head starts at random and "
                       "is trained (the base's weights are the folder's)", stacklevel=4)
     return model

@@ -18,10 +18,19 @@ import torch.nn as nn
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.precision import dtype_name
 from ..data.datasets import DataSplits
+from ..data.images import has_image_processor
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
 from ..models.stored_dtype import parameters_dtype
-from ..tasks import Task, build_datasets, recognized_task, task_named, task_of_output, unsupported_encoder_decoder
+from ..tasks import (
+    CAUSAL_LM,
+    Task,
+    build_datasets,
+    recognized_task,
+    task_named,
+    task_of_output,
+    unsupported_encoder_decoder,
+)
 
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_len", "block_size")
 _VOCAB_KEYS = ("vocab_size", "n_vocab")
@@ -39,6 +48,8 @@ TARGET_KEYWORDS = ("targets", "labels")
 class ModelAdapter:
     model: nn.Module
     task: Task | None  # what the model predicts, and every fact that follows (tier_utils.tasks); set by adapt()
+    # The range of the input's ids and the length axis: a language model's vocabulary and max length; a task that
+    # reads no tokens says what they are (an image classifier: its channels and its image side).
     vocab_size: int
     max_len: int
     num_classes: int | None
@@ -48,7 +59,9 @@ class ModelAdapter:
     takes_position_ids: bool = False
     padding_side: str = "right"  # where a padded batch puts its padding: left for decoder LMs
     max_len_note: str | None = None  # set when max_len is tier_utils' default, not the model's own limit
-    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the ids every tier feeds: the model's own, or bytes
+    # What turns raw data into the ids every tier feeds: the model's own tokenizer, or bytes (an image model: its
+    # image processing, the task's `preprocessor_what`).
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
     # Set when the forward returns every position's logits only when given targets (the keyword to pass).
     targets_keyword: str | None = None
     # What the weights are stored in (the loader's record; a module built in Python: its parameters' dtype when
@@ -97,8 +110,8 @@ class ModelAdapter:
             if not self.takes_inputs_embeds:
                 raise AdapterError(f"{self.name}.forward takes no inputs_embeds argument")
             return self.model(inputs_embeds=inputs_embeds, **kwargs)
-        if self.takes_input_ids_kwarg:
-            return self.model(input_ids=input_ids, **kwargs)
+        if self.takes_input_ids_kwarg:  # the task's input (token ids, or an image model's pixel_values) by name
+            return self.model(**{self.task.input_key if self.task else "input_ids": input_ids}, **kwargs)
         return self.model(input_ids, **kwargs)
 
     def logits(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None) -> torch.Tensor:
@@ -112,7 +125,7 @@ class ModelAdapter:
         """The model's raw output for a batch dict of this task: its targets go in where the task feeds them (a
         seq2seq decoder's teacher-forced inputs; the GPT convention's targets keyword)."""
         labels = batch.get("labels") if self.task.feeds_targets else None
-        return self.forward(batch["input_ids"], batch.get("attention_mask"), labels=labels)
+        return self.forward(batch[self.task.input_key], batch.get("attention_mask"), labels=labels)
 
     def batch_logits(self, batch: dict) -> torch.Tensor:
         return extract_logits(self.batch_forward(batch), self.name)
@@ -134,9 +147,8 @@ class ModelAdapter:
         """A random batch of the right shape and task, on the model's device."""
         T = min(seq_len or self.max_len, self.max_len)
         g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, self.vocab_size, (batch_size, T), generator=g)
-        labels = self.task.example_labels(self, batch_size, T, g)
-        batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones(batch_size, T, dtype=torch.long)}
+        batch = self.task.example_inputs(self, batch_size, T, g)
+        batch["labels"] = self.task.example_labels(self, batch_size, T, g)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def require_trainable(self) -> list[nn.Parameter]:
@@ -149,7 +161,10 @@ class ModelAdapter:
 
     def fit_length(self, seq_len: int, what: str = "seq_len") -> int:
         """The rule for every tier: a length past the model's max_len is capped to it, with a warning
-        (callers record the length used). The one place this is decided."""
+        (callers record the length used). The one place this is decided. A task that reads no tokens runs at the
+        model's own length (an image model: its image side), whatever a token length setting says."""
+        if not self.task.reads_tokens:
+            return self.max_len
         if seq_len <= self.max_len:
             return seq_len
         warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",
@@ -167,7 +182,8 @@ class ModelAdapter:
                 "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
                 "buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers()),
-                "vocab_size": self.vocab_size, "max_len": self.max_len, "num_classes": self.num_classes,
+                **dict(zip((self.task or CAUSAL_LM).size_names, (self.vocab_size, self.max_len))),
+                "num_classes": self.num_classes,
                 "tokenizer": self.tokenizer.name, **{key: dtype and dtype_name(dtype) for key, dtype in
                                                     (("stored_dtype", self.stored_dtype),
                                                      ("weights_dtype", self.weights_dtype))}}
@@ -225,19 +241,14 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     if unsupported:
         raise AdapterError(f"{name}: {unsupported}")
     params = _forward_params(model)
-    takes_kw = "input_ids" in params
-    vocab = (vocab_size or _first_attr((config, model), _VOCAB_KEYS)
-             or getattr(input_embedding(model), "num_embeddings", None))
-    if not vocab:
-        raise AdapterError(f"cannot find {name}'s vocabulary size; pass vocab_size=N "
-                           "(model_kwargs={'vocab_size': N} in any tier, or adapt(model, vocab_size=N))")
-    declared = _first_attr((config, model), _MAX_LEN_KEYS)
-    usable = _position_rows(model)
-    length = max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
-    adapter = ModelAdapter(model, _task_for(model, task, params), int(vocab),
-                           DEFAULT_MAX_LEN if length == math.inf else int(length),
-                           num_classes, takes_kw, "attention_mask" in params, "inputs_embeds" in params,
-                           "position_ids" in params)
+    chosen = _task_for(model, task, params)
+    facts = chosen and chosen.input_facts(model, _own_preprocessor(model, tokenizer), max_len)
+    vocab, length, preprocessor, note = facts or (*_token_sizes(model, vocab_size, max_len), None, None)
+    tokens = chosen is None or chosen.reads_tokens
+    adapter = ModelAdapter(model, chosen, int(vocab), DEFAULT_MAX_LEN if length == math.inf else int(length),
+                           num_classes, (chosen.input_key if chosen else "input_ids") in params,
+                           tokens and "attention_mask" in params, "inputs_embeds" in params, "position_ids" in params,
+                           max_len_note=note)
     adapter.fills_mask = adapter.takes_attention_mask and hasattr(model, "warn_if_padding_and_no_attention_mask")
     adapter.targets_keyword = _targets_keyword(adapter, params)
     adapter.task = adapter.task or _probe_task(adapter)
@@ -248,22 +259,41 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
                                or _probe_output(adapter).shape[-1])
     side = getattr(model, "padding_side", None)
     adapter.padding_side = side if side in ("left", "right") else adapter.task.padding_side
-    adapter.tokenizer = _tokenizer_for(model, tokenizer, adapter.vocab_size)
+    adapter.tokenizer = preprocessor or _tokenizer_for(model, _own_preprocessor(model, tokenizer), adapter.vocab_size)
     source = source_of(model)
     adapter.stored_dtype = source.stored_dtype if source and source.stored_dtype else parameters_dtype(model)
     return adapter
 
 
+def _token_sizes(model: nn.Module, vocab_size: int | None, max_len: int | None) -> tuple[int, float]:
+    """A language model's vocabulary (given, declared or its embedding's rows) and max length (given, else the
+    least of its declared one and its position table's rows; inf where neither exists)."""
+    config = getattr(model, "config", None)
+    vocab = (vocab_size or _first_attr((config, model), _VOCAB_KEYS)
+             or getattr(input_embedding(model), "num_embeddings", None))
+    if not vocab:
+        raise AdapterError(f"cannot find {type(model).__name__}'s vocabulary size; pass vocab_size=N "
+                           "(model_kwargs={'vocab_size': N} in any tier, or adapt(model, vocab_size=N))")
+    declared = _first_attr((config, model), _MAX_LEN_KEYS)
+    usable = _position_rows(model)
+    return vocab, max_len or min(n for n in (declared, usable, math.inf) if n and n > 0)
+
+
+def _own_preprocessor(model: nn.Module, spec):
+    """The tokenizer (an image model: image processor) spec given, else the model's own: its spec's, or the folder
+    a transformers model loaded by the user came from where it holds one; None: none."""
+    if spec is not None:
+        return spec
+    source = source_of(model)
+    if source is not None:
+        return source.tokenizer
+    folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return folder if folder and (is_tokenizer_folder(Path(folder)) or has_image_processor(Path(folder))) else None
+
+
 def _tokenizer_for(model: nn.Module, spec, vocab: int) -> Tokenizer:
-    """The tokenizer given, else the model's own, else bytes; a given or own one must fit the vocabulary
-    (bytes are checked when text is encoded, since synthetic data needs no tokenizer)."""
-    if spec is None:
-        source = source_of(model)
-        if source is not None:
-            spec = source.tokenizer
-        else:  # a transformers model loaded by the user: its folder may hold its tokenizer
-            folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-            spec = folder if folder and is_tokenizer_folder(Path(folder)) else None
+    """The tokenizer given or the model's own (`_own_preprocessor`), else bytes; a given or own one must fit the
+    vocabulary (bytes are checked when text is encoded, since synthetic data needs no tokenizer)."""
     tok = load_tokenizer(spec)
     if tok.name != BYTES and tok.vocab_size > vocab:
         raise AdapterError(f"the tokenizer {tok.name} emits ids up to {tok.vocab_size - 1} but "
@@ -368,7 +398,8 @@ def _declared_task(model: nn.Module, params: set[str]) -> Task | None:
 
 
 def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:
-    ids = torch.zeros(1, min(length, adapter.max_len), dtype=torch.long, device=adapter.device)
+    task = adapter.task or CAUSAL_LM  # no task declared yet: a language model's token ids tell its output
+    ids = task.probe_input(adapter, min(length, adapter.max_len))
     was_training = adapter.model.training
     adapter.model.eval()
     try:
@@ -377,9 +408,9 @@ def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tens
     except AdapterError:
         raise
     except Exception as exc:
-        err = ModelForwardError(f"calling {adapter.name} on a (1, {ids.size(1)}) batch of token ids raised "
-                                f"{describe(exc)}; fix its forward (or its signature: "
-                                "it gets input_ids, and attention_mask if it takes one)")
+        what = task.describe_input(adapter, ids.size(-1))
+        err = ModelForwardError(f"calling {adapter.name} on a {what} raised {describe(exc)}; fix its forward (or its "
+                                f"signature: it gets {task.input_key}, and attention_mask if it takes one)")
         err.model = adapter.summary()  # what smoke/analyze report it under
         raise err from exc
     finally:

@@ -69,7 +69,7 @@ def head_rows(batches: list[dict], rows: int) -> list[dict]:
         if rows <= 0:
             break
         kept.append(head(batch, rows))
-        rows -= len(kept[-1]["input_ids"])
+        rows -= len(kept[-1]["labels"])
     return kept
 
 

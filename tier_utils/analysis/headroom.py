@@ -129,7 +129,7 @@ def _run(ctx: Context) -> Outcome:
             logits = ctx.adapter.batch_logits(batch)
             out_nonfinite += int((~torch.isfinite(logits)).sum())
             if i == 0:
-                row_bytes = stats.bytes / len(batch["input_ids"])
+                row_bytes = stats.bytes / len(batch["labels"])
     dev = ctx.adapter.device
     n, scope = _compared_rows(ctx, row_bytes)
     sample = head(ctx.batches[0], n)
@@ -170,7 +170,7 @@ def _compared_rows(ctx: Context, row_bytes: float) -> tuple[int, str]:
 
     It holds every layer's output in three precisions at once: as many sequences as the probe budget allows.
     Where a low precision is emulated (no native support: often 10x slower than fp32), one sequence."""
-    total = len(ctx.batches[0]["input_ids"])
+    total = len(ctx.batches[0]["labels"])
     n, why = total, ""
     if ctx.budget is not None and 3 * row_bytes * total > ctx.budget.probe_limit:
         n = max(1, int(ctx.budget.probe_limit // (3 * row_bytes)))

@@ -83,6 +83,9 @@ def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
 def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     """Run one analysis; whatever it raises becomes a FAIL row and the others still run."""
     t0 = time.perf_counter()
+    skipped = ctx.adapter.task.skips_analysis(name)
+    if skipped:  # an analysis of token inputs, for a task whose inputs are not tokens: said, not run
+        return Outcome([Check(name, "SKIP", None, None, skipped)]), time.perf_counter() - t0
     try:
         outcome = ANALYSES[name].run(ctx)
     except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
@@ -216,7 +219,8 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
             outcomes[name], seconds[name] = _isolated(name, ctx)
     finally:
         module.train(was_training)
-    data_info = AnalysedBatches(described, len(batches), cfg.batch_size, int(batches[0]["input_ids"].size(1)))
+    length = int(batches[0][adapter.task.input_key].size(-1))  # tokens, or an image's side
+    data_info = AnalysedBatches(described, len(batches), cfg.batch_size, length)
     provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
     model_info = {**adapter.summary(), **quantized_summary(module),
                   **({"provenance": provenance} if provenance else {})}

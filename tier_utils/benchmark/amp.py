@@ -201,7 +201,7 @@ class BenchmarkRun:
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
-        return Loaded(splits, speed_batches, speed_batches[0]["input_ids"].numel(), start, floor)
+        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor)
 
     def compile(self, sized: Sized, loaded: Loaded) -> Ready:
         """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
@@ -343,7 +343,7 @@ class BenchmarkRun:
         if records[0].speed is not None:
             floor = summarize(floor_ms)
             overhead = {"floor_step_ms": floor.to_dict(),
-                        "floor_shape": list(ready.data.floor.batches[0]["input_ids"].shape),
+                        "floor_shape": list(ready.data.floor.batches[0][self.adapter.task.input_key].shape),
                         **launch_bound(records[0].speed.step_ms.median, floor.median, records[0].mfu["mfu"],
                                        cfg.batch_size, cfg.thresholds)}
         verdicts = [c for p, r in zip(ready.plans, records)

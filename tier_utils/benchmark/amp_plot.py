@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..core.plotting import caption, integer_axis, power_of_two_axis
+from ..tasks import task_named
 from .record import MIB
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
@@ -57,8 +58,9 @@ def plot_benchmark(result) -> Figure:
         integer_axis(ax.xaxis)
     rows = [r for r in result.records if r.memory_row is not None]
     caption(fig, f"every precision starts from the same weights and sees the same batches · speed: "
-                 f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, batch {cfg.batch_size} "
-                 f"x {cfg.seq_len} tokens, {result.metadata['threads']} threads"
+                 f"{cfg.repeats} interleaved repeats of {cfg.timed_steps} timed steps, "
+                 f"{task_named(result.config.task).batch_words(cfg.batch_size, cfg.seq_len)}, "
+                 f"{result.metadata['threads']} threads"
                  + (f" · memory rows {', '.join(r.memory_row for r in rows)}: their settings in .table"
                     if rows else ""))
     return fig

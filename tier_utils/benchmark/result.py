@@ -8,6 +8,7 @@ import pandas as pd
 
 from ..core.files import jsonable
 from ..core.results import Result, checks_table, problem_rows, status_counts, worst_status
+from ..tasks import task_named
 from .answer import answer_line
 from .record import BenchRun, Outcome, PrecisionRecord
 from .verdicts import Speedup
@@ -61,7 +62,7 @@ class BenchmarkResult(Result):
                          if r.memory and r.memory_row is None)
         rows = [r for r in self.records if r.memory_row is not None]
         return (f"benchmark {run.model}: {self.verdict} ({status_counts(self.verdicts['status'])})"
-                f" at batch {s.batch_size} x {s.seq_len} tokens on {self.metadata['device_name']}"
+                f" at {task_named(run.task).batch_words(s.batch_size, s.seq_len)} on {self.metadata['device_name']}"
                 + (f"; {run.fit.reason}" if run.fit.reason else "")
                 + f"; weights stored {self.metadata['stored_dtype']}, held in the runs as {held or 'none ran'}"
                 + (f"; memory rows in {rows[0].precision}: " + ", ".join(

@@ -72,7 +72,8 @@ def _use_cache(model: nn.Module, restore: bool) -> None:
     if config is None:
         return
     if restore:
-        config.use_cache = vars(model).pop("tier_utils_use_cache", config.use_cache)
+        if "tier_utils_use_cache" in vars(model):  # a config with no use_cache (an image model's) had none to turn off
+            config.use_cache = vars(model).pop("tier_utils_use_cache")
     elif getattr(config, "use_cache", False):
         model.tier_utils_use_cache, config.use_cache = True, False
 

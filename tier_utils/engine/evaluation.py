@@ -7,6 +7,8 @@ import torch
 
 from ..data.datasets import to_device
 
+TOP_K = 5  # a classifier of more classes is also scored on whether the label is among its 5 best guesses
+
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
@@ -15,7 +17,8 @@ def perplexity(loss: float) -> float:
 def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None,
              forwards: int | None = None) -> dict:
     """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
-    (next tokens, or class labels) of a ModelAdapter in a Precision.
+    (next tokens, or class labels) of a ModelAdapter in a Precision; top-5 accuracy where a task's classes are more
+    than 5 (`top5_accuracy`, absent otherwise).
 
     Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
     most `max_batches` batches (None: all); the model is back in train mode afterwards.
@@ -25,7 +28,7 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
     """
     model, device = adapter.model, adapter.device
     model.eval()
-    sums = torch.zeros(3, device=device)  # loss x count, correct, count
+    sums = torch.zeros(4, device=device)  # loss x count, correct, count, correct in the top 5
     done = 0
     try:
         with torch.inference_mode():
@@ -41,12 +44,15 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
                 sums[0] += adapter.loss(logits, labels) * n
                 sums[1] += ((logits.argmax(-1) == labels) & scored).sum()
                 sums[2] += n
+                if adapter.task.has_classes and logits.size(-1) > TOP_K:
+                    sums[3] += ((logits.topk(TOP_K, -1).indices == labels.unsqueeze(-1)).any(-1) & scored).sum()
                 done += 1
             for _ in range((forwards or 0) - done):
-                adapter.logits(adapter.example_batch(1, 1)["input_ids"])  # its output is not scored
+                adapter.batch_logits(adapter.example_batch(1, 1))  # its output is not scored
     finally:
         model.train()
-    loss_sum, correct, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
+    loss_sum, correct, count, top_k = (reduce_sum(sums) if reduce_sum else sums).tolist()
+    ranked = adapter.task.has_classes and (adapter.num_classes or 0) > TOP_K
     val_loss = loss_sum / count
     return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task.has_perplexity else math.nan,
-            "accuracy": correct / count, "targets": int(count)}
+            "accuracy": correct / count, "targets": int(count), **({"top5_accuracy": top_k / count} if ranked else {})}

@@ -109,8 +109,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     targets = resolve_targets(model, settings)
     if not targets:
         raise LoraError(f"{type(model).__name__} has no linear layer to adapt; LoRA needs nn.Linear layers")
+    # A head the load started at random (models/pretrained.py: a classifier fine-tuned on the user's classes) is
+    # trained whole beside the adapters: frozen, it would stay random.
+    new_head = list(getattr(model, "tier_utils_new_head", ())) or None
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                             target_modules=list(targets))
+                             target_modules=list(targets), modules_to_save=new_head)
     source = getattr(model, "tier_utils_source", None)
     with quiet_peft():
         wrapped = peft.get_peft_model(model, config)
@@ -200,7 +203,8 @@ def lora_record(model: nn.Module) -> dict | None:
         return None
     c = model.peft_config["default"]
     return {"r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
-            "target_modules": sorted(c.target_modules)}
+            "target_modules": sorted(c.target_modules),
+            **({"modules_to_save": sorted(c.modules_to_save)} if c.modules_to_save else {})}
 
 
 def model_state(model: nn.Module, state: dict | None = None) -> dict:

@@ -235,8 +235,8 @@ def _batch(dataset, b: int, t: int, keys, adapter) -> tuple:
 def _inputs(batch: dict, keys, adapter) -> tuple:
     """The program's inputs from a batch: the task's own (an encoder-decoder's decoder inputs, from its targets)
     where the batch holds none."""
-    made = adapter.task.model_inputs(adapter, batch["input_ids"], batch.get("labels"))
-    return tuple((batch[k] if k in batch else made[k]).long().cpu() for k in keys)
+    made = adapter.task.model_inputs(adapter, batch[adapter.task.input_key], batch.get("labels"))
+    return tuple(batch[k] if k in batch else made[k] for k in keys)
 
 
 def _reason(exc: BaseException) -> str:
@@ -269,8 +269,10 @@ def _capture(wrapper, trace: tuple, adapter, fmt: str):
 
     batch, seq = Dim("batch", max=4096), Dim("seq", max=adapter.max_len)
     target = Dim("target", max=adapter.max_len)  # an encoder-decoder's target length, apart from its source's
-    dynamic = tuple({0: batch, 1: target if key.startswith("decoder") else seq}
-                    for key in adapter.task.export_inputs[:len(trace)])
+    # Token inputs: dynamic batch and length (a decoder's its own); an image model's pixels: dynamic batch at its
+    # own image size.
+    dynamic = tuple(({0: batch, 1: target if key.startswith("decoder") else seq} if adapter.task.reads_tokens
+                     else {0: batch}) for key in adapter.task.export_inputs[:len(trace)])
     try:
         with _quiet():
             return torch.export.export(wrapper, trace, dynamic_shapes=dynamic)

@@ -1,4 +1,4 @@
-"""The built-in networks (tiny-gpt, tiny-encoder, tiny-seq2seq) and the names of the built-in specs."""
+"""The built-in networks (tiny-gpt, tiny-encoder, tiny-seq2seq, tiny-vit) and the names of the built-in specs."""
 from __future__ import annotations
 
 import torch
@@ -9,10 +9,12 @@ from ..core.errors import ModelSpecError
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through SDPA (tier 2 reads its maps from the SDPA call)."""
+    """Multi-head causal self-attention through SDPA (tier 2 reads its maps from the SDPA call); `causal=False`: every
+    position sees every other (a ViT's patches)."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float):
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool = True):
         super().__init__()
+        self.causal = causal
         if d_model % n_head:
             raise ModelSpecError(f"d_model={d_model} is not divisible by n_head={n_head}; pick sizes that divide")
         self.n_head = n_head
@@ -25,17 +27,17 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float):
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool = True):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, causal)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.Dropout(dropout)
@@ -150,15 +152,53 @@ class TinySeq2Seq(_TokenModel):
         return self.head(out)
 
 
+class TinyViT(nn.Module):
+    """Vision transformer classifier: a patch embedding (a strided convolution), a CLS token and learned positions,
+    bidirectional blocks, the head on the CLS token. Its size, mean and std are declared: it has no processor."""
+
+    task = "image-classification"
+    mean = std = (0.5, 0.5, 0.5)
+
+    def __init__(self, image_size: int = 32, patch_size: int = 8, num_channels: int = 3, d_model: int = 64,
+                 n_layer: int = 2, n_head: int = 4, num_classes: int = 4, dropout: float = 0.0):
+        super().__init__()
+        if image_size % patch_size:
+            raise ModelSpecError(f"image_size={image_size} is not divisible by patch_size={patch_size}; pick sizes "
+                                 "that divide")
+        self.image_size, self.num_channels, self.num_classes = image_size, num_channels, num_classes
+        self.patch_embed = nn.Conv2d(num_channels, d_model, patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model))
+        self.pos_embed = nn.Parameter(torch.zeros(1, (image_size // patch_size) ** 2 + 1, d_model))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, causal=False) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+        self.apply(_init_weights)
+        for table in (self.cls_token, self.pos_embed):  # ViT's: small random, so each position starts distinct
+            nn.init.trunc_normal_(table, std=0.02)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # In the weights' dtype, as transformers' ViT does: bf16 weights run without autocast in the benchmark.
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        if x.size(1) != self.pos_embed.size(1):
+            raise ValueError(f"images of {tuple(pixel_values.shape[-2:])} give {x.size(1) - 1} patches but the "
+                             f"model was built for {self.image_size} x {self.image_size}; resize the images")
+        x = self.drop(x + self.pos_embed)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x[:, 0]))
+
+
 def _init_weights(module: nn.Module) -> None:
     # GPT-2's init: N(0, 0.02) for linear and embedding weights, zero biases.
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
 
 
-BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder, "tiny-seq2seq": TinySeq2Seq}
+BUILTIN_MODELS = {"tiny-gpt": TinyGPT, "tiny-encoder": TinyEncoder, "tiny-seq2seq": TinySeq2Seq, "tiny-vit": TinyViT}
 DEFAULT_MODEL = "tiny-gpt"
 # A tiny-gpt trained on the bundled corpus, shipped in the package (tier_utils/models/demo_model.py); fixed sizes, no
 # kwargs. Tier 2 analyses it where the user left DEFAULT_MODEL, so its first picture is of a trained model.

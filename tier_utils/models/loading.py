@@ -293,10 +293,10 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         raise ModelSpecError(f"loading the model folder {spec} raised {describe(exc, limit=200)}; check the folder "
                              "(config.json and model.safetensors or pytorch_model.bin)") from exc
     path = path.resolve()  # recorded absolute: a checkpoint finds it from any working directory
-    tokenizer = str(path) if is_tokenizer_folder(path) else None
+    tokenizer = str(path) if chosen.preprocessor_in(path) else None
     if tokenizer is None:
-        warnings.warn(f"{spec} holds no tokenizer files: feeding byte ids; pass tokenizer= (--tokenizer) with the "
-                      "tokenizer it was trained with", stacklevel=4)
+        warnings.warn(f"{spec} holds no {chosen.preprocessor_what} files: {chosen.without_preprocessor}",
+                      stacklevel=4)
     kwargs, quantized = _quantization(kwargs)
     return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored, quantized)
 

@@ -20,6 +20,8 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
     logging = transformers.utils.logging
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report: what it says is checked below and said in one line
+    if task.takes_new_head and "num_labels" in kwargs:  # the user's classes: a head of another size starts anew
+        kwargs = {"ignore_mismatched_sizes": True, **kwargs}
     try:
         model, info = load(auto.from_pretrained, output_loading_info=True, **kwargs)
     except ValueError as exc:
@@ -35,13 +37,16 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
     if dropped:
         raise ModelSpecError(f"loading {spec} as {name} would drop {len(dropped)} trained tensors ({_few(dropped)}): "
                              f"the folder holds a {held}; drop task= (--model-arg task=...) to load it as that")
-    new = sorted(info.get("missing_keys") or ())
+    new = sorted([*(info.get("missing_keys") or ()), *(k[0] for k in info.get("mismatched_keys") or ())])
     if new and not task.takes_new_head:
         raise ModelSpecError(f"loading {spec} as {name} would start {len(new)} tensors at random ({_few(new)}), so "
                              f"it would not be the model in the folder (a {held}); load it as that (drop task=)")
     if new:
-        warnings.warn(f"{spec} has no weights for {_few(new)}: {name}'s new head starts at random and is trained "
-                      "(the base's weights are the folder's)", stacklevel=4)
+        # The modules those weights belong to: LoRA trains them whole beside its adapters (engine/lora.py), since a
+        # head that starts at random learns nothing frozen.
+        model.tier_utils_new_head = sorted({key.rpartition(".")[0] for key in new if "." in key})
+        warnings.warn(f"{spec} has no weights of this size for {_few(new)}: {name}'s new head starts at random and "
+                      "is trained (the base's weights are the folder's)", stacklevel=4)
     return model
 
 

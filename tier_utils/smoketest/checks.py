@@ -9,6 +9,7 @@ import copy
 import math
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -114,6 +115,11 @@ def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
     return adapter.task.output_shape(adapter, b, t)
 
 
+def _inputs(adapter: ModelAdapter, batch: dict) -> tuple:
+    """A batch's model input (the task's: token ids, pixel values) and its attention mask, if it has one."""
+    return batch[adapter.task.input_key], batch.get("attention_mask")
+
+
 # --- shapes -------------------------------------------------------------------------------------
 
 def _shapes(adapter: ModelAdapter, report):
@@ -126,6 +132,8 @@ def _shapes(adapter: ModelAdapter, report):
     b_max, t_max = sized_to(limit, per_token, 2, L)
     cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", b_max, L)]
     cases += [(f"odd batch 3, length {n}", 3, n) for n in odd]
+    if not adapter.task.reads_tokens:  # its length is the model's own (an image's side): batch sizes only
+        cases = [("batch 1", 1, L), (f"batch {b_max}", b_max, L), ("odd batch 3", 3, L)]
     for what, b, t in cases:
         if b * t * per_token > limit:  # not even one sequence of this length: refused before it allocates
             yield Check(f"shapes: {what}", "SKIP", None, None, f"not run: B=1, T={t} would take "
@@ -138,6 +146,21 @@ def _shapes(adapter: ModelAdapter, report):
         for s_len, t_len in ((S, max(1, S // 3)), (max(1, S // 3), S)):
             yield _guarded(f"shapes: source {s_len}, target {t_len}", _pair_case, adapter, s_len, t_len)
         yield _guarded("decoder: a later target token changes no earlier logit", _decoder_causal_case, adapter)
+    if not adapter.task.reads_tokens:  # no padding to test rows with: a row alone against the same row in a batch
+        yield _guarded("shapes: batch rows independent", _rows_case, adapter)
+
+
+def _rows_case(name: str, adapter: ModelAdapter) -> Check:
+    batch = adapter.example_batch(3, adapter.max_len, seed=1)
+    with torch.no_grad():
+        together = adapter.logits(*_inputs(adapter, batch))
+        alone = adapter.logits(*_inputs(adapter, {k: v[1:2] for k, v in batch.items()}))
+    dev = _rel_dev(together[1:2], alone)
+    tol, why = _tolerance(adapter, KERNEL_TOL)
+    ok = math.isfinite(dev) and dev <= tol
+    detail = (f"row 2 of a batch of 3 vs the same input alone: max relative difference {dev:.2g}"
+              + ("" if ok else ": rows of a batch change each other's outputs (batch norm in eval mode?)") + why)
+    return Check(name, "PASS" if ok else "FAIL", _sig(dev), f"<= {tol:g}", detail)
 
 
 def _own_limit(exc: BaseException) -> str | None:
@@ -158,7 +181,7 @@ def _shape_case(name: str, adapter: ModelAdapter, b: int, t: int) -> Check:
     want = _expected_shape(adapter, b, t)
     try:
         with torch.no_grad():
-            got = tuple(adapter.logits(batch["input_ids"], batch["attention_mask"]).shape)
+            got = tuple(adapter.logits(*_inputs(adapter, batch)).shape)
     except (AssertionError, ValueError) as exc:
         limit = _own_limit(exc)
         if limit is None:
@@ -171,6 +194,8 @@ def _shape_case(name: str, adapter: ModelAdapter, b: int, t: int) -> Check:
 
 
 def _padding_case(name: str, adapter: ModelAdapter) -> Check:
+    if not adapter.task.reads_tokens:
+        return Check(name, "SKIP", None, None, f"the {adapter.task} task's inputs have no padding")
     if not adapter.takes_attention_mask:
         return Check(name, "SKIP", None, None, f"{adapter.name}.forward takes no attention_mask")
     T = min(16, adapter.max_len)
@@ -376,13 +401,9 @@ def _ratio_rows(matrices: dict[str, float], every: dict[str, float], again):
 
 def _stability(adapter: ModelAdapter, report):
     adapter.model.eval()
-    V, L, T = adapter.vocab_size, adapter.max_len, min(adapter.max_len, 16)
-    token = int(torch.randint(V, (1,), generator=torch.Generator().manual_seed(2)))
-    inputs = {f"token id 0 x{T}": torch.zeros(2, T, dtype=torch.long),
-              f"token id {V - 1} x{T}": torch.full((2, T), V - 1),
-              f"token {token} repeated x{T}": torch.full((2, T), token)}
-    for what, ids in inputs.items():
-        yield _guarded(f"stability: {what}", _finite_case, adapter, ids.to(adapter.device))
+    L = adapter.max_len
+    for what, ids in adapter.task.stability_inputs(adapter, min(L, 16)).items():
+        yield _guarded(f"stability: {what}", _finite_case, adapter, partial(adapter.logits, ids.to(adapter.device)))
     # One random max-length batch serves twice, as a finiteness case and as the fp32 reference the low
     # precisions are compared with: on a big model each such forward costs seconds. Its size is the
     # budget's: fewer sequences, then a shorter length, and the rows say which ran.
@@ -396,7 +417,7 @@ def _stability(adapter: ModelAdapter, report):
     batch = adapter.example_batch(b, t, seed=3)
     try:
         with torch.no_grad():
-            ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+            ref = adapter.logits(*_inputs(adapter, batch))
     except Exception as exc:  # each row that needed it fails with it
         ref = exc
     yield _guarded(f"stability: random, {'max ' if t == L else ''}length {t}", _finite_case, adapter, ref, note)
@@ -407,7 +428,7 @@ def _stability(adapter: ModelAdapter, report):
         if reference != "fp32" and not isinstance(ref, Exception):
             try:
                 with torch.no_grad():
-                    ref = adapter.logits(batch["input_ids"], batch["attention_mask"])
+                    ref = adapter.logits(*_inputs(adapter, batch))
             except Exception as exc:
                 ref = exc
         rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
@@ -415,15 +436,14 @@ def _stability(adapter: ModelAdapter, report):
     yield from rows
 
 
-def _finite_case(name: str, adapter: ModelAdapter, ids_or_logits, note: str = "") -> Check:
-    """`ids_or_logits`: input ids to run, or a forward's logits (or the exception it raised) to judge."""
-    if isinstance(ids_or_logits, Exception):
-        raise ids_or_logits
-    if ids_or_logits.is_floating_point():
-        out = ids_or_logits
-    else:
+def _finite_case(name: str, adapter: ModelAdapter, got, note: str = "") -> Check:
+    """`got`: a forward to run (a callable), or a forward's logits (or the exception it raised) to judge."""
+    if isinstance(got, Exception):
+        raise got
+    if callable(got):
         with torch.no_grad():
-            out = adapter.logits(ids_or_logits)
+            got = got()
+    out = got
     bad = sum(int((~torch.isfinite(c)).sum()) for (c,) in row_chunks(out))
     kinds = ("NaN" if any(bool(c.isnan().any()) for (c,) in row_chunks(out)) else "inf") if bad else ""
     return Check(name, "FAIL" if bad else "PASS", bad, 0,
@@ -445,7 +465,7 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
                                                          f"{low} with (see the stability rows above)")
     prec = requested if forced else resolve_precision(low, adapter.device, warn=False)
     with torch.no_grad(), prec.autocast():
-        out = adapter.logits(batch["input_ids"], batch["attention_mask"])
+        out = adapter.logits(*_inputs(adapter, batch))
     if not all(bool(torch.isfinite(c).all()) for (c,) in row_chunks(out)):
         return Check(name, "FAIL", None, f"<= {tol:g}", f"{low} autocast gives non-finite logits (overflow?)")
     dev = _rel_dev(out, ref)
@@ -549,7 +569,7 @@ def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> C
                                                f"one temporary its size, over the safe share of "
                                                f"{report.budget.describe()}")
     batch = adapter.example_batch(b, t)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids, mask = _inputs(adapter, batch)
     timer = StepTimer(adapter.device)
     with torch.inference_mode(), report.precision.autocast():
         for _ in range(LATENCY_WARMUP):
@@ -570,7 +590,8 @@ def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> C
     budget = f"; n set by the {LATENCY_BUDGET_S:g} s budget" if n < LATENCY_MAX_RUNS else ""
     return Check(name, "PASS", _sig(s.median), None,
                  f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}{budget}); "
-                 f"{b * t / (s.median / 1e3):,.0f} tokens/s; {report.precision.name} on "
+                 f"{adapter.task.units(batch) / (s.median / 1e3):,.0f} {adapter.task.unit}s/s; "
+                 f"{report.precision.name} on "
                  f"{report.metadata['device_name']}")
 
 
@@ -579,7 +600,7 @@ def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> C
 def _determinism(adapter: ModelAdapter, report):
     net = adapter.model
     batch = adapter.example_batch(2, min(adapter.max_len, 32), seed=4)
-    args = (batch["input_ids"], batch["attention_mask"])
+    args = _inputs(adapter, batch)
     with torch.no_grad():
         net.eval()
         first, second = adapter.logits(*args), adapter.logits(*args)

@@ -21,8 +21,9 @@ from ..data.datasets import (
     tensor_splits,
     user_texts,
 )
-from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer
-from ..data.userdata import PLAIN
+from ..data.images import is_image_folder
+from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
+from ..data.userdata import PLAIN, is_user_source
 
 IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
 
@@ -58,6 +59,14 @@ class Task:
     export_inputs: tuple[str, ...] = ("input_ids", "attention_mask")
     prediction = "class"  # what one prediction is, in a sentence
     reading = PLAIN  # the columns its text data is read from (data.userdata.Reading)
+    # The model's input in a batch, and whether it is token ids (a vocabulary, a max length, a tokenizer and padding
+    # masks apply); an image task's is `pixel_values`, its "vocabulary" the channels and its length the image side.
+    input_key = "input_ids"
+    reads_tokens = True
+    unit = "token"  # what a throughput counts (`units`)
+    size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
+    preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
+    without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
     def __str__(self) -> str:
         return self.name
@@ -70,6 +79,49 @@ class Task:
     def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """What the forward takes besides the ids and the mask (an encoder-decoder: its decoder's inputs)."""
         return {}
+
+    def example_inputs(self, adapter, batch: int, length: int, generator: torch.Generator) -> dict:
+        """A random batch's model inputs (the labels are `example_labels`)."""
+        ids = torch.randint(0, adapter.vocab_size, (batch, length), generator=generator)
+        return {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long)}
+
+    def stability_inputs(self, adapter, length: int) -> dict[str, torch.Tensor]:
+        """Tier 1's extreme inputs by name, each must give finite logits: the first and last token id and a random
+        one, each repeated."""
+        V = adapter.vocab_size
+        token = int(torch.randint(V, (1,), generator=torch.Generator().manual_seed(2)))
+        return {f"token id 0 x{length}": torch.zeros(2, length, dtype=torch.long),
+                f"token id {V - 1} x{length}": torch.full((2, length), V - 1),
+                f"token {token} repeated x{length}": torch.full((2, length), token)}
+
+    def probe_input(self, adapter, length: int) -> torch.Tensor:
+        """The one-row input of the adapter's probing forwards."""
+        return torch.zeros(1, length, dtype=torch.long, device=adapter.device)
+
+    def describe_input(self, adapter, length: int) -> str:
+        """The probe's input in words, for the one line a forward that fails it gets."""
+        return f"(1, {length}) batch of token ids"
+
+    def input_facts(self, model, spec, max_len: int | None):
+        """A task whose inputs are not token ids: (its ids' range, its length, its preprocessor, a note where the
+        length is a default); None: the model's vocabulary, max length and tokenizer are read as a language model's."""
+        return None
+
+    def preprocessor_in(self, folder) -> bool:
+        """Whether a save_pretrained folder holds this task's preprocessor (its tokenizer's files)."""
+        return is_tokenizer_folder(folder)
+
+    def skips_analysis(self, name: str) -> str | None:
+        """Why tier 2's analysis `name` does not apply to this task (None: it runs)."""
+        return None
+
+    def batch_words(self, batch: int, length: int) -> str:
+        """A batch's size in words, as result lines say it."""
+        return f"batch {batch} x {length} tokens"
+
+    def units(self, batch: dict) -> int:
+        """How many of `unit` a batch holds (a throughput's numerator)."""
+        return batch[self.input_key].numel()
 
     def width(self, adapter) -> int:
         """How many values one prediction scores: the classes, or the vocabulary."""
@@ -138,6 +190,9 @@ class Task:
             return synthetic_splits(request, self.synthetic_classes(request))
         if is_tensor_data(data):
             return tensor_splits(self.tensors(data, request), request)
+        if is_user_source(data) and is_image_folder(data):
+            raise DataError(f"{data} is a folder of images, but the {self.name} task reads text; give an image "
+                            "classifier (a ...ForImageClassification folder, tiny-vit) or text data")
         return self.from_texts(user_texts(data, request, self.reading), request)
 
     # What a task reads, each its own: a task defined elsewhere overrides what it takes.

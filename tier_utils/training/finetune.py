@@ -113,6 +113,15 @@ def _merged(model, stored_dtype):
     return merged_copy(model)
 
 
+def name_classes(model, classes: list[str] | None) -> None:
+    """A transformers classifier's id2label and label2id from the data's class names (a folder's subfolders, a
+    table's label values), so the saved folder names its classes; kept as they are where the head's size differs."""
+    config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+    if classes and config is not None and getattr(config, "num_labels", None) == len(classes):
+        config.id2label = dict(enumerate(classes))
+        config.label2id = {name: i for i, name in enumerate(classes)}
+
+
 def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None,
             stored_dtype=None) -> str:
     """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,

@@ -254,6 +254,8 @@ class TrainSummary:
     # or {"skipped": why}; None: the task generates nothing.
     generation: dict | None = None
     diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
+    unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
+    top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -311,10 +313,11 @@ class TrainResult(Result):
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),
+            ("top-5 accuracy", None if s.top5_accuracy is None else f"{s.top5_accuracy:.4f}"),
             ("best_val_loss", None if s.best_step is None else f"{s.best_val_loss:.4f} at step {s.best_step}"
                                                                + (f" ({s.best_checkpoint})" * bool(s.best_checkpoint))),
             ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),
-            ("tokens_per_s", spread(s.tokens_per_s, "tokens/s")),
+            ("tokens_per_s", spread(s.tokens_per_s, f"{s.unit}s/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
             ("memory", s.memory and f"{s.memory['describe']} ({s.memory['reason']})"),
@@ -347,7 +350,7 @@ class TrainResult(Result):
         losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
         line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
         if t := s.tokens_per_s:
-            line += f" · {t.median:,.0f} tokens/s median (IQR {t.iqr:,.0f}, n={t.n})"
+            line += f" · {t.median:,.0f} {s.unit}s/s median (IQR {t.iqr:,.0f}, n={t.n})"
         if s.diverged_at_step is not None:
             line += f" · FAIL: {s.diverged}"
         return line

@@ -38,7 +38,7 @@ from ..engine.strategies import Strategy, resolve_strategy
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
 from .divergence import divergence_error, ended_nonfinite
-from .finetune import Selection, restore_best, save_hf
+from .finetune import Selection, name_classes, restore_best, save_hf
 from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
 from .out_of_memory import answered
@@ -217,7 +217,7 @@ class _Run:
                     lr = self.optimization.optimizer.param_groups[0]["lr"]
                     out = step_fn(micro)
                     p.step += 1
-                    tokens = sum(b["input_ids"].numel() for b in micro) * self.env.world_size
+                    tokens = sum(self.adapter.task.units(b) for b in micro) * self.env.world_size
                     self.hist.record(p.step, out, lr, tokens)
                     bar.update()
                 self._after_step(bar)
@@ -309,6 +309,7 @@ class _Run:
             weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
         full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
+        name_classes(model, self.data.splits.classes)
         saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full,
                            self.adapter.stored_dtype) if cfg.save_hf is not None and self.env.is_main else None
         return Finished(restored, saved_hf, consolidated)
@@ -330,7 +331,8 @@ class _Run:
             validation=data.description.validation, steps=step, total_steps=data.total_steps,
             epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),
             val_loss=last_eval.get("val_loss"), perplexity=last_eval.get("perplexity"),
-            accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets,
+            accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets, unit=adapter.task.unit,
+            top5_accuracy=last_eval.get("top5_accuracy"),
             skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
             precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),

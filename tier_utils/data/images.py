@@ -1,0 +1,286 @@
+"""Images for an image classifier: its processing (the model's image processor, or a declared size, mean and std),
+the user's image folders and tables decoded with Pillow, and the bundled shapes drawn on the fly.
+
+An image model's `ImageProcessing` stands where a language model's tokenizer does: it turns the user's raw data
+into the model's inputs (`pixel_values`, (C, S, S) floats), results name it, and a trained folder saves it.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np  # always installed: pandas and matplotlib need it
+import torch
+from torch.utils.data import Dataset
+
+from ..core.errors import DataError, ModelSpecError, one_line
+from .userdata import LABEL_COLUMNS, class_ids
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+LABELS_FILE = "labels.json"
+PATH_COLUMNS = ("image", "path", "file", "filename", "image_path")
+VAL_FOLDERS = ("val", "validation")
+# With no processor and nothing declared: ImageNet-free defaults that map [0, 1] pixels to [-1, 1] (ViT's own).
+DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)
+SHAPES = ("circle", "square", "triangle", "cross")  # the bundled demo's classes
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """How images become `pixel_values`: the model's image processor where it has one, else resize to `size` and
+    normalise with `mean` and `std` (per channel, on [0, 1] pixels)."""
+
+    size: int
+    channels: int = 3
+    mean: tuple[float, ...] = DEFAULT_MEAN
+    std: tuple[float, ...] = DEFAULT_STD
+    processor: object = None  # transformers' image processor (PIL backend)
+    name: str = "resize and normalise"
+
+    def __call__(self, images: list) -> torch.Tensor:
+        """(N, C, S, S) float pixel values for a list of PIL images of any mode and size."""
+        images = [im.convert("L" if self.channels == 1 else "RGB") for im in images]  # grayscale, RGBA, palette
+        if self.processor is not None:
+            return torch.as_tensor(self.processor(images, return_tensors="pt")["pixel_values"]).float()
+        from PIL import Image
+
+        arrays = [np.asarray(im.resize((self.size, self.size), Image.BILINEAR), dtype=np.float32) / 255.0
+                  for im in images]
+        x = torch.from_numpy(np.stack(arrays))
+        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
+        mean, std = (torch.tensor(v[:self.channels]).view(1, -1, 1, 1) for v in (self.mean, self.std))
+        return (x - mean) / std
+
+    def save(self, folder) -> None:
+        """Saved beside the weights as transformers' image processor, so the folder loads with its processing."""
+        processor = self.processor
+        if processor is None:  # the declared resize and normalisation, as ViT's processor (transformers 5: its PIL one)
+            import transformers
+
+            kind = getattr(transformers, "ViTImageProcessorPil", None) or transformers.ViTImageProcessor
+            processor = kind(size={"height": self.size, "width": self.size}, image_mean=list(self.mean),
+                             image_std=list(self.std))
+        processor.save_pretrained(folder)
+
+
+def has_image_processor(folder: Path) -> bool:
+    return (Path(folder) / "preprocessor_config.json").is_file()
+
+
+def load_image_processing(spec, size: int, channels: int, mean=None, std=None) -> ImageProcessing:
+    """The processing for a model: its image processor (a folder, `hf:NAME`, or a processor object) through
+    transformers' PIL backend, else the declared size, mean and std (stated defaults where none)."""
+    declared = ImageProcessing(size, channels, tuple(mean or DEFAULT_MEAN), tuple(std or DEFAULT_STD))
+    if spec is None or isinstance(spec, ImageProcessing):
+        return spec or declared
+    if not isinstance(spec, (str, Path)):  # a processor object
+        return ImageProcessing(size, channels, declared.mean, declared.std, spec, type(spec).__name__)
+    name = str(spec).removeprefix("hf:")
+    import transformers
+    from transformers import AutoImageProcessor
+
+    # transformers 5 picks torchvision when installed, else falls back to PIL with a warning on each build: ask for
+    # PIL, the one always there; transformers 4 takes use_fast=False for the same (slow = PIL) processor.
+    backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {"use_fast": False}
+    try:
+        processor = AutoImageProcessor.from_pretrained(name, **backend)
+    except (OSError, ValueError) as exc:
+        raise ModelSpecError(f"cannot load the image processor of {spec} ({one_line(exc)[:160]}); give the folder "
+                             "save_pretrained wrote with its preprocessor_config.json") from exc
+    return ImageProcessing(size, channels, declared.mean, declared.std, processor, type(processor).__name__)
+
+
+class ImageFiles(Dataset):
+    """Labelled image files, decoded with Pillow as they are read (each was checked when the set was made)."""
+
+    def __init__(self, paths: list[Path], labels: list[int], processing: ImageProcessing):
+        self.paths, self.labels, self.processing = paths, torch.as_tensor(labels, dtype=torch.long), processing
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        with Image.open(self.paths[i]) as image:
+            return {"pixel_values": self.processing([image])[0], "labels": self.labels[i]}
+
+
+class DrawnImages(Dataset):
+    """Images drawn on the fly from a seed per index (nothing stored): the bundled shapes, one of SHAPES on a
+    plain background at a random place, size and colour, or random noise with random labels (speed-only runs)."""
+
+    def __init__(self, n: int, processing: ImageProcessing, seed: int, classes: int | None = None):
+        self.n, self.processing, self.seed, self.classes = n, processing, seed, classes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        if self.classes is not None:  # noise: the loss means nothing
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            pixels = torch.randn(self.processing.channels, self.processing.size, self.processing.size, generator=g)
+            return {"pixel_values": pixels, "labels": torch.tensor(rng.randrange(self.classes))}
+        label = i % len(SHAPES)
+        return {"pixel_values": self.processing([draw_shape(SHAPES[label], rng)])[0], "labels": torch.tensor(label)}
+
+
+def draw_shape(shape: str, rng: random.Random, side: int = 64):
+    """One shape, filled in a random colour on a random dark background, at a random place and size."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (side, side), tuple(rng.randrange(0, 80) for _ in range(3)))
+    draw, colour = ImageDraw.Draw(image), tuple(rng.randrange(150, 256) for _ in range(3))
+    r = rng.randrange(side // 6, side // 3)
+    cx, cy = rng.randrange(r, side - r), rng.randrange(r, side - r)
+    if shape == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
+    elif shape == "square":
+        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=colour)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
+    else:
+        w = max(2, r // 3)
+        draw.rectangle((cx - r, cy - w, cx + r, cy + w), fill=colour)
+        draw.rectangle((cx - w, cy - r, cx + w, cy + r), fill=colour)
+    return image
+
+
+@dataclass
+class LabelledImages:
+    """What an image source holds: files and class ids, its own validation part where it has one, class names."""
+
+    paths: list[Path]
+    labels: list[int]
+    classes: list[str]
+    name: str
+    val_paths: list[Path] | None = None
+    val_labels: list[int] | None = None
+
+
+def is_image_folder(path) -> bool:
+    """A folder holding images and no .txt files (what a language model can't read)."""
+    folder = Path(str(path)).expanduser()
+    return folder.is_dir() and not any(folder.rglob("*.txt")) and any(_images(folder))
+
+
+def _images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def read_images(data, num_classes: int | None) -> LabelledImages:
+    """An image folder (ImageFolder layout, or images with a labels.json), with its own val/ or validation/ split
+    where it has one, or a CSV / JSONL / Parquet table of image path and label."""
+    path = Path(str(data)).expanduser()
+    if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".parquet"):
+        found = _read_table(path)
+    elif path.is_dir():
+        split = next((path / v for v in VAL_FOLDERS if (path / v).is_dir()), None)
+        found = _read_folder(path / "train" if split is not None and (path / "train").is_dir() else path,
+                             exclude=split)
+        if split is not None:
+            _add_validation(found, _read_folder(split), split)
+    elif path.is_file():
+        raise DataError(f"{path.name} is not an image folder or a table of image paths, but an image classifier reads "
+                        "images; give a folder with one subfolder per class, images with a labels.json, or a "
+                        ".csv/.jsonl of path and label")
+    else:
+        raise DataError(f"data {str(data)!r} not found; give an image folder (one subfolder per class, or images "
+                        "with a labels.json) or a .csv/.jsonl/.parquet of image path and label")
+    _check_classes(found, num_classes)
+    for p in found.paths + (found.val_paths or []):
+        _check_decodes(p)
+    return found
+
+
+def _read_folder(folder: Path, exclude: Path | None = None) -> LabelledImages:
+    if (folder / LABELS_FILE).is_file():
+        table = json.loads((folder / LABELS_FILE).read_text())
+        missing = sorted(f for f in table if not (folder / f).is_file())
+        if missing:
+            raise DataError(f"{folder / LABELS_FILE} names {len(missing)} files not in {folder} "
+                            f"({', '.join(missing[:3])}); fix labels.json or add the files")
+        return _labelled([folder / f for f in table], list(table.values()), f"image folder {folder.name} "
+                         f"with {LABELS_FILE}")
+    images = [p for p in _images(folder) if exclude is None or exclude not in p.parents]
+    if not images:
+        if any(folder.rglob("*.txt")):
+            raise DataError(f"{folder} holds text, but an image classifier reads images; give an image folder, or a "
+                            "language model for the text")
+        raise DataError(f"the folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...); give a folder "
+                        "with one subfolder of images per class")
+    return _labelled(images, [p.relative_to(folder).parts[0] if p.parent != folder else "" for p in images],
+                     f"image folder {folder.name}")
+
+
+def _add_validation(found: LabelledImages, val: LabelledImages, split: Path) -> None:
+    """The folder's own validation part, its class ids numbered as the training part's."""
+    names = [val.classes[i] for i in val.labels]
+    unknown = sorted(set(names) - set(found.classes))
+    if unknown:
+        raise DataError(f"{split} holds classes the training part has not ({', '.join(unknown[:4])}); give both "
+                        "parts the same class subfolders")
+    found.val_paths, found.val_labels = val.paths, [found.classes.index(c) for c in names]
+
+
+def _labelled(paths: list[Path], values: list, name: str) -> LabelledImages:
+    if "" in values:
+        raise DataError(f"{name} has images outside any class subfolder; put each image in its class's subfolder, "
+                        f"or list them in a {LABELS_FILE}")
+    ids, names = class_ids(values, None, name)
+    return LabelledImages(paths, ids.tolist(), names or [str(i) for i in range(int(ids.max()) + 1)], name)
+
+
+def _read_table(path: Path) -> LabelledImages:
+    import pandas as pd
+
+    kind = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(path.suffix.lower(), "json")
+    frame = (pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",") if kind == "csv" else
+             pd.read_parquet(path) if kind == "parquet" else pd.read_json(path, lines=path.suffix.lower() == ".jsonl"))
+    column = next((c for c in PATH_COLUMNS if c in frame.columns), None)
+    label = next((c for c in LABEL_COLUMNS if c in frame.columns), None)
+    if column is None or label is None:
+        raise DataError(f"{path.name} has no image path and label columns ({'/'.join(PATH_COLUMNS[:3])} and "
+                        f"{'/'.join(LABEL_COLUMNS)}; it has {', '.join(map(str, frame.columns[:6]))}), but an "
+                        "image classifier reads images; give a table of image paths and labels")
+    paths = [Path(p) if Path(p).is_absolute() else path.parent / p for p in frame[column].astype(str)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"{path.name} names {len(missing)} image files that are not there ({', '.join(missing[:3])});"
+                        " paths are read relative to the table's folder")
+    return _labelled(paths, frame[label].tolist(), f"table {path.name}")
+
+
+def _check_classes(found: LabelledImages, num_classes: int | None) -> None:
+    if len(set(found.labels)) < 2:
+        raise DataError(f"{found.name} holds one class ({found.classes[0] if found.classes else '?'}); a classifier "
+                        "needs at least two: add a subfolder of images per class")
+    if num_classes is not None and len(found.classes) > num_classes:
+        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes}; "
+                        f"build the model with num_labels={len(found.classes)} (--model-arg num_labels=N)")
+
+
+def _check_decodes(path: Path) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.verify()  # reads the whole file's structure without decoding its pixels
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise DataError(f"{path} is not an image Pillow can decode ({one_line(exc)[:100]}); replace or remove "
+                        "it") from exc
+
+
+def stratified_split(labels: list[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) indices: `fraction` of each class held out (at least one of any class with two or more)."""
+    rng, train, val = random.Random(seed), [], []
+    for c in sorted(set(labels)):
+        members = [i for i, y in enumerate(labels) if y == c]
+        rng.shuffle(members)
+        k = min(len(members) - 1, max(1, round(len(members) * fraction)))
+        val += members[:k]
+        train += members[k:]
+    return sorted(train), sorted(val)

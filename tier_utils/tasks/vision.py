@@ -1,0 +1,184 @@
+"""Image classification: a ViT, DeiT, Swin, ResNet or ConvNeXt classifier (transformers'), or a hand-written module
+that declares the task or takes `pixel_values`; (B, C, S, S) pixels in, (B, classes) logits out."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.utils.data import Subset
+
+from ..core.errors import DataError
+from ..data.datasets import DataRequest, DataSplits, given_splits, is_tensor_data, split_off
+from ..data.images import (
+    SHAPES,
+    DrawnImages,
+    ImageFiles,
+    ImageProcessing,
+    has_image_processor,
+    load_image_processing,
+    read_images,
+    stratified_split,
+)
+from .base import Task, register_task
+
+# A hand-written image model that declares no size (and has no processor): the size most image classifiers take.
+DEFAULT_IMAGE_SIZE = 224
+DEMO_IMAGES = (512, 128)  # the bundled shapes: training and validation images, drawn from different seeds
+_SIZE_KEYS = ("image_size", "img_size", "input_size")
+_CHANNEL_KEYS = ("num_channels", "in_chans", "in_channels", "channels")
+
+
+class ImageClassification(Task):
+    """An image classifier: pixel values in, one class per image. Its length axis is the image's side."""
+
+    name = "image-classification"
+    aliases = ("image_classification", "vision")
+    auto_class = "AutoModelForImageClassification"
+    architectures = ("ForImageClassification",)
+    has_classes = True
+    takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
+    input_key = "pixel_values"
+    reads_tokens = False
+    unit = "image"
+    size_names = ("channels", "image_size")
+    export_inputs = ("pixel_values",)
+    preprocessor_what = "image processor"
+    without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "
+                            "with the folder of the image processor it was trained with")
+
+    def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
+        return super().recognizes(architecture, config, params) or "pixel_values" in params
+
+    def example_inputs(self, adapter, batch: int, length: int, generator: torch.Generator) -> dict:
+        """Random normalised pixels at the model's own image size (a ViT's position table fixes it)."""
+        side, channels = adapter.max_len, adapter.vocab_size
+        return {"pixel_values": torch.randn(batch, channels, side, side, generator=generator)}
+
+    def stability_inputs(self, adapter, length: int) -> dict[str, torch.Tensor]:
+        """A black, a saturated and a high-contrast noise image (normalised pixels far past a photo's range)."""
+        shape = (2, adapter.vocab_size, adapter.max_len, adapter.max_len)
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(2)).sign() * 10
+        return {"black image (pixels -1)": torch.full(shape, -1.0),
+                "saturated image (pixels 10)": torch.full(shape, 10.0), "noise of +-10": noise}
+
+    def probe_input(self, adapter, length: int) -> torch.Tensor:
+        return torch.zeros(1, adapter.vocab_size, adapter.max_len, adapter.max_len, device=adapter.device)
+
+    def describe_input(self, adapter, length: int) -> str:
+        return f"(1, {adapter.vocab_size}, {adapter.max_len}, {adapter.max_len}) batch of pixel values"
+
+    def input_facts(self, model, spec, max_len: int | None) -> tuple[int, int, ImageProcessing, str | None]:
+        """(channels, image size, processing, a note where the size is tier_utils' default): the model's processor
+        where it has one, else its config's or its own declared size, mean and std (timm's pretrained_cfg too)."""
+        config = getattr(model, "config", None)
+        timm = getattr(model, "pretrained_cfg", None) or {}
+        channels = _first((config, model), _CHANNEL_KEYS) or (timm.get("input_size") or (3,))[0]
+        size = max_len or _first((config, model), _SIZE_KEYS) or (timm.get("input_size") or (0, 0, None))[-1]
+        processing = load_image_processing(spec, size or DEFAULT_IMAGE_SIZE, channels,
+                                           getattr(model, "mean", None) or timm.get("mean"),
+                                           getattr(model, "std", None) or timm.get("std"))
+        size = size or _processor_size(processing.processor)
+        note = None
+        if not size:
+            size = DEFAULT_IMAGE_SIZE
+            note = (f"{type(model).__name__} declares no image size: {size} x {size} (tier_utils' default; declare "
+                    "image_size, or pass max_len=N)")
+        return int(channels), int(size), replace(processing, size=size), note
+
+    def preprocessor_in(self, folder) -> bool:
+        return has_image_processor(folder)
+
+    def skips_analysis(self, name: str) -> str | None:
+        """Tier 2's token analyses: attention scored per token position, token substitutions and per-token
+        saliency read token ids, which an image model has none of."""
+        return {"attention": "its maps are scored per token position (previous token, first token); an image "
+                             "model's patch attention is not analysed yet",
+                "robustness": "it perturbs token ids (substitutions, truncation); pixel noise, blur and brightness "
+                              "are not analysed yet",
+                "attribution": "it scores each token's embedding; pixel attribution is not analysed yet"}.get(name)
+
+    def batch_words(self, batch: int, length: int) -> str:
+        return f"batch {batch} images of {length} x {length}"
+
+    def units(self, batch: dict) -> int:
+        return len(batch[self.input_key])
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder
+        or a table of image paths and labels."""
+        given = given_splits(data, request)
+        if given is not None:
+            return given
+        if not isinstance(request.tokenizer, ImageProcessing):  # no model's processing given: seq_len is the side
+            request = replace(request, tokenizer=ImageProcessing(request.seq_len))
+        processing, classes = request.tokenizer, request.num_classes
+        if data is None:
+            return self.demo(request)
+        if isinstance(data, str) and data == "synthetic":
+            return DataSplits(DrawnImages(512, processing, request.seed, classes or 2),
+                              DrawnImages(64, processing, request.seed + 1, classes or 2), "synthetic",
+                              "synthetic random pixels", processing.name, "a second random draw")
+        if is_tensor_data(data):
+            return self.tensor_splits(data, request)
+        if isinstance(data, list):
+            raise DataError("text given to an image classifier; give an image folder (one subfolder per class) or a "
+                            "table of image paths and labels, or a language model for the text")
+        return _file_splits(read_images(data, classes), request)
+
+    def demo(self, request: DataRequest) -> DataSplits:
+        processing = request.tokenizer
+        if request.num_classes is not None and request.num_classes < len(SHAPES):
+            raise DataError(f"the bundled shapes have {len(SHAPES)} classes but the model has {request.num_classes}; "
+                            f"build it with num_labels={len(SHAPES)} (num_classes for a module)")
+        train, val = DEMO_IMAGES
+        return DataSplits(DrawnImages(train, processing, request.seed), DrawnImages(val, processing, request.seed + 7),
+                          "synthetic", f"bundled shapes ({', '.join(SHAPES)}), drawn on the fly", processing.name,
+                          "images drawn from another seed", list(SHAPES))
+
+    def tensor_splits(self, data, request: DataRequest) -> DataSplits:
+        if not (isinstance(data, tuple) and len(data) == 2 and data[0].dim() == 4 and data[1].dim() == 1):
+            raise DataError("image tensors must be a (pixel_values (N, C, H, W), labels (N,)) pair")
+        pixels, labels = data
+        if not pixels.is_floating_point() or len(pixels) != len(labels):
+            raise DataError("image tensors need float pixel_values and one label per image")
+        rows = [{"pixel_values": p, "labels": y} for p, y in zip(pixels, labels.long())]
+        train, val = split_off(rows, request.val_fraction, request.seed)
+        return DataSplits(train, val, "tensors", "the tensors given", request.tokenizer.name,
+                          f"a seeded random {request.val_fraction:.0%} of the images")
+
+
+def _file_splits(found, request: DataRequest) -> DataSplits:
+    processing = request.tokenizer
+    if found.val_paths is not None:
+        train = ImageFiles(found.paths, found.labels, processing)
+        val = ImageFiles(found.val_paths, found.val_labels, processing)
+        how = "the folder's own validation split"
+    else:
+        every = ImageFiles(found.paths, found.labels, processing)
+        keep, held = stratified_split(found.labels, request.val_fraction, request.seed)
+        train, val = Subset(every, keep), Subset(every, held)
+        how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
+    return DataSplits(train, val, "images", found.name, processing.name, how, found.classes)
+
+
+def _first(objs, keys) -> int | None:
+    for obj in objs:
+        for key in keys:
+            value = getattr(obj, key, None) if obj is not None else None
+            value = value[0] if isinstance(value, (tuple, list)) and value else value
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _processor_size(processor) -> int | None:
+    """The side a transformers image processor hands the model: its crop where it crops, else its resize."""
+    for size in (getattr(processor, "crop_size", None), getattr(processor, "size", None)):
+        size = dict(size) if size is not None and hasattr(size, "keys") else {}
+        side = size.get("height") or size.get("shortest_edge")
+        if side:
+            return int(side)
+    return None
+
+
+IMAGE_CLASSIFICATION = register_task(ImageClassification())

@@ -14,8 +14,10 @@ import threading
 from ..engine.distributed import DistEnv
 
 
-class Terminated(Exception):
-    """Raised out of the loop after the step during which SIGTERM came; the run saves and returns (not an error)."""
+class Terminated(BaseException):
+    """Raised out of the loop after the step during which SIGTERM came; the run saves and returns. Not an error: a
+    BaseException, as KeyboardInterrupt is, so no `except Exception` on the way (a guarded check, a logger) takes
+    the stop for a failure and carries on."""
 
 
 class StopSignal:

@@ -345,9 +345,15 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
 
 
 def pretrained_task(config, task: str | None, spec: str) -> Task:
-    """The task a folder's or hub id's model is built as (`task` overrides), whose Auto class builds it. The
-    host-RAM pre-flight builds the same on the meta device, and counts what LoRA trains for that task."""
+    """The task a folder's or hub id's model is built as (`task` overrides). The host-RAM pre-flight counts what
+    LoRA trains for that task."""
     return _hf_task(config, task, spec)
+
+
+def auto_class(config, task: str | None, spec: str):
+    """transformers' Auto class a folder's or hub id's model is built with: its task's (`task` overrides). The
+    host-RAM pre-flight builds the same on the meta device."""
+    return getattr(_transformers(), pretrained_task(config, task, spec).auto_class)
 
 
 def _hf_task(config, task: str | None, spec: str) -> Task:

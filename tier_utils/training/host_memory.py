@@ -36,7 +36,7 @@ from ..core.hub import HUB_PREFIX, from_hub
 from ..core.memory_settings import resolve_memory
 from ..core.precision import Precision, resolve_precision
 from ..models.checkpoint import load_checkpoint
-from ..models.loading import load_model, pretrained_task
+from ..models.loading import auto_class, load_model, pretrained_task
 from ..models.stored_dtype import config_dtype, folder_dtype, safetensors_counts
 from ..planning.memory_rows import mode_static_bytes, quantized_bytes
 from ..tasks import Task
@@ -166,12 +166,10 @@ def _from_config(config, spec: str, kwargs: dict, stored: torch.dtype | None) ->
     asked = getattr(torch, asked, None) if isinstance(asked, str) else asked  # "auto": as stored
     dtype = asked if isinstance(asked, torch.dtype) else stored or torch.bfloat16
     try:
-        import transformers
-
-        task = pretrained_task(config, kwargs.get("task"), spec)
+        task, auto = pretrained_task(config, kwargs.get("task"), spec), auto_class(config, kwargs.get("task"), spec)
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the real build says them
-            built = getattr(transformers, task.auto_class).from_config(config, dtype=dtype)
+            built = auto.from_config(config, dtype=dtype)
     except Exception:  # e.g. a model only its own code builds: not sized
         return None
     return replace(_built(spec, built), task=task)

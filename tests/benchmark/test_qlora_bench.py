@@ -28,6 +28,7 @@ def llama_bf16(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # a benchmark run over five precisions (30 s on 2 busy cores)
 def test_the_benchmark_runs_every_precision_over_a_4bit_model_and_names_qlora(llama_bf16):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tokenizer in the folder: byte ids
@@ -36,6 +37,27 @@ def test_the_benchmark_runs_every_precision_over_a_4bit_model_and_names_qlora(ll
     ran = [r.precision for r in result.records if r.ran]
     assert {"fp32", "bf16", "fp16"} <= set(ran), ran  # fp16 autocast over the bf16 base included
     assert f"the precision rows train {QLORA_WORDS}" in result.summary_line()
+
+
+def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16):
+    """bitsandbytes returns its input's dtype: bf16 activations met fp16 autocast's cat in the rotary embedding
+    ("Unexpected floating ScalarType in at::autocast::prioritize") before the layer's output followed autocast."""
+    from tier_utils.core.device import device_facts
+    from tier_utils.core.memory_settings import resolve_memory
+    from tier_utils.core.precision import resolve_precision
+    from tier_utils.engine.lora import convert_for
+    from tier_utils.engine.quantization import apply_memory
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(str(llama_bf16))
+    fp32, fp16 = (resolve_precision(name, "cpu", warn=False) for name in ("fp32", "fp16"))
+    held = resolve_memory(QLORA, fp32, device_facts(torch.device("cpu")), torch.bfloat16, model)
+    assert held.base_dtype == torch.bfloat16  # the benchmark decides the base once, for every row
+    model = convert_for(fp16, apply_memory(model, held), held)
+    with fp16.autocast():
+        logits = model(input_ids=torch.randint(0, 256, (2, 8))).logits
+    assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
 
 
 def test_the_train_line_names_the_memory_setting_that_ran(llama_bf16):

@@ -123,3 +123,17 @@ def test_cli_export_unexportable_exits_2_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: cannot export Branchy to onnx")
     assert not out.exists() and not (tmp_path / "j.json").exists()
+
+
+def test_a_4bit_qlora_model_exports_merged_and_dequantised(tmp_path):
+    """torch.export refuses bitsandbytes' Params4bit (the tier-3 notebook's Run All stopped on it under QLoRA): the
+    export is the merged, dequantised model, checked against eager; the caller's model stays 4-bit."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from tier_utils.core.memory_settings import DecidedMemory, MemorySettings
+    from tier_utils.engine.quantization import apply_memory, quantized_layers
+
+    qlora = apply_memory(tiny(seed=0), DecidedMemory(MemorySettings.qlora(), torch.float32, "test"), torch.float32)
+    result = export(qlora, tmp_path / "model.pt2", format="pt2", repeats=1)
+    assert result.status == "PASS", result.table
+    assert quantized_layers(qlora) and (tmp_path / "model.pt2").stat().st_size > 0

@@ -26,12 +26,21 @@ from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
-from ..engine.lora import convert_for, describe_lora, hold, unload
+from ..engine.lora import convert_for, describe_lora, hold, is_lora, model_state, unload
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
-from .measurements import FLOOR_TOKENS, _accuracy_run, measure_memory, nonfinite, same_batches, timed_repeat
+from .measurements import (
+    FLOOR_TOKENS,
+    AdapterStart,
+    _accuracy_run,
+    load_start,
+    measure_memory,
+    nonfinite,
+    same_batches,
+    timed_repeat,
+)
 from .memory_rows import against_twin, holding, memory_row_plans
 from .record import BatchFit, BenchRun, Loaded, Measured, OutcomeLog, Plan, Ready, Sized, Speed, Step, make_record
 from .result import BenchmarkResult
@@ -75,7 +84,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     held = resolve_memory(cfg.memory, resolve_precision("fp32", dev, warn=False), device_facts(dev),
                           adapter.stored_dtype, adapter.model)
     if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
-        adapter = replace(adapter, model=apply_memory(adapter.model, held))
+        adapter = replace(adapter, model=apply_memory(adapter.model, held, task=adapter.task))
     hold(adapter.model, held)
     try:
         with kept_dtypes(adapter.model.to(dev)):
@@ -85,6 +94,12 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
         unload(adapter.model)
         for p, flag in trainable.items():
             p.requires_grad_(flag)
+
+
+def _start(model: torch.nn.Module) -> dict:
+    """The run's shared start: a LoRA or QLoRA model's adapters (its frozen base is never trained, and a 4-bit one's
+    whole state dict, quantisation state included, cannot be loaded back), else the whole state dict."""
+    return AdapterStart(copy.deepcopy(model_state(model))) if is_lora(model) else copy.deepcopy(model.state_dict())
 
 
 class BenchmarkRun:
@@ -125,7 +140,7 @@ class BenchmarkRun:
                 measured, floor_ms = self.time(ready, self.measure_memory(ready), bar)
                 measured = self.accuracy(ready, measured, bar)
         finally:
-            convert_for(ready.base.precision, model).load_state_dict(loaded.start)
+            load_start(convert_for(ready.base.precision, model), loaded.start)
             model.train(was_training)
         return self.record(ready, flops, measured, floor_ms)
 
@@ -197,7 +212,7 @@ class BenchmarkRun:
         cfg, base = sized.cfg, sized.plans[0]
         splits = self.adapter.datasets(self.data, cfg.seq_len)
         speed_batches = tuple(same_batches(splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
-        start = copy.deepcopy(convert_for(base.precision, self.adapter.model).state_dict())
+        start = _start(convert_for(base.precision, self.adapter.model))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)

@@ -30,8 +30,9 @@ def nonfinite(precision: str, loss: torch.Tensor, when: str) -> str | None:
 
 
 class AdapterStart(dict):
-    """A LoRA memory row's start: its adapters only (engine.lora.model_state). Its frozen base (4-bit for QLoRA,
-    which a whole state dict cannot load back) is built once for the row, never trained or converted."""
+    """A LoRA model's start (a LoRA memory row's, or the run's under LoRA): its adapters only
+    (engine.lora.model_state). Its frozen base (4-bit for QLoRA, which a whole state dict cannot load back) is built
+    once, never trained or converted."""
 
 
 def load_start(model: torch.nn.Module, start: dict) -> None:

@@ -58,7 +58,7 @@ def _row_plan(name: str, adapter, prec, dev: torch.device) -> tuple[Plan, str | 
             return replace(plan, memory=resolve_memory(settings, prec, facts, adapter.stored_dtype)), None
         model = copy.deepcopy(adapter.model)
         held = resolve_memory(settings, prec, facts, adapter.stored_dtype, model)
-        model = apply_memory(model, held, prec.compute_dtype)
+        model = apply_memory(model, held, prec.compute_dtype, adapter.task)
     except (LoraError, QuantizationError, MemorySettingError) as exc:
         return plan, f"{settings.describe()}: {exc}"
     except torch.OutOfMemoryError:

@@ -65,6 +65,7 @@ class BenchmarkResult(Result):
                 f" at {task_named(run.task).batch_words(s.batch_size, s.seq_len)} on {self.metadata['device_name']}"
                 + (f"; {run.fit.reason}" if run.fit.reason else "")
                 + f"; weights stored {self.metadata['stored_dtype']}, held in the runs as {held or 'none ran'}"
+                + f"; the precision rows train {s.memory.describe(run.lora and run.lora['base_dtype'])}"
                 + (f"; memory rows in {rows[0].precision}: " + ", ".join(
                     f"{r.memory_row} ({r.memory_settings['describe']}{'' if r.ran else ', skipped'})" for r in rows)
                    if rows else ""))

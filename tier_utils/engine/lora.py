@@ -8,12 +8,20 @@ layers inside the repeated blocks (attention and MLP), named as peft matches the
 e.g. `self_attn.q_proj` or, for the built-in TinyGPT, `attn.qkv`. A training checkpoint holds the adapters
 only (`model_state`); `save_pretrained` on the wrapped model writes peft's adapter folder, `merged_copy` a plain
 model with the adapters folded in.
+
+A transformers model is wrapped as its task's peft model (`Task.peft_task_type`: CAUSAL_LM, SEQ_CLS, SEQ_2_SEQ_LM),
+which the adapter record keeps, so a checkpoint or adapter folder reloads as it trained; any other module as peft's
+plain PeftModel (the task types' forwards call transformers' keyword arguments and `config`). Modules trained whole
+beside the adapters (peft's modules_to_save, saved with them): those the loader started new or resized (a base
+folder's new classifier head: `ModelSource.new_modules`), and the head peft's SEQ_CLS model adds itself. Each is
+held twice, its frozen original in the base dtype and its trained copy in fp32; the byte counts count both.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import logging
+import sys
 import warnings
 
 import torch
@@ -21,6 +29,8 @@ import torch.nn as nn
 
 from ..core.errors import LoraError
 from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
+from ..models.loading import source_of
+from ..tasks import Task
 from .activation_checkpointing import repeated_blocks
 
 __all__ = ["LoraSettings", "lora_setting"]  # declared in core.memory_settings, beside the memory settings
@@ -99,9 +109,37 @@ def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """`model` wrapped by peft's get_peft_model: the base frozen in the dtype it has, the adapters trainable in
-    fp32. The base module is changed in place (peft swaps its target layers for LoRA layers)."""
+# The heads peft's PeftModelForSequenceClassification adds to modules_to_save itself (its own list in
+# peft/peft_model.py), so what is counted before wrapping is what peft trains.
+_PEFT_HEADS = {"SEQ_CLS": ("classifier", "score")}
+
+
+def peft_task_type(model: nn.Module, task: Task | None) -> str | None:
+    """The peft task type `model` is wrapped as: its task's for a transformers model, None (peft's plain PeftModel)
+    for any other module or no task."""
+    transformers = sys.modules.get("transformers")  # not imported: the model cannot be one of its classes
+    hf = transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    return task.peft_task_type if hf and task is not None else None
+
+
+def trained_in_full(model: nn.Module, task: Task | None) -> tuple[str, ...]:
+    """The modules LoRA trains whole beside its adapters, as peft matches names: those the loader started new or
+    resized, and the head peft's task type trains (only those `model` has)."""
+    source = source_of(model)
+    return _present(model, (*(source.new_modules if source is not None else ()),
+                            *_PEFT_HEADS.get(peft_task_type(model, task), ())))
+
+
+def _present(model: nn.Module, names) -> tuple[str, ...]:
+    """`names` that match a module of `model` (peft's rule), each once."""
+    full = [n for n, _ in model.named_modules()]
+    return tuple(dict.fromkeys(t for t in names if any(_matches(f, t) for f in full)))
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings, task: Task | None = None) -> nn.Module:
+    """`model` wrapped by peft's get_peft_model as `task`'s peft model (None: a module outside a run, peft's plain
+    one): the base frozen in the dtype it has, the adapters and the modules trained in full (`trained_in_full`)
+    trainable in fp32. The base module is changed in place (peft swaps its target layers for LoRA layers)."""
     if is_lora(model):
         raise LoraError(f"{type(model).__name__} already carries LoRA adapters (an adapter folder); drop lora "
                         "(--lora) to train those, or load the base model")
@@ -109,14 +147,16 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     targets = resolve_targets(model, settings)
     if not targets:
         raise LoraError(f"{type(model).__name__} has no linear layer to adapt; LoRA needs nn.Linear layers")
-    # A head the load started at random (models/pretrained.py: a classifier fine-tuned on the user's classes) is
-    # trained whole beside the adapters: frozen, it would stay random.
-    new_head = list(getattr(model, "tier_utils_new_head", ())) or None
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                             target_modules=list(targets), modules_to_save=new_head)
+                             target_modules=list(targets), task_type=peft_task_type(model, task),
+                             modules_to_save=list(trained_in_full(model, task)) or None)
     source = getattr(model, "tier_utils_source", None)
     with quiet_peft():
         wrapped = peft.get_peft_model(model, config)
+    for m in wrapped.modules():
+        if hasattr(m, "original_module") and hasattr(m, "modules_to_save"):  # peft's ModulesToSaveWrapper
+            m.register_forward_pre_hook(_to_trained_dtype)
+            m.register_forward_hook(_to_base_dtype)
     if source is not None and source.spec and not source.kwargs:
         # What load_model(adapter folder) rebuilds the base from: the spec it was loaded by (a folder's absolute
         # path, a built-in's name), where peft would record a relative path or nothing.
@@ -124,18 +164,36 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return wrapped
 
 
-def lora_static_bytes(model: nn.Module, memory: DecidedMemory, quantized: float | None = None) -> dict:
+def _to_trained_dtype(wrapper: nn.Module, args: tuple) -> tuple:
+    """A module trained in full computes in its fp32 copy's dtype, as peft's adapters do: its input may come from a
+    base held in bf16 or fp16 without autocast (an fp32 run over a bf16 base)."""
+    dtype = next(wrapper.modules_to_save.parameters()).dtype
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _to_base_dtype(wrapper: nn.Module, args: tuple, output):
+    """Its output in the frozen base's dtype, as the module it stands for gives it."""
+    dtype = next(wrapper.original_module.parameters()).dtype
+    return output.to(dtype) if torch.is_tensor(output) and output.is_floating_point() else output
+
+
+def lora_static_bytes(model: nn.Module, memory: DecidedMemory, quantized: float | None = None,
+                      task: Task | None = None) -> dict:
     """What a LoRA training step holds before activations, without wrapping `model`: the frozen base's weights in
     the decided base dtype (4-bit: the targeted linear layers' weights at `quantized` bytes each, NF4 with its
-    quantisation state, the rest in the base dtype), the fp32 adapters, their fp32 gradients and the optimizer's
-    state per adapter tensor (the keys of measure.static_memory)."""
+    quantisation state, the rest in the base dtype), the fp32 adapters and the fp32 copies of the modules trained in
+    full (`trained_in_full` for `task`), their fp32 gradients and the optimizer's state per trained tensor (the keys
+    of measure.static_memory)."""
     size = memory.base_dtype.itemsize
     layers = _targeted(model, resolve_targets(model, memory.lora))
     base = sum(p.numel() for p in model.parameters()) * size
     if memory.quantized:
         quantized_weights = sum(m.weight.numel() for m in layers)
         base -= quantized_weights * size - int(quantized_weights * quantized)
+    full = trained_in_full(model, task)
     tensors = [memory.lora.r * n for m in layers for n in m.weight.shape[::-1]]  # A: r x in, B: out x r
+    tensors += [p.numel() for f, m in model.named_modules() if any(_matches(f, t) for t in full)
+                for p in m.parameters()]
     adapter = sum(tensors)
     return {"weights_bytes": base + 4 * adapter, "grads_bytes": 4 * adapter,
             "optimizer_state_bytes": memory.optimizer.state_bytes(tensors)}
@@ -151,13 +209,15 @@ def describe_lora(model: nn.Module) -> dict | None:
     total = sum(p.numel() for p in model.parameters())
     frozen = {str(p.dtype).replace("torch.", "") for p in model.parameters() if not p.requires_grad}
     adapters = {str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad}
+    full = sorted(_present(model, config.modules_to_save or ()))
     return {"r": config.r, "alpha": config.lora_alpha, "dropout": config.lora_dropout,
             "targets": sorted(config.target_modules), "trainable_parameters": trainable, "parameters": total,
             "trainable_share": trainable / total, "base_dtype": ",".join(sorted(frozen)),
-            "adapter_dtype": ",".join(sorted(adapters)),
+            "adapter_dtype": ",".join(sorted(adapters)), "trained_in_full": full,
+            "task_type": config.task_type,
             "detail": f"LoRA r={config.r}, alpha={config.lora_alpha:g}: {trainable:,} of {total:,} parameters "
                       f"trainable ({trainable / total:.2%}), base frozen in {','.join(sorted(frozen))}, adapters in "
-                      f"{','.join(sorted(adapters))}"}
+                      f"{','.join(sorted(adapters))}" + (f", {', '.join(full)} trained in full" if full else "")}
 
 
 def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
@@ -175,9 +235,9 @@ def held_memory(model: nn.Module) -> DecidedMemory | None:
 
 def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None) -> nn.Module:
     """`model` in the run's dtypes, in place: without LoRA the precision's (`convert_module`); with LoRA the frozen
-    base in the decided base dtype (`memory`, else what the model holds: `hold`; a true mode's: its own) and the
-    adapters in fp32 (peft casts their input to fp32 and their output back; autocast runs the base's compute in
-    the mixed modes)."""
+    base in the decided base dtype (`memory`, else what the model holds: `hold`; a true mode's: its own; a 4-bit
+    base computing in the precision's compute dtype) and the adapters in fp32 (peft casts their input to fp32 and
+    their output back; autocast runs the base's compute in the mixed modes)."""
     if not is_lora(model):
         return precision.convert_module(model)
     memory = memory or held_memory(model)
@@ -186,6 +246,11 @@ def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None
     for p in model.parameters():
         if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
             p.data = p.data.float() if p.requires_grad else p.data.to(base)
+    for m in model.modules():
+        if getattr(getattr(m, "weight", None), "quant_state", None) is not None and hasattr(m, "compute_dtype"):
+            # A 4-bit layer computes in the precision's compute dtype: autocast does not reach bitsandbytes' matmul,
+            # and its output in another half dtype stops CPU autocast (a QLoRA benchmark's fp16 row over bf16).
+            m.compute_dtype = precision.compute_dtype
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
             # Under fp32 weights the buffers no checkpoint holds (rotary frequencies, computed at build) keep their
@@ -203,8 +268,8 @@ def lora_record(model: nn.Module) -> dict | None:
         return None
     c = model.peft_config["default"]
     return {"r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
-            "target_modules": sorted(c.target_modules),
-            **({"modules_to_save": sorted(c.modules_to_save)} if c.modules_to_save else {})}
+            "target_modules": sorted(c.target_modules), "task_type": c.task_type,
+            "modules_to_save": sorted(c.modules_to_save) if c.modules_to_save else None}
 
 
 def model_state(model: nn.Module, state: dict | None = None) -> dict:

@@ -23,6 +23,7 @@ from ..core.errors import QuantizationError
 from ..core.memory_settings import DecidedMemory
 from ..core.optimizers import require_bitsandbytes
 from ..models.loading import is_pretrained_spec, load_model, source_of
+from ..tasks import Task
 from .activation_checkpointing import repeated_blocks
 from .lora import apply_lora, is_lora
 
@@ -148,15 +149,27 @@ def trainable_layout(model: nn.Module) -> nn.Module:
     its weight for an inference kernel, for good; that kernel has no backward, so the training steps after it get no
     gradient through the layer (torch only warns), and dequantize_4bit cannot read the packed bytes. Any layer
     already packed is unpacked, and none repacks. load_quantized calls it; call it on a 4-bit model built elsewhere
-    before training it."""
+    before training it. Each layer's output also follows autocast as a linear layer's does (`_as_autocast`)."""
     from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse  # what its state_dict() calls
 
     for layer in quantized_layers(model).values():
         layer.support_avx512bf16_for_cpu = False  # the switch its forward reads before repacking
+        if _as_autocast not in layer._forward_hooks.values():
+            layer.register_forward_hook(_as_autocast)
         if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
             layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
                 layer.weight.data, layer.weight.quant_state)
     return model
+
+
+def _as_autocast(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+    """A Linear4bit's output in autocast's dtype, as autocast gives an nn.Linear's: bitsandbytes returns its
+    input's dtype, and a bf16 base's activations meeting fp16 autocast stop it ("Unexpected floating ScalarType in
+    at::autocast::prioritize": a QLoRA benchmark's fp16 row, train --qlora --precision fp16 over a bf16 base)."""
+    device = output.device.type
+    if torch.is_autocast_enabled(device) and output.is_floating_point():
+        return output.to(torch.get_autocast_dtype(device))
+    return None
 
 
 def _dequantize(model: nn.Module, dtype: torch.dtype) -> None:
@@ -199,12 +212,14 @@ def merge_to_plain(model: nn.Module, stored_dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def apply_memory(model: nn.Module, memory: DecidedMemory, compute_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_memory(model: nn.Module, memory: DecidedMemory, compute_dtype: torch.dtype | None = None,
+                 task: Task | None = None) -> nn.Module:
     """`model` as `memory` trains it: with a 4-bit base (QLoRA) its block linear layers quantised to NF4
-    (quantize_linears, computing in `compute_dtype`: the precision's), then LoRA's adapters over it."""
+    (quantize_linears, computing in `compute_dtype`: the precision's), then LoRA's adapters over it, wrapped as
+    `task`'s peft model (engine/lora.py)."""
     if memory.quantized:
         quantize_linears(model, compute_dtype or memory.base_dtype)  # already quantised (loaded so): kept as is
         trainable_layout(model)
-    wrapped = apply_lora(model, memory.lora)
+    wrapped = apply_lora(model, memory.lora, task)
     require_adapters(wrapped)
     return wrapped

@@ -31,6 +31,7 @@ from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, make_loader
+from ..engine.quantization import merge_to_plain, quantized_layers
 
 FORMATS = ("onnx", "pt2")
 SCHEMA = "tier_utils.export/1"
@@ -172,7 +173,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
         _require("onnxruntime", "onnxscript", "onnx")
     source = resolve_model(model, **(model_kwargs or {}))
     # A copy: the caller's model keeps its device, dtype and mode.
-    adapter = replace(source, model=copy.deepcopy(source.model).to("cpu", prec.dtype).eval())
+    adapter = replace(source, model=_exportable(copy.deepcopy(source.model), prec.dtype).to("cpu", prec.dtype).eval())
     wrapper = _Logits(adapter).eval()
     keys = adapter.task.export_inputs
     t_trace = min(16, adapter.max_len)
@@ -201,6 +202,13 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                        rel_tolerance=prec.tolerances().export, argmax_agreement=prec.tolerances().agreement)
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
     return ExportResult(str(written), config, metadata, checks, latency)
+
+
+def _exportable(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` as torch.export can capture it: a 4-bit (QLoRA) model merged and dequantised into `dtype`
+    (engine.quantization.merge_to_plain: its adapters folded into the base, the plain model `--merge` writes), since
+    bitsandbytes' Params4bit is a tensor subclass torch.export refuses; any other model as it is."""
+    return merge_to_plain(model, dtype) if quantized_layers(model) else model
 
 
 def _require(*modules: str) -> None:

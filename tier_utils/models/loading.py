@@ -44,6 +44,9 @@ class ModelSource:
     lora: dict | None = None  # a LoRA run's peft LoraConfig fields: its checkpoint holds the adapters only
     # A 4-bit NF4 base's settings ({"compute_dtype": "bfloat16"}; engine/quantization.py), None for a plain one.
     quantized: dict | None = None
+    # The modules whose weights the loader started new or resized (a base folder's new classifier head:
+    # models/pretrained.py): LoRA trains them in full beside its adapters (peft's modules_to_save).
+    new_modules: tuple[str, ...] = ()
 
     def record(self, tokenizer: str | None, lora: dict | None = None) -> dict:
         """What a checkpoint keeps (plain values, so weights_only reads it), with the tokenizer as a loadable spec."""
@@ -150,10 +153,10 @@ def _build(spec, kwargs: dict) -> nn.Module:
 
 
 def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None,
-             stored: torch.dtype | None = None, quantized: dict | None = None) -> nn.Module:
+             stored: torch.dtype | None = None, quantized: dict | None = None, new: tuple[str, ...] = ()) -> nn.Module:
     """`stored`: what the spec's files say the weights are stored in; None: the parameters' dtype as built."""
     model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model),
-                                          quantized=quantized)
+                                          quantized=quantized, new_modules=new)
     return model
 
 
@@ -249,11 +252,11 @@ def _load_hf(name: str, kwargs: dict) -> nn.Module:
     config = from_hub(transformers.AutoConfig.from_pretrained, name, "model config")
     chosen = _hf_task(config, task, HUB_PREFIX + name)
     stored = config_dtype(config)  # the header would need the weights' download: the config says it
-    model = from_pretrained(transformers, chosen, config, HUB_PREFIX + name,
-                            lambda load, **kw: from_hub(load, name, "model", **kw), **_load_dtype(kwargs, stored))
+    model, new = from_pretrained(transformers, chosen, config, HUB_PREFIX + name,
+                                 lambda load, **kw: from_hub(load, name, "model", **kw), **_load_dtype(kwargs, stored))
     kwargs, quantized = _quantization(kwargs)
     return _sourced(model, HUB_PREFIX + name, {**kwargs, **({"task": task} if task else {})}, HUB_PREFIX + name,
-                    stored, quantized)
+                    stored, quantized, new)
 
 
 @contextmanager
@@ -285,8 +288,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         chosen = _hf_task(config, task, spec)
         stored = folder_dtype(path, config)
         with _no_loading_bar(transformers):
-            model = from_pretrained(transformers, chosen, config, spec, lambda load, **kw: load(path, **kw),
-                                    **_load_dtype(kwargs, stored))
+            model, new = from_pretrained(transformers, chosen, config, spec, lambda load, **kw: load(path, **kw),
+                                         **_load_dtype(kwargs, stored))
     except ModelSpecError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:
@@ -298,7 +301,8 @@ def _load_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
         warnings.warn(f"{spec} holds no {chosen.preprocessor_what} files: {chosen.without_preprocessor}",
                       stacklevel=4)
     kwargs, quantized = _quantization(kwargs)
-    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored, quantized)
+    return _sourced(model, str(path), {**kwargs, **({"task": task} if task else {})}, tokenizer, stored, quantized,
+                    new)
 
 
 def _load_dtype(kwargs: dict, stored: torch.dtype | None) -> dict:
@@ -340,10 +344,16 @@ def _load_adapter_folder(path: Path, spec: str, kwargs: dict) -> nn.Module:
     return _sourced(model, str(path), {}, tokenizer, quantized=getattr(source_of(base), "quantized", None))
 
 
+def pretrained_task(config, task: str | None, spec: str) -> Task:
+    """The task a folder's or hub id's model is built as (`task` overrides). The host-RAM pre-flight counts what
+    LoRA trains for that task."""
+    return _hf_task(config, task, spec)
+
+
 def auto_class(config, task: str | None, spec: str):
     """transformers' Auto class a folder's or hub id's model is built with: its task's (`task` overrides). The
     host-RAM pre-flight builds the same on the meta device."""
-    return getattr(_transformers(), _hf_task(config, task, spec).auto_class)
+    return getattr(_transformers(), pretrained_task(config, task, spec).auto_class)
 
 
 def _hf_task(config, task: str | None, spec: str) -> Task:

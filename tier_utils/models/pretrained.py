@@ -2,7 +2,10 @@
 own model: a config that Auto class has no head for, and a head that drops trained weights (transformers' UNEXPECTED
 keys: a BART folder loaded as `BartForCausalLM` loses its encoder). Weights the checkpoint lacks (MISSING keys) are a
 new head: allowed where the task takes one (a base folder fine-tuned as a classifier), said, and refused elsewhere
-(a causal LM whose lm_head would start at random is not the user's model)."""
+(a causal LM whose lm_head would start at random is not the user's model). A head resized to another shape
+(transformers' mismatched keys, with `ignore_mismatched_sizes=True`) is new the same way. The modules holding the new
+weights are returned with the model: the loader records them (`ModelSource.new_modules`) and LoRA trains them in full
+(engine/lora.py)."""
 from __future__ import annotations
 
 import warnings
@@ -13,8 +16,9 @@ from ..core.errors import ModelSpecError
 from ..tasks import Task
 
 
-def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs) -> nn.Module:
-    """`load(auto_class.from_pretrained, **kwargs)` for `task`'s Auto class, checked against the checkpoint."""
+def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs) -> tuple[nn.Module, tuple[str, ...]]:
+    """`load(auto_class.from_pretrained, **kwargs)` for `task`'s Auto class, checked against the checkpoint, and the
+    names of the modules whose weights start new (missing or resized)."""
     auto = getattr(transformers, task.auto_class)
     held = (getattr(config, "architectures", None) or [type(config).__name__.removesuffix("Config")])[0]
     logging = transformers.utils.logging
@@ -37,17 +41,14 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
     if dropped:
         raise ModelSpecError(f"loading {spec} as {name} would drop {len(dropped)} trained tensors ({_few(dropped)}): "
                              f"the folder holds a {held}; drop task= (--model-arg task=...) to load it as that")
-    new = sorted([*(info.get("missing_keys") or ()), *(k[0] for k in info.get("mismatched_keys") or ())])
+    new = sorted({*(info.get("missing_keys") or ()), *(key for key, *_ in info.get("mismatched_keys") or ())})
     if new and not task.takes_new_head:
         raise ModelSpecError(f"loading {spec} as {name} would start {len(new)} tensors at random ({_few(new)}), so "
                              f"it would not be the model in the folder (a {held}); load it as that (drop task=)")
     if new:
-        # The modules those weights belong to: LoRA trains them whole beside its adapters (engine/lora.py), since a
-        # head that starts at random learns nothing frozen.
-        model.tier_utils_new_head = sorted({key.rpartition(".")[0] for key in new if "." in key})
-        warnings.warn(f"{spec} has no weights of this size for {_few(new)}: {name}'s new head starts at random and "
-                      "is trained (the base's weights are the folder's)", stacklevel=4)
-    return model
+        warnings.warn(f"{spec} holds no weights that fit {_few(new)}: {name}'s new head starts at random and is "
+                      "trained (the base's weights are the folder's)", stacklevel=4)
+    return model, tuple(dict.fromkeys(key.rpartition(".")[0] for key in new))
 
 
 def _few(names: list[str], k: int = 3) -> str:

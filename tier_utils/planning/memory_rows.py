@@ -10,6 +10,7 @@ from ..core.memory_settings import BASE_DTYPES, DecidedMemory, LoraSettings, Mem
 from ..core.precision import Precision, dtype_name
 from ..engine.lora import lora_static_bytes, resolve_targets
 from ..engine.quantization import quantized_bytes_per_param
+from ..tasks import Task
 
 
 def memory_rows(model: nn.Module, decided: list[Precision], lora: LoraSettings | None,
@@ -46,12 +47,13 @@ def quantized_bytes() -> float | None:
 
 
 def mode_static_bytes(model: nn.Module, precision: Precision, memory: DecidedMemory | None = None,
-                      quantized: float | None = None) -> int:
+                      quantized: float | None = None, task: Task | None = None) -> int:
     """What a mode holds before activations: per trainable parameter its weight and gradient in the precision's
     dtype and the optimizer's state (AdamW's two moments, or bitsandbytes' 8-bit ones: `memory`), a frozen one its
-    weight; with LoRA, the frozen base and the adapters (engine.lora's count; a 4-bit base: `quantized`)."""
+    weight; with LoRA, the frozen base, the adapters and the modules `task`'s LoRA trains in full (engine.lora's
+    count; a 4-bit base: `quantized`)."""
     if memory is not None and memory.lora is not None:
-        return sum(lora_static_bytes(model, memory, quantized).values())
+        return sum(lora_static_bytes(model, memory, quantized, task).values())
     size = precision.param_dtype.itemsize
     trained = [p.numel() for p in model.parameters() if p.requires_grad]
     state = (memory.settings if memory is not None else MemorySettings()).optimizer_class.state_bytes(trained, size)

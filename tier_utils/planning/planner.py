@@ -459,8 +459,8 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
             recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
-        configs.append(ModeRow(p, ck, mode_static_bytes(adapter.model, prec, memory, quantized), measured, recompute,
-                              note, fixed, memory, prec, parameters))
+        static = mode_static_bytes(adapter.model, prec, memory, quantized, adapter.task)
+        configs.append(ModeRow(p, ck, static, measured, recompute, note, fixed, memory, prec, parameters))
     return configs, blocks
 
 

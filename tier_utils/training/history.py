@@ -348,12 +348,20 @@ class TrainResult(Result):
         """"train: 60 steps, global batch 8, bf16 (...), train_loss 2.1 · val_loss 2.3 · 41,000 tokens/s median"."""
         s = self.summary
         losses = " · ".join(f"{k} {v:.4f}" for k in ("train_loss", "val_loss") if (v := getattr(s, k)) is not None)
-        line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({s.weights_detail}), {losses}"
+        line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({self.held()}), {losses}"
         if t := s.tokens_per_s:
             line += f" · {t.median:,.0f} {s.unit}s/s median (IQR {t.iqr:,.0f}, n={t.n})"
         if s.diverged_at_step is not None:
             line += f" · FAIL: {s.diverged}"
         return line
+
+    def held(self) -> str:
+        """What trained, in words: a full fine-tune's weights (the precision's statement) and its memory setting; a
+        LoRA or QLoRA run's memory setting alone (its frozen base is not the precision's master weights)."""
+        s = self.summary
+        if s.memory is None:
+            return s.weights_detail
+        return s.memory["describe"] if s.memory["lora"] else f"{s.weights_detail}; {s.memory['describe']}"
 
     def plot(self):
         from matplotlib.figure import Figure

@@ -36,9 +36,10 @@ from ..core.hub import HUB_PREFIX, from_hub
 from ..core.memory_settings import resolve_memory
 from ..core.precision import Precision, resolve_precision
 from ..models.checkpoint import load_checkpoint
-from ..models.loading import auto_class, load_model
+from ..models.loading import auto_class, load_model, pretrained_task
 from ..models.stored_dtype import config_dtype, folder_dtype, safetensors_counts
 from ..planning.memory_rows import mode_static_bytes, quantized_bytes
+from ..tasks import Task
 from .config import TrainConfig
 
 
@@ -51,6 +52,7 @@ class Weights:
     stored_bytes: int  # in host RAM once loaded: in the dtype stored, or built (the caller's module: what it holds)
     module: nn.Module | None  # the caller's module or a meta-device build, for the planner's count (None: headers)
     resident: int = 0  # bytes the caller's module already holds in host RAM
+    task: Task | None = None  # the task it is built as, where known: what LoRA trains in full follows it
 
 
 def refuse_past_host_memory(model, model_kwargs: dict, cfg: TrainConfig, device: torch.device) -> None:
@@ -78,7 +80,8 @@ def _peak(weights: Weights, precision: Precision, cfg: TrainConfig, device: torc
     if weights.module is not None:
         stored = next((p.dtype for p in weights.module.parameters() if p.is_floating_point()), None)
         memory = resolve_memory(cfg.memory, precision, device_facts(device), stored)  # LoRA's base dtype, as run
-        static = mode_static_bytes(weights.module, precision, memory, quantized_bytes() if memory.quantized else None)
+        static = mode_static_bytes(weights.module, precision, memory, quantized_bytes() if memory.quantized else None,
+                                   weights.task)
     else:  # headers only: every parameter trains, or with LoRA none does (its adapters are small)
         per = precision.param_dtype.itemsize if cfg.memory.lora else sum(precision.static_bytes_per_param().values())
         static = weights.parameters * per
@@ -89,11 +92,13 @@ def _peak(weights: Weights, precision: Precision, cfg: TrainConfig, device: torc
 def weights_of(model, model_kwargs: dict) -> Weights | None:
     """`model`'s weights as they will be built, without loading them (see the module's docstring); None where they
     cannot be sized so."""
+    task = model.task if isinstance(model, ModelAdapter) else None
     if isinstance(model, ModelAdapter):
         model = model.model
     if isinstance(model, nn.Module):  # loaded already: in host RAM only what sits on the CPU (a GPU's adds none)
         on_host = _bytes([t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu"])
-        return Weights(type(model).__name__, sum(p.numel() for p in model.parameters()), on_host, model, on_host)
+        return Weights(type(model).__name__, sum(p.numel() for p in model.parameters()), on_host, model, on_host,
+                       task)
     if not isinstance(model, (str, Path)):
         return None
     spec, path = str(model).strip(), Path(str(model).strip()).expanduser()
@@ -161,13 +166,13 @@ def _from_config(config, spec: str, kwargs: dict, stored: torch.dtype | None) ->
     asked = getattr(torch, asked, None) if isinstance(asked, str) else asked  # "auto": as stored
     dtype = asked if isinstance(asked, torch.dtype) else stored or torch.bfloat16
     try:
-        auto = auto_class(config, kwargs.get("task"), spec)
+        task, auto = pretrained_task(config, kwargs.get("task"), spec), auto_class(config, kwargs.get("task"), spec)
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the real build says them
             built = auto.from_config(config, dtype=dtype)
     except Exception:  # e.g. a model only its own code builds: not sized
         return None
-    return _built(spec, built)
+    return replace(_built(spec, built), task=task)
 
 
 def _checkpoint(path: Path, spec: str) -> Weights | None:

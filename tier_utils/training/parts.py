@@ -80,7 +80,7 @@ def with_lora(adapter: ModelAdapter, memory: DecidedMemory, precision: Precision
     if memory.lora is None:
         require_adapters(adapter.model)  # a 4-bit model given without LoRA: one line, before any step
         return adapter
-    return replace(adapter, model=apply_memory(adapter.model, memory, precision.compute_dtype))
+    return replace(adapter, model=apply_memory(adapter.model, memory, precision.compute_dtype, adapter.task))
 
 
 def fitted_config(cfg: TrainConfig, adapter: ModelAdapter) -> TrainConfig:

@@ -255,8 +255,11 @@ def _measured(planned: FitResult, done: dict) -> FitResult:
     if bench is None:
         return planned
     s = bench.config.settings
+    # The memory setting its rows trained, where it is not the full fine-tune fit's modes stand for.
+    trained = s.memory.describe(bench.config.lora and bench.config.lora["base_dtype"])
+    plain = trained == type(s.memory)().describe(None)
     return planned.with_measured_speedups(bench.speedups(), f"by this run's benchmark at batch {s.batch_size} x "
-                                                            f"{s.seq_len}")
+                                                            f"{s.seq_len}" + ("" if plain else f", training {trained}"))
 
 
 def _grown_batch(model, dev, growth: Growth | None, seq_len: int) -> dict | None:

@@ -37,6 +37,14 @@ def test_the_benchmark_runs_every_precision_over_a_4bit_model_and_names_qlora(ll
     ran = [r.precision for r in result.records if r.ran]
     assert {"fp32", "bf16", "fp16"} <= set(ran), ran  # fp16 autocast over the bf16 base included
     assert f"the precision rows train {QLORA_WORDS}" in result.summary_line()
+    from tier_utils.mainjob import _measured
+
+    class Plan:  # fit's plan, as far as the main job hands it the benchmark's speedups
+        def with_measured_speedups(self, speedups, source):
+            return source
+
+    # fit's "fastest here" then says its speedups were measured on QLoRA rows, not on a full fine-tune
+    assert _measured(Plan(), {"amp_benchmark": result}).endswith(f", training {QLORA_WORDS}, fp32 adapters, AdamW")
 
 
 def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16):

@@ -230,12 +230,14 @@ def add_data(parser, data: bool = True) -> None:
     if data:
         parser.add_argument("--data", default=None, metavar="SOURCE", help=DATA_HELP)
     # A seq2seq model's source and target columns are the same two settings under the names its users say.
-    parser.add_argument("--text-column", "--source-column", dest="text_column", metavar="NAME",
+    parser.add_argument("--text-column", "--source-column", "--source-lang", dest="text_column", metavar="NAME",
                         help="a table's or dataset's text column (default: text, sentence, content or document; "
-                             "for a seq2seq pair's source: input, source, src, text, document or question)")
-    parser.add_argument("--label-column", "--target-column", dest="label_column", metavar="NAME",
+                             "for a seq2seq pair's source: input, source, src, text, document or question; in a "
+                             "translation column of dicts, the source language)")
+    parser.add_argument("--label-column", "--target-column", "--target-lang", dest="label_column", metavar="NAME",
                         help="its label column, for a classifier (default: label, labels or class; for a seq2seq "
-                             "pair's target: target, output, tgt, summary or answer)")
+                             "pair's target: target, output, tgt, summary or answer; in a translation column, the "
+                             "target language)")
 
 
 def data_of(args):

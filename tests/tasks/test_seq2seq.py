@@ -312,3 +312,21 @@ def test_the_main_job_reports_an_encoder_decoder_with_what_it_wrote(folders, nam
     assert "train_samples" in page and ("ForConditionalGeneration") in page
     summary = json.loads((tmp_path / "all.json").read_text())
     assert {t["tier"] for t in summary["tiers"]} >= {"smoke", "analysis", "train", "amp_benchmark"}
+
+
+def test_a_translation_column_of_dicts_reads_the_two_languages_named(tmp_path, capsys):
+    data = tmp_path / "wmt.jsonl"
+    data.write_text("".join(json.dumps({"translation": {"de": f"Haus {i}", "en": f"house {i}", "fr": f"maison {i}"}})
+                            + "\n" for i in range(20)))
+    splits = build_datasets(tier_utils.DataSource(str(data), "de", "en"), SEQ2SEQ, seq_len=12)
+    row = splits.train[0]
+    assert bytes(row["input_ids"][row["attention_mask"].bool()].tolist()).decode().startswith("Haus ")
+    assert bytes(row["labels"][row["labels"] != -100].tolist()).decode().startswith("house ")
+    with pytest.raises(DataError, match=r"translation column \(de, en, fr\); name its two languages with "
+                                        "--source-lang and --target-lang"):
+        build_datasets(str(data), SEQ2SEQ, seq_len=12)
+    code = main(["train", "--model", "tiny-seq2seq", "--model-arg", "d_model=32", "--model-arg", "n_layer=1",
+                 "--data", str(data), "--source-lang", "de", "--target-lang", "es", "--max-steps", "1",
+                 "--no-progress", "--out", str(tmp_path / "run")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "translation column has no es; its languages are de, en, fr" in err[0]

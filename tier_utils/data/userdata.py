@@ -163,6 +163,8 @@ def _read_table(path: Path, text_column, label_column, reading: Reading) -> Text
 
 def _columns(columns: dict, where: str, text_column, label_column, reading: Reading) -> tuple[list[str], list | None]:
     """The text column's strings and the second column's values (a classifier's labels, a pair's targets)."""
+    if reading is PAIRS and TRANSLATION_COLUMN in columns and text_column not in columns:
+        return _translation(columns[TRANSLATION_COLUMN], where, text_column, label_column)
     if reading.second is None and text_column is None and not any(c in columns for c in reading.text) and any(
             c in columns for c in TARGET_COLUMNS):
         raise DataError(f"{where} holds source-target pairs (columns {', '.join(columns)}), which a sequence-to-"
@@ -175,6 +177,19 @@ def _columns(columns: dict, where: str, text_column, label_column, reading: Read
         return texts, None
     label_col = _pick(columns, label_column, reading.second, where, reading.second_what, reading.second_flag)
     return texts, list(columns[label_col])
+
+
+def _translation(rows: list, where: str, source: str | None, target: str | None) -> tuple[list[str], list[str]]:
+    """A `translation` column of {language: text} dicts (as translation datasets keep them): the two languages named."""
+    languages = sorted({k for row in rows if isinstance(row, dict) for k in row})
+    if source is None or target is None:
+        raise DataError(f"{where} holds a translation column ({', '.join(languages)}); name its two languages with "
+                        "--source-lang and --target-lang (source_column= and target_column= in a DataSource)")
+    missing = [lang for lang in (source, target) if lang not in languages]
+    if missing:
+        raise DataError(f"{where}'s translation column has no {', '.join(missing)}; its languages are "
+                        f"{', '.join(languages)}")
+    return [str(row.get(source, "")) for row in rows], [str(row.get(target, "")) for row in rows]
 
 
 def _pick(columns: dict, given: str | None, tried: tuple, where: str, what: str, flag: str) -> str:

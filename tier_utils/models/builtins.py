@@ -137,8 +137,12 @@ class TinySeq2Seq(_TokenModel):
         super().__init__(vocab_size, max_len, d_model)
         if d_model % n_head:
             raise ModelSpecError(f"d_model={d_model} is not divisible by n_head={n_head}; pick sizes that divide")
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout, batch_first=True, norm_first=True)
+        # Its own encoder: nn.Transformer's asks for nested tensors, which pre-norm layers can't use (a warning each
+        # time the model is built).
+        encoder = nn.TransformerEncoder(layer, n_layer, nn.LayerNorm(d_model), enable_nested_tensor=False)
         self.transformer = nn.Transformer(d_model, n_head, n_layer, n_layer, 4 * d_model, dropout,
-                                          batch_first=True, norm_first=True)
+                                          custom_encoder=encoder, batch_first=True, norm_first=True)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(_init_weights)
 

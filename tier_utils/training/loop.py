@@ -224,7 +224,9 @@ class _Run:
                 self.log.rows(self.hist.rows)  # new rows exist only at log points: no sync of its own
                 if p.step >= data.total_steps or self.selection.stop:
                     break
-                self.stop.check()  # SIGTERM during this step (on any rank): save and stop after it
+                # SIGTERM during this step (on any rank): save and stop after it, or under torchrun after the next
+                # step where _after_step synced the history
+                self.stop.check(p.step % data.stride == 0 or p.step % data.steps_per_epoch == 0)
 
     def _after_step(self, bar) -> None:
         cfg, s, spe = self.cfg, self.progress.step, self.data.steps_per_epoch

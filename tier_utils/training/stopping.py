@@ -43,8 +43,12 @@ class StopSignal:
         self.asked = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
 
-    def check(self) -> None:
-        """After a step: raise Terminated when SIGTERM came to this process, or under torchrun to any rank."""
+    def check(self, synced: bool = True) -> None:
+        """After a step: raise Terminated when SIGTERM came to this process, or under torchrun to any rank. The ranks
+        agree (a scalar all-reduced) only after a step where the loop syncs anyway (`synced`: its history rows,
+        every `log_every` steps): a collective of its own on every step would hold up a GPU's queue."""
+        if self.env.active and not synced:
+            return
         asked = self.env.all_max(int(self.asked)) if self.env.active else self.asked
         if asked:
             raise Terminated

@@ -85,7 +85,7 @@ def load_image_processing(spec, size: int, channels: int, mean=None, std=None) -
     # PIL, the one always there; transformers 4 takes use_fast=False for the same (slow = PIL) processor.
     backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {"use_fast": False}
     try:
-        processor = AutoImageProcessor.from_pretrained(name, **backend)
+        processor = AutoImageProcessor.from_pretrained(name, **backend)  # no weights in it: no dtype to decide
     except (OSError, ValueError) as exc:
         raise ModelSpecError(f"cannot load the image processor of {spec} ({one_line(exc)[:160]}); give the folder "
                              "save_pretrained wrote with its preprocessor_config.json") from exc

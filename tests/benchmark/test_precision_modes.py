@@ -13,6 +13,7 @@ from tier_utils import amp_benchmark, export, fit, search, train
 from tier_utils.cli import main
 from tier_utils.core import precision as P
 from tier_utils.core.device import CPU_FLAGS_ENV, GPU_PROFILE_ENV
+from tier_utils.engine.step import TrainStep
 
 QUICK = dict(batch_size=4, seq_len=16, untimed_steps=1, timed_steps=1, repeats=1, accuracy_steps=6, eval_batches=1,
              progress=False, device="cpu")
@@ -31,24 +32,22 @@ def one_thread_quiet():
 
 @pytest.fixture
 def seen(monkeypatch):
-    """(mode, parameter dtypes, gradient dtypes) at every optimizer step, read through the precision object's
-    Stepper: what each run really held, whatever it says."""
+    """(mode, parameter dtypes, gradient dtypes) at every optimizer step of every TrainStep: what each run really
+    held, whatever it says."""
     steps = []
-    original = P.Precision.stepper
+    original = TrainStep.__init__
 
-    def stepper(self, track=True, **kwargs):
-        inner = original(self, track, **kwargs)
-        step = inner.step
+    def init(self, adapter, precision, optimizer, *args, **kwargs):
+        original(self, adapter, precision, optimizer, *args, **kwargs)
 
-        def recording(optimizer):
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            steps.append((self.name, {p.dtype for p in params}, {p.grad.dtype for p in params if p.grad is not None}))
-            return step(optimizer)
+        def record(opt, args, kwargs):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            steps.append((precision.name, {p.dtype for p in params},
+                          {p.grad.dtype for p in params if p.grad is not None}))
 
-        inner.step = recording
-        return inner
+        optimizer.register_step_pre_hook(record)  # runs only when the optimizer steps (not on a skipped fp16 step)
 
-    monkeypatch.setattr(P.Precision, "stepper", stepper)
+    monkeypatch.setattr(TrainStep, "__init__", init)
     return steps
 
 

@@ -82,16 +82,16 @@ def test_fp16_on_cpu_without_native_fp16_warns_and_is_not_native(monkeypatch):
     monkeypatch.setenv(CPU_FLAGS_ENV, "avx512_bf16")
     with pytest.warns(P.SlowPrecisionWarning, match="fp16"):
         p = resolve_precision("16-mixed", "cpu")
-    assert not p.native and p.needs_scaler and isinstance(p.stepper(), P.ScalerStepper)
+    assert not p.native and p.needs_scaler
     assert supported_precisions("cpu") == ["fp32", "bf16", "bf16-true"]
 
 
-def test_fp32_has_no_autocast_and_a_disabled_scaler():
+def test_fp32_has_no_autocast_and_no_scaler():
     p = resolve_precision("fp32", "cpu")
     x = torch.randn(4, 4)
     with p.forward_context():
         assert (x @ x).dtype == torch.float32
-    assert type(p.stepper()) is P.Stepper and p.stepper().state_dict() == {}
+    assert not p.needs_scaler
 
 
 def test_bf16_autocast_runs_matmul_in_bf16_on_cpu():
@@ -137,7 +137,7 @@ def test_auto_on_the_real_gpu_follows_its_compute_capability():
     expected = "bf16" if cc >= (8, 0) else "fp16" if cc >= (7, 0) else "fp32"
     p = resolve_precision("auto", "cuda")
     assert p.name == expected and p.device.type == "cuda" and f"{cc[0]}.{cc[1]}" in p.reason
-    assert isinstance(p.stepper(), P.ScalerStepper) == (expected == "fp16")
+    assert p.needs_scaler == (expected == "fp16")
     x = torch.randn(8, 8, device="cuda")
     with p.autocast():
         assert (x @ x).dtype == p.dtype
@@ -188,7 +188,7 @@ def test_describe_weights_names_stored_and_held_dtypes():
 
 def test_fp16_true_says_it_has_no_loss_scaling_and_keeps_adamw_eps_representable():
     p = resolve_precision("16-true", "cpu", warn=False)
-    assert not p.needs_scaler and type(p.stepper()) is P.Stepper
+    assert not p.needs_scaler
     assert "no loss scaling" in p.reason and "GradScaler" in p.reason
     assert torch.tensor(p.adamw_eps, dtype=torch.float16) > 0 and torch.tensor(1e-8, dtype=torch.float16) == 0
 
@@ -203,20 +203,6 @@ def test_true_modes_follow_the_hardware_rule_of_their_dtype(monkeypatch, env, na
         assert not t4.native and "compute capability 8.0" in t4.reason
         assert resolve_precision("fp16-true", "cuda", warn=False).native
         assert resolve_precision("auto", "cuda").name == "fp16"  # auto never picks a true mode
-
-
-def test_fp16_stepper_state_round_trips_and_plain_steppers_hold_none():
-    p = resolve_precision("fp16", "cpu", warn=False)
-    first, lin = p.stepper(), torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    first.backward(lin(torch.ones(1, 2)).sum() * float("inf"))  # overflows: the step is skipped, the scale halves
-    first.unscale(opt)
-    assert first.step(opt) is True and first.scale_after == first.scale_before / 2 == first.scale
-    second = p.stepper()
-    second.load_state_dict(first.state_dict())
-    assert second.scale == first.scale
-    plain = resolve_precision("bf16", "cpu", warn=False).stepper()
-    assert plain.scale is None and plain.state_dict() == {}
 
 
 def test_kept_dtypes_puts_every_parameter_and_buffer_back():

@@ -91,15 +91,34 @@ def test_one_process_decides_single_and_refuses_what_needs_torchrun():
 
 
 def test_the_strategy_gives_its_grad_scaler_as_the_step_is_built(monkeypatch):
-    """fp16's stepper steps through the strategy's GradScaler from the start (FSDP: the sharded one)."""
+    """fp16 steps through the strategy's GradScaler from the start (FSDP: the sharded one); the other modes through
+    a disabled one, whose state a checkpoint holds as nothing."""
     monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "")
     model = TinyGPT(d_model=16, n_layer=1, n_head=2, max_len=8)
     adapter = resolve_model(model)
     fp16 = resolve_precision("fp16", "cpu", warn=False)
     sharded = TrainStep(adapter, fp16, make_optimizer(model, 1e-3, 0.0), strategy=S.FSDP())
     plain = TrainStep(adapter, fp16, make_optimizer(model, 1e-3, 0.0))
-    assert isinstance(sharded.stepper.scaler, ShardedGradScaler)
-    assert type(plain.stepper.scaler) is torch.amp.GradScaler
+    assert isinstance(sharded.scaler, ShardedGradScaler) and sharded.scaler.is_enabled()
+    assert type(plain.scaler) is torch.amp.GradScaler and plain.scaler.is_enabled()
+    fp32 = TrainStep(adapter, resolve_precision("fp32", "cpu"), make_optimizer(model, 1e-3, 0.0))
+    assert not fp32.scaler.is_enabled() and fp32.scaler.state_dict() == {}
+
+
+def test_an_fp16_step_skips_on_overflow_and_its_scale_round_trips():
+    model = TinyGPT(d_model=16, n_layer=1, n_head=2, max_len=8)
+    adapter = resolve_model(model)
+    fp16 = resolve_precision("fp16", "cpu", warn=False)
+    first = TrainStep(adapter, fp16, make_optimizer(model, 1e-3, 0.0))
+    with torch.no_grad():
+        model.ln_f.weight.fill_(float("inf"))  # every logit overflows: the step is skipped, the scale halves
+    out = first([adapter.example_batch(2, 8)])
+    assert out.skipped is True and out.scale_after == out.scale_before / 2 == first.scaler.get_scale()
+    second = TrainStep(adapter, fp16, make_optimizer(model, 1e-3, 0.0))
+    second.scaler.load_state_dict(first.scaler.state_dict())
+    assert second.scaler.get_scale() == first.scaler.get_scale()
+    plain = TrainStep(adapter, resolve_precision("bf16", "cpu", warn=False), make_optimizer(model, 1e-3, 0.0))
+    assert plain([adapter.example_batch(2, 8)]).skipped is None  # nothing scales: no skip is ever known
 
 
 def test_ranks_plans_a_registered_strategy_by_its_own_formula(views):

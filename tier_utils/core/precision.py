@@ -3,8 +3,8 @@ switches on a precision's name (the design of Lightning Fabric's precision plugi
 
 A mode's class holds its facts (`param_dtype`: what weights, gradients and AdamW state are held in; `compute_dtype`:
 what the forward runs in), its hardware rule with the reason (`native_support`), how a module is put in its dtype
-(`convert_module`), the forward's context (autocast or none) and a `Stepper` that owns backward, unscaling, the
-optimizer step and their state (the GradScaler's). `resolve_precision` turns a name on a device into a decided
+(`convert_module`), the forward's context (autocast or none) and whether the step scales its loss (`needs_scaler`:
+engine/step.py's GradScaler). `resolve_precision` turns a name on a device into a decided
 instance once, at a tier's boundary; adding a mode is one subclass and `register_precision`.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
 from .inputs import by_spelling
-from .precision_steppers import ScalerStepper, Stepper
 
 _slow_warned: set[tuple[str, str]] = set()
 
@@ -130,15 +129,6 @@ class Precision:
     def autocast(self):
         """forward_context() by the name the tiers' forwards (smoke, analysis, evaluation) call it."""
         return self.forward_context()
-
-    def stepper(self, track: bool = True, grad_scaler=None) -> Stepper:
-        """A fresh Stepper for one run: backward, unscale, optimizer step and their state. `track`: a scaling
-        stepper reads the loss scale around each step (two host syncs) to say whether it was skipped.
-        `grad_scaler(device_type)`: makes the GradScaler a scaling mode steps through (the distributed strategy's
-        choice; None: torch.amp's)."""
-        if not self.needs_scaler:
-            return Stepper()
-        return ScalerStepper(self.device, track, grad_scaler(self.device.type) if grad_scaler else None)
 
     def mixed_precision_policy(self):
         """FSDP2's casts for this mode (torch.distributed.fsdp.MixedPrecisionPolicy): a mixed mode gathers the

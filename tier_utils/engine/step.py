@@ -1,9 +1,10 @@
 """The one precision-correct optimizer step, shared by `train()`, `amp_benchmark()` and the fit planner, with
 the optimizer and LR schedule they all use.
 
-`TrainStep`: the precision's forward context (autocast for the mixed modes) around forward + loss only; then its
-Stepper: backward -> unscale -> clip -> optimizer step (fp16 mixed: through a GradScaler). It asks the precision
-object, never a precision's name, and knows nothing of the loops around it.
+`TrainStep.__call__` is the whole step, top to bottom: zero the gradients; per micro-batch, forward + loss under
+the precision's context (autocast for the mixed modes) and backward through the GradScaler; unscale; clip; the
+optimizer step (skipped by fp16's scaler on overflow); the scaler's update; the schedule. It asks the precision and
+the strategy objects, never a name, and knows nothing of the loops around it.
 """
 from __future__ import annotations
 
@@ -70,9 +71,11 @@ class TrainStep:
     """One optimizer step over one or more micro-batches (gradient accumulation).
 
     `strategy` (default: one process) gives the GradScaler, the context that skips the gradient sync on
-    accumulation micro-steps, and the clipping; `adapter` is what it wrapped for the step. `track_scale=False`
-    leaves out fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come
-    back None; it needs scheduler=None, since only a known skip can hold the LR schedule back.
+    accumulation micro-steps, and the clipping; `adapter` is what it wrapped for the step. The GradScaler is
+    enabled for a precision that `needs_scaler` (fp16 mixed) and a pass-through otherwise (torch.amp's
+    `enabled=False`: scale, unscale_ and update do nothing, step is the optimizer's). `track_scale=False` leaves out
+    fp16's two reads of the loss scale (host syncs), so `skipped` and the scales come back None; it needs
+    scheduler=None, since only a known skip can hold the LR schedule back.
     `count_rounding`: also count the parameter updates the stored dtype rounded away, over a fixed sample of
     each parameter (ROUNDING_SAMPLE: its extra memory is bounded, whatever the model's size).
     """
@@ -87,7 +90,9 @@ class TrainStep:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.grad_clip, self.count_rounding = grad_clip, count_rounding
         self.strategy = strategy or Single()
-        self.stepper = precision.stepper(track=track_scale, grad_scaler=self.strategy.grad_scaler)
+        # the run's loss-scale state: checkpoints save and restore it (an empty dict when disabled)
+        self.scaler = self.strategy.grad_scaler(adapter.device.type, enabled=precision.needs_scaler)
+        self.track = precision.needs_scaler and track_scale
         self.params = [p for p in adapter.model.parameters() if p.requires_grad]
 
     def __call__(self, micro_batches: list[dict]) -> StepOutput:
@@ -95,22 +100,26 @@ class TrainStep:
         n = len(micro_batches)
         total = torch.zeros((), device=self.adapter.device)
         for i, batch in enumerate(micro_batches):
-            # a compiled module hands the strategy's calls (no_sync, set_requires_gradient_sync) to the one it wraps
+            # DDP/FSDP sync gradients on the last micro-batch only; a compiled module hands the strategy's calls
+            # (no_sync, set_requires_gradient_sync) to the one it wraps
             with self.strategy.no_sync(self.adapter.model, i < n - 1):
-                with self.precision.forward_context():
+                with self.precision.forward_context():  # autocast for the mixed modes; nothing for fp32 and true
                     loss, _ = self.adapter.forward_loss(batch)
-                self.stepper.backward(loss / n)
+                self.scaler.scale(loss / n).backward()  # fp16 mixed: scaled so small gradients survive fp16
             total += loss.detach().float()
-        self.stepper.unscale(self.optimizer)
+        self.scaler.unscale_(self.optimizer)  # the gradients' true scale, before clipping measures them
         grad_norm = self.strategy.clip_gradients(self.params, self.grad_clip)
         before = [rounding_sample(p).clone() for p in self.params] if self.count_rounding else None
-        skipped = self.stepper.step(self.optimizer)
+        scale_before = self.scaler.get_scale() if self.track else None  # a host sync: only when tracked
+        self.scaler.step(self.optimizer)  # fp16 mixed: skipped when a gradient overflowed
+        self.scaler.update()  # fp16 mixed: halve the scale after an overflow, grow it after a run of good steps
+        scale_after = self.scaler.get_scale() if self.track else None
+        skipped = scale_after < scale_before if self.track else None
         # A skipped step (fp16 overflow) must not advance the LR schedule.
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         rounding = rounded_away(self.params, before, self.optimizer) if before is not None and not skipped else None
-        return StepOutput(total / n, grad_norm.detach(), skipped, self.stepper.scale_before, self.stepper.scale_after,
-                          rounding)
+        return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after, rounding)
 
 
 # The rounded-away count compares at most this many elements of each parameter, evenly spaced through it (all

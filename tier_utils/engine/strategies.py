@@ -3,8 +3,8 @@ every fact about itself, and nothing else in tier_utils tests a strategy's name 
 strategies/).
 
 A strategy class holds how a run joins its ranks (`start`), how the model is placed on them before the optimizer is
-built (`setup_module`: FSDP shards it in place) and wrapped for the step (`wrap`: DDP), the GradScaler it gives
-the precision's stepper, how accumulation micro-steps skip the gradient sync (`no_sync`), gradient clipping, its
+built (`setup_module`: FSDP shards it in place) and wrapped for the step (`wrap`: DDP), the GradScaler the
+step goes through, how accumulation micro-steps skip the gradient sync (`no_sync`), gradient clipping, its
 checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), its per-rank bytes for
 the planner (planning/ranks.py) and its description in results. `resolve_strategy` turns a name into a decided
 instance once, at a tier's boundary; adding a strategy is one subclass and `register_strategy`.
@@ -77,9 +77,9 @@ class Strategy:
         """The adapter the training step calls (DDP: its wrapper around the model)."""
         return adapter
 
-    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        """The GradScaler a scaling precision (fp16 mixed) steps through."""
-        return torch.amp.GradScaler(device_type)
+    def grad_scaler(self, device_type: str, enabled: bool) -> torch.amp.GradScaler:
+        """The GradScaler the step goes through: scaling for fp16 mixed (`enabled`), a pass-through otherwise."""
+        return torch.amp.GradScaler(device_type, enabled=enabled)
 
     def no_sync(self, model, accumulating: bool):
         """The context around one micro-step's backward; `accumulating`: not the last micro-batch of the step."""
@@ -223,11 +223,11 @@ class FSDP(Strategy):
     def setup_module(self, model, precision, allocator=None) -> str:
         return sharding.shard(model, self.env, precision, self.reshard_after_forward, allocator).describe()
 
-    def grad_scaler(self, device_type: str):
+    def grad_scaler(self, device_type: str, enabled: bool):
         """ShardedGradScaler: its inf check is agreed across the ranks, each of which sees only its shard."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device_type)
+        return ShardedGradScaler(device_type, enabled=enabled)
 
     def no_sync(self, model, accumulating: bool):
         """Accumulation micro-steps skip the reduce-scatter."""

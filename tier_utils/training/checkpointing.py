@@ -81,7 +81,7 @@ class RunCheckpoints:
                 "world_size": env.world_size, "strategy": self.strategy.name,
                 "global_batch": self.data.global_batch, "precision": self.precision,
                 "scheduler": self.optimization.scheduler.state_dict(),
-                "scaler": self.optimization.step.stepper.state_dict(), "rng": rng,
+                "scaler": self.optimization.step.scaler.state_dict(), "rng": rng,
                 "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data.fingerprint, "source": self._source(),
                 "selection": self.selection.state_dict(), "threads": torch.get_num_threads()}
@@ -143,7 +143,7 @@ class RunCheckpoints:
         opt = self.optimization
         self.strategy.load(self.last_path, state, self.adapter.model, opt.optimizer)
         opt.scheduler.load_state_dict(state["scheduler"])
-        opt.step.stepper.load_state_dict(state["scaler"])
+        opt.step.scaler.load_state_dict(state["scaler"])
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
         later = self.strategy.read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights

@@ -34,7 +34,8 @@ from tier_utils.core.measure import StepTimer, count_flops, probe_ms, probe_size
 from tier_utils.core.results import run_metadata
 from tier_utils.data.datasets import make_loader, to_device
 from tier_utils.engine.compiling import COMPILE_MODES
-from tier_utils.engine.step import make_optimizer, make_scheduler
+from tier_utils.engine.schedules import Schedule
+from tier_utils.engine.step import make_optimizer
 from tier_utils.models.loading import load_model
 from tier_utils.tasks import build_datasets
 from tier_utils.training.loop import train
@@ -51,7 +52,7 @@ def bare_loop(model, dataset, steps: int, batch_size: int, window: int, mode: st
     device = next(model.parameters()).device
     compiled = torch.compile(model, mode=mode)
     opt = make_optimizer(model, LR, WEIGHT_DECAY)
-    sched = make_scheduler(opt, WARMUP, steps)
+    sched = Schedule(warmup_steps=WARMUP).scheduler(opt, steps)
     batches, timer = iter(make_loader(dataset, batch_size, device=device, drop_last=True)), StepTimer(device)
     model.train()
     for i in range(steps):

@@ -29,7 +29,8 @@ from tier_utils.core.measure import summarize
 from tier_utils.core.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.core.results import run_metadata
 from tier_utils.data.datasets import build_datasets
-from tier_utils.engine.step import make_optimizer, make_scheduler
+from tier_utils.engine.schedules import Schedule
+from tier_utils.engine.step import make_optimizer
 from tier_utils.models.loading import load_model
 from tier_utils.training.loop import train
 
@@ -37,7 +38,7 @@ from tier_utils.training.loop import train
 def hand_loop(model, dataset, precision: str, steps: int, batch_size: int, seed: int) -> list[float]:
     """The minimal loop a careful user writes; returns per-step milliseconds."""
     opt = make_optimizer(model, 3e-4, 0.1)
-    sched = make_scheduler(opt, 10, steps)
+    sched = Schedule(warmup_steps=10).scheduler(opt, steps)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          generator=torch.Generator().manual_seed(seed))
     dtype = {"bf16": torch.bfloat16, "fp32": None}[precision]

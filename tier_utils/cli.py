@@ -32,6 +32,7 @@ from .mainjob import run_all
 from .models.loading import load_model
 from .options import (
     DATA_HELP,
+    KeepsValidation,
     Parser,
     add_common,
     add_data,
@@ -299,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_data(p)
     add_settings(p, SearchConfig, {f.name for f in fields(SearchConfig)} - {"progress", "trial"})
-    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "seed"),
+    add_settings(p, TrainConfig, ("batch_size", "seq_len", "max_steps", "eval_every", "eval_batches", "val_fraction",
+                                  "seed"),
                  defaults=vars(SearchConfig().trial))
     add_memory(p)
     p.set_defaults(run=_run_search)
@@ -342,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                        whole),
         "seed": "initial weights and training data order"})
     add_memory(p)
+    p.add_argument("--eval-every", "--val-fraction", action=KeepsValidation)
     add_data(p, data=False)
     p.set_defaults(run=_run_all)
 

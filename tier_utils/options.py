@@ -29,6 +29,15 @@ def _optional(convert):
     return parse
 
 
+def _or_words(convert, words: tuple[str, ...]):
+    """A converter that also takes the setting's words (eval_every's "never"), in any case."""
+    def parse(value: str):
+        word = value.strip().lower()
+        return word if word in words else convert(value)
+    parse.__name__ = convert.__name__
+    return parse
+
+
 def _int_list(value: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16]; the API checks each is >= 1."""
     try:
@@ -85,8 +94,12 @@ def _add_option(parser, name: str, default, kind, meta: dict) -> None:
         parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
         return
     convert = meta.get("type") or _CONVERTERS.get(base) or (base if base in (int, float) else str)
+    if meta.get("words"):
+        convert = _or_words(convert, meta["words"])
     metavar = None if meta.get("choices") else (
         getattr(convert, "metavar", None) or _METAVAR_NAMES.get(name) or _METAVARS.get(base, "TEXT"))
+    if meta.get("words"):
+        metavar = "/".join((metavar, *(w.upper() for w in meta["words"])))  # e.g. N/NEVER
     parser.add_argument(flag, dest=name, default=default, type=_optional(convert) if optional else convert,
                         choices=meta.get("choices"), metavar=metavar, help=_with_default(text, default))
 
@@ -245,6 +258,19 @@ def data_of(args):
     from .data.userdata import data_source
 
     return data_source(args.data, args.text_column, args.label_column)
+
+
+class KeepsValidation(argparse.Action):
+    """`all`'s --eval-every and --val-fraction: its report is measured on validation data, which it keeps; one line
+    saying so, and how to train without it."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"all keeps its validation (its training and benchmark verdicts are measured on it), so it "
+                     f"takes no {option_string}; to train without validation: python -m tier_utils train "
+                     "--eval-every never")
 
 
 class _Help(argparse.HelpFormatter):

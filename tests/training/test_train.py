@@ -28,7 +28,8 @@ from tier_utils.core.errors import CheckpointError, TrainingDiverged
 from tier_utils.core.precision import SlowPrecisionWarning, resolve_precision
 from tier_utils.data.datasets import make_loader
 from tier_utils.engine.evaluation import evaluate
-from tier_utils.engine.step import StepOutput, TrainStep, make_optimizer, make_scheduler
+from tier_utils.engine.schedules import Schedule
+from tier_utils.engine.step import StepOutput, TrainStep, make_optimizer
 from tier_utils.models.checkpoint import load_checkpoint
 from tier_utils.models.loading import load_model
 from tier_utils.tasks import build_datasets
@@ -143,7 +144,7 @@ def test_fp32_equals_hand_written_loop():
     no_decay = [p for p in twin.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-3)
-    sched = make_scheduler(opt, 2, steps)
+    sched = Schedule(warmup_steps=2).scheduler(opt, steps)
     per_epoch = len(train_ds) // b // accum
     losses = []
     for step in range(steps):
@@ -232,7 +233,7 @@ def test_track_scale_false_reads_no_loss_scale(monkeypatch):
     assert any(not torch.equal(b, p) for b, p in zip(before, adapter.model.parameters()))  # it still stepped
     opt = make_optimizer(adapter.model, 1e-3, 0.1)
     with pytest.raises(ValueError, match="track_scale=False cannot hold a scheduler back"):
-        TrainStep(adapter, prec, opt, make_scheduler(opt, 0, 10), track_scale=False)
+        TrainStep(adapter, prec, opt, Schedule(warmup_steps=0).scheduler(opt, 10), track_scale=False)
 
 
 def test_evaluate_scores_every_target_and_restores_train_mode():

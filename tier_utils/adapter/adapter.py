@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.precision import dtype_name
-from ..data.datasets import DataSplits
+from ..data.datasets import DEFAULT_VAL_FRACTION, DataSplits
 from ..data.images import has_image_processor
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import load_model, source_of
@@ -135,9 +135,9 @@ class ModelAdapter:
         logits = self.batch_logits(batch)
         return self.loss(logits, batch["labels"]), logits
 
-    def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
+    def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
-        return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, seed=seed,
+        return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
                               max_len=self.max_len, tokenizer=self.tokenizer)
 
     def embeddings(self) -> nn.Embedding | None:

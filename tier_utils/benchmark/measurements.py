@@ -16,7 +16,8 @@ from ..data.datasets import make_loader, to_device
 from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
 from ..engine.lora import convert_for, held_memory, load_model_state
-from ..engine.step import TrainStep, make_optimizer, make_scheduler
+from ..engine.schedules import Schedule
+from ..engine.step import TrainStep, make_optimizer
 from .config import BenchConfig
 
 FLOOR_TOKENS = 8  # the floor step: one sequence this long, nearly all fixed per-step cost
@@ -76,7 +77,7 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps,
                          held.optimizer if held else DEFAULT_OPTIMIZER)
-    sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None
+    sched = Schedule(warmup_steps=max(1, total_steps // 10)).scheduler(opt, total_steps) if total_steps else None
     return TrainStep(step_adapter or adapter, prec, opt, sched, grad_clip=cfg.grad_clip, track_scale=track_scale,
                      count_rounding=count_rounding)
 

@@ -19,10 +19,12 @@ from .precision import PRECISIONS, canonical_precision
 
 
 def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices=None, low=None, above=None,
-            below=None, high=None, factory=None):
+            below=None, high=None, factory=None, words: tuple[str, ...] = ()):
     """A dataclass field carrying what the CLI and validation need: its help text, an option name when
-    it is not the field's (`flag`), `choices`, and bounds (`low`/`high` inclusive, `above`/`below` exclusive)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "low": low, "above": above, "below": below, "high": high}
+    it is not the field's (`flag`), `choices`, bounds (`low`/`high` inclusive, `above`/`below` exclusive) and
+    `words`: spellings a number field also takes, outside its bounds (eval_every's "never")."""
+    meta = {"help": help, "flag": flag, "choices": choices, "low": low, "above": above, "below": below, "high": high,
+            "words": words}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -37,14 +39,16 @@ def check_fields(config) -> None:
         m, value, (kind, optional) = f.metadata, getattr(config, f.name), kinds[f.name]
         if m.get("choices") and kind is str and not optional and value not in m["choices"]:
             raise ValueError(f"{f.name} must be one of {', '.join(m['choices'])}, got {value!r}")
-        if (m.get("low") is None and m.get("above") is None) or (value is None and optional):
+        if (m.get("low") is None and m.get("above") is None) or (value is None and optional) or \
+                value in m.get("words", ()):
             continue
         whole = kind is int
         ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float)) and math.isfinite(value)
         bounds = {">=": m["low"], ">": m["above"], "<": m["below"], "<=": m["high"]}
         bounds = {op: bound for op, bound in bounds.items() if bound is not None}
         if not (ok and all(_OPERATORS[op](value, bound) for op, bound in bounds.items())):
-            said = " and ".join(f"{op} {bound}" for op, bound in bounds.items())
+            said = " and ".join(f"{op} {bound}" for op, bound in bounds.items()) + "".join(
+                f" or {word!r}" for word in m.get("words", ()))
             raise ValueError(f"{f.name} must be a {'whole number' if whole else 'number'} {said}, got {value!r}")
 
 

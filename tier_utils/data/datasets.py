@@ -6,7 +6,7 @@ download). Datasets yield the batch dicts the adapter expects: `input_ids`, `lab
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np  # always installed: pandas and matplotlib need it
 import torch
@@ -168,6 +168,8 @@ class DataSplits:
                                len(self.train), len(self.val))
 
 
+DEFAULT_VAL_FRACTION = 0.1  # held out for validation where the data has no split of its own
+NO_VALIDATION = "none asked for (every example trains, and nothing is evaluated)"
 CORPUS_VALIDATION = "whole documentation topics held out (every 5th per topic group), so no text is in both"
 
 
@@ -178,7 +180,7 @@ class DataRequest:
     seq_len: int = 64
     vocab_size: int = BYTE_VOCAB
     num_classes: int | None = None
-    val_fraction: float = 0.1
+    val_fraction: float = DEFAULT_VAL_FRACTION  # 0: nothing held out (a run without validation)
     seed: int = 0
     max_len: int | None = None
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
@@ -271,6 +273,9 @@ def text_windows(texts: Texts, request: DataRequest) -> DataSplits:
     tokens = tokenizer.encode("\n\n".join(texts.train))
     if texts.val is not None:
         train, val, how = tokens, tokenizer.encode("\n\n".join(texts.val)), texts.validation
+    elif not request.val_fraction:  # no validation: every token trains
+        windows = TokenWindows(tokens, seq_len)
+        return DataSplits(windows, Subset(windows, []), kind, texts.name, tokenizer.name, NO_VALIDATION)
     else:
         cut = int(len(tokens) * (1 - request.val_fraction))  # contiguous: validation text never seen in training
         train, val = tokens[:cut], tokens[cut:]
@@ -352,12 +357,24 @@ def _vocab_fix(request: DataRequest) -> str:
 
 
 def split_off(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(train, val): a seeded random `val_fraction` of the rows held out (at least one; none for 0), the training
+    rows kept in the data's own order (what a run without shuffling trains in)."""
     n = len(ds)
-    n_val = max(1, int(n * val_fraction))
+    n_val = max(1, int(n * val_fraction)) if val_fraction else 0
     if n - n_val < 1:
         raise DataError(f"{n} examples are too few to split into train and val; give more data")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return Subset(ds, order[n_val:]), Subset(ds, order[:n_val])
+    return Subset(ds, sorted(order[n_val:])), Subset(ds, order[:n_val])
+
+
+def without_validation(splits: DataSplits) -> DataSplits:
+    """A run with no validation (val_fraction=0, as eval_every=never asks): nothing held out, and a source's own
+    validation split unused."""
+    if not len(splits.val):
+        return replace(splits, validation=NO_VALIDATION)
+    return replace(splits, val=Subset(splits.val, []),
+                   validation=f"{NO_VALIDATION}; the source's own validation split ({len(splits.val)} examples) "
+                              "is left unused")
 
 
 def _seed_worker(worker_id: int) -> None:

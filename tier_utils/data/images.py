@@ -275,12 +275,13 @@ def _check_decodes(path: Path) -> None:
 
 
 def stratified_split(labels: list[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, val) indices: `fraction` of each class held out (at least one of any class with two or more)."""
+    """(train, val) indices: `fraction` of each class held out (at least one of any class with two or more; none
+    for 0)."""
     rng, train, val = random.Random(seed), [], []
     for c in sorted(set(labels)):
         members = [i for i, y in enumerate(labels) if y == c]
         rng.shuffle(members)
-        k = min(len(members) - 1, max(1, round(len(members) * fraction)))
+        k = min(len(members) - 1, max(1, round(len(members) * fraction))) if fraction else 0
         val += members[:k]
         train += members[k:]
     return sorted(train), sorted(val)

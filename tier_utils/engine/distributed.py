@@ -137,14 +137,15 @@ def eval_shard(dataset, env: DistEnv):
 
 
 class ShardedSampler(DistributedSampler):
-    """The training order: a permutation drawn from (seed + epoch), dealt to ranks round-robin.
+    """The training order: a permutation drawn from (seed + epoch), or the data's own order (`shuffle=False`),
+    dealt to ranks round-robin.
 
-    One rank sees the permutation in order; N ranks with batch b see together exactly what one
+    One rank sees the order as it is; N ranks with batch b see together exactly what one
     rank with batch N*b sees. `start` skips that many of this rank's samples (resume mid-epoch).
     """
 
-    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.start = 0
 
     def __iter__(self):

@@ -1,5 +1,5 @@
 """The one precision-correct optimizer step, shared by `train()`, `amp_benchmark()` and the fit planner, with
-the optimizer and LR schedule they all use.
+the optimizer they all use (the LR schedule: engine/schedules.py).
 
 `TrainStep.__call__` is the whole step, top to bottom: zero the gradients; per micro-batch, forward + loss under
 the precision's context (autocast for the mixed modes) and backward through the GradScaler; unscale; clip; the
@@ -8,7 +8,6 @@ the strategy objects, never a name, and knows nothing of the loops around it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +29,6 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, eps: 
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return optimizer.build([g for g in groups if g["params"]], lr=lr, eps=eps)
-
-
-def make_scheduler(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the base LR, then cosine decay to 10% of it at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # Below this the GradScaler has halved its way out of range (17 overflowing steps from its initial

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..core.errors import AdapterError, DataError
 from ..core.inputs import by_spelling
 from ..data.datasets import (
+    DEFAULT_VAL_FRACTION,
     DataRequest,
     DataSplits,
     given_splits,
@@ -20,6 +21,7 @@ from ..data.datasets import (
     synthetic_splits,
     tensor_splits,
     user_texts,
+    without_validation,
 )
 from ..data.images import is_image_folder
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
@@ -258,7 +260,7 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 
 
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
-                   num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
+                   num_classes: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0,
                    max_len: int | None = None, tokenizer=None, target_len: int | None = None) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
@@ -270,7 +272,8 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
     target_len: a seq2seq pair's target length (None: seq_len, the source's).
     Validation: the source's own split when it has one; else the last `val_fraction` of the text
-    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
+    (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification; none at all for
+    val_fraction=0 (a source's own validation split is then left unused).
     Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
     `max_len`, class ids in [0, num_classes).
     """
@@ -278,4 +281,5 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
                           target_len)
-    return task_named(task).datasets(data, request)
+    splits = task_named(task).datasets(data, request)
+    return without_validation(splits) if val_fraction == 0 else splits

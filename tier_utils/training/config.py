@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
@@ -9,11 +10,15 @@ from ..core.loggers import logger_names
 from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
+from ..data.datasets import DEFAULT_VAL_FRACTION
 from ..engine.compiling import compile_mode_setting
+from ..engine.schedules import DEFAULT_DECAY_FRACTION, DEFAULT_FINAL_FRACTION, SCHEDULES, Schedule
 from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
-                     "grad_accum_steps", "seed", "memory")
+                     "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
+                     "shuffle", "val_fraction")
+NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
@@ -35,14 +40,29 @@ class TrainConfig:
     max_steps: int | None = setting(None, "optimizer steps (wins over epochs)", low=1)
     lr: float = setting(3e-4, "peak learning rate", above=0)
     weight_decay: float = setting(0.1, "AdamW weight decay", low=0)
-    warmup_steps: int = setting(10, "linear LR warm-up steps, then cosine decay to a tenth of lr", low=0)
+    warmup_steps: int = setting(10, "linear LR warm-up steps, before the schedule", low=0)
+    schedule: str = setting("cosine", "the LR after warm-up: constant, a linear or cosine decay to the final "
+                                      "fraction, or wsd (stable, then a linear decay over the last steps)",
+                            choices=SCHEDULES)
+    final_lr_fraction: float | None = setting(
+        None, f"the LR at the last step as a share of lr: linear, cosine, wsd (none: {DEFAULT_FINAL_FRACTION})",
+        low=0, high=1)
+    decay_fraction: float | None = setting(
+        None, f"wsd: the share of the steps after warm-up that the decay takes (none: {DEFAULT_DECAY_FRACTION})",
+        above=0, high=1)
+    shuffle: bool = setting(True, "a new order of the training rows each epoch, drawn from the seed (off: the "
+                                  "data's own order)")
     grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", flag="grad-accum", low=1)
     seed: int = setting(0, "initial weights (models built from a spec), data order and dropout", low=0)
     deterministic: bool = setting(False, "bitwise-equal reruns on the same machine, torch build and thread count")
     num_workers: int = setting(0, "DataLoader worker processes", low=0)
-    eval_every: int | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's end)",
-                                     low=0)
+    eval_every: int | str | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's "
+                                               f"end; {NEVER}: no evaluation, and no validation split)", low=0,
+                                           words=(NEVER,))
+    val_fraction: float | None = setting(
+        None, "the share of the data held out for validation where it has no split of its own (none: "
+              f"{DEFAULT_VAL_FRACTION}); 0: no validation and no evaluation", low=0, below=1)
     eval_batches: int | None = setting(20, "validation batches per evaluation (none: all)", low=1)
     log_every: int | None = setting(None, "steps per history row (none: every step on short runs, else 10)", low=1)
     checkpoint_dir: str | None = setting(None, "folder for last.pt, and best.pt (the lowest val loss so far)")
@@ -114,6 +134,41 @@ class TrainConfig:
                              f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
+        self._check_validation()
+        _ = self.lr_schedule  # decided here, once: a setting its shape has no use for is refused before the run
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run holds out validation data and evaluates on it."""
+        return self.eval_every != NEVER and self.val_fraction != 0
+
+    @property
+    def eval_interval(self) -> int | None:
+        """Steps between the evaluations inside an epoch (None: only at epoch ends and the run's end, or never)."""
+        return self.eval_every if self.evaluates and self.eval_every else None
+
+    @property
+    def held_out(self) -> float:
+        """The share the data reader holds out for validation where the data has no split of its own."""
+        return (DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction) if self.evaluates else 0.0
+
+    @cached_property
+    def lr_schedule(self) -> Schedule:
+        return Schedule.decide(self.schedule, self.warmup_steps, self.final_lr_fraction, self.decay_fraction)
+
+    def _check_validation(self) -> None:
+        """What needs validation, refused in one line where the run has none."""
+        if self.eval_every == NEVER and self.val_fraction:
+            raise ValueError(f"eval_every={NEVER} never uses a validation split: drop val_fraction, or evaluate")
+        if self.evaluates:
+            return
+        why = f"eval_every={NEVER}" if self.eval_every == NEVER else "val_fraction=0"
+        needs = [name for name, given in (("early_stop_patience", self.early_stop_patience is not None),
+                                          ("restore_best", self.restore_best)) if given]
+        if needs:
+            named = " and ".join(needs)
+            raise ValueError(f"{named} {'need' if len(needs) > 1 else 'needs'} the validation loss, which a run with "
+                             f"{why} never measures: drop {named}, or keep validation")
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would unfold a decided Precision

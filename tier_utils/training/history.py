@@ -256,6 +256,8 @@ class TrainSummary:
     diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
     unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
+    lr_schedule: str | None = None  # the decided schedule (engine.schedules.Schedule.describe)
+    order: str | None = None  # the training rows' order: shuffled from the seed each epoch, or the data's own
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -320,6 +322,8 @@ class TrainResult(Result):
             ("tokens_per_s", spread(s.tokens_per_s, f"{s.unit}s/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
             ("optimizer", s.optimizer),
+            ("lr_schedule", s.lr_schedule),
+            ("order", s.order),
             ("memory", s.memory and f"{s.memory['describe']} ({s.memory['reason']})"),
             ("activation_checkpointing", s.activation_checkpointing),
             ("lora", s.lora and s.lora["detail"]),
@@ -394,10 +398,11 @@ class TrainResult(Result):
             integer_axis(ax.xaxis)
         fig.suptitle(f"{self.summary.model} · {self.summary.precision} · {self.summary.device_name}")
         if c := self.config:
-            evals = f"every {c.eval_every} steps" if c.eval_every else "at the end"
-            caption(fig, f"linear warm-up for {c.warmup_steps} steps, then cosine decay · validation {evals} "
-                         f"on up to {c.eval_batches or 'all'} batches · global batch "
-                         f"{self.summary.global_batch}")
+            evals = "never" if not c.evaluates else f"every {c.eval_interval} steps and at epoch ends" \
+                if c.eval_interval else "at epoch ends"
+            caption(fig, f"LR: {c.lr_schedule.describe()} · validation {evals}"
+                         f"{f' on up to {c.eval_batches} batches' if c.evaluates and c.eval_batches else ''} · "
+                         f"global batch {self.summary.global_batch}")
         return fig
 
     def to_csv(self, path):

@@ -236,11 +236,11 @@ class _Run:
             row = self._emit(s)
             if row is not None:
                 bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
-        if cfg.eval_every and s % cfg.eval_every == 0 and not epoch_end:
+        if cfg.eval_interval and s % cfg.eval_interval == 0 and not epoch_end:
             metrics = self._evaluate()
             self.hist.eval_row(s, s / spe, metrics, self.optimization.optimizer.param_groups[0]["lr"])
             self._report(metrics)
-        if epoch_end:
+        if epoch_end and cfg.evaluates:
             metrics = self._evaluate()
             self.hist.epoch_row(s, s / spe, metrics)
             self._report(metrics)
@@ -356,7 +356,8 @@ class _Run:
             weights_detail=prec.describe_weights(adapter.stored_dtype),
             activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
-            generation=_generation(self.progress.generated),
+            generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
+            order=f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch",
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)

@@ -23,7 +23,7 @@ from ..engine.activation_checkpointing import enable_checkpointing, require_bloc
 from ..engine.compiling import CompileInfo, compile_for_training
 from ..engine.lora import convert_for
 from ..engine.quantization import apply_memory, load_quantized, require_adapters
-from ..engine.step import TrainStep, make_optimizer, make_scheduler
+from ..engine.step import TrainStep, make_optimizer
 from ..engine.strategies import Strategy
 from ..models.checkpoint import data_fingerprint
 from .config import FINE_LOG_STEPS, TrainConfig
@@ -110,8 +110,8 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed)
-    sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out)
+    sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * env.world_size
     steps_per_epoch = len(sampler) // cfg.batch_size // cfg.grad_accum_steps
     if steps_per_epoch < 1:
@@ -146,7 +146,7 @@ def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precis
     one (its warm-up puts back the RNG states and buffers it moved)."""
     optimizer = make_optimizer(built.adapter.model, cfg.lr, cfg.weight_decay, precision.adamw_eps,
                                built.memory.optimizer)
-    scheduler = make_scheduler(optimizer, cfg.warmup_steps, data.total_steps)
+    scheduler = cfg.lr_schedule.scheduler(optimizer, data.total_steps)
     stepped, info = strategy.wrap(built.adapter), None
     if cfg.compile:
         device = built.adapter.device

@@ -58,6 +58,9 @@ class SearchConfig:
         check_switch(self, "progress")
         if not isinstance(self.trial, TrainConfig):
             raise ValueError(f"trial must be a TrainConfig, got {type(self.trial).__name__}")
+        if not self.trial.evaluates:
+            raise ValueError("search ranks and prunes its trials by validation loss, which a trial without "
+                             "validation (eval_every=never or val_fraction=0) never measures: keep validation")
         self.trial = replace(self.trial, progress=False)
         check_fields(self)
 

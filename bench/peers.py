@@ -1,28 +1,26 @@
 """Step time of `tier_utils.train()` beside its peers (a bare PyTorch loop, the Hugging Face Trainer, the Lightning
-Trainer), side by side in one run on the same model, weights, rows, order, optimizer, schedule and clipping.
-
-What every runner shares, so that what differs is the loop around the step:
-- the model: a GPT-2 shape (GPT2LMHeadModel) and a Llama shape (LlamaForCausalLM, tied embeddings, an MLP of the same
-  size), dropout off (each runner would draw its own masks); one initial state_dict loaded into each call's copy;
-- the rows: the bundled corpus's windows in the order train()'s ShardedSampler gives for --seed, which the peers
-  read in sequence (none shuffles its own);
+Trainer), side by side in one run on the same model, weights, rows, order, optimizer, schedule and clipping:
+- a GPT-2 (GPT2LMHeadModel) and a Llama shape (LlamaForCausalLM, tied embeddings, an MLP of the same size), dropout
+  off (each runner would draw its own masks); one initial state_dict loaded into each call's fresh copy;
+- the bundled corpus's windows in the order train()'s ShardedSampler gives for --seed, read by the peers in sequence;
 - AdamW from `make_optimizer` (foreach on a CPU, fused on CUDA; decay on matrices only; the precision's eps),
   `make_scheduler` over the call's steps, clipping at TrainConfig's 1.0;
-- the loss: the window's mean next-token cross-entropy (no padding), in fp32 (autocast's rule for cross-entropy;
-  accelerate hands the Trainer fp32 logits);
-- the precision: fp32, or bf16 autocast over fp32 weights (HF bf16=True, Lightning "bf16-mixed").
-So they end at the same held-out loss: in fp32 bit for bit; in bf16 Lightning differs in the last bits (it sums the
+- the window's mean next-token cross-entropy (no padding) in fp32 (autocast's rule; accelerate hands the Trainer
+  fp32 logits), under fp32 or bf16 autocast over fp32 weights (HF bf16=True, Lightning "bf16-mixed").
+So all end at the same held-out loss: in fp32 bit for bit; in bf16 Lightning's last bits differ (it sums the
 clipping norm over its optimizer's groups, matrices first; the others over model.parameters()).
 
-The measurement: each runner is called for N1 and N2 steps (--steps), whole calls timed from a fresh model on the
-host to the trained one: its step time free of set-up is (t(N2) - t(N1)) / (N2 - N1), its fixed cost
-t(N1) - N1 x step. An untimed warm-up round goes first (imports, allocator growth, --compile's compilation). Repeats
-are interleaved, the runners' order rotated each time, so a drift in the machine's load hits them all. Each N2
-call's model is scored on the same --eval-rows held-out rows in fp32 by one function. The verdict against the bare
+Per repeat each runner trains a fresh copy for N2 steps (--steps N1 N2); torch's global optimizer post-step hook marks
+the ends of steps N1 and N2 in every runner alike. Step time free of set-up: (t(N2) - t(N1)) / (N2 - N1); fixed cost:
+the whole call (fresh model on the host to the trained one) less N2 such steps (set-up, compilation, the first
+steps' warm-up, the run's end). An untimed warm-up round goes first (imports, allocator growth, the compile cache
+later runs reuse; the HF Trainer in bf16 recompiles every run: accelerate's autocast wrapper is new each time).
+Repeats are interleaved, the runners' order rotated each time, so a drift in the machine's load hits them all. Each
+trained model is scored on the same --eval-rows held-out rows in fp32 by one function. The verdict against the bare
 loop is the AMP benchmark's rule (`benchmark.verdicts.speedup`): overlapping IQRs are "no measurable difference".
 The torch thread count is decided once for every runner (train()'s rule, `run_threads`; --threads fixes it).
 
-Needs the peers: `pip install .[bench]`. The table for bench/RESULTS.md, then on CUDA with every runner compiled:
+Needs the peers: `pip install .[bench]`. The table for bench/RESULTS.md; on CUDA, also with every runner compiled:
 
     python bench/peers.py --threads 1 --json peers.json     # 7 repeats, GPT-2 and Llama, fp32 and bf16, 8 x 128
     python bench/peers.py --compile
@@ -43,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import Subset
 
 from tier_utils.benchmark.verdicts import speedup
@@ -122,9 +121,8 @@ def loss_of(model, batch: dict) -> torch.Tensor:
 
 def optimization(model, setup: Setup, steps: int):
     """AdamW and the schedule train() builds for a run of `steps` steps."""
-    cfg = setup.cfg
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, setup.precision.adamw_eps)
-    return optimizer, make_scheduler(optimizer, cfg.warmup_steps, steps)
+    optimizer = make_optimizer(model, setup.cfg.lr, setup.cfg.weight_decay, setup.precision.adamw_eps)
+    return optimizer, make_scheduler(optimizer, setup.cfg.warmup_steps, steps)
 
 
 def run_bare(model, setup: Setup, steps: int) -> None:
@@ -133,10 +131,11 @@ def run_bare(model, setup: Setup, steps: int) -> None:
     stepped = torch.compile(model) if setup.cfg.compile else model
     optimizer, scheduler = optimization(model, setup, steps)
     rows = Subset(setup.rows, range(steps * setup.cfg.batch_size))
-    with_autocast = setup.precision.autocasts
+    autocast = dict(device_type=setup.device.type, dtype=setup.precision.compute_dtype,
+                    enabled=setup.precision.autocasts)
     for batch in make_loader(rows, setup.cfg.batch_size, shuffle=False, device=setup.device):
         batch = to_device(batch, setup.device)
-        with torch.autocast(setup.device.type, dtype=setup.precision.compute_dtype, enabled=with_autocast):
+        with torch.autocast(**autocast):
             loss = loss_of(stepped, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), setup.cfg.grad_clip)
@@ -177,7 +176,7 @@ def run_hf(model, setup: Setup, steps: int) -> None:
 
 def run_lightning(model, setup: Setup, steps: int) -> None:
     """Lightning's Trainer over the rows in sequence, with the shared optimizer, schedule and loss."""
-    pl = lightning()
+    import pytorch_lightning as pl
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -201,34 +200,55 @@ def run_lightning(model, setup: Setup, steps: int) -> None:
 RUN = {"bare": run_bare, "train()": run_train, "hf": run_hf, "lightning": run_lightning}
 
 
-def lightning():
-    """Lightning's pytorch package: the unified `lightning` where installed, else `pytorch_lightning`."""
-    if importlib.util.find_spec("lightning") is not None:
-        import lightning.pytorch as pl
-    else:
-        import pytorch_lightning as pl
-    return pl
-
-
 def missing_peers(runners) -> list[str]:
-    """The packages the chosen runners need and this environment lacks."""
-    needs = {"transformers": True, "accelerate": "hf" in runners}
-    missing = [name for name, needed in needs.items() if needed and importlib.util.find_spec(name) is None]
-    if "lightning" in runners and not any(importlib.util.find_spec(n) for n in ("lightning", "pytorch_lightning")):
-        missing.append("pytorch-lightning")
-    return missing
+    """The packages the chosen runners need and this environment lacks (every runner trains a transformers model)."""
+    needs = ["transformers", *["accelerate"] * ("hf" in runners), *["pytorch_lightning"] * ("lightning" in runners)]
+    return [name.replace("_", "-") for name in needs if importlib.util.find_spec(name) is None]
 
 
-def call(runner: str, setup: Setup, steps: int, args) -> tuple[float, torch.nn.Module]:
-    """One whole call's seconds, from a fresh model with the initial weights on the host to the trained model."""
+@contextlib.contextmanager
+def step_marks(at: tuple[int, int], sync):
+    """{step: seconds} at the end of the optimizer steps `at`, whichever loop calls optimizer.step(): torch's global
+    post-step hook, which every runner has, so none needs a callback of its own (synced there, and only there)."""
+    marks, count = {}, [0]
+
+    def mark(optimizer, args, kwargs):
+        count[0] += 1
+        if count[0] in at:
+            sync()
+            marks[count[0]] = time.perf_counter()
+
+    handle = register_optimizer_step_post_hook(mark)
+    try:
+        yield marks
+    finally:
+        handle.remove()
+
+
+def call(runner: str, setup: Setup, steps: int, args) -> tuple[float, dict, torch.nn.Module]:
+    """One whole call's seconds, from a fresh model with the initial weights on the host to the trained model; the
+    times at the end of steps N1 and N2 within it; the trained model."""
     model = build_model(setup.shape, args)
     model.load_state_dict(setup.initial)
     sync = torch.cuda.synchronize if setup.device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    RUN[runner](model, setup, steps)
-    sync()
-    return time.perf_counter() - t0, model
+    with step_marks(args.steps, sync) as marks:
+        sync()
+        t0 = time.perf_counter()
+        RUN[runner](model, setup, steps)
+        sync()
+        seconds = time.perf_counter() - t0
+    return seconds, {step: t - t0 for step, t in marks.items()}, model
+
+
+def timed(runner: str, setup: Setup, args) -> tuple[float, float, float]:
+    """(ms per step, fixed seconds, held-out loss) of one call of N2 steps: the step time from the steps after the
+    first N1, so compilation and the first steps' warm-up stay out of it; the rest of the call is the fixed cost."""
+    n1, n2 = args.steps
+    seconds, marks, model = call(runner, setup, n2, args)
+    if set(marks) != {n1, n2}:
+        raise RuntimeError(f"{RUNNERS[runner]} took {max(marks, default=0)} of {n2} optimizer steps")
+    step = (marks[n2] - marks[n1]) / (n2 - n1)
+    return step * 1e3, seconds - n2 * step, held_out_loss(model, setup)
 
 
 @torch.no_grad()
@@ -259,16 +279,6 @@ def setups(args, device: torch.device) -> list[Setup]:
     return found
 
 
-def timed_pair(runner: str, setup: Setup, args, rep: int) -> tuple[float, float, float]:
-    """(ms per step, fixed seconds, held-out loss) from one N1 and one N2 call, N2 first on odd repeats."""
-    (n1, n2), seconds, loss = args.steps, {}, None
-    for n in ((n1, n2) if rep % 2 == 0 else (n2, n1)):
-        seconds[n], model = call(runner, setup, n, args)
-        loss = held_out_loss(model, setup) if n == n2 else loss
-    step = (seconds[n2] - seconds[n1]) / (n2 - n1)
-    return step * 1e3, seconds[n1] - n1 * step, loss
-
-
 def measure(found: list[Setup], args) -> dict:
     """{(setup index, runner): {"step_ms", "fixed_s", "loss"}}, one sample of each per repeat, after a warm-up
     round; each repeat's runners in an order rotated by one."""
@@ -280,7 +290,7 @@ def measure(found: list[Setup], args) -> dict:
         turn = rep % len(args.runners)
         for i, setup in enumerate(found):
             for runner in args.runners[turn:] + args.runners[:turn]:
-                for key, value in zip(("step_ms", "fixed_s", "loss"), timed_pair(runner, setup, args, rep)):
+                for key, value in zip(("step_ms", "fixed_s", "loss"), timed(runner, setup, args)):
                     samples[(i, runner)][key].append(value)
     return samples
 
@@ -332,19 +342,18 @@ def markdown(rows: list[dict]) -> str:
 
 @contextlib.contextmanager
 def quiet_peers(runners):
-    """The peers' chatter off for the run, and back after: Lightning's lines on every fit, its deprecation warnings
-    and its few-workers hint (every runner loads in the main process alike), the Trainer's notes."""
+    """The peers' chatter off for the run: Lightning's lines on every fit, its deprecation warnings and its
+    few-workers hint (every runner loads in the main process alike), the Trainer's notes; back as it was after."""
     import transformers
 
     if "lightning" in runners:
-        lightning()  # its import sets its loggers to INFO: first, so the levels set here hold
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "pytorch_lightning", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
+        import pytorch_lightning  # noqa: F401  its import sets its loggers to INFO: first, so the levels set here hold
+    loggers = {lg: lg.level for lg in map(logging.getLogger, ("pytorch_lightning", "lightning.fabric"))}
     verbosity = transformers.logging.get_verbosity()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        for category in (DeprecationWarning, FutureWarning):
-            warnings.filterwarnings("ignore", category=category, module=r"(pytorch_)?lightning")
+        for category in (DeprecationWarning, FutureWarning):  # torch's deprecations, met in Lightning's code
+            warnings.filterwarnings("ignore", category=category, module="pytorch_lightning")
         for lg in loggers:
             lg.setLevel(logging.WARNING)
         transformers.logging.set_verbosity_error()
@@ -352,7 +361,7 @@ def quiet_peers(runners):
             yield
         finally:
             transformers.logging.set_verbosity(verbosity)
-            for lg, level in zip(loggers, levels):
+            for lg, level in loggers.items():
                 lg.setLevel(level)
 
 
@@ -364,7 +373,7 @@ def parse(argv):
                     help="the bare loop always runs: every ratio is against it")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, nargs=2, default=[5, 25], metavar=("N1", "N2"),
-                    help="steps of the two timed calls; step time = (t(N2) - t(N1)) / (N2 - N1)")
+                    help="steps per call; step time = (t(N2) - t(N1)) / (N2 - N1) within it")
     for flag, default in (("--batch-size", 8), ("--seq-len", 128), ("--width", 256), ("--layers", 4), ("--heads", 4)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--vocab", type=int, default=8192, help="at least 256: the rows are the corpus's bytes")
@@ -391,14 +400,17 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    with quiet_peers(args.runners), run_threads() as threads:
+    # The HF Trainer's bf16 runs recompile each time: past torch's limit of 8 per function they would run eager unsaid
+    calls = (args.repeats + 1) * len(args.shapes) * len(args.precisions)
+    room = torch._dynamo.config.patch(recompile_limit=calls + 8) if args.compile else contextlib.nullcontext()
+    with quiet_peers(args.runners), run_threads() as threads, room:
         found = setups(args, device)
         samples = measure(found, args)
     rows = table(found, args.runners, samples)
     n1, n2 = args.steps
     params = {s.shape: sum(v.numel() for k, v in s.initial.items() if "lm_head" not in k) for s in found}  # tied
     print(f"{device_name(device)} · torch {torch.__version__} · {threads.reason} · {args.repeats} interleaved "
-          f"repeats, step = (t{n2} - t{n1}) / {n2 - n1} of whole calls · batch {args.batch_size} x {args.seq_len} · "
+          f"repeats, step = (t{n2} - t{n1}) / {n2 - n1} within each call · batch {args.batch_size} x {args.seq_len} · "
           + ", ".join(f"{s} {p / 1e6:.3g}M parameters" for s, p in params.items())
           + (" · compiled" if args.compile else ""))
     print(markdown(rows))

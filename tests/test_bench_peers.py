@@ -33,6 +33,7 @@ def test_every_runner_ends_at_the_same_held_out_loss(peers, tmp_path, capsys):
     assert peers.main([*TINY, "--json", str(tmp_path / "peers.json")]) == 0
     rows = json.loads((tmp_path / "peers.json").read_text())["rows"]
     assert [(r["shape"], r["runner"]) for r in rows] == [(s, r) for s in ("gpt2", "llama") for r in peers.RUNNERS]
+    assert all(r["step_ms"]["median"] > 0 for r in rows)  # each runner's optimizer steps N1 and N2 were marked
     table = capsys.readouterr().out
     assert all(f"| {name} |" in table for name in peers.RUNNERS.values())
     for shape in ("gpt2", "llama"):

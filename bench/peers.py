@@ -246,7 +246,7 @@ def timed(runner: str, setup: Setup, args) -> tuple[float, float, float]:
     n1, n2 = args.steps
     seconds, marks, model = call(runner, setup, n2, args)
     if set(marks) != {n1, n2}:
-        raise RuntimeError(f"{RUNNERS[runner]} took {max(marks, default=0)} of {n2} optimizer steps")
+        raise RuntimeError(f"{RUNNERS[runner]} did not reach optimizer steps {n1} and {n2} (marked: {sorted(marks)})")
     step = (marks[n2] - marks[n1]) / (n2 - n1)
     return step * 1e3, seconds - n2 * step, held_out_loss(model, setup)
 

@@ -37,8 +37,9 @@ from tier_utils.core.files import write_json
 from tier_utils.core.measure import StepTimer, summarize
 from tier_utils.core.precision import resolve_device, resolve_precision
 from tier_utils.core.results import run_metadata
-from tier_utils.data.datasets import build_datasets, make_loader, to_device
+from tier_utils.data.datasets import make_loader, to_device
 from tier_utils.models.loading import load_model
+from tier_utils.tasks import build_datasets
 
 
 def batches(seq_len: int, batch_size: int, n: int, dev) -> list[dict]:

@@ -113,3 +113,24 @@ def test_pixel_attribution_of_a_corner_reader_lies_in_its_corner():
     heats = report.outcomes["attribution"].artifacts["overlay"].heats
     assert heats[:, 4:].eq(0).all() and heats[:, :, 4:].eq(0).all() and heats.sum() > 0
     assert report.frames["attribution"].completeness_gap.max() < 1e-4  # a linear model: integrated exactly
+
+
+def test_the_report_shows_an_image_models_predictions_and_attention_overlay(tmp_path):
+    from tier_utils.report import write_report
+
+    torch.manual_seed(0)
+    report = tier_utils.analyze(load_model("tiny-vit", **TINY_VIT), analyses="attention", **QUICK)
+    assert set(report.more_plots()) == {"predictions", "attention_overlay"}
+    page = write_report({"analysis": report}, tmp_path).read_text()
+    for png in ("analysis.png", "analysis_predictions.png", "analysis_attention_overlay.png"):
+        assert (tmp_path / png).is_file() and f"src='{png}'" in page
+
+
+@pytest.mark.slow
+def test_all_on_tiny_vit_writes_the_three_tier_report_with_its_predictions(tmp_path):
+    from tier_utils.mainjob import run_all
+
+    result = run_all("tiny-vit", tmp_path, fast=True, progress=False, device="cpu", model_kwargs=TINY_VIT)
+    assert result.model_status in ("PASS", "WARN") and {"smoke", "analysis", "train"} <= set(result.results)
+    page = result.index.read_text()
+    assert "src='analysis_predictions.png'" in page and "src='analysis_attention_overlay.png'" in page

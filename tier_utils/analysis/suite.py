@@ -30,6 +30,7 @@ from ..models.builtins import DEFAULT_MODEL
 from ..models.demo_model import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
+from .pixels import grid_figure
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -147,6 +148,17 @@ class AnalysisReport(Result):
         if not outcome.ran:
             return message_figure(name, self._why_not(outcome))
         return ANALYSES[name].plot(outcome, **options)
+
+    def more_plots(self) -> dict[str, Figure]:
+        """An image model's first images: their predictions by class name, and where the attention analysis drew
+        one, what the model looked at (its attention rollout, or its gradient saliency map) over them."""
+        overlays = {name: o.artifacts["overlay"] for name, o in self.outcomes.items() if "overlay" in o.artifacts}
+        if not overlays:
+            return {}
+        plots = {"predictions": grid_figure(next(iter(overlays.values())).without_heats())}
+        if "attention" in overlays:
+            plots["attention_overlay"] = grid_figure(overlays["attention"])
+        return plots
 
     @staticmethod
     def _why_not(outcome: Outcome) -> str:

@@ -11,6 +11,7 @@ to trust them.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from ..core.budget import affordable_repeats, gib
 from ..core.measure import SavedTensorMeter
+from ..core.precision import dtype_name
 from ..core.results import Check
 from .common import Context, Outcome, head
 from .pixels import SHOWN, draw, grid_figure, integrated_gradients, overlay, top_share
@@ -165,13 +167,29 @@ def _over_pixels(ctx: Context) -> Outcome:
     if not (heats > 0).any():
         return Outcome([Check("pixel attribution", "WARN", 0.0, threshold, "integrated gradients are zero "
                               "everywhere: no gradient reaches the pixels (a detached path)")])
-    share, worst = float(top_share(heats).mean()), max(gaps)
-    rough = (f", past {IG_GAP:.0%} at {max(steps)} steps: the model bends sharply along the path, read the maps as "
-             "rough") if worst > IG_GAP else ""
+    share = float(top_share(heats).mean())
+    words, rough = _completeness(gaps, max(steps), dtype_name(ctx.precision.compute_dtype))
     check = Check("pixel attribution", "WARN" if rough else "PASS", round(share, 4), threshold,
                   f"integrated gradients over {n} images{scope}: the top 10% of pixels hold {share:.0%} of "
-                  f"|attribution|; they sum to the logit's change from a mean-colour image within {worst:.1%}{rough}")
+                  f"|attribution|; {words}")
     return Outcome([check], {"attribution": frame}, {"overlay": shown})
+
+
+def _completeness(gaps: tuple[float, ...], steps: int, dtype: str) -> tuple[str, bool]:
+    """How closely the attributions sum to each logit's change, in words, and whether one misses past IG_GAP; an
+    image whose logit moves less than its rounding (NaN gap) is left out."""
+    measured = [g for g in gaps if not math.isnan(g)]
+    if not measured:
+        return (f"every image's logit moves less than the {dtype} logits' rounding from a mean-colour image, so "
+                "completeness is not measured"), False
+    worst = max(measured)
+    words = f"they sum to the logit's change from a mean-colour image within {worst:.1%}"
+    if worst > IG_GAP:
+        words += f", past {IG_GAP:.0%} at {steps} steps: the model bends sharply along the path, read the maps as rough"
+    if len(measured) < len(gaps):
+        words += (f" ({len(gaps) - len(measured)} of {len(gaps)} images left out: their logit moves less than the "
+                  f"{dtype} logits' rounding)")
+    return words, worst > IG_GAP
 
 
 def _integrate(ctx: Context, image: torch.Tensor, chunk: int, deadline: float) -> tuple:
@@ -180,7 +198,7 @@ def _integrate(ctx: Context, image: torch.Tensor, chunk: int, deadline: float) -
     steps = IG_STEPS
     while True:
         attribution, gap, target = integrated_gradients(ctx, image, steps, chunk)
-        if gap <= IG_GAP or steps >= IG_MAX_STEPS or time.perf_counter() > deadline:
+        if not gap > IG_GAP or steps >= IG_MAX_STEPS or time.perf_counter() > deadline:  # NaN: more won't help
             return attribution, gap, target, steps
         steps *= 4
 

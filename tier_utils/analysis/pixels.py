@@ -32,6 +32,7 @@ UNITS = {"noise": "x each image's pixel std (Gaussian noise)", "blur": "x side/1
 # Tokens ahead of the patches that rollout may find (CLS, DeiT's distillation token, a few registers): more than this
 # and the tokens are read as no square grid of patches.
 MAX_PREFIX = 5
+RESOLVED = 4  # a logit's change smaller than this many of its dtype's rounding steps can't be told from rounding
 TOP_SHARE = 0.1  # a heat map's concentration: the share of its mass on its top 10% of cells
 OVERLAY_COLUMNS = ["image", "label", "prediction", "correct", "top_share"]
 
@@ -80,8 +81,8 @@ def pixel_gradients(ctx: Context, pixels: torch.Tensor, target: torch.Tensor | N
 def integrated_gradients(ctx: Context, image: torch.Tensor, steps: int, chunk: int) -> tuple[torch.Tensor, float, int]:
     """Integrated gradients (Sundararajan et al. 2017) of one image's predicted class along the straight path from
     zeros (the processing's mean colour) to it, by the midpoint rule over `steps`, `chunk` images a forward:
-    ((C, H, W) attribution, the share of the logit's change the attributions miss (completeness: 0 when exact),
-    the class)."""
+    ((C, H, W) attribution, the share of the logit's change the attributions miss (completeness: 0 when exact; NaN
+    where the change is within the logits' rounding), the class)."""
     _, end, target = pixel_gradients(ctx, image[None])
     alphas = torch.cat([torch.zeros(1), (torch.arange(steps) + 0.5) / steps]).to(image.device)
     total, start = torch.zeros(image.shape, device=image.device), None
@@ -92,7 +93,9 @@ def integrated_gradients(ctx: Context, image: torch.Tensor, steps: int, chunk: i
         total += grad.sum(0)
     attribution = image.float() * total / steps
     change = float(end[0]) - start
-    gap = abs(float(attribution.sum()) - change) / max(abs(change), 1e-12)
+    # A change within a few rounding steps of the logits (bf16 keeps 8 bits) is rounding, not the model: no gap.
+    resolution = RESOLVED * torch.finfo(ctx.precision.compute_dtype).eps * max(abs(float(end[0])), abs(start))
+    gap = abs(float(attribution.sum()) - change) / abs(change) if abs(change) > resolution else math.nan
     return attribution, gap, int(target[0])
 
 

@@ -97,15 +97,22 @@ def test_perturbations_keep_the_shape_and_blur_keeps_a_flat_image_flat():
         pixels.perturb("rotation", flat, 0.1, g)
 
 
-def test_pixel_attribution_draws_integrated_gradients_that_sum_to_the_logit_change():
+def test_pixel_attribution_draws_integrated_gradients_that_sum_to_the_logit_change(monkeypatch):
+    from tier_utils.analysis import attribution
+
+    monkeypatch.setattr(attribution, "BUDGET_S", 1e6)  # every image, however busy the machine
     torch.manual_seed(0)
-    report = tier_utils.analyze(load_model("tiny-vit", **TINY_VIT), analyses="attribution", **QUICK)
+    model = load_model("tiny-vit", **TINY_VIT)
+    report = tier_utils.analyze(model, analyses="attribution", **QUICK)
     row = report.table.iloc[0]
     frame = report.frames["attribution"]
     assert row.check == "pixel attribution" and row.status == "PASS", row.detail
     assert len(frame) == 4 and (frame.completeness_gap <= 0.1).all()
     assert report.outcomes["attribution"].artifacts["overlay"].heats.shape == (4, 16, 16)
     assert isinstance(report.plot("attribution"), Figure)
+    monkeypatch.setattr(attribution, "BUDGET_S", 0.0)  # a model so big one image is all the budget holds
+    row = tier_utils.analyze(model, analyses="attribution", **QUICK).table.iloc[0]
+    assert "1 of 4 images, as many as fit the 0 s budget" in row.detail
 
 
 def test_pixel_attribution_of_a_corner_reader_lies_in_its_corner():

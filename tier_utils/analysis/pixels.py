@@ -197,7 +197,7 @@ def grid_figure(shown: Overlay, fig=None) -> Figure:
         if i < len(shown.labels):
             draw(ax, shown, i)
         else:
-            ax.axis("off")
+            fig.delaxes(ax)  # no blank panels in the last row
     right = sum(a == b for a, b in zip(shown.labels, shown.predictions))
     fig.suptitle(f"{shown.what}: {right} of {len(shown.labels)} predicted right", fontsize=10)
     return fig

@@ -63,6 +63,32 @@ def test_a_transformers_vit_gets_its_rollout_through_either_attention(implementa
     assert "2 layers" in report.table.set_index("check").detail["attention rollout"]
 
 
+class SoftmaxViT(nn.Module):
+    """A ViT whose attention is a softmax written by hand: found by its square scores, whatever the patch count."""
+
+    image_size = 16
+
+    def __init__(self):
+        super().__init__()
+        self.patches, self.cls = nn.Conv2d(3, 8, 4, stride=4), nn.Parameter(torch.randn(1, 1, 8))
+        self.qkv, self.head = nn.Linear(8, 24), nn.Linear(8, 4)
+
+    def forward(self, pixel_values):
+        x = self.patches(pixel_values).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(len(x), -1, -1), x], 1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        x = x + (q @ k.transpose(1, 2) / 8 ** 0.5).softmax(-1) @ v
+        return self.head(x[:, 0])
+
+
+def test_a_hand_written_softmax_vit_gets_its_rollout_over_a_grid_the_model_decides():
+    torch.manual_seed(0)
+    report = tier_utils.analyze(SoftmaxViT(), analyses="attention", **QUICK)
+    rows = report.table.set_index("check")
+    assert rows.status["attention rollout"] == "PASS" and "softmax capture" in rows.detail["collapsed heads"]
+    assert report.outcomes["attention"].artifacts["overlay"].heats.shape == (4, 4, 4)  # 16 px in patches of 4
+
+
 def test_a_model_without_attention_says_so_and_gets_a_gradient_saliency_map():
     torch.manual_seed(0)
     report = tier_utils.analyze(CornerReader(), analyses="attention", **QUICK)

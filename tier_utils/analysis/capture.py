@@ -149,8 +149,9 @@ class _CallCapture(TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(scores, torch.Tensor) or scores.dim() not in (3, 4) or dim is None:
             return
-        T = self.cap.seq_len or scores.size(-1)  # None: any square scores (an image's patches, counted by the model)
-        if dim % scores.dim() != scores.dim() - 1 or tuple(scores.shape[-2:]) != (T, T) or self.cap.seq_len == 0:
+        # Square scores over the analysed length, or any where it is None (an image's patches, counted by the model).
+        square = scores.size(-1) == scores.size(-2) and self.cap.seq_len in (None, scores.size(-1))
+        if dim % scores.dim() != scores.dim() - 1 or not square:
             return
         name = self._owner("softmax")
         rows = 0 if name is None else self.cap.rows_for(scores.size(0), scores[0].numel())

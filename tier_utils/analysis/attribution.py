@@ -177,18 +177,18 @@ def _over_pixels(ctx: Context) -> Outcome:
 
 def _completeness(gaps: tuple[float, ...], steps: int, dtype: str) -> tuple[str, bool]:
     """How closely the attributions sum to each logit's change, in words, and whether one misses past IG_GAP; an
-    image whose logit moves less than its rounding (NaN gap) is left out."""
+    image whose logit moves too little for its dtype's rounding (NaN gap) is left out."""
     measured = [g for g in gaps if not math.isnan(g)]
     if not measured:
-        return (f"every image's logit moves less than the {dtype} logits' rounding from a mean-colour image, so "
-                "completeness is not measured"), False
+        return (f"every image's logit moves too little from a mean-colour image for {dtype} logits to measure "
+                "completeness"), False
     worst = max(measured)
     words = f"they sum to the logit's change from a mean-colour image within {worst:.1%}"
     if worst > IG_GAP:
         words += f", past {IG_GAP:.0%} at {steps} steps: the model bends sharply along the path, read the maps as rough"
     if len(measured) < len(gaps):
-        words += (f" ({len(gaps) - len(measured)} of {len(gaps)} images left out: their logit moves less than the "
-                  f"{dtype} logits' rounding)")
+        words += (f" ({len(gaps) - len(measured)} of {len(gaps)} images left out: their logit moves too little for "
+                  f"{dtype} logits to measure it)")
     return words, worst > IG_GAP
 
 

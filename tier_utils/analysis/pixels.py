@@ -32,7 +32,9 @@ UNITS = {"noise": "x each image's pixel std (Gaussian noise)", "blur": "x side/1
 # Tokens ahead of the patches that rollout may find (CLS, DeiT's distillation token, a few registers): more than this
 # and the tokens are read as no square grid of patches.
 MAX_PREFIX = 5
-RESOLVED = 4  # a logit's change smaller than this many of its dtype's rounding steps can't be told from rounding
+# A logit's change measured against its attributions must span this many of its dtype's rounding steps: the two
+# ends' rounding (about one step) is then at most 3% of it, well inside the 10% completeness tolerance.
+RESOLVED = 32
 TOP_SHARE = 0.1  # a heat map's concentration: the share of its mass on its top 10% of cells
 OVERLAY_COLUMNS = ["image", "label", "prediction", "correct", "top_share"]
 
@@ -93,7 +95,7 @@ def integrated_gradients(ctx: Context, image: torch.Tensor, steps: int, chunk: i
         total += grad.sum(0)
     attribution = image.float() * total / steps
     change = float(end[0]) - start
-    # A change within a few rounding steps of the logits (bf16 keeps 8 bits) is rounding, not the model: no gap.
+    # A change within RESOLVED rounding steps of the logits (bf16 keeps 8 bits) is mostly rounding: no gap.
     resolution = RESOLVED * torch.finfo(ctx.precision.compute_dtype).eps * max(abs(float(end[0])), abs(start))
     gap = abs(float(attribution.sum()) - change) / abs(change) if abs(change) > resolution else math.nan
     return attribution, gap, int(target[0])

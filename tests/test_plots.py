@@ -5,17 +5,19 @@ labelled ticks inside its view on a numeric axis (so the lowest value never sits
 tick); tick labels
 are at least MIN_FONT_PT and at most MAX_TICKS per axis; step and trial axes tick on whole numbers;
 colour that carries meaning (several labelled series, bars in several colours) has a legend or a
-colour bar; a panel switched off must say why (no blank panels).
+colour bar; a panel switched off shows an image or says why (no blank panels).
 """
 import math
 
 import pytest
+import torch
+import torch.nn as nn
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.category import StrCategoryLocator
 from matplotlib.ticker import FixedLocator
 from tiny import tiny
 
-from tier_utils import amp_benchmark, analyze, search, smoke, train
+from tier_utils import amp_benchmark, analyze, load_model, search, smoke, train
 from tier_utils.core.plotting import MAX_TICKS, MIN_FONT_PT, short_name
 
 WHOLE_NUMBER_AXES = ("step", "trial")
@@ -36,8 +38,8 @@ def problems(fig) -> list[str]:
             if not (ax.get_ylabel() or ax.get_xlabel()):
                 found.append(f"{where}: colour bar without a label")
             continue
-        if not ax.axison:
-            if not any(t.get_text().strip() for t in ax.texts):
+        if not ax.axison:  # an image needs no axes; anything else switched off must say why
+            if not ax.images and not any(t.get_text().strip() for t in ax.texts):
                 found.append(f"{where}: a blank panel")
             continue
         if not (ax.lines or ax.patches or ax.collections or ax.images):
@@ -106,6 +108,31 @@ def test_smoke_and_analysis_plots_are_readable(model):
     names = [n for n, o in report.outcomes.items() if o.ran]
     assert names, "no analysis ran on the tiny model"
     figures.update({f"analysis {k}": f for k, f in _figures(report, None, *names).items()})
+    found = {name: problems(fig) for name, fig in figures.items()}
+    assert {name: p for name, p in found.items() if p} == {}
+
+
+class _PixelPooler(nn.Module):
+    """An image classifier without attention: its figures are the gradient saliency map's."""
+
+    image_size = 16
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 4)
+
+    def forward(self, pixel_values):
+        return self.head(self.conv(pixel_values).relu().mean((2, 3)))
+
+
+@pytest.mark.parametrize("vision", ["tiny-vit", "cnn"])
+def test_image_analysis_plots_are_readable(vision):
+    torch.manual_seed(0)
+    model = load_model("tiny-vit", image_size=16, patch_size=8, d_model=32, n_layer=1, n_head=2) \
+        if vision == "tiny-vit" else _PixelPooler()
+    # Six images: the grids' last row holds two.
+    report = analyze(model, batch_size=6, n_batches=1, progress=False, device="cpu", precision="fp32")
+    figures = {**_figures(report, None, *report.outcomes), **report.more_plots()}
     found = {name: problems(fig) for name, fig in figures.items()}
     assert {name: p for name, p in found.items() if p} == {}
 

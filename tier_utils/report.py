@@ -39,10 +39,10 @@ _PLAIN = re.compile(r"[(\[]*[\w']*[)\]:;,.!?%]*")  # no line-break opportunity i
 
 def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
     """Write each result's table as `<name>.csv` (a benchmark's verdicts also as `<name>_verdicts.csv`), its
-    plot as `<name>.png`, its JSON as `<name>.json`, and an `index.html` showing them together (plain HTML,
-    relative links). The page shows each tier's verdict columns (check, status, value, threshold, detail,
-    after the columns naming the row), a benchmark's verdicts rather than its measurements; the CSV links
-    hold every column. Returns index.html.
+    plot as `<name>.png` (and its `more_plots()` as `<name>_<part>.png`: an image model's predictions), its JSON
+    as `<name>.json`, and an `index.html` showing them together (plain HTML, relative links). The page shows each
+    tier's verdict columns (check, status, value, threshold, detail, after the columns naming the row), a
+    benchmark's verdicts rather than its measurements; the CSV links hold every column. Returns index.html.
 
     metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`)."""
     out = Path(out_dir)
@@ -58,24 +58,26 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         for stem, frame in frames.items():
             atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
         write_json(out / f"{name}.json", result.to_json())
-        fig = result.plot()
-        if fig is not None:
-            save_png(fig, out / f"{name}.png")
+        figures = {name: result.plot(), **{f"{name}_{part}": fig for part, fig in result.more_plots().items()}}
+        pngs = [f"{stem}.png" for stem, fig in figures.items() if fig is not None]
+        for stem, fig in figures.items():
+            if fig is not None:
+                save_png(fig, out / f"{stem}.png")
         verdict = result.verdict
         badge = f" <span class='{verdict}'>{verdict}</span>" if verdict else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
         shown = result.verdicts if hasattr(result, "verdicts") else result.table
         files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
-        sections.append(_section(name, badge, result.summary_line(), shown, files, fig is not None))
+        sections.append(_section(name, badge, result.summary_line(), shown, files, pngs))
         for part, frame in result.more_tables().items():  # e.g. what an encoder-decoder wrote
             stem = f"{name}_{part}"
             atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
-            sections.append(_section(stem, "", "", frame, [f"{stem}.csv"], False))
+            sections.append(_section(stem, "", "", frame, [f"{stem}.csv"], []))
     meta = metadata if metadata is not None else run_metadata()
     agreement = checks_table(consistency(results, recorded_load(meta)))
     if len(agreement):  # before the tiers: it says how far to trust their timings
         atomic_write_bytes(out / "consistency.csv", agreement.to_csv(index=False).encode())
-        sections.insert(0, _section("consistency", "", "", agreement, ["consistency.csv"], False))
+        sections.insert(0, _section("consistency", "", "", agreement, ["consistency.csv"], []))
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"
@@ -85,7 +87,7 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
     return atomic_write_bytes(out / "index.html", page.encode())
 
 
-def _section(name: str, badge: str, summary: str, table: pd.DataFrame, files: list[str], has_plot: bool) -> str:
+def _section(name: str, badge: str, summary: str, table: pd.DataFrame, files: list[str], pngs: list[str]) -> str:
     shown = _for_page(table)
     hidden = len(table.columns) - len(shown.columns)
     note = f" (the page leaves out {hidden} column{'s' if hidden != 1 else ''}; the CSV has all)" if hidden else ""
@@ -96,8 +98,7 @@ def _section(name: str, badge: str, summary: str, table: pd.DataFrame, files: li
     parts = [f"<section id='{name}'><h2>{html.escape(name)}{badge}</h2>",
              *([f"<p class='summary'>{html.escape(summary)}</p>"] if summary else []), f"<p>{links}{note}</p>",
              f"<div class='scroll'>{rows}</div>"]
-    if has_plot:
-        parts.append(f"<p><img src='{name}.png' alt='{html.escape(name)} plot'></p>")
+    parts += [f"<p><img src='{png}' alt='{html.escape(png.removesuffix('.png'))} plot'></p>" for png in pngs]
     parts.append("</section>")
     return "\n".join(parts)
 

@@ -72,7 +72,8 @@ def test_table_and_frame_columns_are_exact(gpt_report):
     assert list(f["attention_layers"].columns) == ["layer", "heads", "collapsed_heads", "head_similarity_tv",
                                                    "collapsed"]
     assert list(f["attention_distance"].columns) == ["layer", "head", "distance", "weight"]
-    assert list(f["robustness"].columns) == ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
+    assert list(f["robustness"].columns) == ["perturbation", "level", "n", "agreement", "kl", "logit_drift",
+                                             "n_correct", "flip_rate"]
     assert list(f["attribution"].columns) == ["position", "token", "text", "saliency", "share"]
     assert list(f["headroom"].columns) == ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal",
                                            "bf16_rel_dev", "fp16_rel_dev", "fp16_nonfinite",

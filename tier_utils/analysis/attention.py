@@ -11,11 +11,13 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from ..adapter.adapter import extract_logits
 from ..core.errors import describe
 from ..core.plotting import category_ticks
 from ..core.results import Check
 from .capture import DEFAULT_MAP_BYTES, AttentionCapture, AttentionMap, capture_attention, hf_implementation
-from .common import Context, Outcome
+from .common import Context, Outcome, head
+from .pixels import SHOWN, TOP_SHARE, draw, grid_figure, overlay, patch_grid, pixel_gradients, rollout, top_share
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -55,7 +57,7 @@ def _no_maps(ctx: Context, cap: AttentionCapture) -> Check:
     elif _has_attention(model):
         why = "a fused kernel bypassed them, or a wrapper dropped them"
     else:
-        why = "it has no attention layers (e.g. a state-space model)"
+        why = "it has no attention layers (a state-space model, a CNN)"
     return Check("attention maps", "SKIP", None, None,
                  f"{name} exposes no attention weights (no SDPA call, no softmax over (T, T) scores, no "
                  f"nn.MultiheadAttention, no HF output_attentions): {why}")
@@ -109,12 +111,21 @@ def _classify(entropy: float, max_weight: float) -> str:
     return "ok"
 
 
-def _score(stats: _HeadStats, example: dict | None, masks: dict, task, found: AttentionMap) -> None:
-    """Add one captured map to the statistics (and to the example maps on the first batch). The task says what the
-    layer's queries and keys are (an encoder-decoder's: source or target) and whether it is causal."""
+def _real(mask: torch.Tensor | None, weights: torch.Tensor, axis: int) -> torch.Tensor:
+    """A (B, T) mask of real positions; every position where the input has none (an image's patches)."""
+    if mask is not None:
+        return mask
+    return torch.ones(weights.size(0), weights.size(axis), dtype=torch.bool, device=weights.device)
+
+
+def _score(stats: _HeadStats, example: dict | None, means: dict | None, masks: dict, task,
+           found: AttentionMap) -> None:
+    """Add one captured map to the statistics (and to the example maps on the first batch, and to `means`, the
+    first images' head-averaged maps that rollout multiplies). The task says what the layer's queries and keys are
+    (an encoder-decoder's: source or target) and whether it is causal."""
     weights = found.weights
     queries, keys, causal = task.attention_role(found.name)
-    q_mask, k_mask = masks[queries], masks[keys]
+    q_mask, k_mask = _real(masks[queries], weights, -2), _real(masks[keys], weights, -1)
     if weights.dim() != 4 or weights.shape[-2:] != (q_mask.size(1), k_mask.size(1)):
         return  # an unexpected layout: not a map over this batch's tokens
     q_mask, k_mask = q_mask[:weights.size(0)], k_mask[:weights.size(0)]
@@ -123,18 +134,22 @@ def _score(stats: _HeadStats, example: dict | None, masks: dict, task, found: At
     stats.add(found.name, weights, allowed)
     if example is not None and found.name not in example:
         example[found.name] = weights[0, :, :int(q_mask[0].sum()), :int(k_mask[0].sum())].float().cpu()
+    if means is not None and found.name not in means:
+        means[found.name] = weights[:SHOWN].float().mean(1).cpu()
 
 
 def run(ctx: Context) -> Outcome:
     model, task = ctx.adapter.model, ctx.adapter.task
     stats, example = _HeadStats(), {}
-    seq_len = int(ctx.batches[0]["input_ids"].size(1))
+    means = {} if task.reads_pixels else None  # the first images' maps, for rollout over them
+    first = ctx.mask(ctx.batches[0])
+    seq_len = None if first is None else int(first.size(1))  # an image's tokens are its patches: any square map
     limit = ctx.budget.probe_limit if ctx.budget else DEFAULT_MAP_BYTES
     with capture_attention(model, seq_len, limit) as cap:
         for i, batch in enumerate(ctx.batches):
             cap.new_forward()
             masks = {"source": ctx.mask(batch), "target": task.target_mask(batch)}
-            cap.on_map = partial(_score, stats, example if i == 0 else None, masks, task)
+            cap.on_map = partial(_score, stats, *((example, means) if i == 0 else (None, None)), masks, task)
             grad = torch.enable_grad() if cap.needs_grad else torch.no_grad()
             try:
                 with grad, ctx.precision.autocast():
@@ -147,14 +162,60 @@ def run(ctx: Context) -> Outcome:
                                       f"{ctx.adapter.name} refused output_attentions=True "
                                       f"({describe(exc, limit=200)}); build it with attn_implementation='sdpa'")])
             cap.collect(out)
+            if i == 0:
+                predicted = extract_logits(out, ctx.adapter.name).detach().argmax(-1)
             del out
             if not cap.calls:
-                return Outcome([_no_maps(ctx, cap)])
+                return _saliency(ctx, _no_maps(ctx, cap)) if task.reads_pixels else Outcome([_no_maps(ctx, cap)])
     if not stats.sums:
         return Outcome([Check("attention maps", "SKIP", None, None,
                               f"{cap.source}: no (B, heads, queries, keys) attention maps over the batch's tokens "
                               "were captured")])
-    return _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
+    outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
+    if means is not None:
+        _add_rollout(ctx, outcome, list(means.values()), predicted)
+    return outcome
+
+
+def _add_rollout(ctx: Context, outcome: Outcome, layers: list[torch.Tensor], predicted: torch.Tensor) -> None:
+    """The first images' attention rollout drawn over them: a row and an overlay added to `outcome`, or a SKIP row
+    where the layers' maps can't be multiplied through (shapes that differ: a Swin's windows and stages) or the
+    tokens are no grid of patches."""
+    shapes = {tuple(a.shape) for a in layers}
+    grid = patch_grid(rollout(layers)) if len(shapes) == 1 else None
+    if grid is None:
+        why = (f"the layers' maps differ in shape ({', '.join(map(str, sorted(shapes)))})" if len(shapes) > 1 else
+               f"its {layers[0].size(-1)} tokens are no square grid of patches behind a CLS token")
+        outcome.checks.append(Check("attention rollout", "SKIP", None, None, f"{why}: no rollout to draw"))
+        return
+    shown = overlay(ctx, f"attention rollout to the patches through {len(layers)} layers", ctx.batches[0], predicted,
+                    grid)
+    outcome.checks.append(_heat_check("attention rollout", shown, "patches", f"rollout (Abnar & Zuidema) of the "
+                                      f"head-averaged maps of {len(layers)} layers, read from the first token"))
+    outcome.frames["attention_rollout"] = shown.frame()
+    outcome.artifacts["overlay"] = shown
+
+
+def _saliency(ctx: Context, skipped: Check) -> Outcome:
+    """An image model without attention maps: its gradient saliency map instead (|d logit / d pixels| of the
+    predicted class, the largest over the channels), drawn over the first images."""
+    batch = head(ctx.batches[0], SHOWN)
+    grad, _, predicted = pixel_gradients(ctx, batch["pixel_values"])
+    shown = overlay(ctx, "gradient saliency |d logit / d pixels|", batch, predicted, grad.abs().amax(1))
+    check = _heat_check("gradient saliency", shown, "pixels", "|d logit / d pixels| of the predicted class, the "
+                        "largest over the channels, instead of attention")
+    return Outcome([skipped, check], {"saliency": shown.frame()}, {"overlay": shown})
+
+
+def _heat_check(name: str, shown, cells: str, what: str) -> Check:
+    """The row a heat map over the images gets: how concentrated it is (FAIL where it holds NaN/inf)."""
+    threshold = f"share on the top {TOP_SHARE:.0%} of {cells} ({TOP_SHARE:.0%}: flat)"
+    if not torch.isfinite(shown.heats).all():
+        return Check(name, "FAIL", None, threshold, f"{what}: NaN/inf in the map")
+    share = float(top_share(shown.heats).mean())
+    right = sum(a == b for a, b in zip(shown.labels, shown.predictions))
+    return Check(name, "PASS", round(share, 4), threshold, f"{what}: the top {TOP_SHARE:.0%} of {cells} hold "
+                 f"{share:.0%} of it (mean over {len(shown.labels)} images, {right} predicted right)")
 
 
 def _size(cap: AttentionCapture, limit: int) -> str:
@@ -227,14 +288,33 @@ def _pick(names: list[str], layers) -> list[str]:
 
 def plot(outcome: Outcome, layers=None, heads=None) -> Figure:
     """Heatmaps (query rows, key columns) of example 0 for the chosen layers (default first and last)
-    and heads (default up to 4), plus each head's distance profile."""
+    and heads (default up to 4), plus each head's distance profile; an image model's first images lie above them
+    under their attention rollout. An image model without attention: its gradient saliency map over the images."""
+    shown = outcome.artifacts.get("overlay")
+    if "maps" not in outcome.artifacts:
+        return grid_figure(shown)
     maps = outcome.artifacts["maps"]
     chosen = _pick(list(maps), layers)
     n_heads = maps[chosen[0]].size(0)
     head_ids = list(range(min(4, n_heads))) if heads is None else list(heads)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(2.6 * (len(head_ids) + 1), 2.6 * len(chosen)), layout="constrained")
+    size = (2.6 * (len(head_ids) + 1), 2.6 * len(chosen))
+    if shown is None:
+        fig = Figure(figsize=size, layout="constrained")
+        _draw_maps(fig, outcome, chosen, head_ids)
+        return fig
+    above = 2.5 * math.ceil(len(shown.labels) / 4) + 0.4  # grid_figure's rows of four
+    fig = Figure(figsize=(max(size[0], 9.2), size[1] + above), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[above, size[1]])
+    grid_figure(shown, top)
+    _draw_maps(bottom, outcome, chosen, head_ids)
+    return fig
+
+
+def _draw_maps(fig, outcome: Outcome, chosen: list[str], head_ids: list[int]) -> None:
+    """The chosen layers' maps, one row each, into `fig` (a Figure or SubFigure)."""
+    maps = outcome.artifacts["maps"]
     axes = fig.subplots(len(chosen), len(head_ids) + 1, squeeze=False)
     prof = outcome.frames["attention_distance"]
     for row, name in zip(axes, chosen):
@@ -251,11 +331,17 @@ def plot(outcome: Outcome, layers=None, heads=None) -> Figure:
         row[-1].set_ylabel("mean attention weight", fontsize=7)
         row[-1].legend(fontsize=7)
     fig.suptitle("Attention (example 0, mean over valid query rows for the profile)")
-    return fig
 
 
 def panel(ax, outcome: Outcome) -> None:
-    """Overview: normalised entropy per (layer, head)."""
+    """Overview: normalised entropy per (layer, head); an image model without attention: its first image under its
+    gradient saliency map."""
+    if "attention" not in outcome.frames:
+        shown = outcome.artifacts["overlay"]
+        draw(ax, shown, 0)
+        ax.set_title(f"no attention: gradient saliency\n(true {shown.labels[0]}, predicted {shown.predictions[0]})",
+                     fontsize=9)
+        return
     df = outcome.frames["attention"]
     grid = df.pivot(index="layer_index", columns="head", values="entropy")
     image = ax.imshow(grid.to_numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto")

@@ -1,13 +1,17 @@
-"""Attribution: gradient x input saliency per token, with torch.autograd only.
+"""Attribution: gradient x input saliency per token, or integrated gradients per pixel, with torch.autograd only.
 
 The token-embedding output is swapped (by a forward hook) for a leaf tensor, the log-probability
 of the model's own prediction is differentiated with respect to it, and each token's saliency is
 sum_d(grad * embedding). Target: the next token after the last real position for a causal LM,
 the predicted class for a classifier. Positive saliency supports the prediction, negative opposes it.
+An image model's first images get integrated gradients of their predicted class's logit over their pixels
+(analysis/pixels.py), drawn as a heat map over each; the share of the logit's change they miss says how far
+to trust them.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -17,8 +21,10 @@ import torch.nn.functional as F
 
 from ..core.budget import affordable_repeats, gib
 from ..core.measure import SavedTensorMeter
+from ..core.precision import dtype_name
 from ..core.results import Check
 from .common import Context, Outcome, head
+from .pixels import SHOWN, draw, grid_figure, integrated_gradients, overlay, top_share
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -28,6 +34,11 @@ TOP_SHARE = 0.1  # a classifier's finding quotes the share held by its top 10% t
 COLUMNS = ["position", "token", "text", "saliency", "share"]
 _CHARS_PER_ROW = 32
 BUDGET_S = 10.0  # seconds of forward + backward: a big model attributes fewer sequences (the row says how many)
+# Points on integrated gradients' path per image, each a forward and backward: the first try, and the most.
+IG_STEPS, IG_MAX_STEPS = 16, 256
+# Integrated gradients missing more than this share of the logit's change: the path's steps are too coarse for
+# the model, and the map is rough.
+IG_GAP = 0.1
 
 
 @contextlib.contextmanager
@@ -68,12 +79,16 @@ def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(ctx: Context) -> Outcome:
+    return _over_pixels(ctx) if ctx.adapter.task.reads_pixels else _over_tokens(ctx)
+
+
+def _over_tokens(ctx: Context) -> Outcome:
+    """Gradient x input per token: one sequence first, timed and its saved activations counted, then as many of the
+    first batch's sequences as fit both the time budget and the memory budget."""
     adapter = ctx.adapter
     if adapter.task.source_embedding(adapter) is None:
         return Outcome([Check("saliency", "SKIP", None, None,
                               f"{adapter.name} exposes no nn.Embedding to attribute to")])
-    # One sequence first, timed and its saved activations counted: as many of the first batch's sequences as
-    # fit both the time budget and the memory budget follow.
     rows, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
     batch = head(ctx.batches[0], 1)
     with SavedTensorMeter(adapter.model) as meter:
@@ -129,8 +144,70 @@ def run(ctx: Context) -> Outcome:
                    {"attribution": table}, {"target": goal})
 
 
+def _over_pixels(ctx: Context) -> Outcome:
+    """Integrated gradients over the first batch's first images (at most SHOWN, the first always, the rest while the
+    time budget lasts); each image's heat is its |attribution| summed over the channels."""
+    batch = ctx.batches[0]
+    images = batch["pixel_values"][:SHOWN]
+    deadline = time.perf_counter() + BUDGET_S
+    found = []
+    for image in images:
+        if found and time.perf_counter() > deadline:
+            break
+        found.append(_integrate(ctx, image, len(images), deadline))
+    attributions, gaps, targets, steps = zip(*found)
+    n, heats = len(found), torch.stack(attributions).abs().sum(1)
+    shown = overlay(ctx, "integrated gradients of the predicted class", head(batch, n), torch.tensor(targets), heats)
+    frame = shown.frame().assign(steps=list(steps), completeness_gap=list(gaps))
+    threshold = f"share on the top 10% of pixels; completeness gap <= {IG_GAP}"
+    scope = f"; {n} of {len(images)} images, as many as fit the {BUDGET_S:g} s budget" if n < len(images) else ""
+    if not torch.isfinite(heats).all():
+        return Outcome([Check("pixel attribution", "FAIL", None, threshold, "integrated gradients are NaN/inf: the "
+                              "backward pass through the pixels overflows")])
+    if not (heats > 0).any():
+        return Outcome([Check("pixel attribution", "WARN", 0.0, threshold, "integrated gradients are zero "
+                              "everywhere: no gradient reaches the pixels (a detached path)")])
+    share = float(top_share(heats).mean())
+    words, rough = _completeness(gaps, max(steps), dtype_name(ctx.precision.compute_dtype))
+    check = Check("pixel attribution", "WARN" if rough else "PASS", round(share, 4), threshold,
+                  f"integrated gradients over {n} images{scope}: the top 10% of pixels hold {share:.0%} of "
+                  f"|attribution|; {words}")
+    return Outcome([check], {"attribution": frame}, {"overlay": shown})
+
+
+def _completeness(gaps: tuple[float, ...], steps: int, dtype: str) -> tuple[str, bool]:
+    """How closely the attributions sum to each logit's change, in words, and whether one misses past IG_GAP; an
+    image whose logit moves too little for its dtype's rounding (NaN gap) is left out."""
+    measured = [g for g in gaps if not math.isnan(g)]
+    if not measured:
+        return (f"every image's logit moves too little from a mean-colour image for {dtype} logits to measure "
+                "completeness"), False
+    worst = max(measured)
+    words = f"they sum to the logit's change from a mean-colour image within {worst:.1%}"
+    if worst > IG_GAP:
+        words += f", past {IG_GAP:.0%} at {steps} steps: the model bends sharply along the path, read the maps as rough"
+    if len(measured) < len(gaps):
+        words += (f" ({len(gaps) - len(measured)} of {len(gaps)} images left out: their logit moves too little for "
+                  f"{dtype} logits to measure it)")
+    return words, worst > IG_GAP
+
+
+def _integrate(ctx: Context, image: torch.Tensor, chunk: int, deadline: float) -> tuple:
+    """One image's integrated gradients on IG_STEPS steps, four times as many while they miss more than IG_GAP of
+    the logit's change and the budget lasts (up to IG_MAX_STEPS): (attribution, gap, class, steps)."""
+    steps = IG_STEPS
+    while True:
+        attribution, gap, target = integrated_gradients(ctx, image, steps, chunk)
+        if not gap > IG_GAP or steps >= IG_MAX_STEPS or time.perf_counter() > deadline:  # NaN: more won't help
+            return attribution, gap, target, steps
+        steps *= 4
+
+
 def plot(outcome: Outcome) -> Figure:
-    """Example 0's tokens, each on a background coloured by its signed gradient x input."""
+    """Example 0's tokens, each on a background coloured by its signed gradient x input; an image model's images,
+    each under its attribution's heat map."""
+    if "overlay" in outcome.artifacts:
+        return grid_figure(outcome.artifacts["overlay"])
     table = outcome.frames["attribution"]
     rows = max(1, -(-len(table) // _CHARS_PER_ROW))
     import matplotlib as mpl
@@ -153,6 +230,11 @@ def plot(outcome: Outcome) -> Figure:
 
 
 def panel(ax, outcome: Outcome) -> None:
+    if "overlay" in outcome.artifacts:
+        shown = outcome.artifacts["overlay"]
+        draw(ax, shown, 0)
+        ax.set_title(f"integrated gradients\n(true {shown.labels[0]}, predicted {shown.predictions[0]})", fontsize=9)
+        return
     table = outcome.frames["attribution"]
     from matplotlib.patches import Patch
 

@@ -149,8 +149,9 @@ class _CallCapture(TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(scores, torch.Tensor) or scores.dim() not in (3, 4) or dim is None:
             return
-        T = self.cap.seq_len
-        if dim % scores.dim() != scores.dim() - 1 or tuple(scores.shape[-2:]) != (T, T):
+        # Square scores over the analysed length, or any where it is None (an image's patches, counted by the model).
+        square = scores.size(-1) == scores.size(-2) and self.cap.seq_len in (None, scores.size(-1))
+        if dim % scores.dim() != scores.dim() - 1 or not square:
             return
         name = self._owner("softmax")
         rows = 0 if name is None else self.cap.rows_for(scores.size(0), scores[0].numel())
@@ -163,11 +164,12 @@ class _CallCapture(TorchFunctionMode):
 class AttentionCapture:
     """Maps of one forward, in call order, handed to `on_map(AttentionMap)` as they come (or kept in `.maps`).
 
-    seq_len: the analysed sequence length (a softmax over (T, T) scores is an attention map);
+    seq_len: the analysed sequence length (a softmax over (T, T) scores is an attention map; None: over any square
+    scores, for an input whose token count the model decides; 0: no softmax capture);
     max_map_bytes: what one map's scoring may hold; a map gets as many sequences of the batch as fit.
     """
 
-    def __init__(self, seq_len: int = 0, max_map_bytes: int = DEFAULT_MAP_BYTES):
+    def __init__(self, seq_len: int | None = 0, max_map_bytes: int = DEFAULT_MAP_BYTES):
         self.maps: list[AttentionMap] = []
         self.on_map = None
         self.seq_len, self.max_map_bytes = seq_len, max_map_bytes
@@ -270,10 +272,11 @@ def hf_implementation(model: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def capture_attention(model: nn.Module, seq_len: int = 0, max_map_bytes: int = DEFAULT_MAP_BYTES):
+def capture_attention(model: nn.Module, seq_len: int | None = 0, max_map_bytes: int = DEFAULT_MAP_BYTES):
     """Capture attention maps from `model`'s forwards inside the block; yields an AttentionCapture.
 
-    seq_len: the sequence length fed (softmax capture looks for (T, T) scores; 0: no softmax capture)."""
+    seq_len: the sequence length fed (softmax capture looks for (T, T) scores; None: any square scores; 0: no
+    softmax capture)."""
     cap, undo = AttentionCapture(seq_len, max_map_bytes), []
     stack = ModuleStack(model)
     undo.append(stack.remove)

@@ -22,14 +22,25 @@ class Context:
     """Everything an analysis may use. The model is already in eval mode and on the device."""
 
     adapter: ModelAdapter
-    batches: list[dict]  # real batches (dicts of input_ids / labels / attention_mask) on the device
+    batches: list[dict]  # real batches (dicts of the task's input, labels, attention_mask) on the device
     precision: Precision  # the autocast every plain forward runs under
     budget: Budget | None = None  # the device's free memory, read once: what a probe may hold
+    classes: list[str] | None = None  # the data's class names (a folder's subfolders, the bundled shapes)
 
-    def mask(self, batch: dict) -> torch.Tensor:
-        """(B, T) bool: which positions hold real tokens."""
+    def mask(self, batch: dict) -> torch.Tensor | None:
+        """(B, T) bool: which positions hold real tokens; None for an input without token positions (an image's
+        tokens are its patches, made by the model and all real)."""
+        if not self.adapter.task.reads_tokens:
+            return None
         mask = batch.get("attention_mask")
         return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
+
+    def class_name(self, i: int) -> str:
+        """Class id `i` by name: the data's, else the model's own `id2label`, else the id."""
+        if self.classes and 0 <= i < len(self.classes):
+            return self.classes[i]
+        id2label = getattr(getattr(self.adapter.model, "config", None), "id2label", None) or {}
+        return str(id2label.get(i, i))
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Robustness: perturb real inputs at several levels and compare predictions with the clean ones.
 
-Perturbations (level = a fraction of the real tokens, or a noise scale):
+Perturbations of tokens (level = a fraction of the real tokens, or a noise scale):
 - substitution: that share of tokens replaced by a different random token;
 - deletion: that share of tokens removed (the rest shift left, padding fills the end);
 - embedding_noise: Gaussian noise of std level x RMS(embedding output), added by a forward hook
   on the token embedding.
-Per level: agreement (the perturbed argmax equals the clean argmax), KL(clean || perturbed), and
-flip rate (the share of clean-correct predictions the perturbation makes wrong). A causal LM is
+An image's pixels get noise, blur and brightness instead (analysis/pixels.py says each level's size).
+Per level: agreement (the perturbed argmax equals the clean argmax), KL(clean || perturbed), logit
+drift (the relative L2 change of the logits, centred, as softmax reads them) and flip rate (the
+share of clean-correct predictions the perturbation makes wrong). A causal LM is
 compared position by position (after a deletion, by the token each prediction follows); a
 classifier per sequence. Level 0 runs the clean input a second time: agreement below 1 there
 means the model is not deterministic in eval mode, which FAILs.
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from ..core.budget import affordable_repeats
 from ..core.results import Check
+from . import pixels
 from .common import Context, Outcome, head_rows
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
@@ -33,7 +36,9 @@ LEVELS = (0.0, 0.05, 0.1, 0.2)
 PERTURBATIONS = ("substitution", "deletion", "embedding_noise")
 REFERENCE_LEVEL = 0.1  # the level a finding quotes
 FRAGILE_AGREEMENT = 0.5  # below this at the reference level: WARN
-COLUMNS = ["perturbation", "level", "n", "agreement", "kl", "n_correct", "flip_rate"]
+COLUMNS = ["perturbation", "level", "n", "agreement", "kl", "logit_drift", "n_correct", "flip_rate"]
+_UNITS = {"substitution": "of tokens (substitution)", "deletion": "of tokens (deletion)",
+          "embedding_noise": "x embedding RMS noise", **pixels.UNITS}
 # Seconds the perturbed passes may take: a big model compares fewer sequences (the rows say how many).
 BUDGET_S = 10.0
 
@@ -75,15 +80,16 @@ def _embedding_noise(embedding, level, g):
 
 
 def _log_probs(ctx: Context, ids, mask, labels) -> torch.Tensor:
-    """Log-probabilities for (perturbed) input ids; a task that feeds its targets gets the clean ones (a seq2seq
-    decoder reads the same targets whatever noise the source carries)."""
+    """Log-probabilities for (perturbed) input ids, or pixels; a task that feeds its targets gets the clean ones (a
+    seq2seq decoder reads the same targets whatever noise the source carries)."""
     with torch.no_grad(), ctx.precision.autocast():
-        logits = ctx.adapter.logits(ids, mask.long(), labels=labels if ctx.adapter.task.feeds_targets else None)
+        logits = ctx.adapter.logits(ids, None if mask is None else mask.long(),
+                                    labels=labels if ctx.adapter.task.feeds_targets else None)
     return F.log_softmax(logits.float(), dim=-1)
 
 
 def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
-    """(agree, kl, correct_before, flipped) as flat tensors over the compared predictions."""
+    """(agree, kl, drift, correct_before, flipped) as flat tensors over the compared predictions."""
     task = ctx.adapter.task
     if task.per_token and not task.predicts_input_positions:  # target positions: the source's noise moves none
         valid = task.scored(labels)
@@ -97,70 +103,82 @@ def _compare(ctx, clean, pert, labels, mask, new_mask, origin):
         clean, pert, labels = clean[b, k], pert[b, j], labels[b, k]
     top_clean, top_pert = clean.argmax(-1), pert.argmax(-1)
     kl = (clean.exp() * (clean - pert)).sum(-1)
+    # Log-probabilities less their mean are the logits less theirs: the logits as far as softmax can tell them.
+    centred_clean, centred_pert = (p - p.mean(-1, keepdim=True) for p in (clean, pert))
+    drift = (centred_pert - centred_clean).norm(dim=-1) / centred_clean.norm(dim=-1).clamp_min(1e-12)
     correct = top_clean == labels
-    return top_clean == top_pert, kl, correct, correct & (top_pert != labels)
+    return top_clean == top_pert, kl, drift, correct, correct & (top_pert != labels)
 
 
-def run(ctx: Context, levels=LEVELS, perturbations=PERTURBATIONS) -> Outcome:
+def run(ctx: Context) -> Outcome:
     adapter = ctx.adapter
-    embedding = adapter.task.source_embedding(adapter)
+    kinds, levels = (pixels.PERTURBATIONS, pixels.LEVELS) if adapter.task.reads_pixels else (PERTURBATIONS, LEVELS)
+    key = adapter.task.input_key
     start = time.perf_counter()
-    clean = [_log_probs(ctx, b["input_ids"], ctx.mask(b), b["labels"]) for b in ctx.batches]
+    clean = [_log_probs(ctx, b[key], ctx.mask(b), b["labels"]) for b in ctx.batches]
     # Every further pass costs about what the clean one did: as many sequences as fit the time budget.
-    passes = (0 in levels) + len(perturbations) * sum(level != 0 for level in levels)
-    total = sum(len(b["input_ids"]) for b in ctx.batches)
+    passes = (0 in levels) + len(kinds) * sum(level != 0 for level in levels)
+    total = sum(len(b["labels"]) for b in ctx.batches)
     per_sequence = (time.perf_counter() - start) / total
     rows_kept = affordable_repeats(per_sequence * passes, BUDGET_S, total)
     batches = head_rows(ctx.batches, rows_kept)
-    clean = [c[: len(b["input_ids"])] for c, b in zip(clean, batches)]
+    clean = [c[: len(b["labels"])] for c, b in zip(clean, batches)]
     # Level 0 compares a second clean run with the first: the eval-mode determinism check.
-    again = [_log_probs(ctx, b["input_ids"], ctx.mask(b), b["labels"]) for b in batches] if 0 in levels else clean
+    again = [_log_probs(ctx, b[key], ctx.mask(b), b["labels"]) for b in batches] if 0 in levels else clean
     rows, notes = [], []
     scope = (f"; {rows_kept} of {total} sequences, as many as fit the {BUDGET_S:g} s budget at "
              f"{per_sequence * passes:.2g} s each for {passes} passes" if rows_kept < total else "")
-    for pi, kind in enumerate(perturbations):
-        if kind == "embedding_noise" and embedding is None:
+    for pi, kind in enumerate(kinds):
+        if kind == "embedding_noise" and adapter.task.source_embedding(adapter) is None:
             notes.append(f"embedding_noise skipped: {adapter.name} exposes no nn.Embedding")
             continue
         for li, level in enumerate(levels):
             g = torch.Generator().manual_seed(1000 * pi + li)
-            parts = []
-            for batch, ref, rerun in zip(batches, clean, again):
-                ids, mask = batch["input_ids"], ctx.mask(batch)
-                if level == 0:
-                    pert, new_mask, origin = rerun, mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
-                elif kind == "embedding_noise":
-                    with _embedding_noise(embedding, level, g):
-                        pert = _log_probs(ctx, ids, mask, batch["labels"])
-                    new_mask, origin = mask, torch.arange(ids.size(1), device=ids.device).expand_as(ids)
-                else:
-                    perturb = _substitute if kind == "substitution" else _delete
-                    new_ids, new_mask, origin = perturb(ids, mask, level, adapter.vocab_size, g)
-                    pert = _log_probs(ctx, new_ids, new_mask, batch["labels"])
-                parts.append(_compare(ctx, ref, pert, batch["labels"], mask, new_mask, origin))
-            agree, kl, correct, flipped = (torch.cat(t) for t in zip(*parts))
+            parts = [_compare(ctx, ref, *_perturbed(ctx, kind, level, batch, rerun, g))
+                     for batch, ref, rerun in zip(batches, clean, again)]
+            agree, kl, drift, correct, flipped = (torch.cat(t) for t in zip(*parts))
             n_correct = int(correct.sum())
             rows.append({"perturbation": kind, "level": level, "n": len(agree),
-                         "agreement": float(agree.float().mean()), "kl": float(kl.mean()), "n_correct": n_correct,
+                         "agreement": float(agree.float().mean()), "kl": float(kl.mean()),
+                         "logit_drift": float(drift.mean()), "n_correct": n_correct,
                          "flip_rate": float(flipped.sum()) / n_correct if n_correct else float("nan")})
     df = pd.DataFrame(rows, columns=COLUMNS)
     nonfinite = sum(int((~torch.isfinite(c).all(-1)).sum()) for c in clean)
-    return Outcome(_checks(df, notes, nonfinite, scope), {"robustness": df})
+    reference = pixels.REFERENCE_LEVEL if adapter.task.reads_pixels else REFERENCE_LEVEL
+    return Outcome(_checks(df, notes, nonfinite, scope, reference), {"robustness": df})
 
 
-def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0, scope: str = "") -> list[Check]:
+def _perturbed(ctx: Context, kind: str, level: float, batch: dict, rerun: torch.Tensor, g: torch.Generator):
+    """(perturbed log-probs, labels, clean mask, perturbed mask, origin: the clean position now at each one) for
+    one batch at one level; level 0 is the clean input's second run."""
+    adapter, labels, mask = ctx.adapter, batch["labels"], ctx.mask(batch)
+    x = batch[adapter.task.input_key]
+    origin = None if mask is None else torch.arange(x.size(1), device=x.device).expand_as(x)
+    if level == 0:
+        return rerun, labels, mask, mask, origin
+    if adapter.task.reads_pixels:
+        return _log_probs(ctx, pixels.perturb(kind, x, level, g), None, labels), labels, None, None, None
+    if kind == "embedding_noise":
+        with _embedding_noise(adapter.task.source_embedding(adapter), level, g):
+            return _log_probs(ctx, x, mask, labels), labels, mask, mask, origin
+    perturb = _substitute if kind == "substitution" else _delete
+    new_ids, new_mask, origin = perturb(x, mask, level, adapter.vocab_size, g)
+    return _log_probs(ctx, new_ids, new_mask, labels), labels, mask, new_mask, origin
+
+
+def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0, scope: str = "",
+            reference: float = REFERENCE_LEVEL) -> list[Check]:
     """`nonfinite`: clean predictions with a NaN/inf log-probability; any of them and nothing can PASS.
-    `scope`: appended to each detail when the time budget left sequences out."""
+    `scope`: appended to each detail when the time budget left sequences out. `reference`: the level quoted."""
     checks = []
     for kind, grp in df.groupby("perturbation", sort=False):
         zero = grp[grp.level == 0]
         nonzero = grp[grp.level > 0]
-        ref = nonzero.iloc[(nonzero.level - REFERENCE_LEVEL).abs().argsort().iloc[0]] if len(nonzero) else grp.iloc[-1]
-        unit = "x embedding RMS noise" if kind == "embedding_noise" else f"of tokens ({kind})"
+        ref = nonzero.iloc[(nonzero.level - reference).abs().argsort().iloc[0]] if len(nonzero) else grp.iloc[-1]
         flips = (f"flip rate {ref.flip_rate:.2f} of {ref.n_correct} correct" if ref.n_correct
                  else "no correct predictions to flip")
-        detail = (f"at {ref.level:g} {unit}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, {flips}, "
-                  f"over {ref.n} predictions{scope}")
+        detail = (f"at {ref.level:g} {_UNITS[kind]}: agreement {ref.agreement:.2f}, KL {ref.kl:.3g}, logit drift "
+                  f"{ref.logit_drift:.3g}, {flips}, over {ref.n} predictions{scope}")
         if nonfinite or not math.isfinite(ref.kl):
             status, detail = "FAIL", (f"{nonfinite} clean predictions have NaN/inf log-probabilities: agreement "
                                       "between NaN outputs means nothing; " + detail)
@@ -175,16 +193,16 @@ def _checks(df: pd.DataFrame, notes: list[str], nonfinite: int = 0, scope: str =
 
 
 _Y_LABELS = {"agreement": "share of predictions unchanged", "kl": "KL(clean || perturbed) (nats)",
-             "flip_rate": "share of correct ones flipped"}
+             "logit_drift": "relative change of the logits", "flip_rate": "share of correct ones flipped"}
 
 
 def plot(outcome: Outcome) -> Figure:
-    """Agreement, KL and flip rate against perturbation level, one line per perturbation."""
+    """Agreement, KL, logit drift and flip rate against perturbation level, one line per perturbation."""
     df = outcome.frames["robustness"]
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 3.4), layout="constrained")
-    for ax, metric in zip(fig.subplots(1, 3), ("agreement", "kl", "flip_rate")):
+    fig = Figure(figsize=(15, 3.4), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, 4), ("agreement", "kl", "logit_drift", "flip_rate")):
         for kind, grp in df.groupby("perturbation", sort=False):
             ax.plot(grp.level, grp[metric], marker="o", label=kind)
         ax.set(xlabel="perturbation level", ylabel=_Y_LABELS[metric], title=metric)

@@ -23,13 +23,14 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, problem_rows, run_metadata, status_counts
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
-from ..data.datasets import DataDescription, make_loader, to_device
+from ..data.datasets import DataDescription, DataSplits, make_loader, to_device
 from ..engine.distributed import refuse_sharded
 from ..engine.quantization import quantized_summary
 from ..models.builtins import DEFAULT_MODEL
 from ..models.demo_model import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
 from .common import Context, Outcome, message_figure
+from .pixels import grid_figure
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
@@ -69,23 +70,20 @@ class AnalysisConfig:
 
 
 def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
-                 device) -> tuple[list[dict], DataDescription]:
-    """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None);
-    the sizes are AnalysisConfig's, checked there."""
+                 device) -> tuple[list[dict], DataSplits]:
+    """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None), and the
+    splits they came from (what the data was, its class names); the sizes are AnalysisConfig's, checked there."""
     splits = adapter.datasets(data, adapter.fit_length(seq_len))
     loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
     if not batches:
         raise DataError("the validation split is empty; give more data")
-    return batches, splits.describe()
+    return batches, splits
 
 
 def _isolated(name: str, ctx: Context) -> tuple[Outcome, float]:
     """Run one analysis; whatever it raises becomes a FAIL row and the others still run."""
     t0 = time.perf_counter()
-    skipped = ctx.adapter.task.skips_analysis(name)
-    if skipped:  # an analysis of token inputs, for a task whose inputs are not tokens: said, not run
-        return Outcome([Check(name, "SKIP", None, None, skipped)]), time.perf_counter() - t0
     try:
         outcome = ANALYSES[name].run(ctx)
     except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
@@ -151,6 +149,17 @@ class AnalysisReport(Result):
             return message_figure(name, self._why_not(outcome))
         return ANALYSES[name].plot(outcome, **options)
 
+    def more_plots(self) -> dict[str, Figure]:
+        """An image model's first images: their predictions by class name, and where the attention analysis drew
+        one, what the model looked at (its attention rollout, or its gradient saliency map) over them."""
+        overlays = {name: o.artifacts["overlay"] for name, o in self.outcomes.items() if "overlay" in o.artifacts}
+        if not overlays:
+            return {}
+        plots = {"predictions": grid_figure(next(iter(overlays.values())).without_heats())}
+        if "attention" in overlays:
+            plots["attention_overlay"] = grid_figure(overlays["attention"])
+        return plots
+
     @staticmethod
     def _why_not(outcome: Outcome) -> str:
         return "; ".join(f"{c.status}: {c.detail}" for c in outcome.checks)
@@ -209,8 +218,8 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
                               AnalysedBatches(None, 0, cfg.batch_size, 0),
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
-    batches, described = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev)
-    ctx = Context(adapter, batches, prec, read_budget(dev))
+    batches, splits = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev)
+    ctx = Context(adapter, batches, prec, read_budget(dev), splits.classes)
     outcomes, seconds = {}, {}
     was_training = module.training
     module.eval()
@@ -220,7 +229,7 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
     finally:
         module.train(was_training)
     length = int(batches[0][adapter.task.input_key].size(-1))  # tokens, or an image's side
-    data_info = AnalysedBatches(described, len(batches), cfg.batch_size, length)
+    data_info = AnalysedBatches(splits.describe(), len(batches), cfg.batch_size, length)
     provenance = provenance_of(module)  # the shipped demo model, with its weights as shipped, is named as such
     model_info = {**adapter.summary(), **quantized_summary(module),
                   **({"provenance": provenance} if provenance else {})}

@@ -141,6 +141,11 @@ class Result(ABC):
         wrote); the report writes and shows each. None by default."""
         return {}
 
+    def more_plots(self) -> dict:
+        """Figures worth seeing beside the main plot, by a short name (an image model's predictions and what it
+        looked at); the report writes and shows each. None by default."""
+        return {}
+
     def answer(self) -> str | None:
         """The result's answer to its question in one line, where it answers one (the benchmark: the mode to use);
         the main job's last line leads with it. None: no question of its own."""

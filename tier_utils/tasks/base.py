@@ -65,6 +65,9 @@ class Task:
     # masks apply); an image task's is `pixel_values`, its "vocabulary" the channels and its length the image side.
     input_key = "input_ids"
     reads_tokens = True
+    # Whether the input is an image's pixel values, (B, C, H, W): tier 2 perturbs it, attributes to it and draws its
+    # maps over it (noise, blur, brightness; pixel attribution; attention rollout or a gradient saliency map).
+    reads_pixels = False
     unit = "token"  # what a throughput counts (`units`)
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
@@ -112,10 +115,6 @@ class Task:
     def preprocessor_in(self, folder) -> bool:
         """Whether a save_pretrained folder holds this task's preprocessor (its tokenizer's files)."""
         return is_tokenizer_folder(folder)
-
-    def skips_analysis(self, name: str) -> str | None:
-        """Why tier 2's analysis `name` does not apply to this task (None: it runs)."""
-        return None
 
     def batch_words(self, batch: int, length: int) -> str:
         """A batch's size in words, as result lines say it."""

@@ -39,6 +39,7 @@ class ImageClassification(Task):
     takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
     input_key = "pixel_values"
     reads_tokens = False
+    reads_pixels = True
     unit = "image"
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
@@ -87,15 +88,6 @@ class ImageClassification(Task):
 
     def preprocessor_in(self, folder) -> bool:
         return has_image_processor(folder)
-
-    def skips_analysis(self, name: str) -> str | None:
-        """Tier 2's token analyses: attention scored per token position, token substitutions and per-token
-        saliency read token ids, which an image model has none of."""
-        return {"attention": "its maps are scored per token position (previous token, first token); an image "
-                             "model's patch attention is not analysed yet",
-                "robustness": "it perturbs token ids (substitutions, truncation); pixel noise, blur and brightness "
-                              "are not analysed yet",
-                "attribution": "it scores each token's embedding; pixel attribution is not analysed yet"}.get(name)
 
     def batch_words(self, batch: int, length: int) -> str:
         return f"batch {batch} images of {length} x {length}"

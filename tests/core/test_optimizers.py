@@ -43,7 +43,7 @@ class HeavyBall(O.Optimizer):
 
 @pytest.fixture
 def heavy_ball(monkeypatch):
-    monkeypatch.setattr(O, "_REGISTRY", dict(O._REGISTRY))  # registered for this test only
+    monkeypatch.setattr(O, "_REGISTRY", O._REGISTRY.copy())  # registered for this test only
     O.register_optimizer(HeavyBall)
     HeavyBall.built = []
     return HeavyBall

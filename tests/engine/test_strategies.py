@@ -42,7 +42,7 @@ class ViewsDDP(S.DDP):
 
 @pytest.fixture
 def views(monkeypatch):
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))  # registered for this test only
+    monkeypatch.setattr(S, "_REGISTRY", S._REGISTRY.copy())  # registered for this test only
     return S.register_strategy(ViewsDDP)
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
-from .inputs import by_spelling
 from .precision_steppers import ScalerStepper, Stepper
+from .registry import Registry
 
 _slow_warned: set[tuple[str, str]] = set()
 
@@ -323,42 +323,27 @@ def kept_dtypes(module: torch.nn.Module, exact: bool = False):
                 setattr(module.get_submodule(owner), attr, held if exact else b.to(held))
 
 
-_REGISTRY: dict[str, type[Precision]] = {}
-
-
-def _aliases() -> dict[str, str]:
-    table = {"auto": "auto"}
-    for name, cls in _REGISTRY.items():
-        table.update({s.lower(): name for s in (name, *cls.aliases)})
-    return table
+_REGISTRY = Registry("precision", Precision, extra=("auto",))
 
 
 def register_precision(cls: type[Precision]) -> type[Precision]:
     """Add a mode: its name and aliases resolve to it from then on (usable as a class decorator)."""
-    taken = _aliases()
-    clash = [s for s in (cls.name, *cls.aliases) if s.lower() in taken and taken[s.lower()] != cls.name]
-    if not issubclass(cls, Precision) or clash:
-        raise ValueError(f"cannot register {cls!r}: not a Precision subclass, or {clash} already name a mode")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls)
 
 
 for _cls in (Fp32, Bf16Mixed, Fp16Mixed, Bf16True, Fp16True):
     register_precision(_cls)
-PRECISIONS = tuple(_REGISTRY)  # the modes tier_utils ships, fp32 (the baseline) first
+PRECISIONS = _REGISTRY.names()  # the modes tier_utils ships, fp32 (the baseline) first
 
 
 def canonical_precision(requested) -> str:
     """Map any accepted spelling (or an int like 16/32) to auto or a mode's name; a Precision to its name."""
-    if isinstance(requested, Precision):
-        return requested.name
-    table = _aliases()
-    return by_spelling(requested, table, "precision", sorted(table))
+    return _REGISTRY.canonical(requested)
 
 
 def precision_class(name) -> type[Precision]:
     """The class of a mode, by any spelling of its name."""
-    return _REGISTRY[canonical_precision(name)]
+    return _REGISTRY[name]
 
 
 def precision_setting(value) -> str | Precision:
@@ -389,20 +374,20 @@ def computed_in(dtype: torch.dtype | None) -> type[Precision]:
     """The registered mode whose weights and forward are both in `dtype` (fp32's for fp32, for a dtype no mode holds,
     and for None): its tolerances bound how far two computations of one model held in `dtype` may differ (two kernel
     paths, another summation order), so a check comparing them judges the model, not the dtype's rounding."""
-    return next((cls for cls in _REGISTRY.values() if not cls.autocasts and cls.param_dtype == dtype
+    return next((cls for cls in _REGISTRY.entries() if not cls.autocasts and cls.param_dtype == dtype
                  and cls.compute_dtype == dtype), Fp32)
 
 
 def autocast_precisions() -> tuple[str, ...]:
     """The registered modes whose forward runs under autocast over fp32 weights (bf16, fp16 and any registered
     like them): what smoke, analysis and `info` set beside fp32, in registry order."""
-    return tuple(name for name, cls in _REGISTRY.items() if cls.autocasts)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.autocasts)
 
 
 def _auto(facts: DeviceFacts) -> tuple[type[Precision], str]:
     """The registered mode of highest auto_rank that its own auto_eligible() admits on `facts`' hardware; the
     reason says why each one ranked above it was passed over."""
-    ranked = sorted((c for c in _REGISTRY.values() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
+    ranked = sorted((c for c in _REGISTRY.entries() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
     passed = []
     for cls in ranked:
         ok, why = cls.auto_eligible(facts)

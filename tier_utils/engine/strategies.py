@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..core.errors import CheckpointError, LaunchError
-from ..core.inputs import by_spelling
+from ..core.registry import Registry
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from ..models.sharded_checkpoint import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
 from . import distributed, sharding
@@ -281,49 +281,38 @@ class FSDP(Strategy):
         return -(-plan.static["weights_bytes"] // n)
 
 
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def _names() -> dict[str, str]:
-    return {s.lower(): name for name, cls in _REGISTRY.items() for s in (name, *cls.aliases)}
+_REGISTRY = Registry("strategy", Strategy)
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     """Add a strategy: its name and aliases resolve to it from then on (usable as a class decorator)."""
-    taken = _names()
-    clash = [s for s in (cls.name, *cls.aliases) if _REGISTRY.get(taken.get(s.lower()), cls) is not cls]
-    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or clash:
-        raise ValueError(f"cannot register {cls!r}: not a Strategy subclass, or {clash} already name a strategy")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls)
 
 
 for _cls in (Single, DDP, FSDP):
     register_strategy(_cls)
-STRATEGIES = tuple(_REGISTRY)  # the strategies tier_utils ships
+STRATEGIES = _REGISTRY.names()  # the strategies tier_utils ships
 
 
 def launched_strategies() -> tuple[str, ...]:
     """The registered strategies that run on torchrun's ranks (what `ranks` plans and the benchmark compares)."""
-    return tuple(name for name, cls in _REGISTRY.items() if cls.launched)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.launched)
 
 
 def sharded_strategies() -> tuple[str, ...]:
-    return tuple(name for name, cls in _REGISTRY.items() if cls.sharded)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.sharded)
 
 
 def canonical_strategy(requested) -> str:
     """A strategy's name from any spelling of it (or from a Strategy, decided or not)."""
-    if isinstance(requested, Strategy) or (isinstance(requested, type) and issubclass(requested, Strategy)):
-        return requested.name
-    return by_spelling(requested, _names(), "strategy", _REGISTRY)
+    return _REGISTRY.canonical(requested)
 
 
 def strategy_class(name) -> type[Strategy]:
     """The class of a strategy, by any spelling of its name (a Strategy class comes back as it is)."""
     if isinstance(name, type) and issubclass(name, Strategy):
         return name
-    return _REGISTRY[canonical_strategy(name)]
+    return _REGISTRY[name]
 
 
 def saved_strategy(state: dict) -> type[Strategy]:
@@ -348,7 +337,7 @@ def other_format_checkpoint(strategy: Strategy, last: Path) -> None:
         raise CheckpointError(f"{folder} holds a single-file checkpoint ({CHECKPOINT_NAME}, from a {saved.label} run) "
                               f"and this run is sharded ({strategy.label}); resume it {how} with --resume, or use a "
                               "new checkpoint_dir")
-    other = next((cls for cls in _REGISTRY.values() if cls.sharded and cls.holds_checkpoint(folder)), None)
+    other = next((cls for cls in _REGISTRY.entries() if cls.sharded and cls.holds_checkpoint(folder)), None)
     if not strategy.sharded and other is not None:
         raise CheckpointError(f"{folder} holds a sharded ({other.label}) checkpoint, {other.checkpoint_names[0]}/, "
                               f"and this run is not sharded; resume it under "

@@ -117,14 +117,26 @@ class Strategy:
         """The whole model's weights gathered on rank 0 (every rank calls it); None where the module holds them."""
         return None
 
-    def resume_differences(self, state: dict, global_batch: int) -> list[str]:
-        """How a checkpoint's ranks differ from this run's, in what a resume needs the same."""
+    def resume_differences(self, state: dict, batch_size: int, global_batch: int) -> list[str]:
+        """How a checkpoint's ranks and batch differ from this run's (its `batch_size` per rank, `global_batch` over
+        them), in what a resume needs the same: its format; then a single file the same world size and batch per
+        rank, a sharded one (DCP reshards on load) the same global batch only."""
         saved = saved_strategy(state)
         if saved.sharded != self.sharded:
             return [f"strategy={state.get('strategy')!r}"]
-        if self.sharded:  # DCP reshards: another world size resumes it if the global batch is the same
+        if self.sharded:
             return [f"global batch {state['global_batch']}"] if state["global_batch"] != global_batch else []
-        return [f"world size {state['world_size']}"] if state["world_size"] != self.env.world_size else []
+        per_rank = state["config"]["batch_size"]
+        differ = [f"batch_size={per_rank!r} (this run: {batch_size!r})"] if per_rank != batch_size else []
+        return differ + ([f"world size {state['world_size']}"] if state["world_size"] != self.env.world_size else [])
+
+    @classmethod
+    def refuse(cls, cfg) -> None:
+        """A one-line ValueError where a training run's settings (`cfg`, a TrainConfig) ask what this strategy
+        cannot do: a strategy holding the whole model has no sharded checkpoint to consolidate."""
+        if cfg.consolidate:
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs a sharded "
+                             f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
 
     # -- the planner (planning/ranks.py): a rank's bytes from the model's measured pieces ------------------------
     @classmethod
@@ -216,6 +228,21 @@ class FSDP(Strategy):
     @classmethod
     def start(cls, device=None, verb: str = "train", **options) -> Strategy:
         return cls(distributed.join(device, verb, cls.name), **cls._own(options))
+
+    @classmethod
+    def refuse(cls, cfg) -> None:
+        """What FSDP2 cannot shard or write: QLoRA's 4-bit base (bitsandbytes' packed weights are no DTensors),
+        save_hf of a LoRA run (peft saves the adapters each rank holds a shard of), consolidate with no folder."""
+        if cfg.memory.quantized:
+            raise ValueError(f"a 4-bit base (QLoRA) cannot be sharded by {cls.name}: use strategy='{DDP.name}' or "
+                             "one process, or drop bits=4")
+        if cfg.memory.lora is not None and cfg.save_hf is not None:
+            raise ValueError(f"save_hf of a LoRA run under {cls.name} is not supported (its adapters are sharded); "
+                             "drop save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') gives the "
+                             "model with its adapters")
+        if cfg.consolidate and cfg.checkpoint_dir is None:
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs "
+                             "checkpoint_dir=DIR")
 
     def prepare_host(self) -> str | None:
         return sharding.host_allocator(self.env)

@@ -5,9 +5,10 @@ strategies/).
 A strategy class holds how a run joins its ranks (`start`), how the model is placed on them before the optimizer is
 built (`setup_module`: FSDP shards it in place) and wrapped for the step (`wrap`: DDP), the GradScaler it gives
 the precision's stepper, how accumulation micro-steps skip the gradient sync (`no_sync`), gradient clipping, its
-checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), its per-rank bytes for
-the planner (planning/ranks.py) and its description in results. `resolve_strategy` turns a name into a decided
-instance once, at a tier's boundary; adding a strategy is one subclass and `register_strategy`.
+checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), what it refuses to run,
+what a resume needs the same, smoke's per-rank checks and its description in results (the planner's per-rank bytes
+are planning/ranks.py's, by strategy class). `resolve_strategy` turns a name into a decided instance once, at a
+tier's boundary; adding a strategy is one subclass and `register_strategy`.
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class Strategy:
     # another number of ranks with the same global batch), and `consolidate` writes them as one file.
     sharded = False
     checkpoint_names = (CHECKPOINT_NAME, BEST_NAME)  # last and best, in checkpoint_dir
+    # smoke under this strategy (smoketest/across_ranks.py): the check groups that run on every rank, on the model as
+    # this strategy placed it; None: smoke takes no such strategy (one holding the whole model on every rank would
+    # only check it again on each).
+    smoke_per_rank: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def start(cls, device=None, verb: str = "train", **options) -> Strategy:
@@ -57,6 +62,16 @@ class Strategy:
 
     def close(self) -> None:
         self.env.close()
+
+    @classmethod
+    def placed(cls, module: torch.nn.Module) -> bool:
+        """Whether `module` is held as this strategy places it across ranks (one process and DDP's wrapper leave a
+        module whole, as it was)."""
+        return False
+
+    def held_bytes(self, module: torch.nn.Module) -> int:
+        """The parameter bytes this rank holds of `module`."""
+        return sum(p.nbytes for p in module.parameters())
 
     @classmethod
     def holds_checkpoint(cls, folder: Path) -> bool:
@@ -138,28 +153,6 @@ class Strategy:
             raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs a sharded "
                              f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
 
-    # -- the planner (planning/ranks.py): a rank's bytes from the model's measured pieces ------------------------
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        """The weights, gradients and AdamW state a rank holds."""
-        return sum(plan.static.values())
-
-    @classmethod
-    def in_flight(cls, plan, n: int) -> int:
-        """What a rank holds beside its static state while a block runs its backward."""
-        return 0
-
-    @classmethod
-    def root_reduce(cls, plan, n: int) -> int:
-        """What a rank holds after backward's activations are gone, before the optimizer step."""
-        return 0
-
-    @classmethod
-    def optimizer_transient(cls, plan, n: int) -> int:
-        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
-        this rank steps."""
-        return plan.static["weights_bytes"]
-
 
 class Single(Strategy):
     """One process without torchrun (and what a DDP run on one rank decides it is)."""
@@ -205,12 +198,6 @@ class DDP(Strategy):
         """Skip the all-reduce on accumulation micro-steps (the last one reduces every micro-step's gradients)."""
         return model.no_sync() if accumulating else contextlib.nullcontext()
 
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        """The whole static state, plus the gradient buckets unless they are views of the gradients."""
-        buckets = 0 if cls.gradient_as_bucket_view else plan.static["grads_bytes"]
-        return sum(plan.static.values()) + buckets
-
 
 @dataclass(frozen=True)
 class FSDP(Strategy):
@@ -224,6 +211,9 @@ class FSDP(Strategy):
     launched = True
     sharded = True
     checkpoint_names = ("last", "best")  # DCP folders
+    # Each rank checks the gradients and the memory of its own shards; the checks reading the whole model at once
+    # (shapes, stability, init, latency, determinism) run in one process.
+    smoke_per_rank = ("gradients", "memory")
 
     @classmethod
     def start(cls, device=None, verb: str = "train", **options) -> Strategy:
@@ -243,6 +233,14 @@ class FSDP(Strategy):
         if cfg.consolidate and cfg.checkpoint_dir is None:
             raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs "
                              "checkpoint_dir=DIR")
+
+    @classmethod
+    def placed(cls, module) -> bool:
+        """`fully_shard` made its weights DTensors on a device mesh."""
+        return any(hasattr(p, "device_mesh") for p in module.parameters())
+
+    def held_bytes(self, module) -> int:
+        return sharding.param_bytes(module)
 
     def prepare_host(self) -> str | None:
         return sharding.host_allocator(self.env)
@@ -286,27 +284,6 @@ class FSDP(Strategy):
     def full_state(self, model) -> dict:
         return full_model_state(model)
 
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        return -(-sum(plan.static.values()) // n)
-
-    @classmethod
-    def in_flight(cls, plan, n: int) -> int:
-        """FSDP's unsharded buffers while a block runs its backward: the root's and the running block's weights
-        and gradients, the next block's all-gather output, the previous block's reduce-scatter input."""
-        w, r = plan.weight_bytes, plan.reduce_bytes
-        return plan.root_params * 2 * w + plan.block_params * (2 * w + w + r)
-
-    @classmethod
-    def root_reduce(cls, plan, n: int) -> int:
-        """FSDP's last reduce, after backward's activations are gone: the root's unsharded gradients and their
-        reduce-scatter input (its gathered weights are freed first)."""
-        return plan.root_params * (plan.weight_bytes + plan.reduce_bytes)
-
-    @classmethod
-    def optimizer_transient(cls, plan, n: int) -> int:
-        return -(-plan.static["weights_bytes"] // n)
-
 
 _REGISTRY = Registry("strategy", Strategy)
 
@@ -328,6 +305,31 @@ def launched_strategies() -> tuple[str, ...]:
 
 def sharded_strategies() -> tuple[str, ...]:
     return tuple(cls.name for cls in _REGISTRY.entries() if cls.sharded)
+
+
+def smoke_strategies() -> tuple[str, ...]:
+    """The registered strategies smoke runs under (each with its per-rank checks)."""
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.smoke_per_rank is not None)
+
+
+def placed_by(model) -> type[Strategy] | None:
+    """The registered strategy that placed `model` (an adapter's module, or a module) across ranks; None: it is
+    held whole, in one process."""
+    module = getattr(model, "model", model)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    return next((cls for cls in _REGISTRY.entries() if cls.placed(module)), None)
+
+
+def refuse_placed(model, verb: str) -> None:
+    """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on a module
+    a strategy placed across them (FSDP's DTensor shards)."""
+    placed, world = placed_by(model), distributed.torchrun_world()
+    if placed is not None or world > 1:
+        where = f"a model sharded by {placed.label}" if placed is not None else f"{world} torchrun ranks"
+        raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
+                          f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
+                          f"--strategy {sharded_strategies()[0]} --consolidate)")
 
 
 def canonical_strategy(requested) -> str:

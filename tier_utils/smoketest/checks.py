@@ -30,8 +30,8 @@ from ..core.precision import (
     resolve_precision,
 )
 from ..core.results import Check, failed_check
-from ..engine.distributed import is_sharded
 from ..engine.quantization import describe_quantized
+from ..engine.strategies import placed_by
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory_grid import memory
 
@@ -340,7 +340,7 @@ def _ratios(got, matrices: bool) -> dict[str, float]:
 def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[str], dict] | str:
     """Zero and layer-ratio pictures after one optimizer step on a copy of the model (the model itself is
     untouched), or why it was not taken: what sits behind zero-initialised weights gets a gradient only then."""
-    if is_sharded(adapter.model):  # ranks would step a copy each, apart: FSDP's collectives need them together
+    if placed_by(adapter.model) is not None:  # ranks would step a copy each, apart: its collectives need them together
         return "not re-checked: the model is sharded (run smoke in one process for the re-check)"
     params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
     need = 4 * params  # the copy, its gradients and Adam's two moments

@@ -244,3 +244,19 @@ def test_register_precision_adds_a_mode_and_refuses_a_taken_name(monkeypatch):
 
     with pytest.raises(ValueError, match="already name a precision"):
         P.register_precision(Clash)
+
+
+def test_a_mode_says_where_it_runs_its_ranks_and_its_range():
+    from tier_utils.core.device import GPU_PROFILES, predicted_facts
+
+    t4, l4 = predicted_facts(GPU_PROFILES["T4"]), predicted_facts(GPU_PROFILES["L4"])  # bf16 emulated; native
+    bf16, bf16_true = resolve_precision("bf16", "cpu", warn=False), resolve_precision("bf16-true", "cpu", warn=False)
+    assert bf16.runs_here(t4) and not bf16.native_on(t4) and bf16.native_on(l4)  # a mixed mode runs emulated
+    assert not bf16_true.runs_here(t4) and bf16_true.runs_here(l4)  # a true mode does not
+    assert bf16.speed_rank(l4) < resolve_precision("fp32", "cpu").speed_rank(l4) < bf16.speed_rank(t4)
+    assert bf16.cost_rank(l4) < bf16_true.cost_rank(l4)  # the true mode's rounded-away updates cost first
+    fp16 = P.precision_class("fp16")
+    assert fp16.range_max() == 65504 and fp16.smallest_normal() == pytest.approx(6.1e-5, rel=1e-2)
+    weights = {"small": torch.tensor([1.0, -6e4]), "big": torch.tensor([7e4]), "ids": torch.tensor([10**6])}
+    assert fp16.out_of_range(weights.items()) == ["big"]  # an integer buffer is no weight fp16 holds
+    assert P.precision_class("bf16").out_of_range(weights.items()) == []

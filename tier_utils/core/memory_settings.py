@@ -325,6 +325,12 @@ class DecidedMemory:
         so a result never names another than ran)."""
         return self.settings.optimizer_class
 
+    @property
+    def accuracy_cost(self) -> int:
+        """What these settings cost the training's result, where fit ranks the modes that fit (after a true mode's
+        2): LoRA trains only its adapters (4), over a 4-bit base (6); plus the optimizer's."""
+        return (6 if self.quantized else 4 if self.lora is not None else 0) + self.optimizer.accuracy_cost
+
     def describe(self) -> str:
         return self.settings.describe(dtype_name(self.base_dtype) if self.base_dtype is not None else None)
 

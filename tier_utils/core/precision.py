@@ -68,6 +68,9 @@ class Precision:
     # picks it (a true mode trades accuracy, and is asked for by name).
     auto_rank = 0
     autocasts = False  # the forward runs under autocast over fp32 weights: compared with fp32 by smoke and analysis
+    # What training in this mode costs its result, where fit ranks the modes that fit (cost_rank): 0 for the exact
+    # ones; a true mode's updates smaller than half a step of the stored value are rounded away.
+    accuracy_cost = 0
 
     def __post_init__(self):
         if self.facts is None:
@@ -88,6 +91,48 @@ class Precision:
     def auto_eligible(cls, facts: DeviceFacts) -> tuple[bool, str]:
         """Whether `auto` may pick this mode on `facts`' hardware, and why: by default where it runs natively."""
         return cls.native_support(facts)
+
+    def native_on(self, facts: DeviceFacts | None = None) -> bool:
+        """Whether the mode runs natively on the device it was decided for (None), or on `facts`' hardware (a GPU
+        profile's, for a prediction)."""
+        return self.native if facts is None else self.native_support(facts)[0]
+
+    def runs_here(self, facts: DeviceFacts | None = None) -> bool:
+        """Whether the mode may run there at all: natively, or emulated where the mode allows it (a true mode may
+        not)."""
+        return self.native_on(facts) or self.runs_emulated
+
+    def speed_rank(self, facts: DeviceFacts | None = None) -> tuple:
+        """Where the mode stands by predicted speed there, fastest first (the rule where nothing was measured): a
+        2-byte compute the hardware runs natively (tensor cores, CPU instructions), then fp32, then an emulated
+        one; then a true mode (2-byte weights, nothing cast per step) before a mixed one; no loss scaler before
+        one; the wider range first."""
+        low = self.compute_dtype.itemsize < 4
+        compute = (0 if self.native_on(facts) else 2) if low else 1
+        return compute, self.param_dtype.itemsize, self.needs_scaler, -self.range_max()
+
+    def cost_rank(self, facts: DeviceFacts | None = None) -> tuple:
+        """Where the mode stands by what it costs there, cheapest first: its accuracy cost, then its compute's
+        speed (speed_rank's), no loss scaler before one, the wider range first."""
+        compute, _, scaler, wider = self.speed_rank(facts)
+        return self.accuracy_cost, compute, scaler, wider
+
+    @classmethod
+    def range_max(cls) -> float:
+        """The largest finite value the forward computes in (fp16's 65504): beyond it a value becomes inf."""
+        return torch.finfo(cls.compute_dtype).max
+
+    @classmethod
+    def smallest_normal(cls) -> float:
+        """The compute dtype's smallest normal value (fp16's 6.1e-5): below it values lose precision, and later
+        flush to zero."""
+        return torch.finfo(cls.compute_dtype).tiny
+
+    @classmethod
+    def out_of_range(cls, named_tensors) -> list[str]:
+        """The names of the floating tensors with a value beyond the compute dtype's range: it would make them inf."""
+        return [name for name, t in named_tensors if t.is_floating_point() and t.numel()
+                and t.detach().abs().max().item() > cls.range_max()]
 
     @classmethod
     def tolerances(cls) -> Tolerances:
@@ -113,7 +158,7 @@ class Precision:
 
     def check_runnable(self) -> None:
         """A one-line ValueError where this mode may not run on its device (a true mode it only emulates)."""
-        if not self.native and not self.runs_emulated:
+        if not self.runs_here():
             why = self.native_support(self.facts)[1]
             raise ValueError(f"{self.name} needs native {dtype_name(self.param_dtype)} and {why}; use "
                              f"{dtype_name(self.compute_dtype)} (mixed) or fp32, or a device that has it")
@@ -240,6 +285,7 @@ class _True(Precision):
 
     runs_emulated = False
     auto_rank = None  # auto never trades accuracy: a true mode is asked for by name
+    accuracy_cost = 2  # after a mixed mode with checkpointing's recompute (1), before LoRA's adapters alone
 
     def forward_context(self):
         # Tensors the forward creates without a dtype (masks, positions) come out in the weights' dtype.
@@ -334,6 +380,7 @@ def register_precision(cls: type[Precision]) -> type[Precision]:
 for _cls in (Fp32, Bf16Mixed, Fp16Mixed, Bf16True, Fp16True):
     register_precision(_cls)
 PRECISIONS = _REGISTRY.names()  # the modes tier_utils ships, fp32 (the baseline) first
+BASELINE = Fp32.name  # what every other mode is compared with (its speedups, its drift, its verdicts)
 
 
 def canonical_precision(requested) -> str:

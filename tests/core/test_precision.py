@@ -260,3 +260,23 @@ def test_a_mode_says_where_it_runs_its_ranks_and_its_range():
     weights = {"small": torch.tensor([1.0, -6e4]), "big": torch.tensor([7e4]), "ids": torch.tensor([10**6])}
     assert fp16.out_of_range(weights.items()) == ["big"]  # an integer buffer is no weight fp16 holds
     assert P.precision_class("bf16").out_of_range(weights.items()) == []
+
+
+def test_the_baseline_and_where_a_mode_runs_are_decided_on_the_class_alone():
+    """No module compares a precision name with "fp32" (BASELINE names it) or reads runs_emulated (runs_here
+    does), but core/precision.py and core/errors.py (below it: it imports nothing of the package)."""
+    import ast
+    from pathlib import Path
+
+    import tier_utils
+
+    package = Path(tier_utils.__file__).parent
+    allowed = {package / "core" / "precision.py", package / "core" / "errors.py"}
+    found = []
+    for path in sorted(set(package.rglob("*.py")) - allowed):
+        for node in ast.walk(ast.parse(path.read_text())):
+            compared = isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == P.BASELINE for c in [node.left, *node.comparators])
+            if compared or (isinstance(node, ast.Attribute) and node.attr == "runs_emulated"):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not found, found

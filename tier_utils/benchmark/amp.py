@@ -19,7 +19,7 @@ from ..core.errors import LaunchError
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.memory_settings import resolve_memory
-from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import BASELINE, dtype_name, kept_dtypes, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.settings import merge
@@ -81,7 +81,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     trainable = {p: p.requires_grad for p in adapter.model.parameters()}
     # Decided once, for the fp32 and mixed rows (a true mode holds its base in its own dtype): LoRA's base dtype,
     # the optimizer; the model carries it to each row's conversion and optimizer.
-    held = resolve_memory(cfg.memory, resolve_precision("fp32", dev, warn=False), device_facts(dev),
+    held = resolve_memory(cfg.memory, resolve_precision(BASELINE, dev, warn=False), device_facts(dev),
                           adapter.stored_dtype, adapter.model)
     if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_memory(adapter.model, held, task=adapter.task))

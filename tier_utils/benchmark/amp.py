@@ -26,7 +26,7 @@ from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
-from ..engine.lora import convert_for, describe_lora, hold, is_lora, model_state, unload
+from ..engine.lora import describe_lora, held_memory, hold, is_lora, model_state, unload
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
@@ -140,7 +140,7 @@ class BenchmarkRun:
                 measured, floor_ms = self.time(ready, self.measure_memory(ready), bar)
                 measured = self.accuracy(ready, measured, bar)
         finally:
-            load_start(convert_for(ready.base.precision, model), loaded.start)
+            load_start(ready.base.precision.convert_module(model, held_memory(model)), loaded.start)
             model.train(was_training)
         return self.record(ready, flops, measured, floor_ms)
 
@@ -212,7 +212,7 @@ class BenchmarkRun:
         cfg, base = sized.cfg, sized.plans[0]
         splits = self.adapter.datasets(self.data, cfg.seq_len)
         speed_batches = tuple(same_batches(splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
-        start = _start(convert_for(base.precision, self.adapter.model))
+        start = _start(base.precision.convert_module(self.adapter.model, held_memory(self.adapter.model)))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
@@ -226,7 +226,7 @@ class BenchmarkRun:
         plans = []
         for p in sized.plans:
             if self.log.runs(p) and p.mode == "compiled":
-                convert_for(p.precision, self.adapter.model)
+                p.precision.convert_module(self.adapter.model, held_memory(self.adapter.model))
                 step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
                                                           sized.cfg.compile_mode, sized.cfg.progress)
                 # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
@@ -251,7 +251,8 @@ class BenchmarkRun:
                 first.append(adapter.forward_loss(ready.data.speed_batches[0])[0])
             first[0].backward()
 
-        convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
+        # a compiled plan may have left it in another dtype
+        base.precision.convert_module(adapter.model, held_memory(adapter.model))
         flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
         adapter.model.zero_grad(set_to_none=True)
         why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None

@@ -163,10 +163,34 @@ class Precision:
             raise ValueError(f"{self.name} needs native {dtype_name(self.param_dtype)} and {why}; use "
                              f"{dtype_name(self.compute_dtype)} (mixed) or fp32, or a device that has it")
 
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`module`'s floating-point weights and buffers in `param_dtype`, in place: a bf16- or fp16-stored
-        checkpoint becomes fp32 master weights for fp32 and the mixed modes, a true mode's weights its dtype."""
-        return module.to(dtype=self.param_dtype)
+    def convert_module(self, module: torch.nn.Module, memory=None) -> torch.nn.Module:
+        """`module` in the run's dtypes, in place, the one conversion every run makes. A full fine-tune: its
+        floating-point weights and buffers in `param_dtype` (a bf16- or fp16-stored checkpoint becomes fp32 master
+        weights for fp32 and the mixed modes, a true mode's weights its dtype). A module carrying LoRA adapters
+        (`carries_adapters`): the adapters and the modules trained in full in fp32 (peft casts their input to fp32
+        and their output back), the frozen base in `memory`'s decided base dtype under fp32 weights (a
+        DecidedMemory; None or a full fine-tune's: as it is) and in a true mode's own dtype, a 4-bit base computing
+        in the compute dtype."""
+        if not carries_adapters(module):
+            return module.to(dtype=self.param_dtype)
+        fp32_weights = self.param_dtype == torch.float32
+        base = memory.base_dtype if memory is not None and fp32_weights else self.param_dtype
+        for p in module.parameters():
+            if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
+                p.data = p.data.float() if p.requires_grad else p.data.to(base)
+        for m in module.modules():
+            if getattr(getattr(m, "weight", None), "quant_state", None) is not None and hasattr(m, "compute_dtype"):
+                # A 4-bit layer computes in the compute dtype: autocast does not reach bitsandbytes' matmul, and its
+                # output in another half dtype stops CPU autocast (a QLoRA benchmark's fp16 row over bf16).
+                m.compute_dtype = self.compute_dtype
+            for name, b in m.named_buffers(recurse=False):
+                # Under fp32 weights the buffers no checkpoint holds (rotary frequencies, computed at build) keep
+                # their dtype, as from_pretrained leaves them at any dtype: so the trained model computes what its
+                # adapter folder over a fresh load of the base computes. A true mode holds everything in its dtype.
+                derived = name in m._non_persistent_buffers_set and fp32_weights
+                if b.is_floating_point() and not derived:
+                    b.data = b.data.to(base)
+        return module
 
     def forward_context(self):
         """A fresh context for forward + loss: nothing for fp32 (the mixed and true modes override it)."""
@@ -213,6 +237,11 @@ class Precision:
                 "param_dtype": str(self.param_dtype).replace("torch.", ""), "device": str(self.device),
                 "device_name": self.facts.measured_on, "native": self.native, "needs_scaler": self.needs_scaler,
                 "reason": self.reason}
+
+
+def carries_adapters(module: torch.nn.Module) -> bool:
+    """Whether `module` carries LoRA adapters over a frozen base: peft marks the model it wraps with its config."""
+    return hasattr(module, "peft_config")
 
 
 class Fp32(Precision):

@@ -7,6 +7,7 @@ import torch
 
 from tier_utils.core import precision as P
 from tier_utils.core.device import CPU_FLAGS_ENV, _detected_cpu_flags, cpu_flags
+from tier_utils.core.dtype_contexts import kept_dtypes
 from tier_utils.core.precision import canonical_precision, resolve_precision, supported_precisions
 
 ALIASES = {
@@ -221,7 +222,7 @@ def test_fp16_stepper_state_round_trips_and_plain_steppers_hold_none():
 
 def test_kept_dtypes_puts_every_parameter_and_buffer_back():
     m = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
-    with P.kept_dtypes(m):
+    with kept_dtypes(m):
         resolve_precision("fp32", "cpu").convert_module(m)
         assert m.weight.dtype == m.running_mean.dtype == torch.float32
     assert m.weight.dtype == m.running_mean.dtype == torch.bfloat16

@@ -15,11 +15,12 @@ import torch
 from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
 from ..core.device import device_facts
+from ..core.dtype_contexts import kept_dtypes
 from ..core.errors import LaunchError
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.memory_settings import resolve_memory
-from ..core.precision import BASELINE, dtype_name, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import BASELINE, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.settings import merge

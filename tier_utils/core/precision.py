@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
+from .dtype_contexts import Autocast, default_dtype
 from .precision_steppers import ScalerStepper, Stepper
 from .registry import Registry
 
@@ -275,7 +276,7 @@ class _Mixed(Precision):
 
     def forward_context(self):
         # The tensors' device type (a CPU's under a GPU profile), whatever hardware the mode was decided for.
-        return _Autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        return Autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _held(self) -> str:
         return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
@@ -318,7 +319,7 @@ class _True(Precision):
 
     def forward_context(self):
         # Tensors the forward creates without a dtype (masks, positions) come out in the weights' dtype.
-        return _default_dtype(self.param_dtype)
+        return default_dtype(self.param_dtype)
 
     def _held(self) -> str:
         return f"{dtype_name(self.param_dtype)} weights, gradients and AdamW state ({self.name})"
@@ -343,59 +344,6 @@ class Fp16True(_Fp16, _True):
     note = ("; weights, gradients and AdamW state in fp16 with no loss scaling (GradScaler cannot unscale fp16 "
             "gradients): gradients below 6e-8 flush to zero, an overflow is not skipped, and AdamW's second "
             "moment underflows for gradients below ~5e-3 (eps 1e-4); prefer bf16-true where bf16 is native")
-
-
-class _Autocast(torch.autocast):
-    """torch.autocast, with nn.MultiheadAttention's inference fast path off on a CPU: that path (a padded batch
-    through nn.Transformer in eval) checks only CUDA's autocast and fails on the CPU's mixed dtypes (torch 2.13)."""
-
-    def __enter__(self):
-        self._fast_path = torch.backends.mha.get_fastpath_enabled()
-        if self.device == "cpu":
-            torch.backends.mha.set_fastpath_enabled(False)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            torch.backends.mha.set_fastpath_enabled(self._fast_path)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-@contextlib.contextmanager
-def kept_dtypes(module: torch.nn.Module, exact: bool = False):
-    """Each parameter and buffer of `module` back in its own dtype after the block, whatever precisions converted
-    it inside (a caller's bf16-stored model stays bf16 after a benchmark ran it as fp32 and bf16-true).
-
-    `exact`: the original tensors themselves are held and put back, bit for bit (an fp32 weight converted to bf16
-    inside would otherwise come back rounded to bf16), at the cost of holding them beside the converted ones: for
-    a probe that must leave a caller's model as it was (the fit planner's)."""
-    params = {name: p.data if exact else p.dtype for name, p in module.named_parameters()}
-    buffers = {name: b if exact else b.dtype for name, b in module.named_buffers()}
-    try:
-        yield module
-    finally:
-        for name, p in module.named_parameters():
-            held = params[name]
-            if exact:
-                p.data = held
-            elif p.dtype != held:
-                p.data = p.data.to(held)
-        for name, b in module.named_buffers():
-            held = buffers[name]
-            if (b is not held) if exact else (b.dtype != held):
-                owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner), attr, held if exact else b.to(held))
 
 
 _REGISTRY = Registry("precision", Precision, extra=("auto",))

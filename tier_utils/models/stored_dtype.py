@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..core.dtype_contexts import kept_dtypes
 from ..core.errors import ModelSpecError
-from ..core.precision import BASELINE, dtype_name, kept_dtypes
+from ..core.precision import BASELINE, dtype_name
 
 # safetensors' header names of the floating dtypes (its integer and bool tensors say nothing of the weights).
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..core.budget import ActivationFit, Budget, gib, measure_activations
-from ..core.precision import BASELINE, Precision, kept_dtypes, resolve_precision
+from ..core.dtype_contexts import kept_dtypes
+from ..core.precision import BASELINE, Precision, resolve_precision
 from ..engine.activation_checkpointing import checkpointed, fewer_blocks, repeated_blocks
 
 PROBE_DEPTHS = (2, 3)  # two depths, so what one block adds is measured; two, not one, still read as repeated blocks

@@ -9,7 +9,7 @@ QLoRA (a 4-bit NF4 base).
 
 Each mode runs in its own subprocess, so its peak RSS (ru_maxrss) is its own: the model built, put in the mode
 (the memory settings decided by resolve_memory, LoRA through peft, the base and adapters in their dtypes by
-engine.lora.convert_for, checkpointing through engine.activation_checkpointing), one untimed step,
+Precision.convert_module, checkpointing through engine.activation_checkpointing), one untimed step,
 then --steps timed steps through tier_utils' TrainStep; then one more step under the saved-tensor meter. A QLoRA
 mode loads the same weights as a user's folder is loaded: saved once in bf16 by a child of its own, then quantised
 as they load (transformers' BitsAndBytesConfig, which turns GPT-2's Conv1D layers into Linear4bit), so its peak RSS
@@ -99,7 +99,6 @@ def child(precision: str, memory: dict, steps: int, size: str = "small", folder:
     from tier_utils.core.memory_settings import MemorySettings, resolve_memory
     from tier_utils.core.precision import resolve_precision
     from tier_utils.engine.activation_checkpointing import kept_inputs, memory_context
-    from tier_utils.engine.lora import convert_for
     from tier_utils.engine.quantization import apply_memory
     from tier_utils.engine.step import TrainStep, make_optimizer
 
@@ -113,7 +112,7 @@ def child(precision: str, memory: dict, steps: int, size: str = "small", folder:
     torch.manual_seed(1)  # LoRA draws the same adapters in every mode, however its model was made
     if settings.lora is not None:
         model = apply_memory(model, held, prec.compute_dtype)
-    convert_for(prec, model, held)
+    prec.convert_module(model, held)
     adapter = adapt(model)
     model.train()
     step = TrainStep(adapter, prec, make_optimizer(model, 1e-4, 0.1, prec.adamw_eps, held.optimizer))

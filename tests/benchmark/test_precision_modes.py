@@ -138,7 +138,7 @@ class Fp64True(P.Precision):
 
 @pytest.fixture
 def fp64(monkeypatch):
-    monkeypatch.setattr(P, "_REGISTRY", dict(P._REGISTRY))  # registered for this test only
+    monkeypatch.setattr(P, "_REGISTRY", P._REGISTRY.copy())  # registered for this test only
     P.register_precision(Fp64True)
     Fp64True.forwards = 0
     return Fp64True

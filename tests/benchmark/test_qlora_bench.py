@@ -53,7 +53,6 @@ def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16):
     from tier_utils.core.device import device_facts
     from tier_utils.core.memory_settings import resolve_memory
     from tier_utils.core.precision import resolve_precision
-    from tier_utils.engine.lora import convert_for
     from tier_utils.engine.quantization import apply_memory
 
     with warnings.catch_warnings():
@@ -62,7 +61,7 @@ def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16):
     fp32, fp16 = (resolve_precision(name, "cpu", warn=False) for name in ("fp32", "fp16"))
     held = resolve_memory(QLORA, fp32, device_facts(torch.device("cpu")), torch.bfloat16, model)
     assert held.base_dtype == torch.bfloat16  # the benchmark decides the base once, for every row
-    model = convert_for(fp16, apply_memory(model, held), held)
+    model = fp16.convert_module(apply_memory(model, held), held)
     with fp16.autocast():
         logits = model(input_ids=torch.randint(0, 256, (2, 8))).logits
     assert logits.dtype == torch.float16 and torch.isfinite(logits).all()

@@ -7,6 +7,7 @@ import torch
 
 from tier_utils.core import precision as P
 from tier_utils.core.device import CPU_FLAGS_ENV, _detected_cpu_flags, cpu_flags
+from tier_utils.core.dtype_contexts import kept_dtypes
 from tier_utils.core.precision import canonical_precision, resolve_precision, supported_precisions
 
 ALIASES = {
@@ -23,7 +24,7 @@ def test_every_spelling_maps_to_its_name(spelling, expected):
 
 @pytest.mark.parametrize("bad", ["fp8", "", "mixed", "tf32", None])
 def test_unknown_precision_lists_valid_names(bad):
-    with pytest.raises(ValueError, match="use one of: .*bf16-mixed.*fp32"):
+    with pytest.raises(ValueError, match="use one of: auto, fp32, bf16, fp16, bf16-true, fp16-true$"):
         canonical_precision(bad)
 
 
@@ -207,14 +208,14 @@ def test_true_modes_follow_the_hardware_rule_of_their_dtype(monkeypatch, env, na
 
 def test_kept_dtypes_puts_every_parameter_and_buffer_back():
     m = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
-    with P.kept_dtypes(m):
+    with kept_dtypes(m):
         resolve_precision("fp32", "cpu").convert_module(m)
         assert m.weight.dtype == m.running_mean.dtype == torch.float32
     assert m.weight.dtype == m.running_mean.dtype == torch.bfloat16
 
 
 def test_register_precision_adds_a_mode_and_refuses_a_taken_name(monkeypatch):
-    monkeypatch.setattr(P, "_REGISTRY", dict(P._REGISTRY))
+    monkeypatch.setattr(P, "_REGISTRY", P._REGISTRY.copy())
 
     class Fp64(P.Precision):
         name = "fp64-true"
@@ -228,5 +229,41 @@ def test_register_precision_adds_a_mode_and_refuses_a_taken_name(monkeypatch):
     class Clash(P.Precision):
         name = "bf16-mixed"
 
-    with pytest.raises(ValueError, match="already name a mode"):
+    with pytest.raises(ValueError, match="already name a precision"):
         P.register_precision(Clash)
+
+
+def test_a_mode_says_where_it_runs_its_ranks_and_its_range():
+    from tier_utils.core.device import GPU_PROFILES, predicted_facts
+
+    t4, l4 = predicted_facts(GPU_PROFILES["T4"]), predicted_facts(GPU_PROFILES["L4"])  # bf16 emulated; native
+    bf16, bf16_true = resolve_precision("bf16", "cpu", warn=False), resolve_precision("bf16-true", "cpu", warn=False)
+    assert bf16.runs_here(t4) and not bf16.native_on(t4) and bf16.native_on(l4)  # a mixed mode runs emulated
+    assert not bf16_true.runs_here(t4) and bf16_true.runs_here(l4)  # a true mode does not
+    assert bf16.speed_rank(l4) < resolve_precision("fp32", "cpu").speed_rank(l4) < bf16.speed_rank(t4)
+    assert bf16.cost_rank(l4) < bf16_true.cost_rank(l4)  # the true mode's rounded-away updates cost first
+    fp16 = P.precision_class("fp16")
+    assert fp16.range_max() == 65504 and fp16.smallest_normal() == pytest.approx(6.1e-5, rel=1e-2)
+    weights = {"small": torch.tensor([1.0, -6e4]), "big": torch.tensor([7e4]), "ids": torch.tensor([10**6])}
+    assert fp16.out_of_range(weights.items()) == ["big"]  # an integer buffer is no weight fp16 holds
+    assert P.precision_class("bf16").out_of_range(weights.items()) == []
+
+
+def test_the_baseline_and_where_a_mode_runs_are_decided_on_the_class_alone():
+    """No module compares a precision name with "fp32" (BASELINE names it) or reads runs_emulated (runs_here
+    does), but core/precision.py and core/errors.py (below it: it imports nothing of the package)."""
+    import ast
+    from pathlib import Path
+
+    import tier_utils
+
+    package = Path(tier_utils.__file__).parent
+    allowed = {package / "core" / "precision.py", package / "core" / "errors.py"}
+    found = []
+    for path in sorted(set(package.rglob("*.py")) - allowed):
+        for node in ast.walk(ast.parse(path.read_text())):
+            compared = isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == P.BASELINE for c in [node.left, *node.comparators])
+            if compared or (isinstance(node, ast.Attribute) and node.attr == "runs_emulated"):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not found, found

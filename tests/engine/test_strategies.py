@@ -17,6 +17,7 @@ import tier_utils
 from tier_utils import TinyGPT, TrainConfig
 from tier_utils.adapter.adapter import resolve_model
 from tier_utils.core.errors import LaunchError
+from tier_utils.core.memory_settings import MemorySettings
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine import strategies as S
 from tier_utils.engine.step import TrainStep, make_optimizer
@@ -42,7 +43,7 @@ class ViewsDDP(S.DDP):
 
 @pytest.fixture
 def views(monkeypatch):
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))  # registered for this test only
+    monkeypatch.setattr(S, "_REGISTRY", S._REGISTRY.copy())  # registered for this test only
     return S.register_strategy(ViewsDDP)
 
 
@@ -80,6 +81,30 @@ def test_names_resolve_to_classes_and_a_clash_or_an_unknown_name_is_one_line(vie
         S.register_strategy(type("Other", (S.DDP,), {"name": "ddp-views"}))
     with pytest.raises(ValueError, match="consolidate .* needs a sharded strategy \\(fsdp\\)"):
         TrainConfig(strategy="ddp-views", consolidate=True, checkpoint_dir="x")
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    (dict(memory=MemorySettings.qlora(4)), "a 4-bit base \\(QLoRA\\) cannot be sharded by fsdp: use strategy='ddp'"),
+    (dict(memory=MemorySettings(lora=4), save_hf="hf"), "save_hf of a LoRA run under fsdp is not supported"),
+    (dict(consolidate=True), "consolidate .* needs checkpoint_dir=DIR$"),
+])
+def test_fsdp_refuses_what_it_cannot_shard_or_write_and_ddp_runs_it(settings, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        TrainConfig(strategy="fsdp", **settings)
+    if "consolidate" not in settings:
+        assert TrainConfig(strategy="ddp", **settings).strategy == "ddp"
+
+
+def test_the_strategy_says_which_ranks_and_batch_a_resume_needs_the_same():
+    state = {"strategy": "ddp", "world_size": 1, "global_batch": 8, "config": {"batch_size": 8}}
+    single = S.Single()
+    assert single.resume_differences(state, 8, 8) == []
+    assert single.resume_differences(state, 4, 4) == ["batch_size=8 (this run: 4)"]
+    assert single.resume_differences({**state, "world_size": 2}, 8, 16) == ["world size 2"]
+    sharded = {**state, "strategy": "fsdp", "world_size": 2, "global_batch": 16}
+    assert S.FSDP().resume_differences(sharded, 16, 16) == []  # DCP reshards: the global batch is what counts
+    assert S.FSDP().resume_differences(sharded, 4, 4) == ["global batch 16"]
+    assert single.resume_differences(sharded, 16, 16) == ["strategy='fsdp'"]
 
 
 def test_one_process_decides_single_and_refuses_what_needs_torchrun():

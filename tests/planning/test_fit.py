@@ -174,6 +174,7 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     """Plain mixed, then checkpointing, then true modes, then LoRA; within one, a native 2-byte compute before
     fp32 before an emulated one, bf16 (no scaler) before fp16."""
     from tier_utils.core.budget import ActivationFit
+    from tier_utils.core.device import GPU_PROFILES, predicted_facts
     from tier_utils.core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
     from tier_utils.planning.planner import ModeRow, cost_rank
 
@@ -187,8 +188,9 @@ def test_cost_rank_orders_modes_by_what_they_cost_then_speed():
     eight_bit = DecidedMemory(MemorySettings(lora=LoraSettings(), optimizer="adamw8bit"), torch.bfloat16, "")
     modes = [config("bf16"), config("fp16"), config("fp32"), config("bf16", True), config("bf16-true"),
              config("bf16-true", True), config("bf16", memory=lora), config("bf16", memory=eight_bit)]
-    assert sorted(modes, key=lambda c: cost_rank(c, True)) == modes
-    assert cost_rank(config("fp32"), True) < cost_rank(config("bf16"), False)  # emulated bf16: fp32 first
+    l4, t4 = predicted_facts(GPU_PROFILES["L4"]), predicted_facts(GPU_PROFILES["T4"])  # bf16 native; emulated
+    assert sorted(modes, key=lambda c: cost_rank(c, l4)) == modes
+    assert cost_rank(config("fp32"), t4) < cost_rank(config("bf16"), t4)  # emulated bf16: fp32 first
 
 
 def test_fit_csv_holds_every_column_the_page_cuts(tmp_path):

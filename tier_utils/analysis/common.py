@@ -9,7 +9,7 @@ import torch
 
 from ..adapter.adapter import ModelAdapter
 from ..core.budget import Budget
-from ..core.precision import Precision
+from ..core.precision import BASELINE, Precision
 from ..core.results import Check
 from ..models.stored_dtype import fp32_copy, fp32_reference
 
@@ -62,7 +62,7 @@ def on_fp32_weights(ctx: Context, run) -> Outcome:
     reference = fp32_reference(ctx.adapter.model, ctx.adapter.stored_dtype)
     with fp32_copy(ctx.adapter.model):
         outcome = run(ctx)
-    if reference != "fp32":
+    if reference != BASELINE:
         for check in outcome.checks:
             check.detail += f" (on {reference})"
     return outcome

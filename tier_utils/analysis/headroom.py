@@ -19,26 +19,39 @@ import torch.nn as nn
 
 from ..core.budget import gib, row_chunks
 from ..core.plotting import category_ticks, decade_limits
-from ..core.precision import autocast_precisions, dtype_name, native_support, resolve_precision
+from ..core.precision import (
+    BASELINE,
+    Bf16Mixed,
+    Fp16Mixed,
+    autocast_precisions,
+    dtype_name,
+    native_support,
+    resolve_precision,
+)
 from ..core.results import Check
 from .common import Context, Outcome, first_tensor, head, on_fp32_weights
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the package
     from matplotlib.figure import Figure
 
-FP16_MAX = torch.finfo(torch.float16).max  # 65504
-FP16_TINY = torch.finfo(torch.float16).tiny  # 6.1e-5, smallest normal
+# The range is fp16's, the mode whose range runs out (its class says its largest value, 65504, and its smallest
+# normal, 6.1e-5); bf16, with fp32's range, is what avoids it.
+FP16, BF16 = Fp16Mixed.name, Bf16Mixed.name
+FP16_MAX, FP16_TINY = Fp16Mixed.range_max(), Fp16Mixed.smallest_normal()
 CARE_FACTOR = 16  # abs-max within 16x (4 bits) of 65504 leaves too little room: fp16 needs care
 CARE_UNDERFLOW = 0.05  # more than 5% of a layer's non-zero outputs are fp16-subnormal: fp16 needs care
+PREFER, CARE = f"prefer {BF16}", f"{FP16} needs scaling care"  # the recommendations short of "fp16 safe"
 DRIFT = 0.05  # relative deviation of the model output from fp32 above this: WARN
-# The range columns are fp16's (the dtype whose range runs out); the deviation columns one per registered autocast
-# mode's compute dtype (bf16_rel_dev, fp16_rel_dev), where fp16's also counts its non-finite outputs.
-FP16 = dtype_name(torch.float16)
+# The range columns are fp16's; the deviation columns one per registered autocast mode's compute dtype
+# (bf16_rel_dev, fp16_rel_dev), where fp16's also counts its non-finite outputs.
+HEADROOM, BELOW_NORMAL, NONFINITE = f"{FP16}_headroom", f"below_{FP16}_normal", f"{FP16}_nonfinite"
+BASE_NONFINITE = f"{BASELINE}_nonfinite"  # already in the baseline: no precision can be safe
+RANGE = f"{FP16} max {FP16_MAX:g}"  # the plots' line
 
 
 def _columns(modes: dict) -> list[str]:
-    return ["layer", "type", "calls", "abs_max", "fp16_headroom", "below_fp16_normal",
-            *(f"{dt}_rel_dev" for dt in modes), "fp16_nonfinite", "fp32_nonfinite"]
+    return ["layer", "type", "calls", "abs_max", HEADROOM, BELOW_NORMAL, *(f"{dt}_rel_dev" for dt in modes), NONFINITE,
+            BASE_NONFINITE]
 
 
 def _autocast_modes(dev) -> dict:
@@ -133,22 +146,22 @@ def _run(ctx: Context) -> Outcome:
     dev = ctx.adapter.device
     n, scope = _compared_rows(ctx, row_bytes)
     sample = head(ctx.batches[0], n)
-    ref = _outputs(ctx, sample, resolve_precision("fp32", dev, warn=False))
+    ref = _outputs(ctx, sample, resolve_precision(BASELINE, dev, warn=False))
     modes = _autocast_modes(dev)
     low = {dt: _outputs(ctx, sample, prec) for dt, prec in modes.items()}
     rows = []
     for name, s in stats.rows.items():
         devs = {dt: _deviation(ref.get(name, []), out.get(name, [])) for dt, out in low.items()}
         rows.append({"layer": name, "type": s["type"], "calls": s["calls"], "abs_max": s["abs_max"],
-                     "fp16_headroom": FP16_MAX / s["abs_max"] if s["abs_max"] else float("inf"),
-                     "below_fp16_normal": s["tiny"] / s["nonzero"] if s["nonzero"] else 0.0,
+                     HEADROOM: FP16_MAX / s["abs_max"] if s["abs_max"] else float("inf"),
+                     BELOW_NORMAL: s["tiny"] / s["nonzero"] if s["nonzero"] else 0.0,
                      **{f"{dt}_rel_dev": d for dt, (d, _) in devs.items()},
-                     "fp16_nonfinite": devs.get(FP16, (0, 0))[1], "fp32_nonfinite": s["nonfinite"]})
+                     NONFINITE: devs.get(FP16, (0, 0))[1], BASE_NONFINITE: s["nonfinite"]})
     df = pd.DataFrame(rows, columns=_columns(modes))
-    broken = df[df.fp32_nonfinite > 0].layer.tolist()
+    broken = df[df[BASE_NONFINITE] > 0].layer.tolist()
     if broken or out_nonfinite:
-        first = df[df.fp32_nonfinite > 0].iloc[0] if broken else None
-        where = (f"first in {first.layer} ({first.fp32_nonfinite} values)" if broken
+        first = df[df[BASE_NONFINITE] > 0].iloc[0] if broken else None
+        where = (f"first in {first.layer} ({first[BASE_NONFINITE]} values)" if broken
                  else f"at the model output ({out_nonfinite} values), computed outside every leaf layer")
         reason = f"fp32 outputs are already NaN/inf {where}; no precision is safe until fp32 is finite"
         checks = [Check("recommendation", "FAIL", "fp32 is not finite", "finite fp32 outputs", reason)]
@@ -156,10 +169,10 @@ def _run(ctx: Context) -> Outcome:
                          f"no finite fp32 reference: {reason}") for prec in modes]
         return Outcome(checks, {"headroom": df}, {"drivers": broken})
     recommendation, drivers, status = recommend(df)
-    if status == "WARN" and recommendation == "prefer bf16" and ctx.precision.compute_dtype == torch.float16:
+    if status == "WARN" and recommendation == PREFER and ctx.precision.range_max() == FP16_MAX:
         status = "FAIL"  # an fp16 mode (mixed or true) was asked for and these layers overflow it
     checks = [Check("recommendation", status, recommendation,
-                    f"abs_max < 65504/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below 6.1e-5",
+                    f"abs_max < {FP16_MAX:g}/{CARE_FACTOR}, < {CARE_UNDERFLOW:.0%} below {FP16_TINY:.2g}",
                     _explain(df, recommendation, drivers, len(ctx.batches)))]
     checks += [_drift_check(df, prec, scope) for prec in modes]
     return Outcome(checks, {"headroom": df}, {"drivers": drivers})
@@ -197,47 +210,48 @@ def _drift_check(df: pd.DataFrame, prec: str, scope: str = "") -> Check:
 def recommend(df: pd.DataFrame) -> tuple[str, list[str], str]:
     """(recommendation, the layers that drive it, status) from the per-layer table."""
     over = df[df.abs_max > FP16_MAX].layer.tolist()
-    if not over and (df.fp16_nonfinite > 0).any():
-        over = df[df.fp16_nonfinite > 0].layer.tolist()[:1]  # the first layer to produce inf/NaN under fp16
+    if not over and (df[NONFINITE] > 0).any():
+        over = df[df[NONFINITE] > 0].layer.tolist()[:1]  # the first layer to produce inf/NaN under fp16
     if over:
-        return "prefer bf16", over, "WARN"
+        return PREFER, over, "WARN"
     # Many subnormal outputs only matter if they cost accuracy: a layer whose own fp16 output was measured
     # within DRIFT of fp32 (softmax tails, small-init projections) lost nothing measurable. Range can't be
     # cleared that way: activations grow in training.
     care = df[(df.abs_max > FP16_MAX / CARE_FACTOR) | (_underflow(df) & ~_within_drift(df))].layer.tolist()
     if care:
-        return "fp16 needs scaling care", care, "WARN"
-    return "fp16 safe", [], "PASS"
+        return CARE, care, "WARN"
+    return f"{FP16} safe", [], "PASS"
 
 
 def _underflow(df: pd.DataFrame) -> pd.Series:
-    return df.below_fp16_normal > CARE_UNDERFLOW
+    return df[BELOW_NORMAL] > CARE_UNDERFLOW
 
 
 def _within_drift(df: pd.DataFrame) -> pd.Series:
-    return df.fp16_rel_dev <= DRIFT  # NaN (not comparable) and inf (overflow) are not
+    return df[f"{FP16}_rel_dev"] <= DRIFT  # NaN (not comparable) and inf (overflow) are not
 
 
 def _explain(df: pd.DataFrame, recommendation: str, drivers: list[str], n_batches: int) -> str:
     named = ", ".join(drivers[:5]) + (f" and {len(drivers) - 5} more" if len(drivers) > 5 else "")
-    if recommendation == "prefer bf16":
+    if recommendation == PREFER:
         peak = df[df.layer.isin(drivers)].abs_max.max()
-        return (f"{named} output up to {peak:.3g} (> fp16 max 65504, inf under fp16); bf16 has fp32's range "
+        return (f"{named} output up to {peak:.3g} (> {RANGE}, inf under {FP16}); {BF16} has {BASELINE}'s range "
                 f"({n_batches} batches)")
-    if recommendation == "fp16 needs scaling care":
-        return (f"{named} within {CARE_FACTOR}x of 65504 or > {CARE_UNDERFLOW:.0%} fp16-subnormal outputs; "
-                f"fp16 works with care, bf16 avoids it ({n_batches} batches)")
+    if recommendation == CARE:
+        return (f"{named} within {CARE_FACTOR}x of {FP16_MAX:g} or > {CARE_UNDERFLOW:.0%} {FP16}-subnormal outputs; "
+                f"{FP16} works with care, {BF16} avoids it ({n_batches} batches)")
     if df.empty:
         return "no layer outputs captured"
     top = df.loc[df.abs_max.idxmax()]
-    text = (f"largest output {top.abs_max:.3g} ({top.layer}) leaves {top.fp16_headroom:.0f}x headroom; at most "
-            f"{df.below_fp16_normal.max():.1%} subnormal in any layer ({n_batches} batches)")
+    text = (f"largest output {top.abs_max:.3g} ({top.layer}) leaves {top[HEADROOM]:.0f}x headroom; at most "
+            f"{df[BELOW_NORMAL].max():.1%} subnormal in any layer ({n_batches} batches)")
     harmless = df[_underflow(df) & _within_drift(df)]
     if len(harmless):
-        worst = harmless.loc[harmless.fp16_rel_dev.idxmax()]
-        text += (f"; {len(harmless)} layer(s) have > {CARE_UNDERFLOW:.0%} of outputs below fp16's smallest normal "
-                 f"(e.g. {worst.layer}, {worst.below_fp16_normal:.1%}), but fp16 autocast kept their outputs within "
-                 f"{harmless.fp16_rel_dev.max():.2g} of fp32 (measured, <= {DRIFT}): no measurable cost")
+        drift = harmless[f"{FP16}_rel_dev"]
+        worst = harmless.loc[drift.idxmax()]
+        text += (f"; {len(harmless)} layer(s) have > {CARE_UNDERFLOW:.0%} of outputs below {FP16}'s smallest normal "
+                 f"(e.g. {worst.layer}, {worst[BELOW_NORMAL]:.1%}), but {FP16} autocast kept their outputs within "
+                 f"{drift.max():.2g} of {BASELINE} (measured, <= {DRIFT}): no measurable cost")
     return text
 
 
@@ -253,7 +267,7 @@ def plot(outcome: Outcome) -> Figure:
     from matplotlib.patches import Patch
 
     ax_range.bar(x, df.abs_max.clip(lower=1e-12), color=["C3" if n in drivers else "C0" for n in df.layer])
-    limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
+    limit = ax_range.axhline(FP16_MAX, color="k", ls="--", lw=1, label=RANGE)
     ax_range.set(yscale="log", ylabel="output abs-max (fp32)")
     keys = [Patch(color="C3", label="drives the recommendation")] if drivers else []
     ax_range.legend(handles=[*keys, Patch(color="C0", label="other layers" if drivers else "layer"), limit], fontsize=8)
@@ -274,7 +288,7 @@ def plot(outcome: Outcome) -> Figure:
 def panel(ax, outcome: Outcome) -> None:
     df = outcome.frames["headroom"]
     ax.bar(range(len(df)), df.abs_max.clip(lower=1e-12), color="C0")
-    ax.axhline(FP16_MAX, color="k", ls="--", lw=1, label="fp16 max 65504")
+    ax.axhline(FP16_MAX, color="k", ls="--", lw=1, label=RANGE)
     ax.set(yscale="log", xlabel="leaf layer (execution order)", ylabel="output abs-max (fp32)",
-           title="output abs-max vs fp16 max")
+           title=f"output abs-max vs {FP16} max")
     ax.legend(fontsize=7)

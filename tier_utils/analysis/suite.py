@@ -24,8 +24,8 @@ from ..core.results import Check, Result, failed_check, problem_rows, run_metada
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
 from ..data.datasets import DataDescription, DataSplits, make_loader, to_device
-from ..engine.distributed import refuse_sharded
 from ..engine.quantization import quantized_summary
+from ..engine.strategies import refuse_placed
 from ..models.builtins import DEFAULT_MODEL
 from ..models.demo_model import provenance_of
 from . import attention, attribution, dtypes, headroom, robustness
@@ -206,7 +206,7 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
     or names from ANALYSES. The model runs in eval mode and is left in the mode it came in.
     """
     cfg = merge(AnalysisConfig, config, overrides, "analysis")
-    refuse_sharded(model, "analyze")  # it reads the whole model on one device: rank 0 with the consolidated one
+    refuse_placed(model, "analyze")  # it reads the whole model on one device: rank 0 with the consolidated one
     names = list(cfg.analyses or ANALYSES)
     dev = resolve_device(cfg.device)
     prec = resolve_precision(cfg.precision, dev)

@@ -15,18 +15,19 @@ import torch
 from ..adapter.adapter import resolve_model
 from ..core.budget import gib, out_of_memory_note, read_budget, without_oom
 from ..core.device import device_facts
+from ..core.dtype_contexts import kept_dtypes
 from ..core.errors import LaunchError
 from ..core.loggers import log_result_tables, run_stamp
 from ..core.measure import count_flops, cpu_load, load_average, probe_ms, probe_size, summarize
 from ..core.memory_settings import resolve_memory
-from ..core.precision import dtype_name, kept_dtypes, resolve_device, resolve_precision
+from ..core.precision import BASELINE, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import run_metadata
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
-from ..engine.lora import convert_for, describe_lora, hold, is_lora, model_state, unload
+from ..engine.lora import describe_lora, held_memory, hold, is_lora, model_state, unload
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
@@ -81,7 +82,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     trainable = {p: p.requires_grad for p in adapter.model.parameters()}
     # Decided once, for the fp32 and mixed rows (a true mode holds its base in its own dtype): LoRA's base dtype,
     # the optimizer; the model carries it to each row's conversion and optimizer.
-    held = resolve_memory(cfg.memory, resolve_precision("fp32", dev, warn=False), device_facts(dev),
+    held = resolve_memory(cfg.memory, resolve_precision(BASELINE, dev, warn=False), device_facts(dev),
                           adapter.stored_dtype, adapter.model)
     if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_memory(adapter.model, held, task=adapter.task))
@@ -140,7 +141,7 @@ class BenchmarkRun:
                 measured, floor_ms = self.time(ready, self.measure_memory(ready), bar)
                 measured = self.accuracy(ready, measured, bar)
         finally:
-            load_start(convert_for(ready.base.precision, model), loaded.start)
+            load_start(ready.base.precision.convert_module(model, held_memory(model)), loaded.start)
             model.train(was_training)
         return self.record(ready, flops, measured, floor_ms)
 
@@ -212,7 +213,7 @@ class BenchmarkRun:
         cfg, base = sized.cfg, sized.plans[0]
         splits = self.adapter.datasets(self.data, cfg.seq_len)
         speed_batches = tuple(same_batches(splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
-        start = _start(convert_for(base.precision, self.adapter.model))
+        start = _start(base.precision.convert_module(self.adapter.model, held_memory(self.adapter.model)))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
@@ -226,7 +227,7 @@ class BenchmarkRun:
         plans = []
         for p in sized.plans:
             if self.log.runs(p) and p.mode == "compiled":
-                convert_for(p.precision, self.adapter.model)
+                p.precision.convert_module(self.adapter.model, held_memory(self.adapter.model))
                 step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
                                                           sized.cfg.compile_mode, sized.cfg.progress)
                 # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
@@ -251,7 +252,8 @@ class BenchmarkRun:
                 first.append(adapter.forward_loss(ready.data.speed_batches[0])[0])
             first[0].backward()
 
-        convert_for(base.precision, adapter.model)  # a compiled plan may have left it in another dtype
+        # a compiled plan may have left it in another dtype
+        base.precision.convert_module(adapter.model, held_memory(adapter.model))
         flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
         adapter.model.zero_grad(set_to_none=True)
         why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from ..core.files import jsonable
+from ..core.precision import BASELINE
 from ..core.results import Result, checks_table, problem_rows, status_counts, worst_status
 from ..tasks import task_named
 from .answer import answer_line
@@ -51,7 +52,7 @@ class BenchmarkResult(Result):
         """Precision -> its eager step's Speedup over fp32 as measured here (fp32: None, the baseline); only the
         precisions that ran without checkpointing, and none where the baseline was not fp32 (fp32 did not fit)."""
         ran = [r for r in self.records if r.mode == "eager" and not r.checkpointing and r.speed is not None]
-        if not any(r.precision == "fp32" and r.speed.speedup is None for r in ran):
+        if not any(r.precision == BASELINE and r.speed.speedup is None for r in ran):
             return {}
         return {r.precision: r.speed.speedup for r in ran}
 

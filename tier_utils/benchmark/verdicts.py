@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from ..core.measure import Load, Stats
 from ..core.memory_settings import memory_setting
+from ..core.precision import BASELINE
 from ..core.results import Check
 from ..engine.step import ROUNDING_SAMPLE_NOTE
 from .config import Mode, Thresholds
@@ -387,7 +388,7 @@ def _against(rows: list[PrecisionCheck], base, forced: str) -> list[PrecisionChe
     here)."""
     for row in rows:
         row.detail += forced
-        if base.precision != "fp32":
+        if base.precision != BASELINE:
             row.check = row.check.replace("vs fp32", f"vs {base.precision}")
             row.detail = row.detail.replace("vs fp32", f"vs {base.precision}").replace(
                 "fp32's", f"{base.precision}'s")

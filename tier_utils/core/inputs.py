@@ -31,15 +31,6 @@ def select_names(requested, available, what: str) -> list[str]:
     return [n for n in available if n in names]
 
 
-def by_spelling(requested, spellings: dict[str, str], what: str, choices) -> str:
-    """The name `spellings` maps `requested` to, read stripped and in lower case (a registry's aliases: "bf16-mixed"
-    -> "bf16"); an unknown spelling is a one-line ValueError listing `choices`."""
-    key = str(requested).strip().lower()
-    if key not in spellings:
-        raise ValueError(f"unknown {what} {requested!r}; use one of: {', '.join(choices)}")
-    return spellings[key]
-
-
 def writable_dir(path, what: str) -> Path:
     """Check, before any work, that folder `path` exists or can be created, and takes new files.
 

@@ -23,12 +23,14 @@ import torch
 from .device import DeviceFacts
 from .errors import LoraError, MemorySettingError
 from .optimizers import DEFAULT_OPTIMIZER, MIN_8BIT_SIZE, OPTIMIZERS, Optimizer, canonical_optimizer, optimizer_class
-from .precision import Precision, dtype_name
+from .precision import BASELINE, PRECISIONS, Bf16Mixed, Fp16Mixed, Precision, dtype_name, precision_class
 from .settings import check_fields, setting
 
-BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# LoRA's frozen base may be held in what a mode over fp32 weights computes in (fp32, bf16, fp16), by the mode's name.
+BASE_DTYPES = {cls.name: cls.compute_dtype for cls in map(precision_class, PRECISIONS)
+               if cls.param_dtype == torch.float32}
 BASE_BITS = (16, 4)
-FP16_MAX = torch.finfo(torch.float16).max
+FP16 = Fp16Mixed  # the 2-byte mode whose range runs out: a bf16 base held in fp16 is checked against it
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,12 @@ class DecidedMemory:
         so a result never names another than ran)."""
         return self.settings.optimizer_class
 
+    @property
+    def accuracy_cost(self) -> int:
+        """What these settings cost the training's result, where fit ranks the modes that fit (after a true mode's
+        2): LoRA trains only its adapters (4), over a 4-bit base (6); plus the optimizer's."""
+        return (6 if self.quantized else 4 if self.lora is not None else 0) + self.optimizer.accuracy_cost
+
     def describe(self) -> str:
         return self.settings.describe(dtype_name(self.base_dtype) if self.base_dtype is not None else None)
 
@@ -336,12 +344,6 @@ class DecidedMemory:
         return {**self.settings.to_dict(), "decided_base_dtype": self.base_dtype and dtype_name(self.base_dtype),
                 "adapter_dtype": dtype_name(self.adapter_dtype) if self.lora is not None else None,
                 "decided_optimizer": self.optimizer.name, "reason": self.reason, "describe": self.describe()}
-
-
-def out_of_fp16_range(named_tensors) -> list[str]:
-    """The names of the floating tensors with a value beyond fp16's range (±65504): fp16 would make them inf."""
-    return [name for name, t in named_tensors if t.is_floating_point() and t.numel()
-            and t.detach().abs().max().item() > FP16_MAX]
 
 
 def _named(names: list[str]) -> str:
@@ -357,14 +359,16 @@ def resolve_memory(settings: MemorySettings, precision: Precision, facts: Device
     if settings.lora is None:
         return DecidedMemory(settings, None, "full fine-tune: every weight in the precision's dtype")
     base, reason = _base_dtype(settings, precision, facts, stored_dtype)
-    if base == torch.float16 and (stored_dtype or torch.float32) != torch.float16 and model is not None:
-        over = out_of_fp16_range(model.named_parameters())
-        if over and settings.base_dtype == "fp16":
-            raise MemorySettingError(f"base dtype fp16 would overflow: {_named(over)} hold values beyond fp16's "
-                                     f"±{FP16_MAX:g}; use --base-dtype bf16 or fp32")
+    fp16 = FP16.compute_dtype
+    if base == fp16 and (stored_dtype or torch.float32) != fp16 and model is not None:
+        over = FP16.out_of_range(model.named_parameters())
+        beyond = f"hold values beyond {FP16.name}'s ±{FP16.range_max():g}"
+        if over and BASE_DTYPES.get(settings.base_dtype) == fp16:
+            raise MemorySettingError(f"base dtype {settings.base_dtype} would overflow: {_named(over)} {beyond}; use "
+                                     f"--base-dtype {Bf16Mixed.name} or {BASELINE}")
         if over:
-            base, reason = torch.float32, (f"base kept fp32: {_named(over)} hold values beyond fp16's ±{FP16_MAX:g} "
-                                           f"and {facts.describe()} has no native bf16")
+            base, reason = torch.float32, (f"base kept {BASELINE}: {_named(over)} {beyond} and {facts.describe()} "
+                                           f"has no native {Bf16Mixed.name}")
             warnings.warn(f"LoRA base: {reason}", stacklevel=2)
     return DecidedMemory(settings, base, reason)
 
@@ -387,6 +391,7 @@ def _base_dtype(settings: MemorySettings, precision: Precision, facts: DeviceFac
     native, why = facts.dtype_support(stored)
     if native:
         return stored, f"base kept in its stored {dtype_name(stored)}: {why}"
-    if stored == torch.bfloat16 and facts.dtype_support(torch.float16)[0]:
-        return torch.float16, f"base stored bf16 held in fp16: {why}; its weights are within fp16's range"
+    if stored == torch.bfloat16 and facts.dtype_support(FP16.compute_dtype)[0]:
+        return FP16.compute_dtype, (f"base stored bf16 held in {FP16.name}: {why}; its weights are within "
+                                    f"{FP16.name}'s range")
     return torch.float32, f"base stored {dtype_name(stored)} upcast to fp32: {why}"

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import MemorySettingError, QuantizationError
-from .inputs import by_spelling
+from .registry import Registry
 
 BITSANDBYTES_EXTRA = "pip install 'tier_utils[qlora]' (or bitsandbytes)"
 # bitsandbytes' 8-bit optimizers (0.45-0.50, measured on its CPU backend): state1/state2 uint8 per element, a
@@ -177,39 +177,26 @@ class PagedAdamW8bit(AdamW8bit):
     instead = AdamW8bit.name
 
 
-_REGISTRY: dict[str, type[Optimizer]] = {}
-
-
-def _spellings() -> dict[str, str]:
-    return {s.lower(): name for name, cls in _REGISTRY.items() for s in (name, *cls.aliases)}
+_REGISTRY = Registry("optimizer", Optimizer)
 
 
 def register_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
     """Add an optimizer: its name and aliases resolve to it from then on (usable as a class decorator)."""
-    if not (isinstance(cls, type) and issubclass(cls, Optimizer)) or not cls.name:
-        raise ValueError(f"cannot register {cls!r}: not a named Optimizer subclass")
-    taken = _spellings()
-    clash = [s for s in (cls.name, *cls.aliases) if _REGISTRY.get(taken.get(s.lower()), cls) is not cls]
-    if clash:
-        raise ValueError(f"cannot register {cls!r}: {clash} already name an optimizer")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls)
 
 
 for _cls in (AdamW, AdamW8bit, PagedAdamW8bit):
     register_optimizer(_cls)
-OPTIMIZERS = tuple(_REGISTRY)  # the optimizers tier_utils ships
+OPTIMIZERS = _REGISTRY.names()  # the optimizers tier_utils ships
 DEFAULT_OPTIMIZER = AdamW  # what a run builds unless told otherwise (MemorySettings' default)
 
 
 def canonical_optimizer(requested) -> str:
     """A registered optimizer's name from any spelling of it, or from its class; an unknown one is a one-line
     ValueError."""
-    if isinstance(requested, type) and issubclass(requested, Optimizer):
-        requested = requested.name
-    return by_spelling(requested, _spellings(), "optimizer", _REGISTRY)
+    return _REGISTRY.canonical(requested)
 
 
 def optimizer_class(name) -> type[Optimizer]:
     """The class of an optimizer, by any spelling of its name."""
-    return _REGISTRY[canonical_optimizer(name)]
+    return _REGISTRY[name]

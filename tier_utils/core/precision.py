@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import DeviceFacts, device_facts, dtype_name  # dtype_name: imported from here by the tiers
-from .inputs import by_spelling
+from .dtype_contexts import Autocast, default_dtype
+from .registry import Registry
 
 _slow_warned: set[tuple[str, str]] = set()
 
@@ -67,6 +68,9 @@ class Precision:
     # picks it (a true mode trades accuracy, and is asked for by name).
     auto_rank = 0
     autocasts = False  # the forward runs under autocast over fp32 weights: compared with fp32 by smoke and analysis
+    # What training in this mode costs its result, where fit ranks the modes that fit (cost_rank): 0 for the exact
+    # ones; a true mode's updates smaller than half a step of the stored value are rounded away.
+    accuracy_cost = 0
 
     def __post_init__(self):
         if self.facts is None:
@@ -87,6 +91,48 @@ class Precision:
     def auto_eligible(cls, facts: DeviceFacts) -> tuple[bool, str]:
         """Whether `auto` may pick this mode on `facts`' hardware, and why: by default where it runs natively."""
         return cls.native_support(facts)
+
+    def native_on(self, facts: DeviceFacts | None = None) -> bool:
+        """Whether the mode runs natively on the device it was decided for (None), or on `facts`' hardware (a GPU
+        profile's, for a prediction)."""
+        return self.native if facts is None else self.native_support(facts)[0]
+
+    def runs_here(self, facts: DeviceFacts | None = None) -> bool:
+        """Whether the mode may run there at all: natively, or emulated where the mode allows it (a true mode may
+        not)."""
+        return self.native_on(facts) or self.runs_emulated
+
+    def speed_rank(self, facts: DeviceFacts | None = None) -> tuple:
+        """Where the mode stands by predicted speed there, fastest first (the rule where nothing was measured): a
+        2-byte compute the hardware runs natively (tensor cores, CPU instructions), then fp32, then an emulated
+        one; then a true mode (2-byte weights, nothing cast per step) before a mixed one; no loss scaler before
+        one; the wider range first."""
+        low = self.compute_dtype.itemsize < 4
+        compute = (0 if self.native_on(facts) else 2) if low else 1
+        return compute, self.param_dtype.itemsize, self.needs_scaler, -self.range_max()
+
+    def cost_rank(self, facts: DeviceFacts | None = None) -> tuple:
+        """Where the mode stands by what it costs there, cheapest first: its accuracy cost, then its compute's
+        speed (speed_rank's), no loss scaler before one, the wider range first."""
+        compute, _, scaler, wider = self.speed_rank(facts)
+        return self.accuracy_cost, compute, scaler, wider
+
+    @classmethod
+    def range_max(cls) -> float:
+        """The largest finite value the forward computes in (fp16's 65504): beyond it a value becomes inf."""
+        return torch.finfo(cls.compute_dtype).max
+
+    @classmethod
+    def smallest_normal(cls) -> float:
+        """The compute dtype's smallest normal value (fp16's 6.1e-5): below it values lose precision, and later
+        flush to zero."""
+        return torch.finfo(cls.compute_dtype).tiny
+
+    @classmethod
+    def out_of_range(cls, named_tensors) -> list[str]:
+        """The names of the floating tensors with a value beyond the compute dtype's range: it would make them inf."""
+        return [name for name, t in named_tensors if t.is_floating_point() and t.numel()
+                and t.detach().abs().max().item() > cls.range_max()]
 
     @classmethod
     def tolerances(cls) -> Tolerances:
@@ -112,15 +158,39 @@ class Precision:
 
     def check_runnable(self) -> None:
         """A one-line ValueError where this mode may not run on its device (a true mode it only emulates)."""
-        if not self.native and not self.runs_emulated:
+        if not self.runs_here():
             why = self.native_support(self.facts)[1]
             raise ValueError(f"{self.name} needs native {dtype_name(self.param_dtype)} and {why}; use "
                              f"{dtype_name(self.compute_dtype)} (mixed) or fp32, or a device that has it")
 
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`module`'s floating-point weights and buffers in `param_dtype`, in place: a bf16- or fp16-stored
-        checkpoint becomes fp32 master weights for fp32 and the mixed modes, a true mode's weights its dtype."""
-        return module.to(dtype=self.param_dtype)
+    def convert_module(self, module: torch.nn.Module, memory=None) -> torch.nn.Module:
+        """`module` in the run's dtypes, in place, the one conversion every run makes. A full fine-tune: its
+        floating-point weights and buffers in `param_dtype` (a bf16- or fp16-stored checkpoint becomes fp32 master
+        weights for fp32 and the mixed modes, a true mode's weights its dtype). A module carrying LoRA adapters
+        (`carries_adapters`): the adapters and the modules trained in full in fp32 (peft casts their input to fp32
+        and their output back), the frozen base in `memory`'s decided base dtype under fp32 weights (a
+        DecidedMemory; None or a full fine-tune's: as it is) and in a true mode's own dtype, a 4-bit base computing
+        in the compute dtype."""
+        if not carries_adapters(module):
+            return module.to(dtype=self.param_dtype)
+        fp32_weights = self.param_dtype == torch.float32
+        base = memory.base_dtype if memory is not None and fp32_weights else self.param_dtype
+        for p in module.parameters():
+            if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
+                p.data = p.data.float() if p.requires_grad else p.data.to(base)
+        for m in module.modules():
+            if getattr(getattr(m, "weight", None), "quant_state", None) is not None and hasattr(m, "compute_dtype"):
+                # A 4-bit layer computes in the compute dtype: autocast does not reach bitsandbytes' matmul, and its
+                # output in another half dtype stops CPU autocast (a QLoRA benchmark's fp16 row over bf16).
+                m.compute_dtype = self.compute_dtype
+            for name, b in m.named_buffers(recurse=False):
+                # Under fp32 weights the buffers no checkpoint holds (rotary frequencies, computed at build) keep
+                # their dtype, as from_pretrained leaves them at any dtype: so the trained model computes what its
+                # adapter folder over a fresh load of the base computes. A true mode holds everything in its dtype.
+                derived = name in m._non_persistent_buffers_set and fp32_weights
+                if b.is_floating_point() and not derived:
+                    b.data = b.data.to(base)
+        return module
 
     def forward_context(self):
         """A fresh context for forward + loss: nothing for fp32 (the mixed and true modes override it)."""
@@ -160,6 +230,11 @@ class Precision:
                 "reason": self.reason}
 
 
+def carries_adapters(module: torch.nn.Module) -> bool:
+    """Whether `module` carries LoRA adapters over a frozen base: peft marks the model it wraps with its config."""
+    return hasattr(module, "peft_config")
+
+
 class Fp32(Precision):
     """fp32 everywhere: the baseline every other mode is compared with."""
 
@@ -191,7 +266,7 @@ class _Mixed(Precision):
 
     def forward_context(self):
         # The tensors' device type (a CPU's under a GPU profile), whatever hardware the mode was decided for.
-        return _Autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        return Autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _held(self) -> str:
         return f"fp32 master weights, {dtype_name(self.compute_dtype)} autocast"
@@ -230,10 +305,11 @@ class _True(Precision):
 
     runs_emulated = False
     auto_rank = None  # auto never trades accuracy: a true mode is asked for by name
+    accuracy_cost = 2  # after a mixed mode with checkpointing's recompute (1), before LoRA's adapters alone
 
     def forward_context(self):
         # Tensors the forward creates without a dtype (masks, positions) come out in the weights' dtype.
-        return _default_dtype(self.param_dtype)
+        return default_dtype(self.param_dtype)
 
     def _held(self) -> str:
         return f"{dtype_name(self.param_dtype)} weights, gradients and AdamW state ({self.name})"
@@ -260,95 +336,28 @@ class Fp16True(_Fp16, _True):
             "moment underflows for gradients below ~5e-3 (eps 1e-4); prefer bf16-true where bf16 is native")
 
 
-class _Autocast(torch.autocast):
-    """torch.autocast, with nn.MultiheadAttention's inference fast path off on a CPU: that path (a padded batch
-    through nn.Transformer in eval) checks only CUDA's autocast and fails on the CPU's mixed dtypes (torch 2.13)."""
-
-    def __enter__(self):
-        self._fast_path = torch.backends.mha.get_fastpath_enabled()
-        if self.device == "cpu":
-            torch.backends.mha.set_fastpath_enabled(False)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            torch.backends.mha.set_fastpath_enabled(self._fast_path)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-@contextlib.contextmanager
-def kept_dtypes(module: torch.nn.Module, exact: bool = False):
-    """Each parameter and buffer of `module` back in its own dtype after the block, whatever precisions converted
-    it inside (a caller's bf16-stored model stays bf16 after a benchmark ran it as fp32 and bf16-true).
-
-    `exact`: the original tensors themselves are held and put back, bit for bit (an fp32 weight converted to bf16
-    inside would otherwise come back rounded to bf16), at the cost of holding them beside the converted ones: for
-    a probe that must leave a caller's model as it was (the fit planner's)."""
-    params = {name: p.data if exact else p.dtype for name, p in module.named_parameters()}
-    buffers = {name: b if exact else b.dtype for name, b in module.named_buffers()}
-    try:
-        yield module
-    finally:
-        for name, p in module.named_parameters():
-            held = params[name]
-            if exact:
-                p.data = held
-            elif p.dtype != held:
-                p.data = p.data.to(held)
-        for name, b in module.named_buffers():
-            held = buffers[name]
-            if (b is not held) if exact else (b.dtype != held):
-                owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner), attr, held if exact else b.to(held))
-
-
-_REGISTRY: dict[str, type[Precision]] = {}
-
-
-def _aliases() -> dict[str, str]:
-    table = {"auto": "auto"}
-    for name, cls in _REGISTRY.items():
-        table.update({s.lower(): name for s in (name, *cls.aliases)})
-    return table
+_REGISTRY = Registry("precision", Precision, extra=("auto",))
 
 
 def register_precision(cls: type[Precision]) -> type[Precision]:
     """Add a mode: its name and aliases resolve to it from then on (usable as a class decorator)."""
-    taken = _aliases()
-    clash = [s for s in (cls.name, *cls.aliases) if s.lower() in taken and taken[s.lower()] != cls.name]
-    if not issubclass(cls, Precision) or clash:
-        raise ValueError(f"cannot register {cls!r}: not a Precision subclass, or {clash} already name a mode")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls)
 
 
 for _cls in (Fp32, Bf16Mixed, Fp16Mixed, Bf16True, Fp16True):
     register_precision(_cls)
-PRECISIONS = tuple(_REGISTRY)  # the modes tier_utils ships, fp32 (the baseline) first
+PRECISIONS = _REGISTRY.names()  # the modes tier_utils ships, fp32 (the baseline) first
+BASELINE = Fp32.name  # what every other mode is compared with (its speedups, its drift, its verdicts)
 
 
 def canonical_precision(requested) -> str:
     """Map any accepted spelling (or an int like 16/32) to auto or a mode's name; a Precision to its name."""
-    if isinstance(requested, Precision):
-        return requested.name
-    table = _aliases()
-    return by_spelling(requested, table, "precision", sorted(table))
+    return _REGISTRY.canonical(requested)
 
 
 def precision_class(name) -> type[Precision]:
     """The class of a mode, by any spelling of its name."""
-    return _REGISTRY[canonical_precision(name)]
+    return _REGISTRY[name]
 
 
 def precision_setting(value) -> str | Precision:
@@ -379,20 +388,20 @@ def computed_in(dtype: torch.dtype | None) -> type[Precision]:
     """The registered mode whose weights and forward are both in `dtype` (fp32's for fp32, for a dtype no mode holds,
     and for None): its tolerances bound how far two computations of one model held in `dtype` may differ (two kernel
     paths, another summation order), so a check comparing them judges the model, not the dtype's rounding."""
-    return next((cls for cls in _REGISTRY.values() if not cls.autocasts and cls.param_dtype == dtype
+    return next((cls for cls in _REGISTRY.entries() if not cls.autocasts and cls.param_dtype == dtype
                  and cls.compute_dtype == dtype), Fp32)
 
 
 def autocast_precisions() -> tuple[str, ...]:
     """The registered modes whose forward runs under autocast over fp32 weights (bf16, fp16 and any registered
     like them): what smoke, analysis and `info` set beside fp32, in registry order."""
-    return tuple(name for name, cls in _REGISTRY.items() if cls.autocasts)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.autocasts)
 
 
 def _auto(facts: DeviceFacts) -> tuple[type[Precision], str]:
     """The registered mode of highest auto_rank that its own auto_eligible() admits on `facts`' hardware; the
     reason says why each one ranked above it was passed over."""
-    ranked = sorted((c for c in _REGISTRY.values() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
+    ranked = sorted((c for c in _REGISTRY.entries() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
     passed = []
     for cls in ranked:
         ok, why = cls.auto_eligible(facts)

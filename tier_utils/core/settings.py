@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import MISSING, field, fields, replace
 
-from .precision import PRECISIONS, canonical_precision
+from .precision import BASELINE, PRECISIONS, canonical_precision
 
 
 def setting(default=MISSING, help: str = "", *, flag: str | None = None, choices=None, low=None, above=None,
@@ -101,7 +101,7 @@ def precision_list(precisions) -> tuple[str, ...]:
         precisions = [p for p in precisions.split(",") if p.strip()]
     if not precisions:
         raise ValueError("no precision to benchmark; list them, e.g. fp32,bf16,fp16")
-    names = ["fp32"]
+    names = [BASELINE]
     for p in precisions:
         name = canonical_precision(p)
         if name == "auto":

@@ -155,23 +155,6 @@ class ShardedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
-def is_sharded(module) -> bool:
-    """Whether `module`'s weights are FSDP shards (DTensors on a device mesh)."""
-    return isinstance(module, torch.nn.Module) and any(hasattr(p, "device_mesh") for p in module.parameters())
-
-
-def refuse_sharded(model, verb: str) -> None:
-    """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on an
-    FSDP-sharded module (its weights are DTensor shards)."""
-    sharded = is_sharded(getattr(model, "model", model))  # an adapter's module, or the module itself
-    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
-    if sharded or world > 1:
-        where = "an FSDP-sharded model" if sharded else f"{world} torchrun ranks"
-        raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
-                          f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
-                          "--strategy fsdp --consolidate)")
-
-
 def _stopped_key() -> str:
     """The job's store key for the first rank's error; a torchrun restart of the job gets a key of its own."""
     return f"tier_utils/stopped/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -2,8 +2,8 @@
 
 `LoraSettings` (core/memory_settings.py, the memory settings' `lora`) is the one declaration; `apply_lora` wraps a
 model with `peft.get_peft_model` (peft keeps the adapters in fp32 over a bf16/fp16 base: autocast_adapter_dtype);
-`convert_for` then holds the frozen base in the decided memory's base dtype and the adapters in fp32, and the
-result names both. Targets default to the linear
+`Precision.convert_module` then holds the frozen base in the decided memory's base dtype and the adapters in fp32,
+and the result names both. Targets default to the linear
 layers inside the repeated blocks (attention and MLP), named as peft matches them: the module names' endings,
 e.g. `self_attn.q_proj` or, for the built-in TinyGPT, `attn.qkv`. A training checkpoint holds the adapters
 only (`model_state`); `save_pretrained` on the wrapped model writes peft's adapter folder, `merged_copy` a plain
@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ..core.errors import LoraError
 from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
+from ..core.precision import carries_adapters as is_lora  # the one test of peft's mark, by its name here
 from ..models.loading import source_of
 from ..tasks import Task
 from .activation_checkpointing import repeated_blocks
@@ -103,10 +104,6 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> tuple[str, ...]
 
 def _targeted(model: nn.Module, targets) -> list[nn.Linear]:
     return [m for f, m in linear_layers(model).items() if any(_matches(f, t) for t in targets)]
-
-
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config")
 
 
 # The heads peft's PeftModelForSequenceClassification adds to modules_to_save itself (its own list in
@@ -222,7 +219,7 @@ def describe_lora(model: nn.Module) -> dict | None:
 
 def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
     """Let `model` carry its decided memory settings (None: drop them), for a run that converts it per precision
-    (the benchmark's rows): `convert_for` and `held_memory` read them."""
+    (the benchmark's rows): `held_memory` reads them for `Precision.convert_module`."""
     if memory is None:
         vars(model).pop("tier_utils_memory", None)
     else:
@@ -231,35 +228,6 @@ def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
 
 def held_memory(model: nn.Module) -> DecidedMemory | None:
     return getattr(model, "tier_utils_memory", None)
-
-
-def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None) -> nn.Module:
-    """`model` in the run's dtypes, in place: without LoRA the precision's (`convert_module`); with LoRA the frozen
-    base in the decided base dtype (`memory`, else what the model holds: `hold`; a true mode's: its own; a 4-bit
-    base computing in the precision's compute dtype) and the adapters in fp32 (peft casts their input to fp32 and
-    their output back; autocast runs the base's compute in the mixed modes)."""
-    if not is_lora(model):
-        return precision.convert_module(model)
-    memory = memory or held_memory(model)
-    fp32_weights = precision.param_dtype == torch.float32
-    base = memory.base_dtype if memory is not None and fp32_weights else precision.param_dtype
-    for p in model.parameters():
-        if p.is_floating_point():  # a 4-bit base's packed weights stay as bitsandbytes holds them
-            p.data = p.data.float() if p.requires_grad else p.data.to(base)
-    for m in model.modules():
-        if getattr(getattr(m, "weight", None), "quant_state", None) is not None and hasattr(m, "compute_dtype"):
-            # A 4-bit layer computes in the precision's compute dtype: autocast does not reach bitsandbytes' matmul,
-            # and its output in another half dtype stops CPU autocast (a QLoRA benchmark's fp16 row over bf16).
-            m.compute_dtype = precision.compute_dtype
-    for m in model.modules():
-        for name, b in m.named_buffers(recurse=False):
-            # Under fp32 weights the buffers no checkpoint holds (rotary frequencies, computed at build) keep their
-            # dtype, as from_pretrained leaves them at any dtype: so the trained model computes what its adapter
-            # folder over a fresh load of the base computes. A true mode holds everything in its dtype.
-            derived = name in m._non_persistent_buffers_set and fp32_weights
-            if b.is_floating_point() and not derived:
-                b.data = b.data.to(base)
-    return model
 
 
 def lora_record(model: nn.Module) -> dict | None:

@@ -5,9 +5,10 @@ strategies/).
 A strategy class holds how a run joins its ranks (`start`), how the model is placed on them before the optimizer is
 built (`setup_module`: FSDP shards it in place) and wrapped for the step (`wrap`: DDP), the GradScaler the
 step goes through, how accumulation micro-steps skip the gradient sync (`no_sync`), gradient clipping, its
-checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), its per-rank bytes for
-the planner (planning/ranks.py) and its description in results. `resolve_strategy` turns a name into a decided
-instance once, at a tier's boundary; adding a strategy is one subclass and `register_strategy`.
+checkpoints (one file from rank 0, or a DCP folder per checkpoint that reshards on load), what it refuses to run,
+what a resume needs the same, smoke's per-rank checks and its description in results (the planner's per-rank bytes
+are planning/ranks.py's, by strategy class). `resolve_strategy` turns a name into a decided instance once, at a
+tier's boundary; adding a strategy is one subclass and `register_strategy`.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..core.errors import CheckpointError, LaunchError
-from ..core.inputs import by_spelling
+from ..core.registry import Registry
 from ..models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from ..models.sharded_checkpoint import METADATA_FILE, full_model_state, load_sharded, read_trainer, save_sharded
 from . import distributed, sharding
@@ -43,6 +44,10 @@ class Strategy:
     # another number of ranks with the same global batch), and `consolidate` writes them as one file.
     sharded = False
     checkpoint_names = (CHECKPOINT_NAME, BEST_NAME)  # last and best, in checkpoint_dir
+    # smoke under this strategy (smoketest/across_ranks.py): the check groups that run on every rank, on the model as
+    # this strategy placed it; None: smoke takes no such strategy (one holding the whole model on every rank would
+    # only check it again on each).
+    smoke_per_rank: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def start(cls, device=None, verb: str = "train", **options) -> Strategy:
@@ -57,6 +62,16 @@ class Strategy:
 
     def close(self) -> None:
         self.env.close()
+
+    @classmethod
+    def placed(cls, module: torch.nn.Module) -> bool:
+        """Whether `module` is held as this strategy places it across ranks (one process and DDP's wrapper leave a
+        module whole, as it was)."""
+        return False
+
+    def held_bytes(self, module: torch.nn.Module) -> int:
+        """The parameter bytes this rank holds of `module`."""
+        return sum(p.nbytes for p in module.parameters())
 
     @classmethod
     def holds_checkpoint(cls, folder: Path) -> bool:
@@ -117,36 +132,26 @@ class Strategy:
         """The whole model's weights gathered on rank 0 (every rank calls it); None where the module holds them."""
         return None
 
-    def resume_differences(self, state: dict, global_batch: int) -> list[str]:
-        """How a checkpoint's ranks differ from this run's, in what a resume needs the same."""
+    def resume_differences(self, state: dict, batch_size: int, global_batch: int) -> list[str]:
+        """How a checkpoint's ranks and batch differ from this run's (its `batch_size` per rank, `global_batch` over
+        them), in what a resume needs the same: its format; then a single file the same world size and batch per
+        rank, a sharded one (DCP reshards on load) the same global batch only."""
         saved = saved_strategy(state)
         if saved.sharded != self.sharded:
             return [f"strategy={state.get('strategy')!r}"]
-        if self.sharded:  # DCP reshards: another world size resumes it if the global batch is the same
+        if self.sharded:
             return [f"global batch {state['global_batch']}"] if state["global_batch"] != global_batch else []
-        return [f"world size {state['world_size']}"] if state["world_size"] != self.env.world_size else []
-
-    # -- the planner (planning/ranks.py): a rank's bytes from the model's measured pieces ------------------------
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        """The weights, gradients and AdamW state a rank holds."""
-        return sum(plan.static.values())
+        per_rank = state["config"]["batch_size"]
+        differ = [f"batch_size={per_rank!r} (this run: {batch_size!r})"] if per_rank != batch_size else []
+        return differ + ([f"world size {state['world_size']}"] if state["world_size"] != self.env.world_size else [])
 
     @classmethod
-    def in_flight(cls, plan, n: int) -> int:
-        """What a rank holds beside its static state while a block runs its backward."""
-        return 0
-
-    @classmethod
-    def root_reduce(cls, plan, n: int) -> int:
-        """What a rank holds after backward's activations are gone, before the optimizer step."""
-        return 0
-
-    @classmethod
-    def optimizer_transient(cls, plan, n: int) -> int:
-        """foreach AdamW's temporary during the step (the sqrt of its second moments): one copy of the weights
-        this rank steps."""
-        return plan.static["weights_bytes"]
+    def refuse(cls, cfg) -> None:
+        """A one-line ValueError where a training run's settings (`cfg`, a TrainConfig) ask what this strategy
+        cannot do: a strategy holding the whole model has no sharded checkpoint to consolidate."""
+        if cfg.consolidate:
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs a sharded "
+                             f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
 
 
 class Single(Strategy):
@@ -193,12 +198,6 @@ class DDP(Strategy):
         """Skip the all-reduce on accumulation micro-steps (the last one reduces every micro-step's gradients)."""
         return model.no_sync() if accumulating else contextlib.nullcontext()
 
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        """The whole static state, plus the gradient buckets unless they are views of the gradients."""
-        buckets = 0 if cls.gradient_as_bucket_view else plan.static["grads_bytes"]
-        return sum(plan.static.values()) + buckets
-
 
 @dataclass(frozen=True)
 class FSDP(Strategy):
@@ -212,10 +211,36 @@ class FSDP(Strategy):
     launched = True
     sharded = True
     checkpoint_names = ("last", "best")  # DCP folders
+    # Each rank checks the gradients and the memory of its own shards; the checks reading the whole model at once
+    # (shapes, stability, init, latency, determinism) run in one process.
+    smoke_per_rank = ("gradients", "memory")
 
     @classmethod
     def start(cls, device=None, verb: str = "train", **options) -> Strategy:
         return cls(distributed.join(device, verb, cls.name), **cls._own(options))
+
+    @classmethod
+    def refuse(cls, cfg) -> None:
+        """What FSDP2 cannot shard or write: QLoRA's 4-bit base (bitsandbytes' packed weights are no DTensors),
+        save_hf of a LoRA run (peft saves the adapters each rank holds a shard of), consolidate with no folder."""
+        if cfg.memory.quantized:
+            raise ValueError(f"a 4-bit base (QLoRA) cannot be sharded by {cls.name}: use strategy='{DDP.name}' or "
+                             "one process, or drop bits=4")
+        if cfg.memory.lora is not None and cfg.save_hf is not None:
+            raise ValueError(f"save_hf of a LoRA run under {cls.name} is not supported (its adapters are sharded); "
+                             "drop save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') gives the "
+                             "model with its adapters")
+        if cfg.consolidate and cfg.checkpoint_dir is None:
+            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs "
+                             "checkpoint_dir=DIR")
+
+    @classmethod
+    def placed(cls, module) -> bool:
+        """`fully_shard` made its weights DTensors on a device mesh."""
+        return any(hasattr(p, "device_mesh") for p in module.parameters())
+
+    def held_bytes(self, module) -> int:
+        return sharding.param_bytes(module)
 
     def prepare_host(self) -> str | None:
         return sharding.host_allocator(self.env)
@@ -259,71 +284,64 @@ class FSDP(Strategy):
     def full_state(self, model) -> dict:
         return full_model_state(model)
 
-    @classmethod
-    def static_per_rank(cls, plan, n: int) -> int:
-        return -(-sum(plan.static.values()) // n)
 
-    @classmethod
-    def in_flight(cls, plan, n: int) -> int:
-        """FSDP's unsharded buffers while a block runs its backward: the root's and the running block's weights
-        and gradients, the next block's all-gather output, the previous block's reduce-scatter input."""
-        w, r = plan.weight_bytes, plan.reduce_bytes
-        return plan.root_params * 2 * w + plan.block_params * (2 * w + w + r)
-
-    @classmethod
-    def root_reduce(cls, plan, n: int) -> int:
-        """FSDP's last reduce, after backward's activations are gone: the root's unsharded gradients and their
-        reduce-scatter input (its gathered weights are freed first)."""
-        return plan.root_params * (plan.weight_bytes + plan.reduce_bytes)
-
-    @classmethod
-    def optimizer_transient(cls, plan, n: int) -> int:
-        return -(-plan.static["weights_bytes"] // n)
-
-
-_REGISTRY: dict[str, type[Strategy]] = {}
-
-
-def _names() -> dict[str, str]:
-    return {s.lower(): name for name, cls in _REGISTRY.items() for s in (name, *cls.aliases)}
+_REGISTRY = Registry("strategy", Strategy)
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     """Add a strategy: its name and aliases resolve to it from then on (usable as a class decorator)."""
-    taken = _names()
-    clash = [s for s in (cls.name, *cls.aliases) if _REGISTRY.get(taken.get(s.lower()), cls) is not cls]
-    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or clash:
-        raise ValueError(f"cannot register {cls!r}: not a Strategy subclass, or {clash} already name a strategy")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls)
 
 
 for _cls in (Single, DDP, FSDP):
     register_strategy(_cls)
-STRATEGIES = tuple(_REGISTRY)  # the strategies tier_utils ships
+STRATEGIES = _REGISTRY.names()  # the strategies tier_utils ships
 
 
 def launched_strategies() -> tuple[str, ...]:
     """The registered strategies that run on torchrun's ranks (what `ranks` plans and the benchmark compares)."""
-    return tuple(name for name, cls in _REGISTRY.items() if cls.launched)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.launched)
 
 
 def sharded_strategies() -> tuple[str, ...]:
-    return tuple(name for name, cls in _REGISTRY.items() if cls.sharded)
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.sharded)
+
+
+def smoke_strategies() -> tuple[str, ...]:
+    """The registered strategies smoke runs under (each with its per-rank checks)."""
+    return tuple(cls.name for cls in _REGISTRY.entries() if cls.smoke_per_rank is not None)
+
+
+def placed_by(model) -> type[Strategy] | None:
+    """The registered strategy that placed `model` (an adapter's module, or a module) across ranks; None: it is
+    held whole, in one process."""
+    module = getattr(model, "model", model)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    return next((cls for cls in _REGISTRY.entries() if cls.placed(module)), None)
+
+
+def refuse_placed(model, verb: str) -> None:
+    """One line for a tier that reads one whole model (analysis): not on several torchrun ranks, not on a module
+    a strategy placed across them (FSDP's DTensor shards)."""
+    placed, world = placed_by(model), distributed.torchrun_world()
+    if placed is not None or world > 1:
+        where = f"a model sharded by {placed.label}" if placed is not None else f"{world} torchrun ranks"
+        raise LaunchError(f"{verb} does not run sharded ({where}); run it in one process on the consolidated "
+                          f"model: python -m tier_utils {verb} --model RUN/checkpoints/last.pt (train with "
+                          f"--strategy {sharded_strategies()[0]} --consolidate)")
 
 
 def canonical_strategy(requested) -> str:
     """A strategy's name from any spelling of it (or from a Strategy, decided or not)."""
-    if isinstance(requested, Strategy) or (isinstance(requested, type) and issubclass(requested, Strategy)):
-        return requested.name
-    return by_spelling(requested, _names(), "strategy", _REGISTRY)
+    return _REGISTRY.canonical(requested)
 
 
 def strategy_class(name) -> type[Strategy]:
     """The class of a strategy, by any spelling of its name (a Strategy class comes back as it is)."""
     if isinstance(name, type) and issubclass(name, Strategy):
         return name
-    return _REGISTRY[canonical_strategy(name)]
+    return _REGISTRY[name]
 
 
 def saved_strategy(state: dict) -> type[Strategy]:
@@ -348,7 +366,7 @@ def other_format_checkpoint(strategy: Strategy, last: Path) -> None:
         raise CheckpointError(f"{folder} holds a single-file checkpoint ({CHECKPOINT_NAME}, from a {saved.label} run) "
                               f"and this run is sharded ({strategy.label}); resume it {how} with --resume, or use a "
                               "new checkpoint_dir")
-    other = next((cls for cls in _REGISTRY.values() if cls.sharded and cls.holds_checkpoint(folder)), None)
+    other = next((cls for cls in _REGISTRY.entries() if cls.sharded and cls.holds_checkpoint(folder)), None)
     if not strategy.sharded and other is not None:
         raise CheckpointError(f"{folder} holds a sharded ({other.label}) checkpoint, {other.checkpoint_names[0]}/, "
                               f"and this run is not sharded; resume it under "

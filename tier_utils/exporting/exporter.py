@@ -26,7 +26,7 @@ from ..core.display import round_to_spread
 from ..core.errors import ExportError, describe, one_line
 from ..core.files import atomic_write_bytes, jsonable
 from ..core.measure import StepTimer, summarize
-from ..core.precision import Precision, Tolerances, precision_setting, resolve_precision
+from ..core.precision import BASELINE, Precision, Tolerances, precision_setting, resolve_precision
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..core.threads import chooses_threads
@@ -52,7 +52,7 @@ class ExportConfig:
     """
 
     format: str = setting("onnx", "onnx or pt2")
-    precision: str | Precision = setting("fp32", "the dtype the weights are exported in")
+    precision: str | Precision = setting(BASELINE, "the dtype the weights are exported in")
     example: torch.Tensor | dict | None = setting(None, "token ids (B, T) or a batch dict to trace with")
     repeats: int = setting(10, "timed forwards per shape and runner", low=1)
 

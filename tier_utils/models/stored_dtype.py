@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..core.dtype_contexts import kept_dtypes
 from ..core.errors import ModelSpecError
-from ..core.precision import dtype_name, kept_dtypes
+from ..core.precision import BASELINE, dtype_name
 
 # safetensors' header names of the floating dtypes (its integer and bool tensors say nothing of the weights).
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -147,7 +148,7 @@ def fp32_reference(model: nn.Module, stored: torch.dtype | None) -> str:
     packed = sum(not p.is_floating_point() for p in model.parameters())  # a quantised base's integer weights
     rest = f", its {packed} quantised weight tensors as loaded" if packed else ""
     if held in (None, torch.float32):
-        return "fp32" + rest
+        return BASELINE + rest
     origin = f"{dtype_name(stored)}-stored" if stored == held else f"{dtype_name(held)}"
     return f"an fp32 copy of the {origin} weights{rest}"
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from ..core.errors import TierError
-from ..core.memory_settings import BASE_DTYPES, DecidedMemory, LoraSettings, MemorySettings
-from ..core.precision import Precision, dtype_name
+from ..core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
+from ..core.precision import Precision
 from ..engine.lora import lora_static_bytes, resolve_targets
 from ..engine.quantization import quantized_bytes_per_param
 from ..tasks import Task
@@ -24,12 +24,12 @@ def memory_rows(model: nn.Module, decided: list[Precision], lora: LoraSettings |
              if MemorySettings(optimizer=o) != MemorySettings()]  # the full fine-tune with AdamW is the row above
     if lora is None or not resolve_targets(model, lora):  # a model with no nn.Linear has nothing to adapt
         return rows
-    for prec in fp32_weights:
-        base = "fp32" if prec.compute_dtype == torch.float32 else dtype_name(prec.compute_dtype)
-        rows += [(prec, _planned(MemorySettings(lora=lora, base_dtype=base, optimizer=o), BASE_DTYPES[base]))
+    for prec in fp32_weights:  # the base in what the mode computes in (BASE_DTYPES: by the mode's name)
+        base = prec.compute_dtype
+        rows += [(prec, _planned(MemorySettings(lora=lora, base_dtype=prec.name, optimizer=o), base))
                  for o in optimizers]
-        if base != "fp32" and quantized_bytes() is not None:
-            rows += [(prec, _planned(MemorySettings.qlora(lora, optimizer=o), BASE_DTYPES[base])) for o in optimizers]
+        if base.itemsize < 4 and quantized_bytes() is not None:  # QLoRA computes in a 2-byte dtype
+            rows += [(prec, _planned(MemorySettings.qlora(lora, optimizer=o), base)) for o in optimizers]
     return rows
 
 

@@ -21,12 +21,12 @@ import torch.nn as nn
 
 from ..adapter.adapter import resolve_model
 from ..core.budget import CUDA_CONTEXT, ActivationFit, Budget, gib, read_budget
-from ..core.device import GPU_PROFILES, predicted_facts
+from ..core.device import GPU_PROFILES, DeviceFacts, predicted_facts
 from ..core.files import jsonable
 from ..core.measure import static_memory
 from ..core.memory_settings import DecidedMemory, LoraSettings, lora_setting
 from ..core.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, AdamW8bit, Optimizer, canonical_optimizer
-from ..core.precision import PRECISIONS, Precision, dtype_name, resolve_device, resolve_precision
+from ..core.precision import BASELINE, PRECISIONS, Precision, dtype_name, resolve_device, resolve_precision
 from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
@@ -176,28 +176,14 @@ def device_room(budget: Budget) -> float:
     return budget.free_bytes * (1 - ALLOCATOR_MARGIN) if budget.device == "cuda" else budget.limit
 
 
-def cost_rank(c: ModeRow, native: bool) -> tuple:
-    """Where mode `c` stands among the modes that fit, cheapest first (docs/precision.md, "How fit chooses a
-    mode"): what it costs the training first (nothing; the recompute of checkpointing; a true mode's rounded-away
-    updates; LoRA training only adapters, each again with checkpointing; plus its optimizer's `accuracy_cost`,
-    AdamW8bit's quantised moments one step), then its speed on the device (a native
-    2-byte compute, then fp32, then an emulated one), no loss scaler before one, the wider range first."""
-    low_weights = c.mode.param_dtype.itemsize < 4
-    quantized = c.memory is not None and c.memory.quantized
-    technique = 6 if quantized else 4 if c.lora is not None else 2 if low_weights else 0
-    low = c.mode.compute_dtype.itemsize < 4
-    speed = 0 if low and native else 2 if low else 1
-    return (technique + c.checkpointing + c.optimizer.accuracy_cost, speed, c.mode.needs_scaler,
-            -torch.finfo(c.mode.compute_dtype).max)
-
-
-def speed_rank(c: ModeRow, native: bool) -> tuple:
-    """Where precision mode `c` stands by predicted speed, fastest first (the rule where nothing was measured): a
-    2-byte compute with native tensor cores (or CPU instructions) before fp32 before an emulated one, then a true
-    mode (2-byte weights, nothing cast per step) before a mixed one, no loss scaler before one, the wider range."""
-    low = c.mode.compute_dtype.itemsize < 4
-    compute = 0 if low and native else 2 if low else 1
-    return compute, c.mode.param_dtype.itemsize, c.mode.needs_scaler, -torch.finfo(c.mode.compute_dtype).max
+def cost_rank(c: ModeRow, facts: DeviceFacts | None = None) -> tuple:
+    """Where mode `c` stands among the modes that fit on `facts`' hardware (None: where it was decided), cheapest
+    first (docs/precision.md, "How fit chooses a mode"): what it costs the training first (the recompute of
+    checkpointing, 1; the precision's `accuracy_cost`; the memory settings', LoRA's and the optimizer's), then the
+    precision's speed there, no loss scaler before one, the wider range first (Precision.cost_rank)."""
+    accuracy, *rest = c.mode.cost_rank(facts)
+    memory = c.memory.accuracy_cost if c.memory is not None else 0
+    return (accuracy + c.checkpointing + memory, *rest)
 
 
 @dataclass(repr=False)
@@ -218,40 +204,39 @@ class FitResult(Result):
     def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
 
-    def devices(self) -> dict[str, tuple[float, object]]:
-        """Device column -> (the room a training step may use, whether a mode runs natively there)."""
-        here = ("this_device", (device_room(self.budget), lambda c: c.mode.native))
-        gpus = [(column, (gpu_room(card.memory_mib), lambda c, card=card: c.mode.native_support(
-            predicted_facts(card))[0])) for column, card in GPU_COLUMNS.items()]
-        return dict([here, *gpus])
+    def devices(self) -> dict[str, tuple[float, DeviceFacts | None]]:
+        """Device column -> (the room a training step may use, the hardware: None here, where each mode was
+        decided; a GPU's predicted facts)."""
+        gpus = {column: (gpu_room(card.memory_mib), predicted_facts(card)) for column, card in GPU_COLUMNS.items()}
+        return {"this_device": (device_room(self.budget), None), **gpus}
 
-    def _fitting(self, room: float, native) -> list[ModeRow]:
+    def _fitting(self, room: float, facts: DeviceFacts | None) -> list[ModeRow]:
         """The modes that run on a device (natively, or emulated where the mode allows) and fit the batch asked."""
-        return [c for c in self.configs if (native(c) or c.mode.runs_emulated)
-                and c.step_bytes(self.batch_size, self.seq_len) <= room]
+        return [c for c in self.configs
+                if c.mode.runs_here(facts) and c.step_bytes(self.batch_size, self.seq_len) <= room]
 
     def cheapest(self) -> dict[str, ModeRow | None]:
         """Device column -> the cheapest mode that fits the batch asked there (None: none does)."""
-        return {column: min(self._fitting(room, native), key=lambda c: cost_rank(c, native(c)), default=None)
-                for column, (room, native) in self.devices().items()}
+        return {column: min(self._fitting(room, facts), key=lambda c, f=facts: cost_rank(c, f), default=None)
+                for column, (room, facts) in self.devices().items()}
 
     def fastest(self) -> dict[str, ModeRow | None]:
         """Device column -> the fastest mode that fits the batch asked there (None: none does, or none measured
         faster). Here, where the run measured speedups: the fastest of the precision modes (no checkpointing, no
         LoRA) measurably faster than fp32 (the benchmark's rule, `Speedup.measurably_faster`). Elsewhere predicted:
-        no recompute before checkpointing's, then the precision's speed (speed_rank), then a full fine-tune before
-        LoRA and QLoRA (cost_rank's order), so wherever a mode fits, a fastest does."""
+        no recompute before checkpointing's, then the precision's speed (Precision.speed_rank), then a full
+        fine-tune before LoRA and QLoRA (cost_rank's order), so wherever a mode fits, a fastest does."""
         picked = {}
-        for column, (room, native) in self.devices().items():
+        for column, (room, facts) in self.devices().items():
             measured = self.measured_speedups if column == "this_device" else None
-            fitting = self._fitting(room, native)
+            fitting = self._fitting(room, facts)
             if measured:
                 faster = [c for c in fitting if c.lora is None and not c.checkpointing
                           and measured.get(c.precision) is not None and measured[c.precision].measurably_faster]
                 picked[column] = min(faster, key=lambda c, m=measured: -m[c.precision].median, default=None)
             else:
-                picked[column] = min(fitting, default=None, key=lambda c, n=native: (
-                    c.checkpointing, speed_rank(c, n(c)), cost_rank(c, n(c))))
+                picked[column] = min(fitting, default=None, key=lambda c, f=facts: (
+                    c.checkpointing, c.mode.speed_rank(f), cost_rank(c, f)))
         return picked
 
     def with_measured_speedups(self, speedups: dict, source: str) -> FitResult:
@@ -267,13 +252,12 @@ class FitResult(Result):
         for c in self.configs:
             row = {"mode": c.name, "precision": c.precision, "checkpointing": "on" if c.checkpointing else "off",
                    "lora": f"r={c.lora.r}" if c.lora else "off", "step_gib": c.step_bytes(B, T) / 2**30}
-            for column, (room, native) in self.devices().items():
-                runs = native(c) or c.mode.runs_emulated
-                row[column] = self.largest(c, room) if runs else None
+            for column, (room, facts) in self.devices().items():
+                row[column] = self.largest(c, room) if c.mode.runs_here(facts) else None
             row["cheapest_on"] = ", ".join(col.replace(" (predicted)", "") for col, p in cheapest.items()
                                            if p is c) or None
             fits = c.step_bytes(B, T) <= here
-            runs_here = c.mode.native or c.mode.runs_emulated  # a true mode is refused where only emulated
+            runs_here = c.mode.runs_here()  # a true mode is refused where only emulated
             row["status"] = "SKIP" if not runs_here else "PASS" if fits else "WARN"
             row.update({"bytes_per_param": c.bytes_per_param, "static_gib": c.static / 2**30,
                         "activation_gib": (c.step_bytes(B, T) - c.static) / 2**30,
@@ -338,12 +322,12 @@ class FitResult(Result):
         if not measured:
             return f"fastest here {_named(here)} (predicted)"
         if here is not None:
-            return f"fastest here {here.name}: {measured[here.precision].describe('fp32')}, measured {source}"
+            return f"fastest here {here.name}: {measured[here.precision].describe(BASELINE)}, measured {source}"
         if cheapest is None:
             return "fastest here none fits"
         ran = {p: sp for p, sp in measured.items() if sp is not None}
         best = max(ran, key=lambda p: ran[p].median, default=None)
-        closest = f"closest: {best} {ran[best].describe('fp32')}" if best else "no other mode ran"
+        closest = f"closest: {best} {ran[best].describe(BASELINE)}" if best else "no other mode ran"
         return f"no mode was measurably faster here ({closest}, measured {source})"
 
     @property
@@ -405,7 +389,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
                        batch_size=cfg.batch_size)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked != "off":
-        runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
+        runs = {c.name for c in configs if c.mode.runs_here()}
         chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
         result.validation = validate(adapter, configs, chosen, length,
                                      lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
@@ -416,7 +400,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
 def _recommended_and_baseline(result: FitResult) -> set[str]:
     """The modes validation checks by default: the one recommended here (the cheapest that fits) and fp32's."""
     recommended = result.cheapest()["this_device"]
-    baseline = next((c for c in result.configs if c.precision == "fp32" and not c.checkpointing and c.lora is None),
+    baseline = next((c for c in result.configs if c.precision == BASELINE and not c.checkpointing and c.lora is None),
                     None)
     return {c.name for c in (recommended, baseline) if c is not None}
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..core.budget import ActivationFit, Budget, gib, measure_activations
-from ..core.precision import Precision, kept_dtypes, resolve_precision
+from ..core.dtype_contexts import kept_dtypes
+from ..core.precision import BASELINE, Precision, resolve_precision
 from ..engine.activation_checkpointing import checkpointed, fewer_blocks, repeated_blocks
 
 PROBE_DEPTHS = (2, 3)  # two depths, so what one block adds is measured; two, not one, still read as repeated blocks
@@ -84,7 +85,7 @@ def size_probe(adapter, precisions: list[Precision], length: int, budget: Budget
     blocks = len(repeated_blocks(model))
     if blocks <= PROBE_DEPTHS[-1] or not _shortens(model):
         return Probe(budget, blocks)
-    fp32 = resolve_precision("fp32", adapter.device, warn=False)
+    fp32 = resolve_precision(BASELINE, adapter.device, warn=False)
     shallow, deeper = (measured_fit(adapter, fp32, length, False, d) for d in PROBE_DEPTHS)
     whole = shallow.extrapolated(deeper, PROBE_DEPTHS, blocks)
     copies = max(copy_bytes(model, p) for p in precisions)
@@ -92,7 +93,7 @@ def size_probe(adapter, precisions: list[Precision], length: int, budget: Budget
         return Probe(budget, blocks)
     with fewer_blocks(model, PROBE_DEPTHS[-1]):
         held = max(copy_bytes(model, p) for p in precisions) + deeper.probe_bytes()
-    return Probe(budget, blocks, PROBE_DEPTHS, copies + whole.probe_bytes(), held, {("fp32", False): whole})
+    return Probe(budget, blocks, PROBE_DEPTHS, copies + whole.probe_bytes(), held, {(BASELINE, False): whole})
 
 
 def _shortens(model: nn.Module) -> bool:

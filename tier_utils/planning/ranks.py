@@ -1,7 +1,8 @@
 """The planner per rank: for N ranks under each strategy that runs on ranks (DDP, FSDP2 and any registered), the
 bytes each rank holds and the largest batch per rank, on this machine and predicted on the GPU table with 2, 4 and
-8 of each card; the smallest N at which the model trains under each. Each strategy class owns its formula
-(engine/strategies.py); this module measures the pieces it reads (RankPlan) and tabulates.
+8 of each card; the smallest N at which the model trains under each. This module measures the pieces (RankPlan),
+holds each strategy class's formula over them (BYTE_MODELS: a strategy without one of its own takes its base
+class's) and tabulates.
 
 Per rank, at batch B and length T (S: the static bytes of the fit planner, weights + gradients + AdamW state):
 - DDP: every rank holds S, plus DDP's gradient buckets (one more copy of the gradients: torch's default
@@ -38,7 +39,7 @@ from ..core.precision import resolve_device, resolve_precision
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..engine.activation_checkpointing import repeated_blocks
-from ..engine.strategies import launched_strategies, strategy_class
+from ..engine.strategies import DDP, FSDP, Strategy, launched_strategies, strategy_class
 from ..models.builtins import DEFAULT_MODEL
 from .planner import GPU_COLUMNS, MARGIN_NOTE, device_room, gpu_room, gpus_mib, plan, static_bytes
 
@@ -79,19 +80,19 @@ class RankPlan:
 
     def static_per_rank(self, strategy, n: int) -> int:
         """The weights, gradients and AdamW state a rank holds under `strategy` (a class, or its name)."""
-        return strategy_class(strategy).static_per_rank(self, n)
+        return byte_model(strategy).static(self, n)
 
     def in_flight(self, strategy, n: int) -> int:
         """What a rank holds beside its static state while a block runs its backward (FSDP's units in flight)."""
-        return strategy_class(strategy).in_flight(self, n)
+        return byte_model(strategy).in_flight(self, n)
 
     def root_reduce(self, strategy, n: int) -> int:
         """What a rank holds after backward's activations are gone, before the optimizer step (FSDP's root reduce)."""
-        return strategy_class(strategy).root_reduce(self, n)
+        return byte_model(strategy).root_reduce(self, n)
 
     def optimizer_transient(self, strategy, n: int) -> int:
         """foreach AdamW's temporary during the step: one copy of the weights this rank steps."""
-        return strategy_class(strategy).optimizer_transient(self, n)
+        return byte_model(strategy).optimizer_transient(self, n)
 
     def per_sequence(self) -> float:
         return self.fit.per_sequence(self.length) + self.fit.output_per_token * self.length
@@ -109,6 +110,66 @@ class RankPlan:
             return 0
         return max(0, int((room - self.static_per_rank(strategy, n) - self.in_flight(strategy, n) - self.fit.k)
                           // self.per_sequence()))
+
+
+class WholeModel:
+    """A rank holding the whole model (one process, and a strategy on ranks with no formula of its own): its whole
+    static state, nothing in flight beside it, foreach AdamW's temporary the size of the weights."""
+
+    def __init__(self, strategy: type[Strategy]):
+        self.strategy = strategy
+
+    def static(self, plan: RankPlan, n: int) -> int:
+        return sum(plan.static.values())
+
+    def in_flight(self, plan: RankPlan, n: int) -> int:
+        return 0
+
+    def root_reduce(self, plan: RankPlan, n: int) -> int:
+        return 0
+
+    def optimizer_transient(self, plan: RankPlan, n: int) -> int:
+        return plan.static["weights_bytes"]
+
+
+class DDPBuckets(WholeModel):
+    """DDP: the whole model, plus its gradient buckets unless they are views of the gradients (the strategy's
+    gradient_as_bucket_view)."""
+
+    def static(self, plan, n):
+        buckets = 0 if self.strategy.gradient_as_bucket_view else plan.static["grads_bytes"]
+        return super().static(plan, n) + buckets
+
+
+class FSDPShards(WholeModel):
+    """FSDP2: 1/N of the static state, the units in flight while a block runs its backward, the root's reduce, and
+    the optimizer's temporary over this rank's shard."""
+
+    def static(self, plan, n):
+        return -(-sum(plan.static.values()) // n)
+
+    def in_flight(self, plan, n):
+        """The root's and the running block's gathered weights and unsharded gradients, the next block's all-gather
+        output, the previous block's reduce-scatter input."""
+        w, r = plan.weight_bytes, plan.reduce_bytes
+        return plan.root_params * 2 * w + plan.block_params * (2 * w + w + r)
+
+    def root_reduce(self, plan, n):
+        """After backward's activations are gone: the root's unsharded gradients and their reduce-scatter input (its
+        gathered weights are freed first)."""
+        return plan.root_params * (plan.weight_bytes + plan.reduce_bytes)
+
+    def optimizer_transient(self, plan, n):
+        return -(-plan.static["weights_bytes"] // n)
+
+
+BYTE_MODELS = {Strategy: WholeModel, DDP: DDPBuckets, FSDP: FSDPShards}  # a subclass takes its base's
+
+
+def byte_model(strategy) -> WholeModel:
+    """The per-rank formula of `strategy` (a class, or its name): its own, or its nearest base class's."""
+    cls = strategy_class(strategy)
+    return next(BYTE_MODELS[c] for c in cls.__mro__ if c in BYTE_MODELS)(cls)
 
 
 def rank_plan(adapter, precision, length: int) -> RankPlan:

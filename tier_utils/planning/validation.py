@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.budget import without_oom
-from ..core.precision import kept_dtypes, resolve_precision
+from ..core.dtype_contexts import kept_dtypes
+from ..core.precision import resolve_precision
 from ..core.progress import progress_bar
 from ..engine.activation_checkpointing import memory_context
 from ..engine.step import TrainStep, make_optimizer

@@ -13,9 +13,6 @@ from dataclasses import replace
 
 from ..core.budget import Budget
 from ..core.results import Check
-from ..engine import sharding
-
-PER_RANK = ("gradients", "memory")  # the groups that run on the sharded model, on every rank
 
 
 def shared_budget(budget: Budget, env) -> Budget:
@@ -23,13 +20,15 @@ def shared_budget(budget: Budget, env) -> Budget:
     return min(env.gather(budget), key=lambda b: b.free_bytes)
 
 
-def sharded_groups(groups: dict, env) -> dict:
-    """The check groups as they run sharded: the per-rank ones with rank-tagged rows and a first row naming the
-    rank's share; the others one SKIP row each."""
+def per_rank_groups(groups: dict, strategy) -> dict:
+    """The check groups as they run under `strategy`: its per-rank ones (Strategy.smoke_per_rank) with rank-tagged
+    rows and a first row naming the rank's share; the others one SKIP row each."""
+    env = strategy.env
+
     def per_rank(name, group):
         def run(adapter, report):
             if name == "memory":
-                yield _held_row(adapter, report, env)
+                yield _held_row(adapter, report, strategy)
             for row in group(adapter, report):
                 yield replace(row, check=f"{row.check} [rank {env.rank}]")
         return run
@@ -41,20 +40,22 @@ def sharded_groups(groups: dict, env) -> dict:
                                                   "--strategy) for it")
         return run
 
-    return {name: per_rank(name, group) if name in PER_RANK else skipped(name) for name, group in groups.items()}
+    return {name: per_rank(name, group) if name in strategy.smoke_per_rank else skipped(name)
+            for name, group in groups.items()}
 
 
-def _held_row(adapter, report, env) -> Check:
-    held, whole = sharding.param_bytes(adapter.model), report.model["parameter_bytes"]
+def _held_row(adapter, report, strategy) -> Check:
+    env = strategy.env
+    held, whole = strategy.held_bytes(adapter.model), report.model["parameter_bytes"]
     return Check(f"memory: parameters held (bytes) [rank {env.rank}]", "PASS", held, None,
                  f"{held / 2**20:.2f} MiB of the {whole / 2**20:.2f} MiB unsharded ({held / whole:.0%}; 1/"
                  f"{env.world_size} is {1 / env.world_size:.0%}): {report.sharding}")
 
 
-def gathered(ran: list[tuple[str, list[Check]]], env) -> list[Check]:
+def gathered(ran: list[tuple[str, list[Check]]], strategy) -> list[Check]:
     """Every rank's rows, group by group: a per-rank group's rows from rank 0, 1, ...; the others' from rank 0."""
-    every = env.gather(ran)
+    every = strategy.env.gather(ran)
     rows = []
     for i, (name, own) in enumerate(ran):
-        rows += [row for ranks in every for row in ranks[i][1]] if name in PER_RANK else own
+        rows += [row for ranks in every for row in ranks[i][1]] if name in strategy.smoke_per_rank else own
     return rows

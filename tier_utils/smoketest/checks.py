@@ -21,6 +21,7 @@ from ..core.budget import affordable_repeats, gib, measure_activations, row_chun
 from ..core.errors import describe, one_line
 from ..core.measure import StepTimer, percentile, summarize
 from ..core.precision import (
+    BASELINE,
     Precision,
     autocast_precisions,
     computed_in,
@@ -30,8 +31,8 @@ from ..core.precision import (
     resolve_precision,
 )
 from ..core.results import Check, failed_check
-from ..engine.distributed import is_sharded
 from ..engine.quantization import describe_quantized
+from ..engine.strategies import placed_by
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory_grid import memory
 
@@ -340,7 +341,7 @@ def _ratios(got, matrices: bool) -> dict[str, float]:
 def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[str], dict] | str:
     """Zero and layer-ratio pictures after one optimizer step on a copy of the model (the model itself is
     untouched), or why it was not taken: what sits behind zero-initialised weights gets a gradient only then."""
-    if is_sharded(adapter.model):  # ranks would step a copy each, apart: FSDP's collectives need them together
+    if placed_by(adapter.model) is not None:  # ranks would step a copy each, apart: its collectives need them together
         return "not re-checked: the model is sharded (run smoke in one process for the re-check)"
     params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
     need = 4 * params  # the copy, its gradients and Adam's two moments
@@ -425,7 +426,7 @@ def _stability(adapter: ModelAdapter, report):
     # as an fp32 copy (low precision autocast on fp32 weights: what a mixed precision training step runs).
     reference = fp32_reference(adapter.model, adapter.stored_dtype)
     with fp32_copy(adapter.model):
-        if reference != "fp32" and not isinstance(ref, Exception):
+        if reference != BASELINE and not isinstance(ref, Exception):
             try:
                 with torch.no_grad():
                     ref = adapter.logits(*_inputs(adapter, batch))
@@ -452,7 +453,7 @@ def _finite_case(name: str, adapter: ModelAdapter, got, note: str = "") -> Check
 
 
 def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, low: str, batch: dict,
-                        ref: torch.Tensor | Exception, reference: str = "fp32", note: str = "") -> Check:
+                        ref: torch.Tensor | Exception, reference: str = BASELINE, note: str = "") -> Check:
     if isinstance(ref, Exception):  # a model whose fp32 forward raises fails here too, supported or not
         raise ref
     tol = precision_class(low).tolerances().logits  # max |logits - fp32 logits| / max |fp32 logits|
@@ -470,7 +471,7 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
         return Check(name, "FAIL", None, f"<= {tol:g}", f"{low} autocast gives non-finite logits (overflow?)")
     dev = _rel_dev(out, ref)
     detail = (f"max |{low} - fp32| / max |fp32| over {tuple(ref.shape)} logits"
-              + ("" if reference == "fp32" else f", {low} autocast and fp32 on {reference}")
+              + ("" if reference == BASELINE else f", {low} autocast and fp32 on {reference}")
               + ("" if native else " (forced: emulated on this device)")
               + ("" if dev <= tol else f"; more than {low} rounding explains") + note)
     return Check(name, "PASS" if dev <= tol else "WARN", _sig(dev, 3), f"<= {tol:g}", detail)
@@ -545,7 +546,7 @@ def _weights_dtype(adapter: ModelAdapter) -> Check:
     """The weights' stored dtype and what smoke runs them in (a statement, never a failure)."""
     held = adapter.weights_dtype
     reference = fp32_reference(adapter.model, adapter.stored_dtype)
-    compared = "" if reference == "fp32" else f"; the bf16/fp16 stability rows compare with {reference}"
+    compared = "" if reference == BASELINE else f"; the bf16/fp16 stability rows compare with {reference}"
     quantized = describe_quantized(adapter.model)
     return Check("init: weights dtype", "PASS", dtype_name(held), None,
                  (f"{quantized}; " if quantized else "") + as_loaded(adapter.stored_dtype, held) + compared)

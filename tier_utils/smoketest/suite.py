@@ -27,9 +27,9 @@ from ..core.results import Check, Result, checks_table, failed_check, problem_ro
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
 from ..engine.quantization import quantized_summary
-from ..engine.strategies import canonical_strategy, resolve_strategy, sharded_strategies
+from ..engine.strategies import canonical_strategy, resolve_strategy, smoke_strategies
 from ..models.builtins import DEFAULT_MODEL
-from .across_ranks import gathered, sharded_groups, shared_budget
+from .across_ranks import gathered, per_rank_groups, shared_budget
 from .checks import CHECK_GROUPS
 
 
@@ -53,9 +53,9 @@ class SmokeConfig:
             self.seq_lens = _positive_ints(self.seq_lens, "seq_lens")
         self.precision = precision_setting(self.precision)
         if self.strategy is not None:  # a strategy that holds the whole model would check it again on every rank
-            sharded = sharded_strategies()
-            if canonical_strategy(self.strategy) not in sharded:
-                raise ValueError(f"smoke's strategy is {' or '.join(sharded)} or none, got {self.strategy!r}")
+            runs = smoke_strategies()
+            if canonical_strategy(self.strategy) not in runs:
+                raise ValueError(f"smoke's strategy is {' or '.join(runs)} or none, got {self.strategy!r}")
             self.strategy = canonical_strategy(self.strategy)
         if self.checks is not None:  # None stays "all", as the CLI's default shows it
             self.checks = tuple(select_names(self.checks, CHECK_GROUPS, "check group"))
@@ -238,9 +238,9 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) 
     checks = {name: CHECK_GROUPS[name] for name in groups}
     if env is not None:
         report.sharding = strategy.setup_module(adapter.model, prec)  # the summary, taken before, stays unsharded
-        checks = sharded_groups(checks, env)
+        checks = per_rank_groups(checks, strategy)
     ran = _run_groups(adapter, report, checks, cfg.progress and (env is None or env.is_main))
-    report.checks = gathered(ran, env) if env is not None else [row for _, rows in ran for row in rows]
+    report.checks = gathered(ran, strategy) if env is not None else [row for _, rows in ran for row in rows]
     report.seconds = time.perf_counter() - start
     return report
 

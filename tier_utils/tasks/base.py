@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.errors import AdapterError, DataError
-from ..core.inputs import by_spelling
+from ..core.registry import Registry
 from ..data.datasets import (
     DEFAULT_VAL_FRACTION,
     DataRequest,
@@ -211,28 +211,16 @@ class Task:
         raise DataError(f"the {self.name} task reads no text; pass a Dataset of its batches")
 
 
-_REGISTRY: dict[str, Task] = {}
+_REGISTRY = Registry("task", Task, classes=False)
 
 
 def register_task(task: Task) -> Task:
     """Add a task (an instance): its name and aliases resolve to it from then on."""
-    taken = _spellings()
-    clash = [s for s in (task.name, *task.aliases) if s.lower() in taken and taken[s.lower()] != task.name]
-    if not isinstance(task, Task) or not task.name or clash:
-        raise ValueError(f"cannot register {task!r}: not a named Task instance, or {clash} already name a task")
-    _REGISTRY[task.name] = task
-    return task
-
-
-def _spellings() -> dict[str, str]:
-    table = {}
-    for name, task in _REGISTRY.items():
-        table.update({s.lower(): name for s in (name, *task.aliases)})
-    return table
+    return _REGISTRY.add(task)
 
 
 def task_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def task_named(task) -> Task:
@@ -241,7 +229,7 @@ def task_named(task) -> Task:
     if isinstance(task, Task):
         return task
     try:
-        return _REGISTRY[by_spelling(task, _spellings(), "task", task_names())]
+        return _REGISTRY[task]
     except ValueError as exc:
         raise AdapterError(str(exc)) from exc
 
@@ -250,12 +238,12 @@ def recognized_task(architecture: str, config=None, params: frozenset = frozense
     """The first registered task a model declares (registry order): by its class name's ending
     (`...ForCausalLM`, `...ForSequenceClassification`), its config (an encoder-decoder's) or its forward's
     parameters (decoder inputs)."""
-    return next((t for t in _REGISTRY.values() if t.recognizes(architecture, config, params)), None)
+    return next((t for t in _REGISTRY.entries() if t.recognizes(architecture, config, params)), None)
 
 
 def task_of_output(logits: torch.Tensor) -> Task | None:
     """The first registered task whose layout a probe's logits have (registry order: the built-in ones first)."""
-    return next((t for t in _REGISTRY.values() if t.fits_output(logits)), None)
+    return next((t for t in _REGISTRY.entries() if t.fits_output(logits)), None)
 
 
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,

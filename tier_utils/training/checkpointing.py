@@ -20,7 +20,7 @@ from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
 from ..engine.lora import lora_record, model_state
-from ..engine.strategies import Strategy, other_format_checkpoint, saved_strategy
+from ..engine.strategies import Strategy, other_format_checkpoint
 from ..models.checkpoint import CHECKPOINT_NAME, describe_data, save_checkpoint
 from ..models.loading import source_of
 from .config import TRAJECTORY_FIELDS, TrainConfig
@@ -122,13 +122,11 @@ class RunCheckpoints:
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and ranks in which a checkpoint's run differs from this one."""
         saved, now = state["config"], self.cfg.to_dict()
-        # A checkpoint that reshards on load resumes on another world size if the global batch is the same.
-        fields = [k for k in TRAJECTORY_FIELDS if not (saved_strategy(state).sharded and k == "batch_size")]
-        differ = [f"{k}={_readable(k, saved.get(k))} (this run: {_readable(k, now[k])})" for k in fields
+        differ = [f"{k}={_readable(k, saved.get(k))} (this run: {_readable(k, now[k])})" for k in TRAJECTORY_FIELDS
                   if saved.get(k) != now[k]]
         if state["precision"] != self.precision:
             differ.append(f"precision={state['precision']!r} (this run: {self.precision!r})")
-        return differ + self.strategy.resume_differences(state, self.data.global_batch)
+        return differ + self.strategy.resume_differences(state, self.cfg.batch_size, self.data.global_batch)
 
     def _load(self) -> None:
         state = self.strategy.read(self.last_path)

@@ -13,9 +13,11 @@ from ..core.settings import check_fields, check_switch, device_field, precision_
 from ..data.datasets import DEFAULT_VAL_FRACTION
 from ..engine.compiling import compile_mode_setting
 from ..engine.schedules import DEFAULT_DECAY_FRACTION, DEFAULT_FINAL_FRACTION, SCHEDULES, Schedule
-from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
+from ..engine.strategies import DDP, canonical_strategy, strategy_class
 
-TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
+# A resume needs these the same; the batch per rank is the strategy's to compare (Strategy.resume_differences: a
+# sharded checkpoint reshards onto another one with the same global batch).
+TRAJECTORY_FIELDS = ("seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
                      "shuffle", "val_fraction")
 NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
@@ -121,17 +123,7 @@ class TrainConfig:
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir=DIR to write checkpoints into")
         self.strategy = canonical_strategy(self.strategy)
-        sharded = strategy_class(self.strategy).sharded
-        if sharded and self.memory.quantized:
-            raise ValueError(f"a 4-bit base (QLoRA) cannot be sharded by {self.strategy}: use strategy='{DDP.name}' "
-                             "or one process, or drop bits=4")
-        if sharded and self.memory.lora is not None and self.save_hf is not None:
-            raise ValueError(f"save_hf of a LoRA run under {self.strategy} is not supported (its adapters are "
-                             "sharded); drop save_hf and keep consolidate: load_model('<checkpoint_dir>/last.pt') "
-                             "gives the model with its adapters")
-        if self.consolidate and (not sharded or self.checkpoint_dir is None):
-            raise ValueError("consolidate turns a sharded run's checkpoint into one last.pt: it needs a sharded "
-                             f"strategy ({', '.join(sharded_strategies())}) and checkpoint_dir=DIR")
+        strategy_class(self.strategy).refuse(self)  # what it cannot shard or write: its own one line
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
         self._check_validation()

@@ -12,7 +12,6 @@ import math
 import torch
 
 from ..core.errors import Fp16RangeError, TrainingDiverged
-from ..core.memory_settings import FP16_MAX, out_of_fp16_range
 from ..core.precision import Precision
 from .history import History
 
@@ -23,11 +22,12 @@ def checked_weights(model: torch.nn.Module, precision: Precision) -> tuple[str, 
     """The names of `model`'s non-finite weights as loaded (a cause to name if the loss goes non-finite); first,
     where the precision computes in fp16, a weight fp16 would make inf is refused (Fp16RangeError)."""
     if precision.compute_dtype == torch.float16:
-        over = out_of_fp16_range(_cast_to_fp16(model, precision))
+        over = precision.out_of_range(_cast_to_fp16(model, precision))
         if over:
             raise Fp16RangeError(f"{precision.name} would overflow: {_named(over)} "
                                  f"{'holds' if len(over) == 1 else 'hold'} values beyond fp16's "
-                                 f"±{FP16_MAX:g}, which {precision.name} makes inf (every step skipped or NaN); "
+                                 f"±{precision.range_max():g}, which {precision.name} makes inf (every step skipped or "
+                                 "NaN); "
                                  "bf16 or fp32 will run it: --precision bf16 or fp32")
     named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()]
     if not named:

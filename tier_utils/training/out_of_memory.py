@@ -140,7 +140,7 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow 
 
 def _most(configs: list[ModeRow], length: int, room: float) -> str:
     """Where no mode fits the batch asked: the mode that fits the most (a mode the device cannot run left out)."""
-    runs = [c for c in configs if c.mode.native or c.mode.runs_emulated]
+    runs = [c for c in configs if c.mode.runs_here()]
     best = max(runs, key=lambda c: c.largest_batch(length, room), default=None)
     largest = best.largest_batch(length, room) if best is not None else 0
     return f"; the most is B={largest} in {best.name}" if largest else "; not even B=1 in any mode"

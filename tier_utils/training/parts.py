@@ -21,7 +21,6 @@ from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed
 from ..engine.activation_checkpointing import enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, compile_for_training
-from ..engine.lora import convert_for
 from ..engine.quantization import apply_memory, load_quantized, require_adapters
 from ..engine.step import TrainStep, make_optimizer
 from ..engine.strategies import Strategy
@@ -63,7 +62,7 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
     check_save_hf(adapter.model, cfg.save_hf, cfg.merge)  # no save_pretrained form: refused before any step
     # fp32 master weights for the mixed modes, whatever dtype the checkpoint was stored in; with LoRA the base in
     # the decided base dtype and the adapters in fp32 (a 4-bit base's packed weights stay as bitsandbytes holds them)
-    convert_for(precision, adapter.model.to(device), memory).train()
+    precision.convert_module(adapter.model.to(device), memory).train()
     # The planner's checkpointing (engine/activation_checkpointing.py), so what `fit` predicted with it is what runs.
     checkpointing = enable_checkpointing(adapter.model) if cfg.memory.checkpointing else None
     adapter.require_trainable()

@@ -18,7 +18,7 @@ import types
 import torch
 
 from ...core.budget import without_oom
-from ...core.precision import resolve_precision
+from ...core.precision import BASELINE, resolve_precision
 from ..config import BenchConfig, Thresholds
 from ..measurements import FLOOR_TOKENS, timed_repeat
 from ..verdicts import TARGET_FIXED_SHARE, launch_bound
@@ -78,7 +78,7 @@ def fp32_measure(adapter, seq_len: int, lr: float = BenchConfig.lr):
     """`measure(b)` for grow_batch: fp32 steps at batch b and at one short sequence on the model's device,
     median of the timed steps and the CUDA peak; the model's weights are restored after each call."""
     dev = adapter.device
-    prec = resolve_precision("fp32", dev, warn=False)
+    prec = resolve_precision(BASELINE, dev, warn=False)
     cfg = BenchConfig(untimed_steps=_UNTIMED, lr=lr)  # the benchmark's optimizer, clipping and seed
     start = copy.deepcopy(adapter.model.state_dict())
     floor = [adapter.example_batch(1, min(FLOOR_TOKENS, seq_len))] * (_UNTIMED + _TIMED)

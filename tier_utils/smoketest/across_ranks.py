@@ -27,15 +27,15 @@ def sharded_groups(groups: dict, env) -> dict:
     """The check groups as they run sharded: the per-rank ones with rank-tagged rows and a first row naming the
     rank's share; the others one SKIP row each."""
     def per_rank(name, group):
-        def run(adapter, report):
+        def run(adapter, smoke_run):
             if name == "memory":
-                yield _held_row(adapter, report, env)
-            for row in group(adapter, report):
-                yield replace(row, check=f"{row.check} [rank {env.rank}]")
+                yield _held_row(adapter, smoke_run, env)
+            for row in group(adapter, smoke_run):  # a group's data for the report (a Found) passes as it is
+                yield replace(row, check=f"{row.check} [rank {env.rank}]") if isinstance(row, Check) else row
         return run
 
     def skipped(name):
-        def run(adapter, report):
+        def run(adapter, smoke_run):
             yield Check(name, "SKIP", None, None, f"reads the whole model at once, and the model is sharded over "
                                                   f"{env.world_size} ranks: run smoke in one process (without "
                                                   "--strategy) for it")
@@ -44,11 +44,11 @@ def sharded_groups(groups: dict, env) -> dict:
     return {name: per_rank(name, group) if name in PER_RANK else skipped(name) for name, group in groups.items()}
 
 
-def _held_row(adapter, report, env) -> Check:
-    held, whole = sharding.param_bytes(adapter.model), report.model["parameter_bytes"]
+def _held_row(adapter, smoke_run, env) -> Check:
+    held, whole = sharding.param_bytes(adapter.model), smoke_run.model["parameter_bytes"]
     return Check(f"memory: parameters held (bytes) [rank {env.rank}]", "PASS", held, None,
                  f"{held / 2**20:.2f} MiB of the {whole / 2**20:.2f} MiB unsharded ({held / whole:.0%}; 1/"
-                 f"{env.world_size} is {1 / env.world_size:.0%}): {report.sharding}")
+                 f"{env.world_size} is {1 / env.world_size:.0%}): {smoke_run.sharding}")
 
 
 def gathered(ran: list[tuple[str, list[Check]]], env) -> list[Check]:

@@ -19,7 +19,7 @@ from ..core.precision import Precision
 from ..core.seeding import seed_everything
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed
-from ..engine.activation_checkpointing import enable_checkpointing, require_blocks
+from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, compile_for_training
 from ..engine.lora import convert_for
 from ..engine.quantization import apply_memory, load_quantized, require_adapters
@@ -38,7 +38,7 @@ class BuiltModel:
 
     adapter: ModelAdapter
     name: str  # the model's own class name, read before the strategy placed it (fully_shard renames it FSDP<name>)
-    checkpointing: str | None  # activation checkpointing's description (None: off)
+    checkpointing: Checkpointing | None  # activation checkpointing, on (None: off), undone as the run ends
     placement: str | None  # how the strategy holds the model on its ranks (None: one process)
     memory: DecidedMemory  # the memory settings decided for this run: LoRA's base dtype, the optimizer built
     nonfinite_at_load: tuple[str, ...]  # the weights that were NaN or inf as loaded: a non-finite loss's cause

@@ -42,3 +42,22 @@ def test_a_transformers_models_use_cache_and_switch_are_put_back():
     with checkpointed(model):
         assert model.config.use_cache is False and checkpointing_on(model)
     assert model.config.use_cache is True and not checkpointing_on(model)
+
+
+def test_what_tier_utils_knows_of_a_model_is_kept_beside_it_and_its_copies():
+    """No tier_utils_* attribute on the module: the loader's record (spec, tokenizer, stored dtype) is kept beside
+    it, the adapter carries it into every tier, and a copy for a training run keeps it (a checkpoint rebuilds it)."""
+    from tier_utils import adapt, load_model, smoke
+    from tier_utils.models.loading import copied, source_of
+
+    sizes = {**TINY, "n_layer": 2}  # two blocks to checkpoint
+    model = load_model("tiny-gpt", tokenizer="bytes", **sizes)
+    smoke(model, checks="shapes", progress=False, device="cpu")
+    train(model, None, **RUN)
+    assert not [name for name in vars(model) if "tier_utils" in name]
+    assert not [name for m in model.modules() for name in vars(m) if "tier_utils" in name]
+    adapter = adapt(model)
+    assert adapter.source is source_of(model) and adapter.source.spec == "tiny-gpt"
+    twin = adapter.copied()
+    assert twin.model is not model and source_of(twin.model) is adapter.source and twin.source is adapter.source
+    assert source_of(copied(model)).kwargs == sizes

@@ -15,7 +15,7 @@ from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
 from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
-from ..engine.lora import convert_for, held_memory, load_model_state
+from ..engine.lora import convert_for, load_model_state
 from ..engine.step import TrainStep, make_optimizer, make_scheduler
 from .config import BenchConfig
 
@@ -71,9 +71,9 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     # allocates its own, so the two are never held side by side.
     adapter.model.zero_grad(set_to_none=True)
     gc.collect()
-    load_start(convert_for(prec, adapter.model), start)  # load_state_dict casts to the weights' dtype
+    load_start(convert_for(prec, adapter.model, adapter.memory), start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
-    held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
+    held = adapter.memory  # the memory settings decided for the run (none: AdamW)
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps,
                          held.optimizer if held else DEFAULT_OPTIMIZER)
     sched = make_scheduler(opt, max(1, total_steps // 10), total_steps) if total_steps else None

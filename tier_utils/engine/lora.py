@@ -150,7 +150,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, task: Task | None = Non
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=list(targets), task_type=peft_task_type(model, task),
                              modules_to_save=list(trained_in_full(model, task)) or None)
-    source = getattr(model, "tier_utils_source", None)
+    source = source_of(model)
     with quiet_peft():
         wrapped = peft.get_peft_model(model, config)
     for m in wrapped.modules():
@@ -220,27 +220,13 @@ def describe_lora(model: nn.Module) -> dict | None:
                       f"{','.join(sorted(adapters))}" + (f", {', '.join(full)} trained in full" if full else "")}
 
 
-def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
-    """Let `model` carry its decided memory settings (None: drop them), for a run that converts it per precision
-    (the benchmark's rows): `convert_for` and `held_memory` read them."""
-    if memory is None:
-        vars(model).pop("tier_utils_memory", None)
-    else:
-        model.tier_utils_memory = memory
-
-
-def held_memory(model: nn.Module) -> DecidedMemory | None:
-    return getattr(model, "tier_utils_memory", None)
-
-
 def convert_for(precision, model: nn.Module, memory: DecidedMemory | None = None) -> nn.Module:
     """`model` in the run's dtypes, in place: without LoRA the precision's (`convert_module`); with LoRA the frozen
-    base in the decided base dtype (`memory`, else what the model holds: `hold`; a true mode's: its own; a 4-bit
-    base computing in the precision's compute dtype) and the adapters in fp32 (peft casts their input to fp32 and
-    their output back; autocast runs the base's compute in the mixed modes)."""
+    base in the decided base dtype (`memory`, the run's decided settings, which its adapter carries; a true mode's:
+    its own; a 4-bit base computing in the precision's compute dtype) and the adapters in fp32 (peft casts their
+    input to fp32 and their output back; autocast runs the base's compute in the mixed modes)."""
     if not is_lora(model):
         return precision.convert_module(model)
-    memory = memory or held_memory(model)
     fp32_weights = precision.param_dtype == torch.float32
     base = memory.base_dtype if memory is not None and fp32_weights else precision.param_dtype
     for p in model.parameters():

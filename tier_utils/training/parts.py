@@ -50,7 +50,7 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
     (FSDP shards it in place, before the optimizer is built on its parameters)."""
     allocator = strategy.prepare_host()  # before the model is built
     seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-    if cfg.memory.quantized and not isinstance(model, torch.nn.Module):
+    if cfg.memory.quantized and not isinstance(model, (torch.nn.Module, ModelAdapter)):
         # A spec's 4-bit base is quantised as it loads (transformers' BitsAndBytesConfig for a folder or hub id)
         model, model_kwargs = load_quantized(model, precision.compute_dtype, **model_kwargs), {}
     adapter = resolve_model(model, **model_kwargs)

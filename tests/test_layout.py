@@ -67,6 +67,13 @@ def test_imports_run_down_the_layers(path):
         assert there < rank, f"{path.relative_to(PACKAGE)}:{line} imports {target}, which is not below it"
 
 
+def test_the_report_page_sits_low():
+    """report.py asks results what every Result says, and what the main job adds (its consistency rows) is handed in
+    as a table: it imports nothing above core/."""
+    above = [t for _, t in _imports(PACKAGE / "report.py") if _folder(t) != "core"]
+    assert not above, above
+
+
 def test_no_folder_is_named_like_a_public_function():
     """`tier_utils.train` is the function: a module or folder of that name would be hidden behind it."""
     names = {p.stem for p in MODULES} | {p.parent.name for p in MODULES}

@@ -7,12 +7,10 @@ from tiny import TINY
 import tier_utils
 from tier_utils.notebook import about, summary
 from tier_utils.run_config import RunConfig
-from tier_utils.widgets import forget_panel_choices
 
 
 @pytest.fixture
 def cfg():
-    forget_panel_choices()
     return RunConfig(model_kwargs=dict(TINY), batch_size=2, seq_len=16, max_steps=2, device="cpu")
 
 

@@ -86,10 +86,12 @@ def test_a_benchmark_shows_its_verdicts_and_links_its_measurements(tmp_path):
         def table(self):
             return pd.DataFrame({f"measure_{i}": [i] for i in range(34)})
 
-        @property
-        def verdicts(self):
+        def verdict_table(self):
             return pd.DataFrame({"precision": ["bf16"], "mode": ["eager"], "check": ["speedup vs fp32"],
                                  "status": ["WARN"], "value": [0.75], "threshold": [1.5], "detail": ["inconclusive"]})
+
+        def tables(self):
+            return {"": self.table, "_verdicts": self.verdict_table()}
 
     page = write_report({"amp_benchmark": Bench(["WARN"])}, tmp_path).read_text()
     assert "measure_0" not in page and "<td class='WARN'>WARN</td>" in page and "<td>bf16</td>" in page
@@ -98,8 +100,12 @@ def test_a_benchmark_shows_its_verdicts_and_links_its_measurements(tmp_path):
     assert pd.read_csv(tmp_path / "amp_benchmark_verdicts.csv")["status"].tolist() == ["WARN"]
 
 
-def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far_apart(tmp_path):
+def test_the_report_shows_the_consistency_rows_the_main_job_hands_it_first(tmp_path):
+    """The main job's check that training and the benchmark timed the same step alike reaches the page as a table
+    handed in (`leading`): the report knows no tier."""
     from tier_utils.benchmark.amp import amp_benchmark
+    from tier_utils.benchmark.mainjob.consistency import consistency, recorded_load
+    from tier_utils.core.results import checks_table
     from tier_utils.models.loading import load_model
     from tier_utils.training.loop import train
 
@@ -114,14 +120,19 @@ def test_the_report_says_when_training_and_the_benchmark_timed_the_same_step_far
         fp32.speed = replace(fp32.speed, step_ms=replace(fp32.speed.step_ms, median=median, q1=q1, q3=q3))
 
     timed(step.median / 20, step.q1 / 25, step.q1 / 21)  # a load came and went
-    page = write_report({"train": trained, "amp_benchmark": bench}, tmp_path,
-                        metadata={"load_average_1m": 3.1, "cpu_count": 2}).read_text()
+    results, meta = {"train": trained, "amp_benchmark": bench}, {"load_average_1m": 3.1, "cpu_count": 2}
+
+    def rows():
+        return {"consistency": checks_table(consistency(results, recorded_load(meta)))}
+
+    page = write_report(results, tmp_path, metadata=meta, leading=rows()).read_text()
     text = re.sub("<[^>]+>", "", page)  # the words, as a reader sees them
     assert "<section id='consistency'>" in page and "step time: train vs amp_benchmark" in text
+    assert page.index("<section id='consistency'>") < page.index("<section id='train'>")
     assert "20.0x apart" in text and "load 3.1 on 2 cores" in text
     assert pd.read_csv(tmp_path / "consistency.csv")["status"].tolist() == ["WARN"]
     timed(step.median, step.q1, step.q3)  # the same step timed alike: nothing to say
-    assert "consistency" not in write_report({"train": trained, "amp_benchmark": bench}, tmp_path / "b").read_text()
+    assert "consistency" not in write_report(results, tmp_path / "b", metadata=meta, leading=rows()).read_text()
 
 
 class FakeBench(Fake):

@@ -13,14 +13,7 @@ from tier_utils.core.precision import supported_precisions
 from tier_utils.presets import NOTEBOOK
 from tier_utils.run_config import RunConfig
 from tier_utils.training.loop import train
-from tier_utils.widgets import ConfigPanel, config_panel, forget_panel_choices
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kernel():
-    forget_panel_choices()  # each test is a new kernel: no choices kept from another test's panel
-    yield
-    forget_panel_choices()
+from tier_utils.widgets import ConfigPanel, config_panel
 
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
@@ -37,14 +30,11 @@ def test_panel_offers_builtins_auto_and_what_the_device_runs():
 def test_the_panel_takes_any_model_spec_and_a_data_choice(tmp_path):
     cfg = RunConfig()
     panel = config_panel(cfg)
-    try:
-        panel.model_select.value = "runs/x/checkpoints/last.pt"  # typed, not one of the offered built-ins
-        panel.data_input.value = "hf-dataset:wikitext/wikitext-2-raw-v1"
-        assert cfg.model == "runs/x/checkpoints/last.pt" and cfg.data == "hf-dataset:wikitext/wikitext-2-raw-v1"
-        panel.data_input.value = ""
-        assert cfg.data is None  # an emptied box: the bundled corpus
-    finally:
-        tier_utils.widgets.forget_panel_choices()
+    panel.model_select.value = "runs/x/checkpoints/last.pt"  # typed, not one of the offered built-ins
+    panel.data_input.value = "hf-dataset:wikitext/wikitext-2-raw-v1"
+    assert cfg.model == "runs/x/checkpoints/last.pt" and cfg.data == "hf-dataset:wikitext/wikitext-2-raw-v1"
+    panel.data_input.value = ""
+    assert cfg.data is None  # an emptied box: the bundled corpus
 
 
 def test_on_a_t4_the_choices_are_fp32_and_the_fp16_modes_and_auto_says_fp16(monkeypatch):
@@ -116,16 +106,16 @@ def test_rerunning_the_cells_keeps_the_users_panel_choice():
     panel.precision_select.value = "fp32"
     panel.batch_size_input.value = 8
     assert "re-run" in panel.status.value and "batch_size is now 8" in panel.status.value
-    # Run All again: the parameters cell says auto / 4 again, but the user's choice wins.
+    # Run All again: the parameters cell says auto / 4 again, but the user's choice, kept on the earlier panel the
+    # cell hands in, wins.
     again = RunConfig(precision="auto", batch_size=4)
-    second = config_panel(again)
+    second = config_panel(again, earlier=panel)
     assert (again.precision, again.batch_size) == ("fp32", 8)
     assert (second.precision_select.value, second.batch_size_input.value) == ("fp32", 8)
     assert "kept your earlier panel choice (precision=fp32, batch_size=8)" in second.status.value
-    assert "fp32 → fp32 · batch size 8" in repr(second)
-    forget_panel_choices()
+    assert "fp32 → fp32 · batch size 8" in repr(second) and second.choices == panel.choices
     fresh = RunConfig(precision="auto", batch_size=4)
-    config_panel(fresh)
+    config_panel(fresh)  # no earlier panel (a new kernel, or `del panel`): the parameters cell's values
     assert (fresh.precision, fresh.batch_size) == ("auto", 4)
 
 
@@ -145,13 +135,14 @@ def test_panel_reads_as_text_where_widgets_cannot_render():
 def test_sizes_left_at_none_follow_the_device(monkeypatch):
     monkeypatch.setenv(GPU_PROFILE_ENV, "T4")  # a T4's preset, the tensors still on this CPU
     gpu = RunConfig(device="cpu")
+    gpu_sizes = gpu.model_arguments()  # decided as the model is built, on the device it runs on
     monkeypatch.delenv(GPU_PROFILE_ENV)
     cpu = RunConfig(device="cpu")
-    assert gpu.model_kwargs["d_model"] > cpu.model_kwargs["d_model"] and gpu.batch_size > cpu.batch_size
+    assert gpu_sizes["d_model"] > cpu.model_arguments()["d_model"] and gpu.batch_size > cpu.batch_size
     assert (cpu.batch_size, cpu.seq_len) == (NOTEBOOK["cpu"].batch_size, NOTEBOOK["cpu"].seq_len)
-    assert RunConfig(model="my_model.py:Net", device="cpu").model_kwargs == {}  # unknown size arguments
+    assert RunConfig(model="my_model.py:Net", device="cpu").model_arguments() == {}  # unknown size arguments
     assert RunConfig(batch_size=7, model_kwargs={"d_model": 64}, device="cpu").batch_size == 7
-    cpu.model_kwargs["d_model"] = 1
+    cpu.model_arguments()["d_model"] = 1
     assert NOTEBOOK["cpu"].model_kwargs["d_model"] == 32  # each config has its own copy
 
 
@@ -183,27 +174,30 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
 
 
 def test_a_models_sizes_and_tokenizer_go_with_it_in_code_and_in_the_panel(tmp_path):
-    """tiny-gpt's sizes handed to a save_pretrained folder's from_pretrained crash it: a new model starts from its
-    own keyword arguments (none for a folder) and its own tokenizer, whether set in code or in the panel."""
-    cfg = RunConfig(model_kwargs={"d_model": 64, "n_layer": 1, "n_head": 2}, tokenizer="bytes", device="cpu")
+    """tiny-gpt's sizes handed to a save_pretrained folder's from_pretrained crash it: left at None, a config's
+    model arguments and tokenizer are its model's own, decided when it is built; the panel, changing the model,
+    drops those set for the old one."""
+    cfg = RunConfig(device="cpu")
+    assert cfg.model_kwargs is None and cfg.model_arguments() == NOTEBOOK["cpu"].model_kwargs
     cfg.model = str(tmp_path)
-    assert (cfg.model_kwargs, cfg.tokenizer) == ({}, None)
-    cfg.model = "tiny-gpt"
-    assert cfg.model_kwargs == NOTEBOOK["cpu"].model_kwargs
-    cfg.model_kwargs = {"d_model": 16}
-    cfg.model = "tiny-gpt"  # the same model: its sizes stay
-    assert cfg.model_kwargs == {"d_model": 16}
+    assert (cfg.model_arguments(), cfg.tokenizer) == ({}, None)
+    given = RunConfig(model_kwargs={"d_model": 16}, device="cpu")
+    given.model = "tiny-gpt"  # given: used as given
+    assert given.model_arguments() == {"d_model": 16}
+    assert not any(f.name.startswith("_") for f in dataclasses.fields(RunConfig))  # no hidden owner field
+    assert "__setattr__" not in vars(RunConfig)
 
-    panel = config_panel(RunConfig(device="cpu"), tier="smoke")
+    panel = config_panel(RunConfig(device="cpu", tokenizer="bytes"), tier="smoke")
     assert panel.sizes.layout.display is None and panel.size_inputs["d_model"].value == 32
     panel.size_inputs["d_model"].value = 48
     assert panel.config.model_kwargs["d_model"] == 48
     panel.model_select.value = str(tmp_path)
-    assert panel.config.model_kwargs == {} and panel.sizes.layout.display == "none"
+    assert panel.config.model_arguments() == {} and panel.config.tokenizer is None
+    assert panel.sizes.layout.display == "none"
     # Run All: the parameters cell says tiny-gpt with its sizes; the panel's folder keeps no tiny-gpt size.
     again = RunConfig(model_kwargs={"d_model": 64}, device="cpu")
-    config_panel(again)
-    assert (again.model, again.model_kwargs) == (str(tmp_path), {})
+    config_panel(again, earlier=panel)
+    assert (again.model, again.model_arguments()) == (str(tmp_path), {})
 
 
 def test_each_tier_shows_only_the_boxes_it_reads():
@@ -236,21 +230,15 @@ def test_the_memory_modes_fill_the_configs_train_the_benchmark_and_the_search_re
 
 
 def test_a_copy_for_another_model_drops_the_old_models_sizes(tmp_path):
-    """dataclasses.replace(cfg, model=...) builds a new config: the sizes and tokenizer it copies were the old
-    model's, and go like setting cfg.model; given anew with the model, they stay."""
+    """dataclasses.replace(cfg, model=...) builds a new config: sizes left to the model follow the new one; given
+    anew with the model, they stay."""
     cfg = RunConfig(device="cpu")
-    assert cfg.model_kwargs == NOTEBOOK["cpu"].model_kwargs  # the built-in's preset sizes
+    assert cfg.model_arguments() == NOTEBOOK["cpu"].model_kwargs  # the built-in's preset sizes
     folder = replace(cfg, model=str(tmp_path))
-    assert (folder.model_kwargs, folder.tokenizer) == ({}, None)
-    sized = RunConfig(model_kwargs={"d_model": 16, "n_layer": 1, "n_head": 2}, tokenizer="bytes", device="cpu")
-    assert (replace(sized, model=str(tmp_path)).model_kwargs, replace(sized, model=str(tmp_path)).tokenizer) == \
-        ({}, None)
-    assert replace(sized, precision="fp32").model_kwargs == {"d_model": 16, "n_layer": 1, "n_head": 2}
-    assert replace(folder, model="tiny-gpt").model_kwargs == NOTEBOOK["cpu"].model_kwargs  # back: its own again
+    assert (folder.model_arguments(), folder.tokenizer) == ({}, None)
+    assert replace(folder, model="tiny-gpt").model_arguments() == NOTEBOOK["cpu"].model_kwargs  # its own again
     given = replace(cfg, model=str(tmp_path), model_kwargs={"dtype": "float32"})
-    assert given.model_kwargs == {"dtype": "float32"}
-    cfg.model_kwargs = {"d_model": 8, "n_layer": 1, "n_head": 2}  # set after it was made: still the model's
-    assert replace(cfg, model=str(tmp_path)).model_kwargs == {}
+    assert given.model_arguments() == {"dtype": "float32"}
 
 
 def test_a_copy_for_a_saved_folder_loads_it(tmp_path):

@@ -5,18 +5,18 @@ returns an `AllResult`; the page itself is `report.py`'s.
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from .adapter.adapter import adapt
+from .adapter.adapter import ModelAdapter, adapt
 from .analysis import analyze
-from .benchmark.amp import BenchmarkResult, amp_benchmark
+from .benchmark.amp import amp_benchmark
 from .benchmark.mainjob.batch_size import fp32_measure, grow_batch
 from .benchmark.mainjob.consistency import consistency, recorded_load
 from .core.errors import (
@@ -46,10 +46,17 @@ from .smoketest.suite import smoke
 from .training.config import TrainConfig
 from .training.loop import train
 
-# The order the summary and the report show the tiers in (they run in run_all's order); without data (the model's
-# forward raised) only those that need none run.
-SHOWN = ("smoke", "analysis", "train", "fit", "ranks", "amp_benchmark")
-NEEDS_NO_DATA = ("smoke", "analysis")
+
+@dataclass(frozen=True)
+class JobTier:
+    """One tier as the job runs it: its name (the report's file stem), how it runs given the results so far, whether
+    it reads data (a model whose forward raised gets only the tiers that read none: they report it), and its place
+    in the summary and the report (the tiers run in the order run_all declares them)."""
+
+    name: str
+    run: Callable[[dict], Result]
+    shown: int
+    reads_data: bool = True
 
 
 @dataclass(repr=False)
@@ -159,62 +166,66 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
     # it analyses the shipped trained demo model instead. Tiers 1 and 3 start from fresh weights.
     default = isinstance(model, str) and model.strip() == DEFAULT_MODEL and not model_kwargs
-    analysed = load_model(DEMO_MODEL) if default else base
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)  # decided once: every tier runs this one
-    preset, ran_on = _fit_to_model(base, data, preset, seed)
+    # The adapter, built once: every tier gets it (training a copy of it), none resolves the module again.
+    adapter, preset, ran_on = _fit_to_model(base, data, preset, seed)
+    analysed = load_model(DEMO_MODEL) if default else adapter
     plan = job_plan(preset, dev)  # every cap decided here, the same on every card
     memory = memory_setting(memory)  # train's and the benchmark's
     grown = {}  # the benchmark's grown batch on a GPU (grow_batch's choice), for the summary and JSON
     # In the order they run, each given the results so far: the benchmark before training (the trained copy the
     # report keeps is not held beside it), fit after it (its fastest mode here is what the benchmark measured).
-    steps = {
-        "smoke": lambda done: smoke(base, preset.smoke_config(precision=prec, device=dev, progress=progress)),
-        "analysis": lambda done: analyze(analysed, data, preset.analysis_config(precision=prec, device=dev,
-                                                                                 progress=progress)),
-        "amp_benchmark": lambda done: _benchmark(base, data, plan, dev, progress, memory, grown),
+    tiers = [
+        JobTier("smoke", lambda done: smoke(adapter, preset.smoke_config(precision=prec, device=dev,
+                                                                          progress=progress)), 0, reads_data=False),
+        JobTier("analysis", lambda done: analyze(analysed, data, preset.analysis_config(
+            precision=prec, device=dev, progress=progress)), 1, reads_data=False),
+        JobTier("amp_benchmark", lambda done: _benchmark(adapter, data, plan, dev, progress, memory, grown), 5),
         # A copy: training changes weights, and every tier must start from the same ones.
-        "train": lambda done: _train(copy.deepcopy(base), data, preset.train_config(
-            precision=prec, device=dev, seed=seed, progress=progress, memory=memory)),
-        "fit": lambda done: _measured(fit(base, preset.fit_config(device=dev, validate=plan.fit_validate,
-                                                                  progress=progress)), done),
-        "ranks": lambda done: plan_ranks(base, seq_len=preset.seq_len, precision=prec, device=dev, progress=progress),
-    }
-    if "data" not in ran_on:  # the forward raised: smoke and analyze report it; nothing else can run
-        steps = {name: steps[name] for name in NEEDS_NO_DATA}
-    results, seconds = _run_tiers(steps)
+        JobTier("train", lambda done: _train(adapter.copied(), data, preset.train_config(
+            precision=prec, device=dev, seed=seed, progress=progress, memory=memory)), 2),
+        JobTier("fit", lambda done: _measured(fit(adapter, preset.fit_config(device=dev, validate=plan.fit_validate,
+                                                                          progress=progress)), done), 3),
+        JobTier("ranks", lambda done: plan_ranks(adapter, seq_len=preset.seq_len, precision=prec, device=dev,
+                                                 progress=progress), 4),
+    ]
+    results, seconds = _run_tiers(tiers, "data" in ran_on)
     # The 1-minute load average at the end (training, the last timed tier): above the core count, other jobs
     # slowed the timings.
     meta = {**ran_on, **run_metadata(dev, prec.dtype), "load_average_1m": load_average(),
             "cpu_count": os.cpu_count()}
-    title = f"tier_utils report: {type(base).__name__}" + (f", tier 2 on {DEMO_MODEL}" if analysed is not base else "")
-    index = write_report(results, out_dir, title=title, metadata=meta)
+    title = f"tier_utils report: {type(base).__name__}" + (f", tier 2 on {DEMO_MODEL}" if default else "")
+    index = write_report(results, out_dir, title=title, metadata=meta,
+                         leading={"consistency": checks_table(consistency(results, recorded_load(meta)))})
     statuses = {name: result.verdict for name, result in results.items()}
     return AllResult(results, statuses, seconds, index, meta, grown or None, plan)
 
 
-def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[Preset, dict]:
-    """The preset with its window fitted to the model (no warning), and what the report names: model,
-    tokenizer, data. Bad data fails here, before any tier runs; a model whose forward raises gets no
-    tokenizer or data named (smoke and analyze report it)."""
+def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[ModelAdapter | torch.nn.Module, Preset, dict]:
+    """The model's adapter, the preset with its window fitted to the model (no warning), and what the report names:
+    model, tokenizer, data. Bad data fails here, before any tier runs; a model whose forward raises is handed on as
+    the module, with no tokenizer or data named (smoke and analyze report it)."""
     ran_on = {"model": type(base).__name__}
     try:
         adapter = adapt(base)
         preset = replace(preset, seq_len=min(preset.seq_len, adapter.max_len))
         described = adapter.datasets(data, preset.seq_len, seed).describe()
     except ModelForwardError:
-        return preset, ran_on
-    return preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data,
-                    "stored_dtype": dtype_name(adapter.stored_dtype)}
+        return base, preset, ran_on
+    return adapter, preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data,
+                             "stored_dtype": dtype_name(adapter.stored_dtype)}
 
 
-def _run_tiers(steps: dict) -> tuple[dict, dict]:
-    """Each tier's result and seconds, each `_attempt`ed in the order of `steps` (each given the results so far),
-    then put in the order the summary and the report show them (SHOWN)."""
+def _run_tiers(tiers: list[JobTier], has_data: bool) -> tuple[dict, dict]:
+    """Each tier's result and seconds, each `_attempt`ed in the order of `tiers` (each given the results so far),
+    then put in the order the summary and the report show them (`JobTier.shown`). Without data (the model's forward
+    raised) only the tiers that read none run: they report it."""
+    tiers = [tier for tier in tiers if has_data or not tier.reads_data]
     results, seconds = {}, {}
-    for name, run in steps.items():
-        results[name], seconds[name] = _attempt(name, lambda run=run: run(results))
-    return {n: results[n] for n in SHOWN if n in results}, seconds
+    for tier in tiers:
+        results[tier.name], seconds[tier.name] = _attempt(tier.name, lambda tier=tier: tier.run(results))
+    return {t.name: results[t.name] for t in sorted(tiers, key=lambda t: t.shown)}, seconds
 
 
 def _attempt(name: str, run) -> tuple:
@@ -236,45 +247,38 @@ def _attempt(name: str, run) -> tuple:
     return outcome, time.perf_counter() - start
 
 
-def _benchmark(model, data, plan: JobPlan, dev, progress: bool, memory: MemorySettings,
-               grown: dict) -> BenchmarkResult:
+def _benchmark(adapter: ModelAdapter, data, plan: JobPlan, dev, progress: bool, memory: MemorySettings,
+               grown: dict) -> Result:
     """The AMP benchmark at its batch: `_grown_batch`'s on a GPU (its choice put in `grown`), else the preset's."""
     preset = plan.preset
-    grown.update(_grown_batch(model, dev, plan.growth, preset.seq_len) or {})
+    grown.update(_grown_batch(adapter, dev, plan.growth, preset.seq_len) or {})
     size = grown.get("batch_size", preset.batch_size)
     # Checkpointing is the benchmark's extra rows (each precision with and without it), the rest every row's.
-    return amp_benchmark(model, data, preset.bench_config(
+    return amp_benchmark(adapter, data, preset.bench_config(
         batch_size=size, device=dev, progress=progress, memory=replace(memory, checkpointing=False),
         activation_checkpointing=memory.checkpointing))
 
 
 def _measured(planned: FitResult, done: dict) -> FitResult:
-    """fit's plan with this device's fastest mode read from the speedups the benchmark measured in this run
-    (where it ran and its baseline was fp32); else as planned (predicted)."""
-    bench = next((r for r in done.values() if isinstance(r, BenchmarkResult)), None)
-    if bench is None:
-        return planned
-    s = bench.config.settings
-    # The memory setting its rows trained, where it is not the full fine-tune fit's modes stand for.
-    trained = s.memory.describe(bench.config.lora and bench.config.lora["base_dtype"])
-    plain = trained == type(s.memory)().describe(None)
-    return planned.with_measured_speedups(bench.speedups(), f"by this run's benchmark at batch {s.batch_size} x "
-                                                            f"{s.seq_len}" + ("" if plain else f", training {trained}"))
+    """fit's plan with this device's fastest mode read from the speedups a result of this run measured (the
+    benchmark's, where its baseline was fp32); else as planned (predicted)."""
+    measured = next((m for r in done.values() if (m := r.speedup_measurements()) is not None), None)
+    return planned if measured is None else planned.with_measured_speedups(*measured)
 
 
-def _grown_batch(model, dev, growth: Growth | None, seq_len: int) -> dict | None:
+def _grown_batch(adapter: ModelAdapter, dev, growth: Growth | None, seq_len: int) -> dict | None:
     """On a GPU, `grow_batch`'s choice within the plan's caps: grown until fp32's step is mostly arithmetic (a
     tiny model at the default batch is launch-bound there, and every precision then times the same). None
     elsewhere, and under a GPU profile whose tensors are on the CPU (the caps are planned, nothing is measured)."""
     if growth is None or dev.type != "cuda":
         return None
-    was_training = model.training
-    model.to(dev).train()
+    was_training = adapter.model.training
+    adapter.model.to(dev).train()
     try:
-        return grow_batch(growth.from_batch, fp32_measure(adapt(model), seq_len), growth.budget_bytes,
+        return grow_batch(growth.from_batch, fp32_measure(adapter, seq_len), growth.budget_bytes,
                           max_batch=growth.max_batch)
     finally:
-        model.train(was_training)
+        adapter.model.train(was_training)
 
 
 def _train(model, data, config: TrainConfig):

@@ -55,7 +55,7 @@ def about(cfg, *results) -> str:
 def _where(cfg) -> str:
     spec = cfg.model
     if spec in BUILTIN_MODELS:
-        sizes = ", ".join(f"{k}={v}" for k, v in cfg.model_kwargs.items())
+        sizes = ", ".join(f"{k}={v}" for k, v in cfg.model_arguments().items())
         return f"built-in {spec} ({sizes or 'its default sizes'})"
     path = Path(spec.split(":", 1)[0] if spec.endswith(".py") or ".py:" in spec else spec).expanduser()
     where = str(path.resolve())

@@ -1,7 +1,8 @@
 """The folder report: CSV tables, PNG plots, JSON and an index.html showing them together.
 
-`write_report` is generic over result objects (anything with `.table`, `.plot()` and `.status`, as every Result has);
-the main job (`mainjob.run_all`) writes one, and a notebook may write one of its own results.
+`write_report` is generic over result objects (it asks only what every Result has) and imports nothing above
+core/: what a caller adds (the main job's consistency rows) is handed in as a table. The main job
+(`mainjob.run_all`) writes one, and a notebook may write one of its own results.
 """
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from .benchmark.mainjob.consistency import consistency, recorded_load
 from .core.display import STATUS_STYLE, readable
 from .core.files import atomic_write_bytes, write_json
 from .core.plotting import save_png
-from .core.results import STATUSES, checks_table, run_metadata, verdict_line
+from .core.results import STATUSES, run_metadata, verdict_line
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -37,24 +37,24 @@ _AFTER_SEPARATORS = re.compile(r"(?<=[_./,:=-])")
 _PLAIN = re.compile(r"[(\[]*[\w']*[)\]:;,.!?%]*")  # no line-break opportunity inside
 
 
-def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None) -> Path:
+def write_report(results: dict, out_dir, title: str = "tier_utils report", metadata: dict | None = None,
+                 leading: dict[str, pd.DataFrame] | None = None) -> Path:
     """Write each result's table as `<name>.csv` (a benchmark's verdicts also as `<name>_verdicts.csv`), its
     plot as `<name>.png` (and its `more_plots()` as `<name>_<part>.png`: an image model's predictions), its JSON
     as `<name>.json`, and an `index.html` showing them together (plain HTML, relative links). The page shows each
     tier's verdict columns (check, status, value, threshold, detail, after the columns naming the row), a
     benchmark's verdicts rather than its measurements; the CSV links hold every column. Returns index.html.
 
-    metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`)."""
+    metadata: the run's device/torch/time stamp shown under the title (default: `run_metadata()`).
+    leading: tables by name shown before the results, each with its CSV; an empty one is left out (the main job's
+    consistency rows, which say how far to trust the tiers' timings)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections, nav = [], []
     for name, result in results.items():
         if not _NAME.match(name):
             raise ValueError(f"result name {name!r} is not a plain file name; use letters, digits, _ or -")
-        # A result whose table is cut for reading (fit's: at most 12 columns) writes every column to its CSV.
-        frames = {name: result.full_table() if hasattr(result, "full_table") else result.table}
-        if hasattr(result, "verdicts"):  # what to read; the measurements stay one click away
-            frames[f"{name}_verdicts"] = result.verdicts
+        frames = {f"{name}{suffix}": frame for suffix, frame in result.tables().items()}
         for stem, frame in frames.items():
             atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
         write_json(out / f"{name}.json", result.to_json())
@@ -66,18 +66,17 @@ def write_report(results: dict, out_dir, title: str = "tier_utils report", metad
         verdict = result.verdict
         badge = f" <span class='{verdict}'>{verdict}</span>" if verdict else ""
         nav.append(f"<a href='#{name}'>{html.escape(name)}</a>{badge}")
-        shown = result.verdicts if hasattr(result, "verdicts") else result.table
+        shown = result.verdict_table()
         files = [f"{stem}.csv" for stem in frames] + [f"{name}.json"]
         sections.append(_section(name, badge, result.summary_line(), shown, files, pngs))
         for part, frame in result.more_tables().items():  # e.g. what an encoder-decoder wrote
             stem = f"{name}_{part}"
             atomic_write_bytes(out / f"{stem}.csv", frame.to_csv(index=False).encode())
             sections.append(_section(stem, "", "", frame, [f"{stem}.csv"], []))
+    for name, frame in reversed([(n, f) for n, f in (leading or {}).items() if len(f)]):
+        atomic_write_bytes(out / f"{name}.csv", frame.to_csv(index=False).encode())
+        sections.insert(0, _section(name, "", "", frame, [f"{name}.csv"], []))
     meta = metadata if metadata is not None else run_metadata()
-    agreement = checks_table(consistency(results, recorded_load(meta)))
-    if len(agreement):  # before the tiers: it says how far to trust their timings
-        atomic_write_bytes(out / "consistency.csv", agreement.to_csv(index=False).encode())
-        sections.insert(0, _section("consistency", "", "", agreement, ["consistency.csv"], []))
     meta_line = " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items())
     page = (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head>\n<body><h1>{html.escape(title)}</h1>\n"

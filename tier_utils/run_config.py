@@ -5,7 +5,7 @@ config's choices stamped in (`tiers`): no tier's config is assembled here a seco
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -19,8 +19,6 @@ from .training.config import TrainConfig
 from .tuning.study import SearchConfig
 
 MAX_BATCH_SIZE = 4096
-# What a model's keyword arguments and tokenizer go with: set for one model, they mean nothing to another.
-_OWNED = ("model_kwargs", "tokenizer")
 
 
 def _preset_builder(name: str):
@@ -41,14 +39,15 @@ class RunConfig:
     `fit_config()`, `ranks_config()` (Preset's builders) and `search_config()` hand each tier its own config, so a
     run cell passes one object and copies no setting by hand.
 
-    `model_kwargs`, `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
-    (`presets.NOTEBOOK`; model_kwargs only for the built-in models, whose size arguments are known). The other
-    defaults are the tiers' own. `model_kwargs` and `tokenizer` belong to the model they were set for: a config
-    with another model, by setting `model` or by `dataclasses.replace(cfg, model=...)`, starts from the new
-    model's own (`own_kwargs()`; the model's own tokenizer), unless they are given anew with it."""
+    `batch_size`, `seq_len` and `max_steps` left at None come from the device's notebook preset
+    (`presets.NOTEBOOK`). `model_kwargs` and `tokenizer` left at None mean the model's own, whichever model the
+    config names when it is built (`build_model`: a built-in's preset sizes, no argument for any other spec; the
+    model's own tokenizer), so a config for another model, by setting `model` or by
+    `dataclasses.replace(cfg, model=...)`, carries nothing of the old one's. Given, they are used as given. The other
+    defaults are the tiers' own."""
 
     model: str = DEFAULT_MODEL  # any load_model spec: a built-in, a save_pretrained folder, hf:ORG/NAME, a checkpoint
-    model_kwargs: dict | None = None
+    model_kwargs: dict | None = None  # None: the model's own (`model_arguments()`)
     tokenizer: str | None = None  # None: the model's own (bytes for built-ins)
     data: str | None = None  # None: the bundled corpus; else a file, folder, table or hf-dataset:NAME
     precision: str = TrainConfig.precision
@@ -62,18 +61,9 @@ class RunConfig:
     # MemorySettings; checkpointing on/off on top.
     memory: str | MemorySettings = "full"
     activation_checkpointing: bool = MemorySettings.checkpointing
-    # (model, model_kwargs, tokenizer) as this config holds them: replace() copies it, so a config made for another
-    # model sees which of the two were the old model's (the same objects) and drops them. Not a setting.
-    _owner: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if self._owner is not None and self._owner[0] != self.model:  # replace(cfg, model=...)
-            for name, old in zip(_OWNED, self._owner[1:]):
-                if getattr(self, name) is old:
-                    object.__setattr__(self, name, None)
         preset = self.preset
-        if self.model_kwargs is None:
-            self.model_kwargs = self.own_kwargs()
         for name, value in (("batch_size", preset.batch_size), ("seq_len", preset.seq_len),
                             ("max_steps", preset.train.max_steps)):
             if getattr(self, name) is None:
@@ -85,24 +75,13 @@ class RunConfig:
         if isinstance(self.memory, str):
             self.memory = self.memory.strip().lower()  # the dropdown's value
         check_fields(self)  # the panel's box holds at most MAX_BATCH_SIZE: it would clamp silently
-        self._own()
 
-    def __setattr__(self, name, value):
-        # A model's keyword arguments and tokenizer belong to the model they were set for (tiny-gpt's d_model means
-        # nothing to a GPT-2 folder's from_pretrained): a new model starts from its own, its own tokenizer included.
-        changed = name == "model" and "model" in self.__dict__ and value != self.model
-        super().__setattr__(name, value)
-        if changed:
-            super().__setattr__("model_kwargs", self.own_kwargs())
-            super().__setattr__("tokenizer", None)
-        if name in ("model", *_OWNED) and "_owner" in self.__dict__:
-            self._own()
-
-    def _own(self) -> None:
-        super().__setattr__("_owner", (self.model, self.model_kwargs, self.tokenizer))
-
-    def own_kwargs(self) -> dict:
-        """The model's own keyword arguments: the device preset's sizes for a built-in, none for any other spec."""
+    def model_arguments(self) -> dict:
+        """The keyword arguments the model is built with: `model_kwargs` as given, else the model's own (the device
+        preset's sizes for a built-in, none for any other spec: tiny-gpt's d_model means nothing to a GPT-2
+        folder's from_pretrained)."""
+        if self.model_kwargs is not None:
+            return dict(self.model_kwargs)
         return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
 
     @property
@@ -140,7 +119,7 @@ class RunConfig:
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
         from the same weights, so re-running a cell with new settings compares like with like."""
         torch.manual_seed(self.seed)
-        return load_model(self.model, tokenizer=self.tokenizer, **self.model_kwargs)
+        return load_model(self.model, tokenizer=self.tokenizer, **self.model_arguments())
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "_owner"}
+        return asdict(self)

@@ -1,15 +1,15 @@
 """The notebooks' panel: ipywidgets that edit a `RunConfig` (run_config.py) in place.
 
 The panel's observers only write into the config; nothing runs until a run cell reads it.
-Once the user changes a widget, the panel is the source of truth for this kernel: re-running
-the parameters and panel cells (or Run All) keeps that choice instead of the parameters cell's
-default. A headless run (nbval, papermill) never touches a widget, so its parameters always win.
-Only APIs common to ipywidgets 7.7 (Colab) and 8.x are used.
+What the user changed in a widget the panel keeps on itself (`choices`); a panel made with an earlier one
+(`config_panel(cfg, earlier=panel)`, as the notebooks' panel cell does) starts from those choices, so re-running
+the parameters and panel cells (or Run All) keeps them instead of the parameters cell's default. A headless run
+(nbval, papermill) never touches a widget, so its parameters always win. Only APIs common to ipywidgets 7.7 (Colab)
+and 8.x are used.
 """
 from __future__ import annotations
 
 import html
-from dataclasses import fields
 
 import ipywidgets as widgets
 
@@ -19,15 +19,6 @@ from .models.builtins import BUILTIN_MODELS
 from .run_config import MAX_BATCH_SIZE, RunConfig
 
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing")
-
-# What the user set through a panel in this kernel, by RunConfig field: a later panel starts from it.
-_user_choices: dict[str, object] = {}
-
-
-def forget_panel_choices() -> None:
-    """Drop the choices kept from earlier panels: the next panel starts from the parameters cell."""
-    _user_choices.clear()
-
 
 # The boxes each tier's run cells read; None: every box.
 TIER_BOXES = {"smoke": ("model", "precision", "batch_size"),
@@ -48,12 +39,12 @@ class ConfigPanel(widgets.VBox):
     """Model, sizes, data, precision, batch size, compile and memory-mode controls bound to a RunConfig (see
     `config_panel`)."""
 
-    def __init__(self, config: RunConfig, models=None, tier: str | None = None):
+    def __init__(self, config: RunConfig, models=None, tier: str | None = None, earlier: ConfigPanel | None = None):
         if tier is not None and tier not in TIER_BOXES:
             raise ValueError(f"tier must be one of {', '.join(TIER_BOXES)} (or None: every box), got {tier!r}")
-        order = [f.name for f in fields(RunConfig)]  # the model first: setting it resets its kwargs
-        kept = {k: v for k, v in sorted(_user_choices.items(), key=lambda kv: order.index(kv[0]))
-                if getattr(config, k) != v}
+        # What the user set through this panel (or the earlier one it continues), by RunConfig field.
+        self.choices = dict(earlier.choices) if earlier is not None else {}
+        kept = {k: v for k, v in self.choices.items() if getattr(config, k) != v}
         for name, value in kept.items():
             setattr(config, name, value)
         self.config = config
@@ -102,7 +93,7 @@ class ConfigPanel(widgets.VBox):
         if kept:
             shown = ", ".join(f"{k}={v}" for k, v in kept.items())
             self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
-                      "<code>tier_utils.widgets.forget_panel_choices()</code> drops it")
+                      "<code>del panel</code> and re-running this cell drops it")
         shown = TIER_BOXES[tier] if tier else PANEL_FIELDS
         rows = [boxes[n] for n in shown]
         rows.insert(1, self.sizes)  # under the model box it belongs to
@@ -114,9 +105,11 @@ class ConfigPanel(widgets.VBox):
             if attribute == "model" and value is None:
                 return  # a box being retyped: nothing to build yet
             setattr(self.config, attribute, value)
-            _user_choices[attribute] = value
-            if attribute == "model":  # its sizes and tokenizer went with the old model
-                _user_choices.pop("model_kwargs", None)
+            self.choices[attribute] = value
+            if attribute == "model":  # sizes and a tokenizer set for the old model: the new one brings its own
+                for owned in ("model_kwargs", "tokenizer"):
+                    setattr(self.config, owned, None)
+                    self.choices[owned] = None
                 self._show_sizes()
             self._changed(attribute, change["new"])
         return write
@@ -124,8 +117,8 @@ class ConfigPanel(widgets.VBox):
     def _set_size(self, change):
         if self._filling:
             return
-        self.config.model_kwargs = {**self.config.model_kwargs, change["owner"].description: change["new"]}
-        _user_choices["model_kwargs"] = dict(self.config.model_kwargs)
+        self.config.model_kwargs = {**self.config.model_arguments(), change["owner"].description: change["new"]}
+        self.choices["model_kwargs"] = dict(self.config.model_kwargs)
         self._changed(change["owner"].description, change["new"])
 
     def _changed(self, name: str, value) -> None:
@@ -140,7 +133,7 @@ class ConfigPanel(widgets.VBox):
         self._filling = True  # filling the boxes is not the user setting a size
         try:
             for key, box in self.size_inputs.items():
-                box.value = self.config.model_kwargs.get(key) or self.config.preset.model_kwargs[key]
+                box.value = self.config.model_arguments().get(key) or self.config.preset.model_kwargs[key]
         finally:
             self._filling = False
     def _say(self, text: str) -> None:
@@ -159,11 +152,13 @@ class ConfigPanel(widgets.VBox):
         return f"settings: model {c.model} · precision {c.precision} → {ran} · batch size {c.batch_size}"
 
 
-def config_panel(config: RunConfig, models=None, tier: str | None = None) -> ConfigPanel:
+def config_panel(config: RunConfig, models=None, tier: str | None = None,
+                 earlier: ConfigPanel | None = None) -> ConfigPanel:
     """A widget box editing `config` in place: model (a built-in, or any spec typed in; a built-in's sizes show
     under it), data (empty: the bundled corpus), precision (auto + the modes the device runs natively, from
     `supported_precisions`), batch size, torch.compile on/off, and memory: full fine-tune, LoRA, QLoRA (4-bit
     base) or the 8-bit optimizer, and activation checkpointing on/off. `tier` ("smoke", "analysis", "train")
-    shows only the boxes that tier's cells read. `models` overrides the model choices offered. Choices the user
-    made in an earlier panel of this kernel are applied to `config` first (see `forget_panel_choices`)."""
-    return ConfigPanel(config, models, tier)
+    shows only the boxes that tier's cells read. `models` overrides the model choices offered. `earlier`: the
+    panel this cell made before (a notebook passes `globals().get("panel")`): the choices the user made in it
+    are applied to `config` first and kept on the new panel."""
+    return ConfigPanel(config, models, tier, earlier)

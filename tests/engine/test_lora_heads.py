@@ -3,6 +3,7 @@ starts its head at random, and LoRA and QLoRA train that head in full beside the
 save it in the checkpoint and the merged model, count it in fit's and the pre-flight's bytes, and say so. A
 transformers model is wrapped as its task's peft model (a T5 as SEQ_2_SEQ_LM), and its checkpoint reloads as one."""
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tier_utils.core.memory_settings import DecidedMemory, MemorySettings
 from tier_utils.core.precision import resolve_precision
 from tier_utils.engine.lora import LoraSettings, apply_lora, lora_static_bytes, trained_in_full
 from tier_utils.models.checkpoint import load_checkpoint
-from tier_utils.models.loading import ModelSource
+from tier_utils.models.loading import ModelSource, record_source, source_of
 from tier_utils.planning.memory_rows import mode_static_bytes
 from tier_utils.planning.planner import static_bytes
 from tier_utils.tasks import CLASSIFICATION, task_named
@@ -50,7 +51,7 @@ def test_the_loader_records_the_new_head_and_warns_naming_it(bert_base):
     with pytest.warns(UserWarning, match=r"classifier\.bias, classifier\.weight: .*new head starts at random"):
         model = load_model(str(bert_base), **AS_CLASSIFIER)
     assert type(model).__name__ == "BertForSequenceClassification"
-    assert model.tier_utils_source.new_modules == ("classifier",)
+    assert source_of(model).new_modules == ("classifier",)
 
 
 def test_a_new_module_is_trained_in_full_whatever_the_task_type():
@@ -59,7 +60,7 @@ def test_a_new_module_is_trained_in_full_whatever_the_task_type():
     from tier_utils import TinyGPT
 
     model = TinyGPT(vocab_size=64, d_model=32, n_layer=1, n_head=2, max_len=16)
-    model.tier_utils_source = ModelSource(None, new_modules=("head",))
+    record_source(model, ModelSource(None, new_modules=("head",)))
     assert trained_in_full(model, task_named("causal-lm")) == ("head",)
     wrapped = apply_lora(model, LoraSettings(r=2, alpha=4), task_named("causal-lm"))
     assert type(wrapped).__name__ == "PeftModel"  # not a transformers model: no task type
@@ -76,7 +77,8 @@ def test_lora_bytes_count_the_trained_head_as_the_wrapped_model_holds_it(bert_ba
     sizes = [p.numel() for p in wrapped.base_model.model.classifier.original_module.parameters()]
     head = sum(sizes)
     bare = _classifier(bert_base)
-    bare.tier_utils_source.new_modules = ()  # as if its head were not new, and outside a task: adapters only
+    record_source(bare, replace(source_of(bare), new_modules=()))  # as if its head were not new, outside a task:
+    # adapters only
     without = lora_static_bytes(bare, fp32_base)
     assert {k: predicted[k] - without[k] for k in predicted} == {  # the head's fp32 copy, gradient, AdamW's moments
         "weights_bytes": 4 * head, "grads_bytes": 4 * head,

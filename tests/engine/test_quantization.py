@@ -30,7 +30,7 @@ from tier_utils.engine.quantization import (
 )
 from tier_utils.engine.step import TrainStep
 from tier_utils.models.checkpoint import load_checkpoint
-from tier_utils.models.loading import load_model
+from tier_utils.models.loading import load_model, source_of
 from tier_utils.training.history import TrainResult
 from tier_utils.training.loop import train
 
@@ -87,8 +87,8 @@ def test_a_bf16_llama_loads_with_its_block_linears_in_nf4_and_a_third_of_the_byt
     assert describe_quantized(quantized).startswith("NF4 4-bit base (14 Linear4bit)")
     assert "embeddings and head in bfloat16" in describe_quantized(quantized)
     assert describe_quantized(plain) is None
-    assert quantized.tier_utils_source.quantized == {"compute_dtype": "bfloat16"}
-    assert quantized.tier_utils_source.kwargs == {}  # the config object is not a recordable argument
+    assert source_of(quantized).quantized == {"compute_dtype": "bfloat16"}
+    assert source_of(quantized).kwargs == {}  # the config object is not a recordable argument
     # A 4-bit base trains through adapters only: without them its whole model would be the checkpoint; refused.
     with pytest.raises(QuantizationError, match="no LoRA adapters"):
         require_adapters(quantized)

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from tier_utils import adapt, analyze, load_model, smoke
+from tier_utils import TinyGPT, adapt, analyze, load_model, smoke
+from tier_utils.models.loading import source_of
 from tier_utils.models.stored_dtype import as_loaded, fp32_copy, parameters_dtype, safetensors_counts, safetensors_dtype
 
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -48,7 +49,7 @@ def loaded(spec, **kwargs):
 @pytest.mark.parametrize("fixture, dtype", [("llama_bf16", torch.bfloat16), ("opt_fp16", torch.float16)])
 def test_a_folder_loads_as_stored_and_records_it(fixture, dtype, request):
     model = loaded(request.getfixturevalue(fixture))
-    assert model.tier_utils_source.stored_dtype == dtype
+    assert source_of(model).stored_dtype == dtype
     assert parameters_dtype(model) == dtype  # as stored, decided here (dtype= passed), not transformers' default
     summary = adapt(model).summary()
     assert summary["stored_dtype"] == summary["weights_dtype"] == {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -67,7 +68,7 @@ def test_a_hub_id_records_its_configs_dtype_and_loads_in_it(llama_bf16, monkeypa
     model = loaded("hf:org/tiny-llama")
     # decided here, from the config: never transformers' default; the loading report is read for dropped weights
     assert asked[-1] == {"dtype": torch.bfloat16, "output_loading_info": True}
-    assert model.tier_utils_source.stored_dtype == parameters_dtype(model) == torch.bfloat16
+    assert source_of(model).stored_dtype == parameters_dtype(model) == torch.bfloat16
 
 
 def test_a_dtype_the_user_passes_wins_and_the_stored_one_is_still_recorded(llama_bf16):
@@ -100,8 +101,7 @@ def test_weights_file_built_ins_and_instances_record_their_dtype(tmp_path, tiny_
     assert (adapter.stored_dtype, adapter.weights_dtype) == (torch.float16, torch.float32)
     assert as_loaded(adapter.stored_dtype, adapter.weights_dtype).startswith("weights stored fp16, held fp32")
     assert adapt(load_model("tiny-gpt", **tiny_kwargs)).stored_dtype == torch.float32
-    instance = load_model("tiny-gpt", **tiny_kwargs).to(torch.bfloat16)
-    del instance.tier_utils_source  # a module built in Python: its parameters say it
+    instance = TinyGPT(**tiny_kwargs).to(torch.bfloat16)  # a module built in Python: its parameters say it
     assert adapt(instance).stored_dtype == torch.bfloat16
 
 

@@ -89,3 +89,13 @@ def test_cli_validate_takes_all_and_refuses_anything_else(tmp_path, fake_steps):
     with pytest.raises(SystemExit) as exc:
         main(["fit", *TINY_ARGS, "--validate", "maybe"])
     assert exc.value.code == 2
+
+
+def test_fit_and_its_validation_are_built_whole():
+    """Issue 51: no assignment to a result after it is made: validation's record and the plan carrying it are each
+    built complete (frozen)."""
+    from tier_utils.planning.planner import FitResult
+    from tier_utils.planning.validation import Validation
+
+    for record in (FitResult, Validation):
+        assert record.__dataclass_params__.frozen, record

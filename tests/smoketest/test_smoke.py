@@ -460,3 +460,16 @@ def test_padding_leak_fails_in_bf16_too(cls):
     report = smoke(model, checks=["shapes"], device="cpu", progress=False)
     row = report.table.set_index("check").loc["shapes: padded batch + attention_mask"]
     assert row.status == "FAIL" and row.threshold == "<= 0.05" and "attention_mask" in row.detail
+
+
+def test_the_report_is_built_whole_from_what_the_groups_yield():
+    """Issue 51: no group writes to the report; what it finds for the plots and the JSON it yields, and the report
+    is built once, complete (frozen). The latency group alone measures the activation fit the memory group shares."""
+    import dataclasses
+
+    report = smoke("tiny-gpt", model_kwargs=TINY, checks="latency,gradients", batch_sizes=(1,), progress=False,
+                   device="cpu")
+    assert report.activation_fit is not None and report.grad_norms and report.memory == []
+    assert [r["batch_size"] for r in report.latency] == [1] and report.seconds > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.seconds = 0.0

@@ -9,18 +9,19 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
+from ..core.memory_settings import DecidedMemory
 from ..core.precision import dtype_name
 from ..data.datasets import DEFAULT_VAL_FRACTION, DataSplits
 from ..data.images import has_image_processor
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
-from ..models.loading import load_model, source_of
+from ..models.loading import ModelSource, copied, load_model, source_of
 from ..models.stored_dtype import parameters_dtype
 from ..tasks import (
     CAUSAL_LM,
@@ -70,6 +71,11 @@ class ModelAdapter:
     # transformers warns about possible padding on every unmasked call; our windows are unpadded, so such a model
     # gets the mask we know (all ones) instead of a warning its user can't act on.
     fills_mask: bool = False
+    # What tier_utils knows of the model, carried here into every tier, never on the module: where it came from
+    # (the loader's record: spec, tokenizer, the modules it started new), and the memory settings decided for a run
+    # that converts it per precision (the benchmark's rows; None: none decided).
+    source: ModelSource | None = None
+    memory: DecidedMemory | None = None
 
     @property
     def device(self) -> torch.device:
@@ -84,6 +90,11 @@ class ModelAdapter:
     @property
     def weights_dtype(self) -> torch.dtype | None:
         return parameters_dtype(self.model)
+
+    def copied(self) -> ModelAdapter:
+        """This adapter over a deep copy of its model (the loader's record kept beside the copy too): a run that
+        changes weights (training) starts from the same ones as every other."""
+        return replace(self, model=copied(self.model))
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **given):
         """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
@@ -260,8 +271,9 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
     side = getattr(model, "padding_side", None)
     adapter.padding_side = side if side in ("left", "right") else adapter.task.padding_side
     adapter.tokenizer = preprocessor or _tokenizer_for(model, _own_preprocessor(model, tokenizer), adapter.vocab_size)
-    source = source_of(model)
-    adapter.stored_dtype = source.stored_dtype if source and source.stored_dtype else parameters_dtype(model)
+    adapter.source = source_of(model)
+    adapter.stored_dtype = (adapter.source.stored_dtype if adapter.source and adapter.source.stored_dtype
+                            else parameters_dtype(model))
     return adapter
 
 

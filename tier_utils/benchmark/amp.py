@@ -27,7 +27,7 @@ from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
-from ..engine.lora import describe_lora, held_memory, hold, is_lora, model_state, unload
+from ..engine.lora import describe_lora, is_lora, model_state, unload
 from ..engine.quantization import apply_memory
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
@@ -42,7 +42,7 @@ from .measurements import (
     same_batches,
     timed_repeat,
 )
-from .memory_rows import against_twin, holding, memory_row_plans
+from .memory_rows import against_twin, memory_row_plans
 from .record import BatchFit, BenchRun, Loaded, Measured, OutcomeLog, Plan, Ready, Sized, Speed, Step, make_record
 from .result import BenchmarkResult
 from .verdicts import launch_bound, record_checks
@@ -81,17 +81,16 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     # LoRA freezes the base: which weights trained before is given back with the model (`all` trains it next).
     trainable = {p: p.requires_grad for p in adapter.model.parameters()}
     # Decided once, for the fp32 and mixed rows (a true mode holds its base in its own dtype): LoRA's base dtype,
-    # the optimizer; the model carries it to each row's conversion and optimizer.
+    # the optimizer; the adapter carries it to each row's conversion and optimizer.
     held = resolve_memory(cfg.memory, resolve_precision(BASELINE, dev, warn=False), device_facts(dev),
                           adapter.stored_dtype, adapter.model)
     if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_memory(adapter.model, held, task=adapter.task))
-    hold(adapter.model, held)
+    adapter = replace(adapter, memory=held)
     try:
         with kept_dtypes(adapter.model.to(dev)):
             return BenchmarkRun(adapter, cfg, dev, data).run()
     finally:
-        hold(adapter.model, None)
         unload(adapter.model)
         for p, flag in trainable.items():
             p.requires_grad_(flag)
@@ -141,7 +140,7 @@ class BenchmarkRun:
                 measured, floor_ms = self.time(ready, self.measure_memory(ready), bar)
                 measured = self.accuracy(ready, measured, bar)
         finally:
-            load_start(ready.base.precision.convert_module(model, held_memory(model)), loaded.start)
+            load_start(ready.base.precision.convert_module(model, self.adapter.memory), loaded.start)
             model.train(was_training)
         return self.record(ready, flops, measured, floor_ms)
 
@@ -213,7 +212,7 @@ class BenchmarkRun:
         cfg, base = sized.cfg, sized.plans[0]
         splits = self.adapter.datasets(self.data, cfg.seq_len)
         speed_batches = tuple(same_batches(splits.train, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
-        start = _start(base.precision.convert_module(self.adapter.model, held_memory(self.adapter.model)))
+        start = _start(base.precision.convert_module(self.adapter.model, self.adapter.memory))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
@@ -227,7 +226,7 @@ class BenchmarkRun:
         plans = []
         for p in sized.plans:
             if self.log.runs(p) and p.mode == "compiled":
-                p.precision.convert_module(self.adapter.model, held_memory(self.adapter.model))
+                p.precision.convert_module(self.adapter.model, self.adapter.memory)
                 step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
                                                           sized.cfg.compile_mode, sized.cfg.progress)
                 # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
@@ -253,7 +252,7 @@ class BenchmarkRun:
             first[0].backward()
 
         # a compiled plan may have left it in another dtype
-        base.precision.convert_module(adapter.model, held_memory(adapter.model))
+        base.precision.convert_module(adapter.model, adapter.memory)
         flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
         adapter.model.zero_grad(set_to_none=True)
         why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None
@@ -334,7 +333,9 @@ class BenchmarkRun:
         cfg = ready.cfg
         # A LoRA memory row trains its own model from its own start; every other plan the run's.
         adapter, start = (p.adapter, p.start) if p.start is not None else (self.adapter, ready.data.start)
-        with memory_context(p.adapter.model, p.checkpointing), holding(adapter.model, p.memory):
+        if p.memory is not None:  # a memory row's settings (its optimizer is built from them)
+            adapter = replace(adapter, memory=p.memory)
+        with memory_context(p.adapter.model, p.checkpointing):
             got, error = without_oom(fn, adapter, p.precision, start, data, cfg, *extra, p.adapter)
         if error is None:
             return got

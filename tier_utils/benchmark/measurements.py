@@ -15,7 +15,7 @@ from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
 from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
-from ..engine.lora import held_memory, load_model_state
+from ..engine.lora import load_model_state
 from ..engine.schedules import Schedule
 from ..engine.step import TrainStep, make_optimizer
 from .config import BenchConfig
@@ -72,7 +72,7 @@ def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, tra
     # allocates its own, so the two are never held side by side.
     adapter.model.zero_grad(set_to_none=True)
     gc.collect()
-    held = held_memory(adapter.model)  # the memory settings decided for the run (none: AdamW)
+    held = adapter.memory  # the memory settings decided for the run (none: AdamW)
     load_start(prec.convert_module(adapter.model, held), start)  # load_state_dict casts to the weights' dtype
     torch.manual_seed(cfg.seed)  # same dropout masks in every run
     opt = make_optimizer(adapter.model, cfg.lr, cfg.weight_decay, prec.adamw_eps,

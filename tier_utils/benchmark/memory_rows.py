@@ -7,17 +7,16 @@ judged against its 16-bit twin's where both ran (verdicts._judge_adapter_row).
 
 Every row runs in the precision `auto` picks on the device, the one a user would train in here: the rows are timed
 interleaved with the precisions, so the fastest precision this run measures is not known when they start.
-A LoRA or QLoRA row trains its own copy of the model (copy.deepcopy, then engine.quantization.apply_memory:
+A LoRA or QLoRA row trains its own copy of the model (models.loading.copied, then engine.quantization.apply_memory:
 QLoRA quantises the copy, so the caller's model is never touched), from its own start: its adapters, initialised
-from the run's seed. An 8-bit-optimizer row trains the run's model itself, its settings held while it runs. A row
-that cannot run here (bitsandbytes or peft missing, no nn.Linear to quantise or adapt) is SKIPPED with the reason.
-A 4-bit row's loss curve is compared with its 16-bit twin's where both ran (QLoRA with LoRA): what the 4-bit base
-costs, apart from what training adapters instead of every weight costs.
+from the run's seed. An 8-bit-optimizer row trains the run's model itself, its settings carried by the adapter it
+runs with. A row that cannot run here (bitsandbytes or peft missing, no nn.Linear to quantise or adapt) is SKIPPED
+with the reason. A 4-bit row's loss curve is compared with its 16-bit twin's where both ran (QLoRA with LoRA): what
+the 4-bit base costs, apart from what training adapters instead of every weight costs.
 """
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -25,10 +24,11 @@ import torch
 from ..core.budget import gib
 from ..core.device import device_facts
 from ..core.errors import LoraError, MemorySettingError, QuantizationError
-from ..core.memory_settings import DecidedMemory, memory_setting, resolve_memory
+from ..core.memory_settings import memory_setting, resolve_memory
 from ..core.precision import resolve_precision
-from ..engine.lora import held_memory, hold, model_state
+from ..engine.lora import model_state
 from ..engine.quantization import apply_memory
+from ..models.loading import copied
 from .config import BenchConfig, memory_mode
 from .measurements import AdapterStart, held_bytes
 from .record import Plan, PrecisionRecord
@@ -56,7 +56,7 @@ def _row_plan(name: str, adapter, prec, dev: torch.device) -> tuple[Plan, str | 
         settings.optimizer_class.require()  # missing: the reason names the extra
         if settings.lora is None:  # the run's model, with another optimizer
             return replace(plan, memory=resolve_memory(settings, prec, facts, adapter.stored_dtype)), None
-        model = copy.deepcopy(adapter.model)
+        model = copied(adapter.model)
         held = resolve_memory(settings, prec, facts, adapter.stored_dtype, model)
         model = apply_memory(model, held, prec.compute_dtype, adapter.task)
     except (LoraError, QuantizationError, MemorySettingError) as exc:
@@ -64,24 +64,8 @@ def _row_plan(name: str, adapter, prec, dev: torch.device) -> tuple[Plan, str | 
     except torch.OutOfMemoryError:
         return plan, (f"{settings.describe()}: its copy of the model does not fit beside the run's "
                       f"({gib(held_bytes(adapter.model))} held); run it alone with memory={name!r}")
-    hold(model, held)
-    own = replace(adapter, model=model)
+    own = replace(adapter, model=model, memory=held)
     return replace(plan, adapter=own, memory=held, start=AdapterStart(copy.deepcopy(model_state(model)))), None
-
-
-@contextmanager
-def holding(model: torch.nn.Module, memory: DecidedMemory | None):
-    """`model` holding a memory row's settings while that row runs (its optimizer is built from them); None: as
-    it is. What it held before is given back."""
-    if memory is None:
-        yield
-        return
-    was = held_memory(model)
-    hold(model, memory)
-    try:
-        yield
-    finally:
-        hold(model, was)
 
 
 def against_twin(records: list[PrecisionRecord], tolerance: float) -> None:

@@ -46,6 +46,12 @@ class BenchmarkResult(Result):
     def overview(self) -> pd.DataFrame:
         return self.verdicts  # the answer per precision; the measurements are in .table
 
+    def verdict_table(self) -> pd.DataFrame:
+        return self.verdicts  # what to read; the measurements stay one click away
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"": self.table, "_verdicts": self.verdicts}
+
     judges = "device"  # its verdicts judge how this device runs each precision, not the model
 
     def speedups(self) -> dict[str, Speedup | None]:
@@ -55,6 +61,18 @@ class BenchmarkResult(Result):
         if not any(r.precision == BASELINE and r.speed.speedup is None for r in ran):
             return {}
         return {r.precision: r.speed.speedup for r in ran}
+
+    def speedup_measurements(self) -> tuple[dict, str] | None:
+        """`speedups()` and how they were measured: the batch, and the memory setting the rows trained where it is
+        not the full fine-tune fit's modes stand for; None where none was measured against fp32."""
+        s = self.config.settings
+        speedups = self.speedups()
+        if not speedups:
+            return None
+        trained = s.memory.describe(self.config.lora and self.config.lora["base_dtype"])
+        plain = trained == type(s.memory)().describe(None)
+        return speedups, (f"by this run's benchmark at batch {s.batch_size} x {s.seq_len}"
+                          + ("" if plain else f", training {trained}"))
 
     def summary_line(self) -> str:
         """"benchmark TinyGPT: FAIL (9 PASS, 1 FAIL) at batch 8 x 64 tokens on ...; weights stored float32, ..."."""

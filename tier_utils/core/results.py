@@ -94,8 +94,10 @@ def run_metadata(device=None, dtype=None) -> dict:
 
 class Result(ABC):
     """Base for every tier's result: `.table` (DataFrame), `.plot()` (Figure), `.to_json()` (dict), and what it
-    says in a summary: `verdict`, `summary_line()`, the rows behind it (`problems()`) and, where it answers a
-    question, `answer()`. The main job, the report page and the notebooks' summary ask these; none looks inside."""
+    says in a summary: `headline()`, `verdict`, `summary_line()`, the rows behind it (`problems()`), its tables
+    (`full_table()`, `verdict_table()`, `tables()`, `more_tables()`) and, where it answers a question, `answer()`.
+    Each has a default here, so the main job, the report page and the notebooks' summary just ask; none looks
+    inside or probes for a method."""
 
     # What the verdicts judge: "model" (the model's own checks) or "device" (how this device runs the precisions,
     # against targets a CPU seldom reaches): the main job's exit code follows the model's only.
@@ -125,12 +127,31 @@ class Result(ABC):
         """The result's verdict: its worst PASS/WARN/FAIL/SKIP (`status`); None for a result without verdicts."""
         return self.status
 
+    def headline(self) -> str:
+        """What the result is, in a few words: a title for its figure and its printed table (its class's name by
+        default)."""
+        return type(self).__name__
+
     def summary_line(self) -> str:
-        """One line for a summary (the main job's, the report's, a notebook's): its headline or name and verdict,
-        with each status counted. A result with more to say in one line overrides it."""
-        head = self.headline() if hasattr(self, "headline") else type(self).__name__
+        """One line for a summary (the main job's, the report's, a notebook's): its headline and verdict, with each
+        status counted. A result with more to say in one line overrides it."""
         table = self.table
+        head = self.headline()
         return f"{head}: {self.verdict} ({status_counts(table['status'])})" if "status" in table.columns else head
+
+    def full_table(self) -> pd.DataFrame:
+        """Every column, where `.table` is cut for reading (fit's: at most 12); `.table` by default."""
+        return self.table
+
+    def verdict_table(self) -> pd.DataFrame:
+        """The table a reader judges the result by (the report page shows it): `.table` by default; the benchmark's
+        verdicts, apart from its measurements."""
+        return self.table
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """What the report writes as CSV, by the suffix after the result's name: the full table under "", and a
+        verdict table kept apart from it (the benchmark's, under "_verdicts")."""
+        return {"": self.full_table()}
 
     def problems(self) -> pd.DataFrame:
         """The rows behind a verdict other than PASS, for a summary to show under the line (none by default)."""
@@ -151,6 +172,11 @@ class Result(ABC):
         the main job's last line leads with it. None: no question of its own."""
         return None
 
+    def speedup_measurements(self) -> tuple[dict, str] | None:
+        """The precisions' speedups over fp32 as this result measured them on this device, and how they were
+        measured (in words), for fit's fastest mode here; None: it measured none (only the benchmark does)."""
+        return None
+
     def overview(self) -> pd.DataFrame:
         """The short table that printing the result shows; `.table` is the full one."""
         return self.table
@@ -158,14 +184,13 @@ class Result(ABC):
     # print(result), a REPL and a notebook show the overview, rounded, reasons whole, at most 12 columns as the
     # HTML shows it (core/display.readable); never a dump of the fields.
     def __repr__(self) -> str:
-        head = self.headline() if hasattr(self, "headline") else type(self).__name__
         shown, hidden = readable(self.overview())
         more = f"\n({hidden} more column{'s' * (hidden != 1)} in .table)" if hidden else ""
-        return f"{head}\n{shown.to_string(index=False, float_format=_short, max_colwidth=200)}{more}"
+        return f"{self.headline()}\n{shown.to_string(index=False, float_format=_short, max_colwidth=200)}{more}"
 
     def _repr_html_(self) -> str:
         """A notebook shows the overview as a person reads it (core/display.py); `.table` is the full frame."""
-        return html_table(self.overview(), self.headline() if hasattr(self, "headline") else None)
+        return html_table(self.overview(), self.headline())
 
 
 @dataclass(repr=False)

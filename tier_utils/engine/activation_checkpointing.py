@@ -11,6 +11,7 @@ checkpointing keeps outside autograd's saved tensors.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -65,45 +66,60 @@ def _hf_switch(model: nn.Module, on: bool):
                                                                               None)
 
 
-def _use_cache(model: nn.Module, restore: bool) -> None:
-    """transformers fills a KV cache no training step reads, and warns that it is incompatible with checkpointing,
-    while its config's use_cache is on: off while checkpointing, the user's value back after."""
-    config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
-    if config is None:
-        return
-    if restore:
-        if "tier_utils_use_cache" in vars(model):  # a config with no use_cache (an image model's) had none to turn off
-            config.use_cache = vars(model).pop("tier_utils_use_cache")
-    elif getattr(config, "use_cache", False):
-        model.tier_utils_use_cache, config.use_cache = True, False
+_NONE = object()  # a block with no forward of its own (the class's), or a config with no use_cache
 
 
-def enable_checkpointing(model: nn.Module) -> str:
-    """Turn activation checkpointing on for `model`'s repeated blocks (NoRepeatedBlocks if it has none);
-    returns how, for the result's words. `disable_checkpointing` turns it off."""
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing turned on for a model, and what `undo` puts back so the user's module runs as it
+    came: each block's own `forward` attribute (none: the class's method), or the transformers switch and the
+    config's `use_cache`. Nothing is kept on the module."""
+
+    model: nn.Module
+    how: str  # for the result's words
+    forwards: tuple = ()  # (block, the forward it held in its own attributes, or _NONE)
+    use_cache: object = _NONE  # the config's use_cache before (transformers' switch only)
+
+    def undo(self) -> None:
+        if not self.forwards:
+            _hf_switch(self.model, False)()
+            if self.use_cache is not _NONE:
+                _config(self.model).use_cache = self.use_cache
+            return
+        for block, own in self.forwards:
+            if own is _NONE:
+                vars(block).pop("forward", None)
+            else:
+                block.forward = own
+
+
+def _config(model: nn.Module):
+    return getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+
+
+def enable_checkpointing(model: nn.Module) -> Checkpointing:
+    """Turn activation checkpointing on for `model`'s repeated blocks (NoRepeatedBlocks if it has none); the
+    record says how and turns it off again (`Checkpointing.undo`)."""
     n = require_blocks(model)
     switch = _hf_switch(model, True)
     if switch is not None:
         prefix = switch.__name__.split("_")[0]  # activation_checkpointing_kwargs or gradient_checkpointing_kwargs
         switch(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
-        _use_cache(model, False)
-        return f"{n} blocks, transformers' {switch.__name__} (non-reentrant)"
-    blocks = repeated_blocks(model)
-    for block in blocks:
+        # transformers fills a KV cache no training step reads, and warns that it is incompatible with
+        # checkpointing, while its config's use_cache is on: off while checkpointing, the user's value back after.
+        config = _config(model)
+        was = getattr(config, "use_cache", _NONE)
+        if was is not _NONE:
+            config.use_cache = False
+        return Checkpointing(model, f"{n} blocks, transformers' {switch.__name__} (non-reentrant)", use_cache=was)
+    forwards = []
+    for block in repeated_blocks(model):
+        forwards.append((block, vars(block).get("forward", _NONE)))
+
         def forward(*args, _forward=block.forward, **kwargs):
             return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-        block.forward = forward  # an instance attribute over the class's method, removed by disable
-    return f"{n} blocks, torch.utils.checkpoint (non-reentrant)"
-
-
-def disable_checkpointing(model: nn.Module) -> None:
-    switch = _hf_switch(model, False)
-    if switch is not None:
-        switch()
-        _use_cache(model, True)
-        return
-    for block in repeated_blocks(model):
-        block.__dict__.pop("forward", None)
+        block.forward = forward  # an instance attribute over the block's forward, put back by undo
+    return Checkpointing(model, f"{n} blocks, torch.utils.checkpoint (non-reentrant)", tuple(forwards))
 
 
 def checkpointing_on(model: nn.Module) -> bool:
@@ -136,12 +152,12 @@ def kept_inputs(model: nn.Module, meter):
 def checkpointed(model: nn.Module, meter=None):
     """Activation checkpointing on `model`'s repeated blocks for the block; `meter`, if given, counts what it
     keeps (kept_inputs)."""
-    enable_checkpointing(model)
+    on = enable_checkpointing(model)
     try:
         with kept_inputs(model, meter) if meter is not None else contextlib.nullcontext():
             yield repeated_blocks(model)
     finally:
-        disable_checkpointing(model)
+        on.undo()
 
 
 def memory_context(model: nn.Module, on: bool):

@@ -147,7 +147,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, task: Task | None = Non
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=list(targets), task_type=peft_task_type(model, task),
                              modules_to_save=list(trained_in_full(model, task)) or None)
-    source = getattr(model, "tier_utils_source", None)
+    source = source_of(model)
     with quiet_peft():
         wrapped = peft.get_peft_model(model, config)
     for m in wrapped.modules():
@@ -217,17 +217,6 @@ def describe_lora(model: nn.Module) -> dict | None:
                       f"{','.join(sorted(adapters))}" + (f", {', '.join(full)} trained in full" if full else "")}
 
 
-def hold(model: nn.Module, memory: DecidedMemory | None) -> None:
-    """Let `model` carry its decided memory settings (None: drop them), for a run that converts it per precision
-    (the benchmark's rows): `held_memory` reads them for `Precision.convert_module`."""
-    if memory is None:
-        vars(model).pop("tier_utils_memory", None)
-    else:
-        model.tier_utils_memory = memory
-
-
-def held_memory(model: nn.Module) -> DecidedMemory | None:
-    return getattr(model, "tier_utils_memory", None)
 
 
 def lora_record(model: nn.Module) -> dict | None:

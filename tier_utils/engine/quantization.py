@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -22,7 +23,7 @@ import torch.nn as nn
 from ..core.errors import QuantizationError
 from ..core.memory_settings import DecidedMemory
 from ..core.optimizers import require_bitsandbytes
-from ..models.loading import is_pretrained_spec, load_model, source_of
+from ..models.loading import is_pretrained_spec, load_model, record_source, source_of
 from ..tasks import Task
 from .activation_checkpointing import repeated_blocks
 from .lora import apply_lora, is_lora
@@ -139,7 +140,7 @@ def load_quantized(spec, compute_dtype: torch.dtype, **kwargs) -> nn.Module:
     quantize_linears(model, compute_dtype)
     source = source_of(model)
     if source is not None:
-        source.quantized = {"compute_dtype": str(compute_dtype).removeprefix("torch.")}
+        record_source(model, replace(source, quantized={"compute_dtype": str(compute_dtype).removeprefix("torch.")}))
     return model
 
 

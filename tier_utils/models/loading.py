@@ -1,6 +1,7 @@
 """`load_model`, which turns any supported spec into an nn.Module."""
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -8,6 +9,7 @@ import pickle
 import sys
 import typing
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,10 +29,11 @@ from .stored_dtype import config_dtype, folder_dtype, parameters_dtype, tensors_
 from .weights import load_weights
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSource:
-    """Where a model came from, kept on the module as `tier_utils_source`: its tokenizer follows it into every
-    tier, and a training checkpoint records it so `load_model(checkpoint)` can rebuild the model."""
+    """Where a model came from, kept beside the module (`source_of`; the adapter carries it into every tier): its
+    tokenizer follows it into every tier, and a training checkpoint records it so `load_model(checkpoint)` can
+    rebuild the model."""
 
     spec: str | None  # None: a module built in Python, which no spec rebuilds
     kwargs: dict = field(default_factory=dict)
@@ -54,8 +57,31 @@ class ModelSource:
                 "lora": lora, "quantized": self.quantized}
 
 
+# What tier_utils knows of each module it loaded, kept beside the module for as long as it lives, never as an
+# attribute of it: the user's module comes back as it was given.
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def source_of(model: nn.Module) -> ModelSource | None:
-    return getattr(model, "tier_utils_source", None)
+    """The record `load_model` keeps beside `model` (a peft wrapper's: beside the model it wraps); None: a module
+    built in Python and never loaded through load_model."""
+    found = _SOURCES.get(model)
+    base = getattr(model, "get_base_model", None)
+    return found if found is not None or base is None else _SOURCES.get(base())
+
+
+def record_source(model: nn.Module, source: ModelSource) -> nn.Module:
+    """`source` kept beside `model` (replacing any before); returns the model."""
+    _SOURCES[model] = source
+    return model
+
+
+def copied(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with its record beside the copy too: a copy trains, saves and reloads as the original
+    (its tokenizer, spec and the modules its loader started new)."""
+    twin = copy.deepcopy(model)
+    source = source_of(model)
+    return twin if source is None else record_source(twin, source)
 
 
 def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn.Module:
@@ -74,16 +100,16 @@ def load_model(spec=DEFAULT_MODEL, weights=None, tokenizer=None, **kwargs) -> nn
     keys are refused in one line).
     tokenizer: the tokenizer every tier feeds this model (`load_tokenizer` spec or object); None keeps
     the model's own (its folder's or hub id's; bytes for the rest). It travels with the module.
-    The dtype the weights are stored in is recorded (`model.tier_utils_source.stored_dtype`) and a folder or hub
+    The dtype the weights are stored in is recorded (`source_of(model).stored_dtype`) and a folder or hub
     model is loaded in it (`dtype=` in kwargs overrides); a training run's precision decides its master weights.
     """
     model = _build(spec, kwargs)
     stored = load_weights(model, weights) if weights is not None else None
     if weights is not None or tokenizer is not None:
         source = source_of(model) or ModelSource(None, stored_dtype=parameters_dtype(model))
-        model.tier_utils_source = replace(source, weights=str(weights) if weights is not None else source.weights,
-                                          tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
-                                          stored_dtype=stored or source.stored_dtype)
+        record_source(model, replace(source, weights=str(weights) if weights is not None else source.weights,
+                                     tokenizer=tokenizer if tokenizer is not None else source.tokenizer,
+                                     stored_dtype=stored or source.stored_dtype))
     return model
 
 
@@ -155,9 +181,8 @@ def _build(spec, kwargs: dict) -> nn.Module:
 def _sourced(model: nn.Module, spec: str, kwargs: dict, tokenizer: str | None = None,
              stored: torch.dtype | None = None, quantized: dict | None = None, new: tuple[str, ...] = ()) -> nn.Module:
     """`stored`: what the spec's files say the weights are stored in; None: the parameters' dtype as built."""
-    model.tier_utils_source = ModelSource(spec, dict(kwargs), tokenizer, stored_dtype=stored or parameters_dtype(model),
-                                          quantized=quantized, new_modules=new)
-    return model
+    return record_source(model, ModelSource(spec, dict(kwargs), tokenizer, quantized=quantized, new_modules=new,
+                                            stored_dtype=stored or parameters_dtype(model)))
 
 
 def _import_file(path: str):
@@ -417,8 +442,7 @@ def _load_checkpoint_file(path: Path, kwargs: dict) -> nn.Module:
             model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ModelSpecError(f"{path}'s weights do not fit {recorded['spec']} ({one_line(exc)[:160]})") from exc
-    model.tier_utils_source = source
-    return model
+    return record_source(model, source)
 
 
 def _held_as_saved(model: nn.Module, state: dict) -> None:

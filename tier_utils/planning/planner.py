@@ -186,7 +186,7 @@ def cost_rank(c: ModeRow, facts: DeviceFacts | None = None) -> tuple:
     return (accuracy + c.checkpointing + memory, *rest)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, frozen=True)
 class FitResult(Result):
     configs: list[ModeRow]
     seq_len: int
@@ -385,16 +385,19 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     length = adapter.fit_length(cfg.seq_len or adapter.max_len)
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers)
-    result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
-                       batch_size=cfg.batch_size)
+    predicted = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
+                          batch_size=cfg.batch_size)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
-    if asked != "off":
-        runs = {c.name for c in configs if c.mode.runs_here()}
-        chosen = runs if asked == "all" else _recommended_and_baseline(result) & runs
-        result.validation = validate(adapter, configs, chosen, length,
-                                     lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
-                                     cfg.validate_seconds, cfg.progress)
-    return result
+    if asked == "off":
+        return predicted
+    runs = {c.name for c in configs if c.mode.runs_here()}
+    chosen = runs if asked == "all" else _recommended_and_baseline(predicted) & runs
+    # The predicted plan picks what to validate and where each bisection starts; the result is that plan with what
+    # validation found, a new one, complete.
+    room = device_room(budget)
+    return replace(predicted, validation=validate(
+        adapter, configs, chosen, length, lambda c: min(VALIDATE_LIMIT, max(1, predicted.largest(c, room))),
+        cfg.validate_seconds, cfg.progress))
 
 
 def _recommended_and_baseline(result: FitResult) -> set[str]:

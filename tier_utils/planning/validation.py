@@ -25,7 +25,7 @@ VALIDATE_LIMIT = 1 << 16  # the largest batch validation tries: past it a step o
 VALIDATE_CHOICES = ("on", "off", "all")  # on: the recommended mode and fp32; all: every mode but LoRA's
 
 
-@dataclass
+@dataclass(frozen=True)
 class Validation:
     """What validation found: mode name -> the largest batch that ran a step, and for each mode left predicted,
     why (not chosen, LoRA, the time cap); the seconds it took."""
@@ -45,26 +45,25 @@ def validate(adapter, configs: list, chosen: set[str], length: int, start_of, ca
              progress: bool = False) -> Validation:
     """Bisect the largest batch of each config named in `chosen` (by `.name`), from `start_of(config)`, until
     `cap_s` seconds have passed; every other config gets the reason it stays predicted."""
-    result, begun = Validation(), time.monotonic()
+    found, predicted, begun = {}, {}, time.monotonic()
     deadline = begun + cap_s
     todo = [c for c in configs if c.name in chosen and c.memory is None]
     for c in configs:
         if c not in todo:
-            result.predicted[c.name] = ("LoRA rows are not validated" if c.lora is not None else
+            predicted[c.name] = ("LoRA rows are not validated" if c.lora is not None else
                                         "8-bit optimizer rows are not validated" if c.memory is not None else
                                         "not validated: validate='all' runs every mode that runs here")
     for c in progress_bar(todo, desc="fit: validating", unit="mode", enabled=progress):
         if time.monotonic() > deadline:
-            result.predicted[c.name] = f"validation's {cap_s:g} s cap was reached before it"
+            predicted[c.name] = f"validation's {cap_s:g} s cap was reached before it"
             continue
         try:
-            result.found[c.name] = bisect_batch(lambda b, c=c: _in_time(deadline) and step_runs(adapter, c, b, length),
-                                                start_of(c), VALIDATE_LIMIT)
+            found[c.name] = bisect_batch(lambda b, c=c: _in_time(deadline) and step_runs(adapter, c, b, length),
+                                         start_of(c), VALIDATE_LIMIT)
         except TimeoutError:  # the cap passed during its bisection (_in_time): the mode stays predicted
-            result.predicted[c.name] = f"validation's {cap_s:g} s cap was reached during its bisection"
+            predicted[c.name] = f"validation's {cap_s:g} s cap was reached during its bisection"
     _release(adapter.device)
-    result.seconds = time.monotonic() - begun
-    return result
+    return Validation(found, predicted, time.monotonic() - begun)
 
 
 def _in_time(deadline: float) -> bool:

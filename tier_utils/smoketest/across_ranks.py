@@ -26,15 +26,15 @@ def per_rank_groups(groups: dict, strategy) -> dict:
     env = strategy.env
 
     def per_rank(name, group):
-        def run(adapter, report):
+        def run(adapter, smoke_run):
             if name == "memory":
-                yield _held_row(adapter, report, strategy)
-            for row in group(adapter, report):
-                yield replace(row, check=f"{row.check} [rank {env.rank}]")
+                yield _held_row(adapter, smoke_run, strategy)
+            for row in group(adapter, smoke_run):  # a group's data for the report (a Found) passes as it is
+                yield replace(row, check=f"{row.check} [rank {env.rank}]") if isinstance(row, Check) else row
         return run
 
     def skipped(name):
-        def run(adapter, report):
+        def run(adapter, smoke_run):
             yield Check(name, "SKIP", None, None, f"reads the whole model at once, and the model is sharded over "
                                                   f"{env.world_size} ranks: run smoke in one process (without "
                                                   "--strategy) for it")
@@ -44,12 +44,12 @@ def per_rank_groups(groups: dict, strategy) -> dict:
             for name, group in groups.items()}
 
 
-def _held_row(adapter, report, strategy) -> Check:
+def _held_row(adapter, smoke_run, strategy) -> Check:
     env = strategy.env
-    held, whole = strategy.held_bytes(adapter.model), report.model["parameter_bytes"]
+    held, whole = strategy.held_bytes(adapter.model), smoke_run.model["parameter_bytes"]
     return Check(f"memory: parameters held (bytes) [rank {env.rank}]", "PASS", held, None,
                  f"{held / 2**20:.2f} MiB of the {whole / 2**20:.2f} MiB unsharded ({held / whole:.0%}; 1/"
-                 f"{env.world_size} is {1 / env.world_size:.0%}): {report.sharding}")
+                 f"{env.world_size} is {1 / env.world_size:.0%}): {smoke_run.sharding}")
 
 
 def gathered(ran: list[tuple[str, list[Check]]], strategy) -> list[Check]:

@@ -1,7 +1,8 @@
 """Tier 1 check groups, run by `smoke()`: shapes, gradients, stability, init, memory, latency, determinism.
 
-A group is a generator of Check rows taking (adapter, report); it may fill the report's plot data
-(grad_norms, latency, memory, parameters). Rows that can fail independently are wrapped by `_guarded`.
+A group is a generator of Check rows taking (adapter, run) (run.py's SmokeRun); the report's plot data it makes
+(grad_norms, latency, parameters, the activation fit) it yields as a `Found`. Rows that can fail independently are
+wrapped by `_guarded`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..engine.quantization import describe_quantized
 from ..engine.strategies import placed_by
 from ..models.stored_dtype import as_loaded, fp32_copy, fp32_reference
 from .memory_grid import memory
+from .run import Found
 
 VANISHING, EXPLODING = 1e-7, 1e3  # a layer's gradient norm / the median layer's
 # Two computations of one model compared by the same relative measure: a padded row vs the same tokens alone, the
@@ -108,8 +110,8 @@ def _output_bytes(adapter: ModelAdapter) -> int:
     return 4 * adapter.task.width(adapter)
 
 
-def _limit(report) -> float:
-    return report.budget.limit if report.budget is not None else math.inf
+def _limit(run) -> float:
+    return run.budget.limit if run.budget is not None else math.inf
 
 
 def _expected_shape(adapter: ModelAdapter, b: int, t: int) -> tuple:
@@ -123,13 +125,13 @@ def _inputs(adapter: ModelAdapter, batch: dict) -> tuple:
 
 # --- shapes -------------------------------------------------------------------------------------
 
-def _shapes(adapter: ModelAdapter, report):
+def _shapes(adapter: ModelAdapter, run):
     adapter.model.eval()
     L = adapter.max_len
     if adapter.max_len_note:
         yield Check("shapes: max length (default)", "PASS", L, None, adapter.max_len_note)
     odd = sorted({n for n in (3, L - 1 - L % 2) if 1 < n < L})
-    per_token, limit = SHAPE_COPIES * _output_bytes(adapter), _limit(report)
+    per_token, limit = SHAPE_COPIES * _output_bytes(adapter), _limit(run)
     b_max, t_max = sized_to(limit, per_token, 2, L)
     cases = [("batch 1", 1, min(8, L)), ("seq len 1", 2, 1), (f"max length {L}", b_max, L)]
     cases += [(f"odd batch 3, length {n}", 3, n) for n in odd]
@@ -138,7 +140,7 @@ def _shapes(adapter: ModelAdapter, report):
     for what, b, t in cases:
         if b * t * per_token > limit:  # not even one sequence of this length: refused before it allocates
             yield Check(f"shapes: {what}", "SKIP", None, None, f"not run: B=1, T={t} would take "
-                        f"{gib(per_token * t)} of outputs, over the safe share of {report.budget.describe()}")
+                        f"{gib(per_token * t)} of outputs, over the safe share of {run.budget.describe()}")
             continue
         yield _guarded(f"shapes: {what}", _shape_case, adapter, b, t)
     yield _guarded("shapes: padded batch + attention_mask", _padding_case, adapter)
@@ -260,7 +262,7 @@ def _decoder_causal_case(name: str, adapter: ModelAdapter) -> Check:
 
 # --- gradient flow ------------------------------------------------------------------------------
 
-def _gradients(adapter: ModelAdapter, report):
+def _gradients(adapter: ModelAdapter, run):
     net = adapter.model
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     if not named:
@@ -282,20 +284,21 @@ def _gradients(adapter: ModelAdapter, report):
     yield Check("gradients: finite", "FAIL" if bad else "PASS", len(bad), 0,
                 f"NaN/inf gradient in: {_names(bad)}" if bad else "every gradient is finite")
     zero = [n for n, g in got if n not in bad and not g.any()]
-    report.grad_norms = _layer_norms(got)
+    norms = _layer_norms(got)
+    yield Found("grad_norms", norms)
     if bad:  # a NaN is "non-zero" too: nothing to judge until the gradients are finite
         yield Check("gradients: non-zero", "FAIL", None, 0,
                     f"{len(bad)} of {len(got)} gradients are NaN/inf (see 'gradients: finite'); "
                     f"{len(zero)} of the finite ones are exactly zero")
-        broken = [k for k, v in report.grad_norms.items() if not math.isfinite(v)]
+        broken = [k for k, v in norms.items() if not math.isfinite(v)]
         yield Check("gradients: layer norm ratio", "FAIL", None, None,  # ratios over finite layers would pass
-                    f"gradient norm is NaN/inf in {len(broken)} of {len(report.grad_norms)} layers: {_names(broken)}")
+                    f"gradient norm is NaN/inf in {len(broken)} of {len(norms)} layers: {_names(broken)}")
         return
     ratios = _ratios(got, matrices=True)
     zero_init = [n for n, p in named if not n.endswith("bias") and not p.detach().any()]
     again = None
     if zero_init and (zero or min(ratios.values(), default=1.0) < VANISHING):
-        again = _after_one_step(adapter, batch, report)
+        again = _after_one_step(adapter, batch, run)
     yield _zero_row(zero, len(got), zero_init, again)
     yield from _ratio_rows(ratios, _ratios(got, matrices=False), again)
     small = [(n, torch.linalg.vector_norm(g.float()).item()) for n, g in got if g.dim() < 2]
@@ -338,15 +341,15 @@ def _ratios(got, matrices: bool) -> dict[str, float]:
     return {k: v / median for k, v in live.items()}
 
 
-def _after_one_step(adapter: ModelAdapter, batch: dict, report) -> tuple[list[str], dict] | str:
+def _after_one_step(adapter: ModelAdapter, batch: dict, run) -> tuple[list[str], dict] | str:
     """Zero and layer-ratio pictures after one optimizer step on a copy of the model (the model itself is
     untouched), or why it was not taken: what sits behind zero-initialised weights gets a gradient only then."""
     if placed_by(adapter.model) is not None:  # ranks would step a copy each, apart: its collectives need them together
         return "not re-checked: the model is sharded (run smoke in one process for the re-check)"
     params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
     need = 4 * params  # the copy, its gradients and Adam's two moments
-    if report.budget is not None and need > report.budget.limit:
-        return f"not re-checked: a copy with optimizer state needs {gib(need)}, over {report.budget.describe()}"
+    if run.budget is not None and need > run.budget.limit:
+        return f"not re-checked: a copy with optimizer state needs {gib(need)}, over {run.budget.describe()}"
     twin = copy.copy(adapter)
     try:
         twin.model = copy.deepcopy(adapter.model)
@@ -400,7 +403,7 @@ def _ratio_rows(matrices: dict[str, float], every: dict[str, float], again):
 
 # --- numerical stability ------------------------------------------------------------------------
 
-def _stability(adapter: ModelAdapter, report):
+def _stability(adapter: ModelAdapter, run):
     adapter.model.eval()
     L = adapter.max_len
     for what, ids in adapter.task.stability_inputs(adapter, min(L, 16)).items():
@@ -408,11 +411,11 @@ def _stability(adapter: ModelAdapter, report):
     # One random max-length batch serves twice, as a finiteness case and as the fp32 reference the low
     # precisions are compared with: on a big model each such forward costs seconds. Its size is the
     # budget's: fewer sequences, then a shorter length, and the rows say which ran.
-    per_token, limit = STABILITY_COPIES * _output_bytes(adapter), _limit(report)
+    per_token, limit = STABILITY_COPIES * _output_bytes(adapter), _limit(run)
     b, t = sized_to(limit, per_token, 2, L)
     if t < 1:
         yield Check(f"stability: random, max length {L}", "SKIP", None, None, f"not run: one token's outputs "
-                    f"take {gib(per_token)}, over the safe share of {report.budget.describe()}")
+                    f"take {gib(per_token)}, over the safe share of {run.budget.describe()}")
         return
     note = size_note((2, L), (b, t), per_token, limit, "the fp32 logits, a low-precision copy and the forward's own")
     batch = adapter.example_batch(b, t, seed=3)
@@ -432,7 +435,7 @@ def _stability(adapter: ModelAdapter, report):
                     ref = adapter.logits(*_inputs(adapter, batch))
             except Exception as exc:
                 ref = exc
-        rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, report.precision, low,
+        rows = [_guarded(f"stability: {low} vs fp32 logits", _low_precision_case, adapter, run.precision, low,
                          batch, ref, reference, note) for low in autocast_precisions()]
     yield from rows
 
@@ -479,7 +482,7 @@ def _low_precision_case(name: str, adapter: ModelAdapter, requested: Precision, 
 
 # --- initialisation -----------------------------------------------------------------------------
 
-def _init(adapter: ModelAdapter, report):
+def _init(adapter: ModelAdapter, run):
     # A tied tensor (embedding = LM head) has several owners: it is an embedding if any of them is one.
     owners: dict[int, list[nn.Module]] = {}
     for m in adapter.model.modules():
@@ -505,7 +508,7 @@ def _init(adapter: ModelAdapter, report):
                     dead[table.padding_idx] = False  # the padding row is zero by design
             row["dead_rows"] = 0 if row["constant"] else int(dead.sum())
         rows.append(row)
-    report.parameters = pd.DataFrame(rows)
+    yield Found("parameters", pd.DataFrame(rows))
     yield _weights_dtype(adapter)
 
     bad = [r["name"] for r in rows if not r["finite"]]
@@ -554,25 +557,29 @@ def _weights_dtype(adapter: ModelAdapter) -> Check:
 
 # --- inference latency --------------------------------------------------------------------------
 
-def _latency(adapter: ModelAdapter, report):
-    report.activation_fit = report.activation_fit or measure_activations(adapter, report.precision,
-                                                                         max(report.seq_lens))
+def _latency(adapter: ModelAdapter, run):
+    fit = run.activation_fit
+    if fit is None:  # the memory group did not run before: measured here, for the report too
+        fit = measure_activations(adapter, run.precision, max(run.seq_lens))
+        yield Found("activation_fit", fit)
     adapter.model.eval()
-    for t in report.seq_lens:
-        for b in report.batch_sizes:
-            yield _guarded(f"latency: B={b} T={t} (median ms)", _latency_case, adapter, report, b, t)
+    samples = []  # each case's timings, for the report's plot and JSON
+    for t in run.seq_lens:
+        for b in run.batch_sizes:
+            yield _guarded(f"latency: B={b} T={t} (median ms)", _latency_case, adapter, run, fit, samples, b, t)
+    yield Found("latency", samples)
 
 
-def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> Check:
-    need = report.activation_fit.transient(b, t) * 2
-    if need > report.budget.limit:  # refused before it allocates
+def _latency_case(name: str, adapter: ModelAdapter, run, fit, samples: list, b: int, t: int) -> Check:
+    need = fit.transient(b, t) * 2
+    if need > run.budget.limit:  # refused before it allocates
         return Check(name, "SKIP", None, None, f"not run: B={b}, T={t} predicted {gib(need)} for the output and "
                                                f"one temporary its size, over the safe share of "
-                                               f"{report.budget.describe()}")
+                                               f"{run.budget.describe()}")
     batch = adapter.example_batch(b, t)
     ids, mask = _inputs(adapter, batch)
     timer = StepTimer(adapter.device)
-    with torch.inference_mode(), report.precision.autocast():
+    with torch.inference_mode(), run.precision.autocast():
         for _ in range(LATENCY_WARMUP):
             start = time.perf_counter()
             adapter.logits(ids, mask)
@@ -586,19 +593,19 @@ def _latency_case(name: str, adapter: ModelAdapter, report, b: int, t: int) -> C
             with timer.region():
                 adapter.logits(ids, mask)
     ms = timer.milliseconds()
-    report.latency.append({"batch_size": b, "seq_len": t, "samples_ms": ms})
+    samples.append({"batch_size": b, "seq_len": t, "samples_ms": ms})
     s, p95 = summarize(ms), percentile(ms, 95)
     budget = f"; n set by the {LATENCY_BUDGET_S:g} s budget" if n < LATENCY_MAX_RUNS else ""
     return Check(name, "PASS", _sig(s.median), None,
                  f"median {s.median:.3g} ms, p95 {p95:.3g} ms, IQR {s.iqr:.2g} ms (n={s.n}{budget}); "
                  f"{adapter.task.units(batch) / (s.median / 1e3):,.0f} {adapter.task.unit}s/s; "
-                 f"{report.precision.name} on "
-                 f"{report.metadata['device_name']}")
+                 f"{run.precision.name} on "
+                 f"{run.metadata['device_name']}")
 
 
 # --- determinism --------------------------------------------------------------------------------
 
-def _determinism(adapter: ModelAdapter, report):
+def _determinism(adapter: ModelAdapter, run):
     net = adapter.model
     batch = adapter.example_batch(2, min(adapter.max_len, 32), seed=4)
     args = _inputs(adapter, batch)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType
 
 import pandas as pd
 import torch
@@ -31,6 +32,7 @@ from ..engine.strategies import canonical_strategy, resolve_strategy, smoke_stra
 from ..models.builtins import DEFAULT_MODEL
 from .across_ranks import gathered, per_rank_groups, shared_budget
 from .checks import CHECK_GROUPS
+from .run import Found, SmokeRun
 
 
 @dataclass
@@ -62,9 +64,10 @@ class SmokeConfig:
         check_fields(self)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, frozen=True)
 class SmokeReport(Result):
-    """Tier 1 result: one row per check in `.table`, plus what the plots and JSON need."""
+    """Tier 1 result: one row per check in `.table`, plus what the plots and JSON need; built once, complete, when
+    every group has run (the groups yield their data: run.py)."""
 
     checks: list[Check]
     model: dict
@@ -222,10 +225,8 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) 
         adapter = resolve_model(model, **model_kwargs)
     except ModelForwardError as exc:  # a model that cannot run is a finding, not a crash
         checks = [Check(name, "FAIL", None, None, f"not run: {exc}") for name in groups]
-        report = SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes,
-                             list(cfg.seq_lens or ()))
-        report.seconds = time.perf_counter() - start
-        return report
+        return SmokeReport(checks, exc.model, prec, run_metadata(prec.device, prec.dtype), batch_sizes,
+                           list(cfg.seq_lens or ()), seconds=time.perf_counter() - start)
     adapter.model.to(prec.device)
     budget = read_budget(prec.device)  # once, before anything of ours is allocated
     if env is not None:
@@ -233,24 +234,27 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) 
     lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
                       for t in cfg.seq_lens or (adapter.max_len,)})
     summary = {**adapter.summary(), **quantized_summary(adapter.model)}  # a 4-bit base is run, and named, as loaded
-    report = SmokeReport([], summary, prec, run_metadata(prec.device, prec.dtype), batch_sizes, lengths,
-                         budget=budget, rank=env.rank if env else 0, world_size=env.world_size if env else 1)
     checks = {name: CHECK_GROUPS[name] for name in groups}
+    # The summary, taken before, stays unsharded.
+    sharded = strategy.setup_module(adapter.model, prec) if env is not None else None
     if env is not None:
-        report.sharding = strategy.setup_module(adapter.model, prec)  # the summary, taken before, stays unsharded
         checks = per_rank_groups(checks, strategy)
-    ran = _run_groups(adapter, report, checks, cfg.progress and (env is None or env.is_main))
-    report.checks = gathered(ran, strategy) if env is not None else [row for _, rows in ran for row in rows]
-    report.seconds = time.perf_counter() - start
-    return report
+    run = SmokeRun(prec, run_metadata(prec.device, prec.dtype), summary, tuple(batch_sizes), tuple(lengths), budget,
+                   sharded)
+    ran, found = _run_groups(adapter, run, checks, cfg.progress and (env is None or env.is_main))
+    rows = gathered(ran, strategy) if env is not None else [row for _, rows in ran for row in rows]
+    return SmokeReport(rows, summary, prec, run.metadata, batch_sizes, lengths, **found,
+                       seconds=time.perf_counter() - start, budget=budget, sharding=sharded,
+                       rank=env.rank if env else 0, world_size=env.world_size if env else 1)
 
 
-def _run_groups(adapter, report: SmokeReport, checks: dict, progress: bool) -> list[tuple[str, list[Check]]]:
-    """Each group's rows, in order, each group isolated; the model's mode, its gradients and the RNG as found."""
-    net, dev, budget = adapter.model, report.precision.device, report.budget
+def _run_groups(adapter, run: SmokeRun, checks: dict, progress: bool) -> tuple[list[tuple[str, list[Check]]], dict]:
+    """Each group's rows, in order, each group isolated, and what the groups found for the report (by SmokeReport
+    field; each group sees what those before it found); the model's mode, its gradients and the RNG as found."""
+    net, dev, budget = adapter.model, run.precision.device, run.budget
     was_training, grads = net.training, [(p, p.grad) for p in net.parameters()]
     rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    ran = []
+    ran, found = [], {}
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
         bar = progress_bar(list(checks), desc="smoke", unit="group", enabled=progress)
@@ -258,8 +262,11 @@ def _run_groups(adapter, report: SmokeReport, checks: dict, progress: bool) -> l
             bar.set_postfix_str(name)
             rows = []
             try:
-                for row in checks[name](adapter, report):
-                    rows.append(row)
+                for row in checks[name](adapter, replace(run, found=MappingProxyType(dict(found)))):
+                    if isinstance(row, Found):
+                        found[row.name] = row.value
+                    else:
+                        rows.append(row)
             except torch.cuda.OutOfMemoryError as exc:  # the device's limit, not the model's bug: WARN
                 rows.append(Check(name, "WARN", None, None, f"ran out of memory ({budget.describe()} at the start): "
                                                             f"{describe(exc, 240)}"))
@@ -272,7 +279,7 @@ def _run_groups(adapter, report: SmokeReport, checks: dict, progress: bool) -> l
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             ran.append((name, rows))
-    return ran
+    return ran, found
 
 
 def _positive_ints(values, what: str) -> tuple[int, ...]:

@@ -22,7 +22,6 @@ from ..data.tokenizer import BYTES
 from ..engine.lora import lora_record, model_state
 from ..engine.strategies import Strategy, other_format_checkpoint
 from ..models.checkpoint import CHECKPOINT_NAME, describe_data, save_checkpoint
-from ..models.loading import source_of
 from .config import TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection
 from .history import History
@@ -89,7 +88,7 @@ class RunCheckpoints:
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
         fed it. None for a module built in Python, which no spec can rebuild."""
-        source = source_of(self.adapter.model)
+        source = self.adapter.source
         if source is None or source.spec is None:
             return None
         tokenizer = self.adapter.tokenizer

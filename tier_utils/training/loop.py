@@ -28,7 +28,6 @@ from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..data.datasets import to_device
 from ..engine import sharding
-from ..engine.activation_checkpointing import disable_checkpointing
 from ..engine.distributed import answering_for_ranks
 from ..engine.evaluation import evaluate
 from ..engine.generation import Generated, generate_and_score
@@ -188,7 +187,7 @@ class _Run:
             bar.close()
             self.adapter.model.train()
             if self.built.checkpointing:
-                disable_checkpointing(self.adapter.model)  # the returned model runs as it came
+                self.built.checkpointing.undo()  # the returned model runs as it came
         return self._logged(self.result(finished, interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
@@ -354,7 +353,8 @@ class _Run:
             hf_detail=finished.saved_hf or (f"not written: {unsaved}" if cfg.save_hf and unsaved else None),
             stored_dtype=dtype_name(adapter.stored_dtype), master_dtype=dtype_name(adapter.weights_dtype),
             weights_detail=prec.describe_weights(adapter.stored_dtype),
-            activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
+            activation_checkpointing=self.built.checkpointing and self.built.checkpointing.how,
+            lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
             generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
             order=f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch",

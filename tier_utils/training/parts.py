@@ -19,7 +19,7 @@ from ..core.precision import Precision
 from ..core.seeding import seed_everything
 from ..data.datasets import DataSplits, make_loader, to_device
 from ..engine import distributed
-from ..engine.activation_checkpointing import enable_checkpointing, require_blocks
+from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, compile_for_training
 from ..engine.quantization import apply_memory, load_quantized, require_adapters
 from ..engine.step import TrainStep, make_optimizer
@@ -37,7 +37,7 @@ class BuiltModel:
 
     adapter: ModelAdapter
     name: str  # the model's own class name, read before the strategy placed it (fully_shard renames it FSDP<name>)
-    checkpointing: str | None  # activation checkpointing's description (None: off)
+    checkpointing: Checkpointing | None  # activation checkpointing, on (None: off), undone as the run ends
     placement: str | None  # how the strategy holds the model on its ranks (None: one process)
     memory: DecidedMemory  # the memory settings decided for this run: LoRA's base dtype, the optimizer built
     nonfinite_at_load: tuple[str, ...]  # the weights that were NaN or inf as loaded: a non-finite loss's cause
@@ -49,7 +49,7 @@ def build_model(model, model_kwargs: dict, cfg: TrainConfig, precision: Precisio
     (FSDP shards it in place, before the optimizer is built on its parameters)."""
     allocator = strategy.prepare_host()  # before the model is built
     seed_everything(cfg.seed)  # before building from a spec, so initial weights follow the seed
-    if cfg.memory.quantized and not isinstance(model, torch.nn.Module):
+    if cfg.memory.quantized and not isinstance(model, (torch.nn.Module, ModelAdapter)):
         # A spec's 4-bit base is quantised as it loads (transformers' BitsAndBytesConfig for a folder or hub id)
         model, model_kwargs = load_quantized(model, precision.compute_dtype, **model_kwargs), {}
     adapter = resolve_model(model, **model_kwargs)

@@ -7,7 +7,6 @@ the study lives in a database and running `search` again with the same name cont
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -299,7 +298,6 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
     adapter = resolve_model(model, **(model_kwargs or {}))  # fails here, once, on a model the trials could not drive
     adapter.require_trainable()
     adapter.check_forward()  # a model that cannot run fails once, in one line, not in every trial
-    initial = adapter.model
     study = _open_study(study_cfg, pruner, sampler)
     done = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
     for params in start_with or ():
@@ -318,7 +316,7 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
                                          "the median of earlier trials")
 
         try:
-            result = train(copy.deepcopy(initial), data, cfg, on_eval=report)
+            result = train(adapter.copied(), data, cfg, on_eval=report)
         except TrainingDiverged as exc:
             # A result about these settings, not an error: the study goes on, and a pruned trial
             # (unlike a failed one) tells the sampler this region is bad.

@@ -357,14 +357,18 @@ def _vocab_fix(request: DataRequest) -> str:
 
 
 def split_off(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """(train, val): a seeded random `val_fraction` of the rows held out (at least one; none for 0), the training
-    rows kept in the data's own order (what a run without shuffling trains in)."""
+    """(train, val): a seeded random `val_fraction` of the rows held out (at least one; none for 0)."""
     n = len(ds)
     n_val = max(1, int(n * val_fraction)) if val_fraction else 0
     if n - n_val < 1:
         raise DataError(f"{n} examples are too few to split into train and val; give more data")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return Subset(ds, sorted(order[n_val:])), Subset(ds, order[:n_val])
+    return Subset(ds, order[n_val:]), Subset(ds, order[:n_val])
+
+
+def in_data_order(ds: Dataset) -> Dataset:
+    """`ds` with a random split's rows put back in the data's own order: what a run without shuffling trains in."""
+    return Subset(ds.dataset, sorted(ds.indices)) if isinstance(ds, Subset) else ds
 
 
 def without_validation(splits: DataSplits) -> DataSplits:

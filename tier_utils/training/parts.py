@@ -17,7 +17,7 @@ from ..core.errors import DataError
 from ..core.memory_settings import DecidedMemory, resolve_memory
 from ..core.precision import Precision
 from ..core.seeding import seed_everything
-from ..data.datasets import DataSplits, make_loader, to_device
+from ..data.datasets import DataSplits, in_data_order, make_loader, to_device
 from ..engine import distributed
 from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, compile_for_training
@@ -110,6 +110,8 @@ def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strate
                  device: torch.device) -> RunData:
     env = strategy.env
     splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out)
+    if not cfg.shuffle:
+        splits = replace(splits, train=in_data_order(splits.train))
     sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * env.world_size
     steps_per_epoch = len(sampler) // cfg.batch_size // cfg.grad_accum_steps

@@ -143,12 +143,15 @@ class ModelAdapter:
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)
 
-    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:
-        """A random batch of the right shape and task, on the model's device."""
+    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0,
+                      target_len: int | None = None) -> dict:
+        """A random batch of the right shape and task, on the model's device; `target_len`: the targets' own length
+        where the task's targets have one (an encoder-decoder's; None: seq_len)."""
         T = min(seq_len or self.max_len, self.max_len)
         g = torch.Generator().manual_seed(seed)
         batch = self.task.example_inputs(self, batch_size, T, g)
-        batch["labels"] = self.task.example_labels(self, batch_size, T, g)
+        U = min(target_len, self.max_len) if target_len and self.task.own_target_length else T
+        batch["labels"] = self.task.example_labels(self, batch_size, U, g)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def require_trainable(self) -> list[nn.Parameter]:

@@ -71,6 +71,12 @@ class Task:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def own_target_length(self) -> bool:
+        """Whether its targets are a sequence with a length of their own (an encoder-decoder's decoder side): one
+        prediction per position, not of the input's positions. The planner counts both lengths."""
+        return self.per_token and not self.predicts_input_positions
+
     def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
         """Whether a model declares this task: by its class name's ending (a module's type, a config's first
         architecture); a task may also read the config or the forward's parameters."""

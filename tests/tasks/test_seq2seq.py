@@ -269,6 +269,18 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert decoder.triu(1).abs().max() == 0  # no target position reads a later one
     fig = found.plot("attention", layers=["model.decoder.layers.0.encoder_attn"])
     assert fig.axes[0].images[0].get_array().shape == (4, 10)
+    # Drawn with the tokens: cross-attention's rows are what the decoder reads (its start token, then the targets
+    # shifted right), its columns the source's tokens.
+    tokens = found.outcomes["attention"].artifacts["tokens"]
+    (rows, targets), (columns, sources) = tokens["model.decoder.layers.0.encoder_attn"]
+    label = tier_utils.load_tokenizer(str(folders["bart"])).label
+    assert (rows, columns) == ("target", "source") and targets[0] == label(1)  # BART's decoder_start_token_id
+    assert sources in [[label(int(t)) for t in row] for row in pairs[0]]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == targets
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == sources
+    assert fig.axes[0].get_ylabel() == "query (target token)" and fig.axes[0].get_xlabel() == "key (source token)"
+    assert [side for side, _ in tokens["model.encoder.layers.0.self_attn"]] == ["source", "source"]
+    assert tokens["model.decoder.layers.0.self_attn"] == ((rows, targets), (rows, targets))
 
 
 def test_export_takes_the_decoder_inputs_with_their_own_dynamic_length(tmp_path):

@@ -167,6 +167,10 @@ class Task:
         """(B, T) bool: the target positions a decoder reads (None: the task has no target side)."""
         return None
 
+    def target_tokens(self, adapter, batch: dict) -> torch.Tensor | None:
+        """(B, T) the token ids a decoder reads at each target position (None: the task has no target side)."""
+        return None
+
     def scored(self, labels: torch.Tensor) -> torch.Tensor:
         """Which targets count (the loss's ignore_index, -100, marks the rest: a seq2seq target's padding)."""
         return labels != IGNORE_INDEX

@@ -1,5 +1,6 @@
 """Encoder-decoders as users bring them: T5 and BART folders with their own tokenizer (trained here: no hub), pairs
 files, a hand-written nn.Transformer; never loaded as another head."""
+import io
 import json
 import warnings
 
@@ -12,6 +13,7 @@ import tier_utils
 import tier_utils.models.builtins
 from tier_utils.cli import main
 from tier_utils.core.errors import AdapterError, DataError, ModelSpecError
+from tier_utils.data.tokenizer import is_tokenizer_folder
 from tier_utils.tasks import SEQ2SEQ, build_datasets, task_named
 from tier_utils.tasks.seq2seq import decoder_inputs
 
@@ -55,6 +57,36 @@ def folders(tmp_path_factory):
     data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     made["pairs"] = data
     return made
+
+
+def test_a_t5_folder_whose_tokenizer_is_its_sentencepiece_model_alone_loads_and_trains(folders, tmp_path):
+    """T5's spiece.model, trained here on the pairs' text (a tiny unigram vocabulary): the folder holds no other
+    tokenizer file, and still loads with its own tokenizer (T5's end of sequence appended) and trains."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    folder = tmp_path / "t5-spm"
+    folder.mkdir()
+    written = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([side for p in PAIRS for side in p.values()]), model_writer=written, vocab_size=40,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    (folder / "spiece.model").write_bytes(written.getvalue())
+    assert is_tokenizer_folder(folder)  # the model file alone names the folder a tokenizer's
+    config = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0, eos_token_id=1,
+                  decoder_start_token_id=0)
+    transformers.T5Config(**config).save_pretrained(folder)  # which tokenizer class reads spiece.model
+    vocab = tier_utils.load_tokenizer(str(folder)).vocab_size  # its pieces and T5's 100 sentinel ids
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=vocab, **config)).save_pretrained(folder)
+    assert not {"tokenizer.json", "tokenizer_config.json"} & {p.name for p in folder.iterdir()}
+    adapter = tier_utils.adapt(tier_utils.load_model(str(folder)))
+    assert adapter.tokenizer.name == str(folder.resolve()) and adapter.task is SEQ2SEQ
+    ids = adapter.tokenizer.hf("ITEM 3 OF THE LIST").input_ids
+    assert ids[-1] == 1 and "▁" in "".join(adapter.tokenizer.hf.convert_ids_to_tokens(ids))  # SentencePiece's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sources cut to seq_len
+        result = tier_utils.train(str(folder), str(folders["pairs"]), max_steps=2, batch_size=4, seq_len=16,
+                                  eval_batches=1, progress=False, device="cpu")
+    assert result.summary.task == "seq2seq" and 0 < result.summary.train_loss < float("inf")
 
 
 @pytest.mark.parametrize("name,architecture", [("t5", "T5ForConditionalGeneration"),

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from tiny import TINY
+from tiny import TINY, TINY_ARGS
 
 import tier_utils
 import tier_utils.models.builtins
@@ -124,6 +124,21 @@ def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, c
     assert 0 < summary["val_loss"] < 20 and 0 <= summary["accuracy"] <= 1 and summary["perplexity"] is None
     # the targets scored: the pairs' real tokens, never the padding past their end
     assert 0 < summary["val_targets"] <= 4 * 12
+
+
+def test_train_cuts_the_targets_to_their_own_length_and_a_causal_lm_refuses_one(folders, tmp_path, capsys):
+    args = ["--max-steps", "2", "--batch-size", "8", "--seq-len", "12", "--target-len", "3", "--eval-batches", "1",
+            "--device", "cpu", "--no-progress"]
+    code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), *args,
+                 "--out", str(tmp_path / "run"), "--json", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "targets in table pairs.jsonl" in err  # every target (6 tokens) cut to 3, said
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary["val_targets"] == 4 * 3  # the 4 validation pairs, 3 target tokens each
+    out = tmp_path / "lm"
+    assert main(["train", *TINY_ARGS, *args, "--out", str(out)]) == 2
+    assert "drop target_len (--target-len)" in capsys.readouterr().err and not out.exists()
 
 
 def test_bart_as_a_causal_lm_is_refused_in_one_line_and_nothing_is_written(folders, tmp_path, capsys):

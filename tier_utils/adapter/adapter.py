@@ -135,10 +135,11 @@ class ModelAdapter:
         logits = self.batch_logits(batch)
         return self.loss(logits, batch["labels"]), logits
 
-    def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
-        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
+    def datasets(self, data, seq_len: int, seed: int = 0, target_len: int | None = None) -> DataSplits:
+        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
+        an encoder-decoder's target length (None: seq_len)."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, seed=seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer)
+                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)
@@ -173,6 +174,16 @@ class ModelAdapter:
         warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",
                       stacklevel=3)
         return self.max_len
+
+    def target_length(self, target_len: int | None) -> int | None:
+        """The target length a run counts apart from its source's (None: as many as the source), by fit_length's
+        rule: only a task whose targets have a length of their own (an encoder-decoder's) takes one."""
+        if target_len is None:
+            return None
+        if not self.task.own_target_length:
+            raise ValueError(f"target_len counts an encoder-decoder's targets apart from its source; {self.name} is "
+                             f"a {self.task} model with one length: drop target_len (--target-len)")
+        return self.fit_length(target_len, "target_len")
 
     def check_forward(self) -> None:
         """One small forward before a run, so a model that cannot run fails in one line, not mid-loop."""

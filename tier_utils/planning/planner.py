@@ -409,7 +409,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     adapter.model.to(dev)
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
-    length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), _target_length(adapter, cfg.target_len)
+    length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), adapter.target_length(cfg.target_len)
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers, target)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
@@ -422,17 +422,6 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
                                      lambda c: min(VALIDATE_LIMIT, max(1, result.largest(c, device_room(budget)))),
                                      cfg.validate_seconds, cfg.progress)
     return result
-
-
-def _target_length(adapter, target_len: int | None) -> int | None:
-    """The target length fit counts apart (None: as many as the source): only a task whose targets have a length
-    of their own (an encoder-decoder's) takes one."""
-    if target_len is None:
-        return None
-    if not adapter.task.own_target_length:
-        raise ValueError(f"target_len counts an encoder-decoder's targets apart from its source; {adapter.name} is a "
-                         f"{adapter.task} model with one length: drop target_len (--target-len)")
-    return adapter.fit_length(target_len, "target_len")
 
 
 def _recommended_and_baseline(result: FitResult) -> set[str]:

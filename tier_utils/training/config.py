@@ -12,8 +12,8 @@ from ..core.settings import check_fields, check_switch, device_field, precision_
 from ..engine.compiling import compile_mode_setting
 from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
-TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
-                     "grad_accum_steps", "seed", "memory")
+TRAJECTORY_FIELDS = ("batch_size", "seq_len", "target_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps",
+                     "grad_clip", "grad_accum_steps", "seed", "memory")
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
@@ -31,6 +31,8 @@ class TrainConfig:
     batch_size: int = setting(16, "sequences per step per rank; global batch = batch size x ranks x grad accum",
                               low=1)
     seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
+    target_len: int | None = setting(None, "an encoder-decoder's target tokens per pair, cut apart from its source's "
+                                           "length (none: as many as the source)", low=1)
     epochs: int = setting(1, "passes over the training set", low=1)
     max_steps: int | None = setting(None, "optimizer steps (wins over epochs)", low=1)
     lr: float = setting(3e-4, "peak learning rate", above=0)

@@ -319,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "8-bit AdamW) at your batch and length: the cheapest that fits here and "
                                      "predicted for T4/L4/A100/H100")
     add_common(p, FitConfig, precision=False)
-    add_settings(p, FitConfig, ("batch_size", "seq_len", "precisions", "checkpointing", "lora", "optimizers",
-                                "validate"))
+    add_settings(p, FitConfig, ("batch_size", "seq_len", "target_len", "precisions", "checkpointing", "lora",
+                                "optimizers", "validate"))
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "

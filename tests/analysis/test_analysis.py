@@ -10,7 +10,7 @@ from styles import GPT, HandSoftmax
 from tiny import TINY
 
 from tier_utils import TinyGPT, adapt, analyze, load_model
-from tier_utils.analysis import ANALYSES, AnalysisConfig, capture_attention, suite
+from tier_utils.analysis import ANALYSES, AnalysisConfig, attention, capture_attention, suite
 from tier_utils.analysis.common import Context
 from tier_utils.analysis.dtypes import op_dtypes
 from tier_utils.cli import main
@@ -241,6 +241,19 @@ def test_keywords_are_settings_and_model_kwargs_build_the_model():
     report = analyze("tiny-gpt", None, config, model_kwargs={**TINY, "max_len": 16})
     assert report.model["max_len"] == 16 and report.data.seq_len == 16
     assert list(report.outcomes) == ["robustness"]
+
+
+def test_attention_maps_are_drawn_with_example_0s_tokens():
+    torch.manual_seed(0)
+    ctx = _ctx(TinyGPT(**{**TINY, "max_len": 40}), seq_len=40)
+    outcome = attention.run(ctx)
+    expected = [ctx.adapter.tokenizer.label(int(t)) for t in ctx.batches[0]["input_ids"][0]]
+    (rows, queries), (columns, keys) = outcome.artifacts["tokens"]["blocks.0.attn"]
+    assert (rows, columns) == ("source", "source") and queries == keys == expected
+    ax = attention.plot(outcome).axes[0]
+    every = -(-40 // attention.TICKS_SHOWN)  # 40 tokens: every second one labelled
+    assert [t.get_text() for t in ax.get_yticklabels()] == expected[::every] and every == 2
+    assert ax.get_xlabel() == "key (source token)"
 
 
 def test_the_precision_is_the_decision_its_json_unchanged(gpt_report):

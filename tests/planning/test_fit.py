@@ -89,7 +89,8 @@ def test_seq_len_is_a_setting_and_model_kwargs_build_the_model():
     # seq_len was fit's second positional argument; now it is a FitConfig field like the rest.
     with pytest.raises(ValueError, match="config must be a FitConfig or a dict, got int"):
         fit("tiny-gpt", 16)
-    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: batch_size, seq_len, precisions"):
+    with pytest.raises(ValueError, match=r"unknown fit setting\(s\) d_model; valid: batch_size, seq_len, target_len, "
+                                         "precisions"):
         fit("tiny-gpt", d_model=32)
     config = FitConfig(seq_len=16, precisions="fp32", checkpointing=False, lora=None, optimizers="adamw", device="cpu",
                        progress=False)

@@ -1,17 +1,19 @@
 """Encoder-decoders as users bring them: T5 and BART folders with their own tokenizer (trained here: no hub), pairs
 files, a hand-written nn.Transformer; never loaded as another head."""
+import io
 import json
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from tiny import TINY
+from tiny import TINY, TINY_ARGS
 
 import tier_utils
 import tier_utils.models.builtins
 from tier_utils.cli import main
 from tier_utils.core.errors import AdapterError, DataError, ModelSpecError
+from tier_utils.data.tokenizer import is_tokenizer_folder
 from tier_utils.tasks import SEQ2SEQ, build_datasets, task_named
 from tier_utils.tasks.seq2seq import decoder_inputs
 
@@ -57,6 +59,36 @@ def folders(tmp_path_factory):
     return made
 
 
+def test_a_t5_folder_whose_tokenizer_is_its_sentencepiece_model_alone_loads_and_trains(folders, tmp_path):
+    """T5's spiece.model, trained here on the pairs' text (a tiny unigram vocabulary): the folder holds no other
+    tokenizer file, and still loads with its own tokenizer (T5's end of sequence appended) and trains."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    folder = tmp_path / "t5-spm"
+    folder.mkdir()
+    written = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([side for p in PAIRS for side in p.values()]), model_writer=written, vocab_size=40,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    (folder / "spiece.model").write_bytes(written.getvalue())
+    assert is_tokenizer_folder(folder)  # the model file alone names the folder a tokenizer's
+    config = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0, eos_token_id=1,
+                  decoder_start_token_id=0)
+    transformers.T5Config(**config).save_pretrained(folder)  # which tokenizer class reads spiece.model
+    vocab = tier_utils.load_tokenizer(str(folder)).vocab_size  # its pieces and T5's 100 sentinel ids
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=vocab, **config)).save_pretrained(folder)
+    assert not {"tokenizer.json", "tokenizer_config.json"} & {p.name for p in folder.iterdir()}
+    adapter = tier_utils.adapt(tier_utils.load_model(str(folder)))
+    assert adapter.tokenizer.name == str(folder.resolve()) and adapter.task is SEQ2SEQ
+    ids = adapter.tokenizer.hf("ITEM 3 OF THE LIST").input_ids
+    assert ids[-1] == 1 and "▁" in "".join(adapter.tokenizer.hf.convert_ids_to_tokens(ids))  # SentencePiece's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sources cut to seq_len
+        result = tier_utils.train(str(folder), str(folders["pairs"]), max_steps=2, batch_size=4, seq_len=16,
+                                  eval_batches=1, progress=False, device="cpu")
+    assert result.summary.task == "seq2seq" and 0 < result.summary.train_loss < float("inf")
+
+
 @pytest.mark.parametrize("name,architecture", [("t5", "T5ForConditionalGeneration"),
                                                ("bart", "BartForConditionalGeneration")])
 def test_a_folder_loads_as_its_own_encoder_decoder_and_passes_smoke(folders, name, architecture):
@@ -92,6 +124,21 @@ def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, c
     assert 0 < summary["val_loss"] < 20 and 0 <= summary["accuracy"] <= 1 and summary["perplexity"] is None
     # the targets scored: the pairs' real tokens, never the padding past their end
     assert 0 < summary["val_targets"] <= 4 * 12
+
+
+def test_train_cuts_the_targets_to_their_own_length_and_a_causal_lm_refuses_one(folders, tmp_path, capsys):
+    args = ["--max-steps", "2", "--batch-size", "8", "--seq-len", "12", "--target-len", "3", "--eval-batches", "1",
+            "--device", "cpu", "--no-progress"]
+    code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), *args,
+                 "--out", str(tmp_path / "run"), "--json", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "targets in table pairs.jsonl" in err  # every target (6 tokens) cut to 3, said
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary["val_targets"] == 4 * 3  # the 4 validation pairs, 3 target tokens each
+    out = tmp_path / "lm"
+    assert main(["train", *TINY_ARGS, *args, "--out", str(out)]) == 2
+    assert "drop target_len (--target-len)" in capsys.readouterr().err and not out.exists()
 
 
 def test_bart_as_a_causal_lm_is_refused_in_one_line_and_nothing_is_written(folders, tmp_path, capsys):
@@ -269,6 +316,18 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert decoder.triu(1).abs().max() == 0  # no target position reads a later one
     fig = found.plot("attention", layers=["model.decoder.layers.0.encoder_attn"])
     assert fig.axes[0].images[0].get_array().shape == (4, 10)
+    # Drawn with the tokens: cross-attention's rows are what the decoder reads (its start token, then the targets
+    # shifted right), its columns the source's tokens.
+    tokens = found.outcomes["attention"].artifacts["tokens"]
+    (rows, targets), (columns, sources) = tokens["model.decoder.layers.0.encoder_attn"]
+    label = tier_utils.load_tokenizer(str(folders["bart"])).label
+    assert (rows, columns) == ("target", "source") and targets[0] == label(1)  # BART's decoder_start_token_id
+    assert sources in [[label(int(t)) for t in row] for row in pairs[0]]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == targets
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == sources
+    assert fig.axes[0].get_ylabel() == "query (target token)" and fig.axes[0].get_xlabel() == "key (source token)"
+    assert [side for side, _ in tokens["model.encoder.layers.0.self_attn"]] == ["source", "source"]
+    assert tokens["model.decoder.layers.0.self_attn"] == ((rows, targets), (rows, targets))
 
 
 def test_export_takes_the_decoder_inputs_with_their_own_dynamic_length(tmp_path):

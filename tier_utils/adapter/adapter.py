@@ -146,20 +146,25 @@ class ModelAdapter:
         logits = self.batch_logits(batch)
         return self.loss(logits, batch["labels"]), logits
 
-    def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION) -> DataSplits:
-        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
+    def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
+                 target_len: int | None = None) -> DataSplits:
+        """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
+        an encoder-decoder's target length (None: seq_len)."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer)
+                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)
 
-    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0) -> dict:
-        """A random batch of the right shape and task, on the model's device."""
+    def example_batch(self, batch_size: int = 2, seq_len: int | None = None, seed: int = 0,
+                      target_len: int | None = None) -> dict:
+        """A random batch of the right shape and task, on the model's device; `target_len`: the targets' own length
+        where the task's targets have one (an encoder-decoder's; None: seq_len)."""
         T = min(seq_len or self.max_len, self.max_len)
         g = torch.Generator().manual_seed(seed)
         batch = self.task.example_inputs(self, batch_size, T, g)
-        batch["labels"] = self.task.example_labels(self, batch_size, T, g)
+        U = min(target_len, self.max_len) if target_len and self.task.own_target_length else T
+        batch["labels"] = self.task.example_labels(self, batch_size, U, g)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def require_trainable(self) -> list[nn.Parameter]:
@@ -181,6 +186,16 @@ class ModelAdapter:
         warnings.warn(f"{what}={seq_len} exceeds {self.name}'s max_len={self.max_len}; using {self.max_len}",
                       stacklevel=3)
         return self.max_len
+
+    def target_length(self, target_len: int | None) -> int | None:
+        """The target length a run counts apart from its source's (None: as many as the source), by fit_length's
+        rule: only a task whose targets have a length of their own (an encoder-decoder's) takes one."""
+        if target_len is None:
+            return None
+        if not self.task.own_target_length:
+            raise ValueError(f"target_len counts an encoder-decoder's targets apart from its source; {self.name} is "
+                             f"a {self.task} model with one length: drop target_len (--target-len)")
+        return self.fit_length(target_len, "target_len")
 
     def check_forward(self) -> None:
         """One small forward before a run, so a model that cannot run fails in one line, not mid-loop."""

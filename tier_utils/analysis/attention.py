@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 ONE_HOT_MAX = 0.9  # mean top weight at or above this: the head looks at one token (near one-hot)
 UNIFORM_ENTROPY = 0.97  # mean entropy / log(#keys) at or above this: the head averages (near uniform)
 SAME_HEADS_TV = 0.05  # mean total-variation distance between a layer's heads below this: they all do the same
+TICKS_SHOWN = 32  # a map's axis labels at most this many of its tokens: more overlap at a panel's size
 
 
 def _has_attention(model: nn.Module) -> bool:
@@ -174,6 +175,7 @@ def run(ctx: Context) -> Outcome:
     outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
     if means is not None:
         _add_rollout(ctx, outcome, list(means.values()), predicted)
+    outcome.artifacts["tokens"] = _map_tokens(ctx, example)
     return outcome
 
 
@@ -216,6 +218,23 @@ def _heat_check(name: str, shown, cells: str, what: str) -> Check:
     right = sum(a == b for a, b in zip(shown.labels, shown.predictions))
     return Check(name, "PASS", round(share, 4), threshold, f"{what}: the top {TOP_SHARE:.0%} of {cells} hold "
                  f"{share:.0%} of it (mean over {len(shown.labels)} images, {right} predicted right)")
+
+
+def _map_tokens(ctx: Context, example: dict) -> dict:
+    """Each example map's rows and columns as (side, tokens): the side the task says its queries and keys are
+    (an encoder-decoder's source or target) and example 0's tokens there, as far as the map reaches (nothing for a
+    task whose inputs are not tokens)."""
+    task, batch, label = ctx.adapter.task, ctx.batches[0], ctx.adapter.tokenizer.label
+    if not task.reads_tokens:
+        return {}
+    target = task.target_tokens(ctx.adapter, batch)
+    sides = {"source": batch["input_ids"][0], **({} if target is None else {"target": target[0]})}
+    named = {}
+    for name, weights in example.items():
+        queries, keys, _ = task.attention_role(name)
+        named[name] = tuple((side, [label(int(t)) for t in sides[side][:n]])
+                            for side, n in ((queries, weights.size(-2)), (keys, weights.size(-1))))
+    return named
 
 
 def _size(cap: AttentionCapture, limit: int) -> str:
@@ -286,8 +305,23 @@ def _pick(names: list[str], layers) -> list[str]:
     return picked
 
 
+def _token_axes(ax, tokens) -> None:
+    """A map's axes named by their side and labelled with its tokens (every n-th past TICKS_SHOWN of them)."""
+    (rows, row_tokens), (columns, column_tokens) = tokens
+
+    def shown(names):
+        every = max(1, -(-len(names) // TICKS_SHOWN))
+        return range(0, len(names), every), names[::every]
+
+    ax.set_yticks(*shown(row_tokens), fontsize=5)
+    ax.set_xticks(*shown(column_tokens), fontsize=5, rotation=90)
+    ax.set_ylabel(f"query ({rows} token)", fontsize=7)
+    ax.set_xlabel(f"key ({columns} token)", fontsize=7)
+
+
 def plot(outcome: Outcome, layers=None, heads=None) -> Figure:
-    """Heatmaps (query rows, key columns) of example 0 for the chosen layers (default first and last)
+    """Heatmaps (query rows, key columns, labelled with example 0's tokens: an encoder-decoder's cross-attention
+    rows are target tokens, its columns source tokens) of example 0 for the chosen layers (default first and last)
     and heads (default up to 4), plus each head's distance profile; an image model's first images lie above them
     under their attention rollout. An image model without attention: its gradient saliency map over the images."""
     shown = outcome.artifacts.get("overlay")
@@ -314,15 +348,18 @@ def plot(outcome: Outcome, layers=None, heads=None) -> Figure:
 
 def _draw_maps(fig, outcome: Outcome, chosen: list[str], head_ids: list[int]) -> None:
     """The chosen layers' maps, one row each, into `fig` (a Figure or SubFigure)."""
-    maps = outcome.artifacts["maps"]
+    maps, tokens = outcome.artifacts["maps"], outcome.artifacts.get("tokens", {})
     axes = fig.subplots(len(chosen), len(head_ids) + 1, squeeze=False)
     prof = outcome.frames["attention_distance"]
     for row, name in zip(axes, chosen):
         for ax, h in zip(row, head_ids):
             image = ax.imshow(maps[name][h].numpy(), cmap="viridis", vmin=0, aspect="auto")
             ax.set_title(f"{name} h{h}", fontsize=8)
-            ax.set_xlabel("key", fontsize=7)
-            ax.set_ylabel("query", fontsize=7)
+            if name in tokens:
+                _token_axes(ax, tokens[name])
+            else:
+                ax.set_xlabel("key", fontsize=7)
+                ax.set_ylabel("query", fontsize=7)
         fig.colorbar(image, ax=row[len(head_ids) - 1], shrink=0.8, label="attention weight")
         for h, grp in prof[prof.layer == name].groupby("head"):
             row[-1].plot(grp.distance, grp.weight, label=f"h{h}")

@@ -9,7 +9,9 @@ out-of-memory through it, not through a mock of the tier.
 Activation bytes: autograd's saved tensors of a training forward (measure.SavedTensorMeter, an exact count)
 at batch 1 and two short lengths, and at batch 2, fitted as k + B * (a*T + c*T^2): k holds what does not
 grow with the batch (autocast's low-precision weight copies), c what grows with T^2 (materialised
-attention). Any other size is extrapolated from that fit, and says so.
+attention). A task whose targets have a length of their own (an encoder-decoder: source S, target U) is fitted
+as k + B * (a*S + c*S^2 + a_u*U + c_u*U^2 + x*S*U): its encoder, its decoder and its cross-attention's (U, S)
+maps apart, from five batch-1 sizes and one at batch 2. Any other size is extrapolated from that fit, and says so.
 """
 from __future__ import annotations
 
@@ -107,18 +109,25 @@ def read_budget(device) -> Budget:
 
 @dataclass(frozen=True)
 class ActivationFit:
-    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes."""
+    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes; for a
+    task with a target length apart, k + B * (a*S + c*S^2 + target_a*U + target_c*U^2 + cross*S*U), from six."""
 
     k: float
     a: float
     c: float
-    output_per_token: float  # fp32 bytes of the output per token: its gradient is alive during backward
-    measured: tuple  # ((B, T, bytes), ...) as measured
+    output_per_token: float  # fp32 bytes of the output per token (per target token): its gradient is alive in backward
+    measured: tuple  # ((B, T, bytes), ...) or ((B, S, U, bytes), ...) as measured
     probe: str = ""  # how the bytes were had where not from the whole model (a shallower probe's, extrapolated)
+    target_a: float = 0.0  # the target side's per-token bytes (an encoder-decoder's decoder), 0 for one length
+    target_c: float = 0.0  # its (U, U) maps: the decoder's self-attention
+    cross: float = 0.0  # the (U, S) maps: cross-attention
 
     @classmethod
     def from_points(cls, measured, output_per_token: float, probe: str = "") -> ActivationFit:
-        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes."""
+        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes; six (B, S, U, bytes) sizes:
+        `from_pair_points`."""
+        if len(measured[0]) == 4:
+            return cls.from_pair_points(measured, output_per_token, probe)
         (_, t, b1), (_, t2, b2), (_, _, b3) = measured
         per2 = max(0, b3 - b2)  # one sequence at t2
         k = max(0, b2 - per2)
@@ -127,34 +136,52 @@ class ActivationFit:
         a = max(0.0, (per2 - c * t2**2) / t2)
         return cls(k, a, c, output_per_token, tuple(measured), probe)
 
+    @classmethod
+    def from_pair_points(cls, measured, output_per_token: float, probe: str = "") -> ActivationFit:
+        """The two-length fit through five batch-1 sizes (B=1, S, U) and, last, the largest of them at batch 2 (which
+        parts k from the per-sequence bytes): a least-squares solve of the five coefficients, exact where the sizes
+        differ on both sides (two sources, three targets), the minimum-norm one where a length is too short to."""
+        *single, (_, s2, u2, b2) = measured
+        per = max(0, b2 - single[-1][3])  # one sequence at the largest size
+        k = max(0, single[-1][3] - per)
+        rows = torch.tensor([[s, s * s, u, u * u, s * u] for _, s, u, _ in single], dtype=torch.float64)
+        bytes_ = torch.tensor([[b - k] for *_, b in single], dtype=torch.float64)
+        a, c, ua, uc, x = (max(0.0, float(v)) for v in torch.linalg.lstsq(rows, bytes_).solution.flatten())
+        return cls(k, a, c, output_per_token, tuple(measured), probe, ua, uc, x)
+
     def extrapolated(self, deeper: ActivationFit, depths: tuple[int, int], blocks: int) -> ActivationFit:
         """The fit of a model with `blocks` repeated blocks, from this one measured with `depths[0]` of them and
         `deeper` with `depths[1]`: each size's bytes grow by what one block added between the two."""
         d1, d2 = depths
-        points = [(b, t, round(x1 + (x2 - x1) * (blocks - d1) / (d2 - d1)))
-                  for (b, t, x1), (_, _, x2) in zip(self.measured, deeper.measured)]
+        points = [(*size, round(x1 + (x2 - x1) * (blocks - d1) / (d2 - d1)))
+                  for (*size, x1), (*_, x2) in zip(self.measured, deeper.measured)]
         return ActivationFit.from_points(points, deeper.output_per_token,
                                          f"with {d1} and {d2} of its {blocks} blocks, extrapolated to {blocks} "
                                          "(predicted)")
 
-    def per_sequence(self, length: int) -> float:
-        return self.a * length + self.c * length**2
+    def per_sequence(self, length: int, target: int | None = None) -> float:
+        """One sequence's bytes at `length` tokens (a source's, where the task has a target length apart: `target`
+        tokens, None: as many as the source, as train runs it)."""
+        u = length if target is None else target
+        return (self.a * length + self.c * length**2 + self.target_a * u + self.target_c * u**2
+                + self.cross * length * u)
 
-    def bytes(self, batch: int, length: int) -> int:
-        return int(self.k + batch * self.per_sequence(length))
+    def bytes(self, batch: int, length: int, target: int | None = None) -> int:
+        return int(self.k + batch * self.per_sequence(length, target))
 
-    def transient(self, batch: int, length: int) -> int:
-        """The output's gradient (for a causal LM the logits'), alive during backward next to the saved tensors."""
-        return int(self.output_per_token * batch * length)
+    def transient(self, batch: int, length: int, target: int | None = None) -> int:
+        """The output's gradient (for a causal LM the logits', for an encoder-decoder its target positions'), alive
+        during backward next to the saved tensors."""
+        return int(self.output_per_token * batch * (length if target is None else target))
 
     def where(self) -> str:
-        return "measured at " + ", ".join(f"B={b}, T={t}" for b, t, _ in self.measured) + (
-            f" {self.probe}" if self.probe else "")
+        sizes = [f"B={b}, T={t}" if len(rest) == 1 else f"B={b}, S={t}, U={rest[0]}" for b, t, *rest in self.measured]
+        return "measured at " + ", ".join(sizes) + (f" {self.probe}" if self.probe else "")
 
     def probe_bytes(self) -> int:
         """What the largest measuring forward held: its saved tensors and its output."""
-        b, t, saved = self.measured[-1]
-        return int(saved + self.transient(b, t))
+        b, *lengths, saved = self.measured[-1]
+        return int(saved + self.transient(b, *lengths))
 
     def largest_length(self, batch: int, room: float, up_to: int) -> int:
         """The longest length up to `up_to` whose activations at `batch` fit in `room` bytes (0: none)."""
@@ -165,22 +192,34 @@ class ActivationFit:
         return lo
 
 
-def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext) -> ActivationFit:
-    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at
-    (B=1, T=t), (B=1, 2t) and (B=2, 2t) with t = min(PROFILE_LENGTH, length // 2): small, whatever the model.
-    `context(meter)` wraps each forward (e.g. activation checkpointing that reports what it keeps)."""
+def _sizes(adapter, length: int, target: int | None) -> list[tuple]:
+    """The measuring forwards' sizes: (B, T) at t, 2t and batch 2 (t = min(PROFILE_LENGTH, length // 2), so small
+    whatever the model); for a task whose targets have a length of their own, (B, S, U): two sources by three
+    targets' worth (u/2, u, 2u at one source, u and 2u at the other), the largest again at batch 2."""
     t = max(1, min(PROFILE_LENGTH, length // 2))
     t2 = min(2 * t, adapter.max_len)
+    if not adapter.task.own_target_length:
+        return [(1, t), (1, t2), (2, t2)]
+    u = max(1, min(PROFILE_LENGTH, (target or length) // 2))
+    u2 = min(2 * u, adapter.max_len)
+    return [(1, t, max(1, u // 2)), (1, t, u), (1, t2, u), (1, t, u2), (1, t2, u2), (2, t2, u2)]
+
+
+def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext,
+                        target: int | None = None) -> ActivationFit:
+    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at small sizes
+    (`_sizes`; `target`: an encoder-decoder's target length, None: the source's). `context(meter)` wraps each
+    forward (e.g. activation checkpointing that reports what it keeps)."""
     measured = []
     was_training = adapter.model.training
     adapter.model.train()
     try:
-        for b, tt in ((1, t), (1, t2), (2, t2)):
+        for b, tt, *u in _sizes(adapter, length, target):
             with SavedTensorMeter(adapter.model) as meter, context(meter), precision.autocast():
-                loss, logits = adapter.forward_loss(adapter.example_batch(b, tt))
-            output = 4 * logits.numel() / (b * tt)
+                loss, logits = adapter.forward_loss(adapter.example_batch(b, tt, target_len=u[0] if u else None))
+            output = 4 * logits.numel() / (b * (u[0] if u else tt))
             del loss, logits
-            measured.append((b, tt, meter.bytes))
+            measured.append((b, tt, *u, meter.bytes))
     finally:
         adapter.model.train(was_training)
     return ActivationFit.from_points(measured, output)

@@ -56,6 +56,8 @@ class FitConfig:
 
     batch_size: int = setting(8, "sequences per training step the plan is for", low=1)
     seq_len: int | None = setting(None, "tokens per sequence (none: the model's max length)", low=1)
+    target_len: int | None = setting(None, "an encoder-decoder's target tokens per pair, counted apart from its "
+                                           "source's length (none: as many as the source)", low=1)
     precisions: tuple = setting(PRECISIONS, "precisions to plan for, e.g. fp32,bf16,fp16,bf16-true")
     checkpointing: bool = setting(True, "also plan each precision with activation checkpointing")
     lora: LoraSettings | None = setting(LoraSettings(), "LoRA to plan over a frozen base: fp32 (under fp32), fp16 "
@@ -119,6 +121,7 @@ class ModeRow:
     memory: DecidedMemory | None = None  # LoRA's adapters and their base, the optimizer (None: full, AdamW)
     mode: Precision | None = None  # the precision decided here: its dtypes, its hardware rule
     parameters: int = 0  # the model's: static bytes per parameter divide by it
+    target_len: int | None = None  # an encoder-decoder's target length planned (None: the source's, as train runs)
 
     @property
     def lora(self) -> LoraSettings | None:
@@ -146,8 +149,10 @@ class ModeRow:
         return self.static / self.parameters if self.parameters else float("nan")
 
     def per_sequence(self, length: int) -> float:
-        """Bytes each sequence of the batch adds: saved activations, output gradient, recompute."""
-        return self.fit.per_sequence(length) + (self.fit.output_per_token + self.recompute_per_token) * length
+        """Bytes each sequence of the batch adds: saved activations, output gradient (over the target positions of
+        an encoder-decoder), recompute."""
+        return (self.fit.per_sequence(length, self.target_len) + self.fit.transient(1, length, self.target_len)
+                + self.recompute_per_token * length)
 
     def fixed(self) -> float:
         """Bytes that do not grow with the batch: weights, gradients, optimizer state, the fit's constant."""
@@ -200,6 +205,11 @@ class FitResult(Result):
     # `all`; fp32: None, the baseline); None: this device's fastest is predicted, as every GPU's is.
     measured_speedups: dict | None = None
     speed_source: str = ""  # where measured_speedups were measured, in words
+    target_len: int | None = None  # an encoder-decoder's target length, counted apart (None: one length)
+
+    def lengths(self) -> str:
+        """The planned length in words: T, and an encoder-decoder's target length where it was given apart."""
+        return f"T={self.seq_len}" + (f", target {self.target_len}" if self.target_len else "")
 
     def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -266,11 +276,11 @@ class FitResult(Result):
                         "validation": self.validation.describe(c.name)})
             b = row["this_device"] or 0
             row["detail"] = ("" if runs_here else f"does not run here ({c.mode.reason}); ") + (
-                             f"B={B}, T={T} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}, "
+                             f"B={B}, {self.lengths()} predicted {gib(c.step_bytes(B, T))} (static {gib(c.static)}, "
                              f"{c.bytes_per_param:.2f} bytes per parameter); "
                              + (f"fits in {gib(here)} ({self.budget.describe()}); largest batch {b}" if fits else
                                 f"over the {gib(here)} usable here; largest batch {b}" if b >= 1 else
-                                f"not even batch 1 fits at T={T}: it needs {gib(c.step_bytes(1, T))}")
+                                f"not even batch 1 fits at {self.lengths()}: it needs {gib(c.step_bytes(1, T))}")
                              + f"; activations {c.fit.where()}" + c.note)
             rows.append(row)
         table = pd.DataFrame(rows)
@@ -286,7 +296,7 @@ class FitResult(Result):
 
     def headline(self) -> str:
         return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
-                f"T={self.seq_len} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
+                f"{self.lengths()} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
                 f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
                 f"{self.budget.describe()}")
 
@@ -310,7 +320,7 @@ class FitResult(Result):
         cheapest, fastest = self.cheapest(), self.fastest()
         gpus = "; ".join(f"{col.replace(' (predicted)', '')} {_named(cheapest[col])} / {_named(fastest[col])}"
                          for col in cheapest if col != "this_device")
-        return (f"fit at B={self.batch_size}, T={self.seq_len}: cheapest mode that fits here "
+        return (f"fit at B={self.batch_size}, {self.lengths()}: cheapest mode that fits here "
                 f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); "
                 f"{self._fastest_here(fastest['this_device'], cheapest['this_device'])}; cheapest / fastest "
                 f"predicted on {gpus}")
@@ -337,6 +347,7 @@ class FitResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                         "target_len": self.target_len,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
@@ -382,11 +393,11 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     adapter.model.to(dev)
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
-    length = adapter.fit_length(cfg.seq_len or adapter.max_len)
+    length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), adapter.target_length(cfg.target_len)
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
-                           cfg.optimizers)
+                           cfg.optimizers, target)
     predicted = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
-                          batch_size=cfg.batch_size)
+                          batch_size=cfg.batch_size, target_len=target)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked == "off":
         return predicted
@@ -410,11 +421,12 @@ def _recommended_and_baseline(result: FitResult) -> set[str]:
 
 def plan(adapter, precisions, length: int, checkpointing: bool = False, progress: bool = False,
          lora: LoraSettings | None = None, budget: Budget | None = None,
-         optimizers: tuple = (DEFAULT_OPTIMIZER.name,)) -> tuple[list[ModeRow], int]:
+         optimizers: tuple = (DEFAULT_OPTIMIZER.name,), target_len: int | None = None) -> tuple[list[ModeRow], int]:
     """A ModeRow per precision (canonical names) and, with `checkpointing` and repeated blocks to wrap, per
     precision with checkpointing; with `lora`, LoRA over each base (`memory_rows`); with adamw8bit among
     `optimizers`, the fp32-weight modes and LoRA again with 8-bit optimizer state; and how many blocks
-    checkpointing wraps. Measures on the adapter's device, each (measured precision, checkpointing) once, with
+    checkpointing wraps; `target_len`: an encoder-decoder's target length, counted apart (None: the source's).
+    Measures on the adapter's device, each (measured precision, checkpointing) once, with
     probes sized to `budget` (None: the device's free memory now; see probe.py). The model is given back bit
     for bit."""
     dev = adapter.device
@@ -426,7 +438,7 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
     # A mode the device only emulates is measured as its stand-in (the same bytes per value, the same ops).
     stand_ins = {p.name: resolve_precision(p.measured_as if p.measured_as and not p.native else p.name, dev,
                                            warn=False) for p in decided}
-    probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev))
+    probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev), target_len)
     quantized, parameters = quantized_bytes(), sum(p.numel() for p in adapter.model.parameters())
     configs = []
     for prec, ck, memory in progress_bar(combos, desc="fit", unit="config", enabled=progress):
@@ -444,10 +456,11 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
             # Per sequence from the fits' per-sequence parts only: the constants (autocast's weight copies) are
             # held once per recomputed block, not once per sequence. Taking them per sequence made bf16 with
             # checkpointing look bigger than without (issue 32: 13.5k vs 15.8k at T=64 on the default model).
-            recompute = max(0.0, (full.per_sequence(length) - kept.per_sequence(length)) / length / blocks)
+            recompute = max(0.0, (full.per_sequence(length, target_len) - kept.per_sequence(length, target_len))
+                            / length / blocks)
             fixed = max(0.0, (full.k - kept.k) / blocks)
         static = mode_static_bytes(adapter.model, prec, memory, quantized, adapter.task)
-        configs.append(ModeRow(p, ck, static, measured, recompute, note, fixed, memory, prec, parameters))
+        configs.append(ModeRow(p, ck, static, measured, recompute, note, fixed, memory, prec, parameters, target_len))
     return configs, blocks
 
 

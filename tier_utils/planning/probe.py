@@ -36,14 +36,16 @@ def copy_bytes(model: nn.Module, precision: Precision) -> int:
     return converted + sum(p.numel() * precision.compute_dtype.itemsize for p in model.parameters() if p.dim() >= 2)
 
 
-def measured_fit(adapter, precision: Precision, length: int, checkpointing: bool, depth: int | None = None):
+def measured_fit(adapter, precision: Precision, length: int, checkpointing: bool, depth: int | None = None,
+                 target: int | None = None):
     """`precision`'s activation fit (with checkpointing if asked), the model converted to its weight dtype and,
-    with `depth`, cut to its first `depth` blocks; the model given back as it was, bit for bit."""
+    with `depth`, cut to its first `depth` blocks; the model given back as it was, bit for bit. `target`: an
+    encoder-decoder's target length (None: the source's)."""
     model = adapter.model
     context = (lambda meter: checkpointed(model, meter)) if checkpointing else contextlib.nullcontext
     with fewer_blocks(model, depth) if depth else contextlib.nullcontext(), kept_dtypes(model, exact=True):
         precision.convert_module(model)
-        return measure_activations(adapter, precision, length, context)
+        return measure_activations(adapter, precision, length, context, target)
 
 
 @dataclass
@@ -56,14 +58,16 @@ class Probe:
     whole_bytes: int | None = None  # what the whole model's probe would hold (predicted)
     probe_bytes: int | None = None  # what the shallow probe holds (predicted)
     known: dict = field(default_factory=dict)  # (precision, checkpointing) -> a fit the sizing already measured
+    target: int | None = None  # an encoder-decoder's target length the probes are sized for (None: the source's)
 
     def fit(self, adapter, precision: Precision, length: int, checkpointing: bool) -> ActivationFit:
         key = (precision.name, checkpointing)
         if key not in self.known:
             if self.depths is None:
-                self.known[key] = measured_fit(adapter, precision, length, checkpointing)
+                self.known[key] = measured_fit(adapter, precision, length, checkpointing, target=self.target)
             else:
-                shallow, deeper = (measured_fit(adapter, precision, length, checkpointing, d) for d in self.depths)
+                shallow, deeper = (measured_fit(adapter, precision, length, checkpointing, d, self.target)
+                                   for d in self.depths)
                 self.known[key] = shallow.extrapolated(deeper, self.depths, self.blocks)
         return self.known[key]
 
@@ -78,22 +82,23 @@ class Probe:
                 f"forward may hold here ({self.budget.describe()}){over}")
 
 
-def size_probe(adapter, precisions: list[Precision], length: int, budget: Budget) -> Probe:
+def size_probe(adapter, precisions: list[Precision], length: int, budget: Budget, target: int | None = None) -> Probe:
     """The whole model where its probe, in the hungriest of `precisions`, fits Budget.probe_limit; else the
-    shallow depths. The smallest probe (fp32 at both depths) is measured first to predict the whole one's."""
+    shallow depths. The smallest probe (fp32 at both depths) is measured first to predict the whole one's.
+    `target`: an encoder-decoder's target length (None: the source's)."""
     model = adapter.model
     blocks = len(repeated_blocks(model))
     if blocks <= PROBE_DEPTHS[-1] or not _shortens(model):
-        return Probe(budget, blocks)
+        return Probe(budget, blocks, target=target)
     fp32 = resolve_precision(BASELINE, adapter.device, warn=False)
-    shallow, deeper = (measured_fit(adapter, fp32, length, False, d) for d in PROBE_DEPTHS)
+    shallow, deeper = (measured_fit(adapter, fp32, length, False, d, target) for d in PROBE_DEPTHS)
     whole = shallow.extrapolated(deeper, PROBE_DEPTHS, blocks)
     copies = max(copy_bytes(model, p) for p in precisions)
     if copies + whole.probe_bytes() <= budget.probe_limit:
-        return Probe(budget, blocks)
+        return Probe(budget, blocks, target=target)
     with fewer_blocks(model, PROBE_DEPTHS[-1]):
         held = max(copy_bytes(model, p) for p in precisions) + deeper.probe_bytes()
-    return Probe(budget, blocks, PROBE_DEPTHS, copies + whole.probe_bytes(), held, {(BASELINE, False): whole})
+    return Probe(budget, blocks, PROBE_DEPTHS, copies + whole.probe_bytes(), held, {(BASELINE, False): whole}, target)
 
 
 def _shortens(model: nn.Module) -> bool:

@@ -90,7 +90,8 @@ def step_runs(adapter, config, batch: int, length: int) -> bool:
             prec.convert_module(adapter.model)
             optimizer = make_optimizer(adapter.model, 1e-3, 0.1, prec.adamw_eps)
             with memory_context(adapter.model, config.checkpointing):
-                TrainStep(adapter, prec, optimizer)([adapter.example_batch(batch, length)])
+                batches = [adapter.example_batch(batch, length, target_len=config.target_len)]
+                TrainStep(adapter, prec, optimizer)(batches)
         return True
 
     ran, _ = without_oom(one_step)

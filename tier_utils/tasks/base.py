@@ -76,6 +76,12 @@ class Task:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def own_target_length(self) -> bool:
+        """Whether its targets are a sequence with a length of their own (an encoder-decoder's decoder side): one
+        prediction per position, not of the input's positions. The planner counts both lengths."""
+        return self.per_token and not self.predicts_input_positions
+
     def recognizes(self, architecture: str, config=None, params: frozenset = frozenset()) -> bool:
         """Whether a model declares this task: by its class name's ending (a module's type, a config's first
         architecture); a task may also read the config or the forward's parameters."""
@@ -160,6 +166,10 @@ class Task:
 
     def target_mask(self, batch: dict) -> torch.Tensor | None:
         """(B, T) bool: the target positions a decoder reads (None: the task has no target side)."""
+        return None
+
+    def target_tokens(self, adapter, batch: dict) -> torch.Tensor | None:
+        """(B, T) the token ids a decoder reads at each target position (None: the task has no target side)."""
         return None
 
     def scored(self, labels: torch.Tensor) -> torch.Tensor:

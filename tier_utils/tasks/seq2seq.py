@@ -62,6 +62,11 @@ class Seq2Seq(Task):
     def target_mask(self, batch: dict) -> torch.Tensor:
         return self.scored(batch["labels"])
 
+    def target_tokens(self, adapter, batch: dict) -> torch.Tensor:
+        """What the decoder reads: the targets shifted right by the model's own rule (its start token first), so a
+        decoder position is labelled with the token it holds, not the one it predicts."""
+        return decoder_inputs(adapter.model, batch["labels"])
+
     def model_inputs(self, adapter, input_ids: torch.Tensor, labels: torch.Tensor | None) -> dict:
         """Teacher forcing: the decoder reads the targets shifted right by the model's own rule. Without targets (a
         probe of the source side alone), the source is its own target, so every length check sees T_target = T."""

@@ -17,7 +17,7 @@ from ..engine.strategies import DDP, canonical_strategy, strategy_class
 
 # A resume needs these the same; the batch per rank is the strategy's to compare (Strategy.resume_differences: a
 # sharded checkpoint reshards onto another one with the same global batch).
-TRAJECTORY_FIELDS = ("seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
+TRAJECTORY_FIELDS = ("seq_len", "target_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
                      "shuffle", "val_fraction")
 NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
@@ -38,6 +38,8 @@ class TrainConfig:
     batch_size: int = setting(16, "sequences per step per rank; global batch = batch size x ranks x grad accum",
                               low=1)
     seq_len: int = setting(64, "tokens per sequence (capped at the model's max length)", low=1)
+    target_len: int | None = setting(None, "an encoder-decoder's target tokens per pair, cut apart from its source's "
+                                           "length (none: as many as the source)", low=1)
     epochs: int = setting(1, "passes over the training set", low=1)
     max_steps: int | None = setting(None, "optimizer steps (wins over epochs)", low=1)
     lr: float = setting(3e-4, "peak learning rate", above=0)

@@ -83,10 +83,13 @@ def with_lora(adapter: ModelAdapter, memory: DecidedMemory, precision: Precision
 
 
 def fitted_config(cfg: TrainConfig, adapter: ModelAdapter) -> TrainConfig:
-    """The config as the run uses it: seq_len capped to the model's length, with a warning (the result says it)."""
-    if cfg.seq_len > adapter.max_len:
-        return replace(cfg, seq_len=adapter.fit_length(cfg.seq_len))
-    return cfg
+    """The config as the run uses it: seq_len (and an encoder-decoder's target_len) capped to the model's length,
+    with a warning (the result says it); a target_len on a model with one length is one line."""
+    seq_len = adapter.fit_length(cfg.seq_len) if cfg.seq_len > adapter.max_len else cfg.seq_len
+    target_len = adapter.target_length(cfg.target_len)
+    if (seq_len, target_len) == (cfg.seq_len, cfg.target_len):
+        return cfg
+    return replace(cfg, seq_len=seq_len, target_len=target_len)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len)
     if not cfg.shuffle:
         splits = replace(splits, train=in_data_order(splits.train))
     sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)

@@ -173,7 +173,17 @@ def _images(folder: Path) -> list[Path]:
 
 def read_images(data, num_classes: int | None) -> LabelledImages:
     """An image folder (ImageFolder layout, or images with a labels.json), with its own val/ or validation/ split
-    where it has one, or a CSV / JSONL / Parquet table of image path and label."""
+    where it has one, or a CSV / JSONL / Parquet table of image path and label; every file checked to decode."""
+    found = image_layout(data)
+    _check_classes(found, num_classes)
+    for p in found.paths + (found.val_paths or []):
+        _check_decodes(p)
+    return found
+
+
+def image_layout(data) -> LabelledImages:
+    """What an image folder or table holds (files, class ids and names), read from its layout alone: nothing is
+    decoded, so the class names are known before a model is loaded for them."""
     path = Path(str(data)).expanduser()
     if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".parquet"):
         found = _read_table(path)
@@ -190,9 +200,6 @@ def read_images(data, num_classes: int | None) -> LabelledImages:
     else:
         raise DataError(f"data {str(data)!r} not found; give an image folder (one subfolder per class, or images "
                         "with a labels.json) or a .csv/.jsonl/.parquet of image path and label")
-    _check_classes(found, num_classes)
-    for p in found.paths + (found.val_paths or []):
-        _check_decodes(p)
     return found
 
 
@@ -259,8 +266,10 @@ def _check_classes(found: LabelledImages, num_classes: int | None) -> None:
         raise DataError(f"{found.name} holds one class ({found.classes[0] if found.classes else '?'}); a classifier "
                         "needs at least two: add a subfolder of images per class")
     if num_classes is not None and len(found.classes) > num_classes:
-        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes}; "
-                        f"build the model with num_labels={len(found.classes)} (--model-arg num_labels=N)")
+        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes} "
+                        f"and a model built in Python keeps its head; build it with {len(found.classes)} "
+                        f"(num_classes={len(found.classes)}, --model-arg num_classes=N), or give a save_pretrained "
+                        "folder, whose head follows the data")
 
 
 def _check_decodes(path: Path) -> None:

@@ -195,6 +195,11 @@ class Task:
                             "classifier (a ...ForImageClassification folder, tiny-vit) or text data")
         return self.from_texts(user_texts(data, request, self.reading), request)
 
+    def data_classes(self, data) -> list[str] | None:
+        """The class names `data` holds, read before a model is loaded for them (a pretrained classifier's head
+        follows the data: models/heads.py); None: not known without reading it whole, or not a classifier's data."""
+        return None
+
     # What a task reads, each its own: a task defined elsewhere overrides what it takes.
     def demo(self, request: DataRequest) -> DataSplits:
         raise DataError(f"the {self.name} task has no bundled demo data; pass data")

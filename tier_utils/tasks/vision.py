@@ -15,10 +15,12 @@ from ..data.images import (
     ImageFiles,
     ImageProcessing,
     has_image_processor,
+    image_layout,
     load_image_processing,
     read_images,
     stratified_split,
 )
+from ..data.userdata import is_user_source
 from .base import Task, register_task
 
 # A hand-written image model that declares no size (and has no processor): the size most image classifiers take.
@@ -124,6 +126,12 @@ class ImageClassification(Task):
             raise DataError("text given to an image classifier; give an image folder (one subfolder per class) or a "
                             "table of image paths and labels, or a language model for the text")
         return _file_splits(read_images(data, classes), request)
+
+    def data_classes(self, data) -> list[str] | None:
+        """The bundled shapes' classes, or an image folder's or table's (from its layout; nothing decoded)."""
+        if data is None:
+            return list(SHAPES)
+        return image_layout(data).classes if is_user_source(data) else None
 
     def demo(self, request: DataRequest) -> DataSplits:
         processing = request.tokenizer

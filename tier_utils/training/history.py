@@ -256,6 +256,7 @@ class TrainSummary:
     diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
     unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
+    new_head: str | None = None  # the head the loader started new for the data's classes, and how it trained
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -296,6 +297,7 @@ class TrainResult(Result):
 
         rows = [
             ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("new_head", s.new_head),
             ("data", f"{s.data} (tokenizer: {s.tokenizer})"),
             ("validation", s.validation),
             ("precision", s.precision),

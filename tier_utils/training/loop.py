@@ -35,10 +35,11 @@ from ..engine.generation import Generated, generate_and_score
 from ..engine.lora import describe_lora
 from ..engine.quantization import describe_quantized
 from ..engine.strategies import Strategy, resolve_strategy
+from ..models.heads import sized_to_data
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
 from .divergence import divergence_error, ended_nonfinite
-from .finetune import Selection, name_classes, restore_best, save_hf
+from .finetune import Selection, describe_new_head, name_classes, restore_best, save_hf
 from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
 from .out_of_memory import answered
@@ -108,7 +109,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     env = strategy.env
     try:
         device = env.device or resolve_device(cfg.device)
-        refuse_past_host_memory(model, model_kwargs or {}, cfg, device)  # one line, before anything loads or is written
+        model_kwargs = sized_to_data(model, model_kwargs or {}, data)  # a pretrained classifier's head: the data's
+        refuse_past_host_memory(model, model_kwargs, cfg, device)  # one line, before anything loads or is written
         if cfg.checkpoint_dir is not None:
             writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
         if cfg.save_hf is not None:
@@ -119,7 +121,7 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         # Under torchrun a rank's one-line error reaches the others as one line naming it (engine/distributed.py).
         with locked, answering_for_ranks(env), _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
-            return answered(lambda: _start(model, model_kwargs or {}, data, cfg, on_eval, strategy, device), cfg,
+            return answered(lambda: _start(model, model_kwargs, data, cfg, on_eval, strategy, device), cfg,
                             device)
     finally:
         strategy.close()
@@ -357,6 +359,7 @@ class _Run:
             activation_checkpointing=self.built.checkpointing, lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
             generation=_generation(self.progress.generated),
+            new_head=describe_new_head(adapter.model, data.splits.classes),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)

@@ -1,0 +1,70 @@
+"""Image data around a model: the head of a pretrained classifier follows the data's classes, every bad image input
+through the CLI (one line, exit 2, nothing written), `datasets` image columns, augmentation, fit's tokens per
+image, a timm-style module."""
+import json
+
+import pytest
+import vision_files
+
+import tier_utils
+from tier_utils.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A ViT folder of 4 classes, and image folders good and bad."""
+    d = tmp_path_factory.mktemp("vision")
+    vision_files.vit_folder(d / "vit", classes=4)
+    vision_files.shapes_folder(d / "three", classes=("circle", "square", "cross"), per_class=6)
+    vision_files.shapes_folder(d / "broken", per_class=3)
+    (d / "broken" / "square" / "bad.png").write_bytes(b"\x89PNG not really")
+    vision_files.shapes_folder(d / "one", classes=("circle",), per_class=3)
+    (d / "listed").mkdir()
+    (d / "listed" / "labels.json").write_text(json.dumps({"a.png": "circle", "gone.png": "square"}))
+    (d / "notes").mkdir()
+    (d / "notes" / "a.txt").write_text("some text " * 50)
+    (d / "empty").mkdir()
+    (d / "text.txt").write_text("plain text, no images. " * 50)
+    return d
+
+
+def test_a_pretrained_classifier_takes_the_datas_classes_and_trains_the_new_head_under_lora(files, tmp_path):
+    from tier_utils.core.memory_settings import MemorySettings
+
+    with pytest.warns(UserWarning, match="new head starts at random"):
+        result = tier_utils.train(str(files / "vit"), str(files / "three"), max_steps=2, batch_size=4,
+                                  eval_batches=1, progress=False, device="cpu", precision="fp32",
+                                  memory=MemorySettings(lora="r=4,alpha=8"), save_hf=str(tmp_path / "out"),
+                                  merge=True)
+    assert result.model.get_base_model().classifier.out_features == 3  # the folder's head had 4
+    assert result.summary.new_head.startswith("classifier: new for the data's 3 classes (circle, cross, square)")
+    assert "beside LoRA's adapters" in result.summary.new_head
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["id2label"] == {"0": "circle", "1": "cross", "2": "square"} and saved["label2id"]["square"] == 2
+    assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+
+
+TINY = ["--model", "tiny-vit", "--model-arg", "image_size=16", "--model-arg", "d_model=16", "--model-arg", "n_layer=1"]
+# (args, the one line's needle); {d}: the fixture folder. Each fails before a step, so the table is fast.
+BAD = [
+    ([*TINY, "--data", "{d}/broken"], "bad.png is not an image Pillow can decode"),
+    ([*TINY, "--data", "{d}/listed"], "labels.json names 2 files not in"),
+    ([*TINY, "--data", "{d}/one"], "holds one class (circle)"),
+    ([*TINY, "--data", "{d}/text.txt"], "not an image folder or a table of image paths"),
+    ([*TINY, "--data", "{d}/notes"], "holds text, but an image classifier reads images"),
+    ([*TINY, "--data", "{d}/empty"], "holds no images"),
+    ([*TINY, "--model-arg", "num_classes=2", "--data", "{d}/three"], "has 3 classes but the model's head has 2"),
+    (["--model", "tiny-gpt", "--data", "{d}/three"], "is a folder of images, but the causal-lm task reads text"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[a[-1].rpartition("/")[2] + f"-{i}" for i, (a, _) in enumerate(BAD)])
+def test_bad_image_input_is_one_line_exit_2_and_nothing_written(files, tmp_path, capsys, args, needle):
+    out, json_path = tmp_path / "run", tmp_path / "train.json"
+    before = sorted(p.name for p in files.rglob("*"))
+    code = main(["train", "--out", str(out), *[a.format(d=files) for a in args], "--max-steps", "1", "--device",
+                 "cpu", "--no-progress", "--json", str(json_path)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("warning")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not out.exists() and not json_path.exists()
+    assert sorted(p.name for p in files.rglob("*")) == before

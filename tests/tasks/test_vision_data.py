@@ -2,6 +2,7 @@
 through the CLI (one line, exit 2, nothing written), `datasets` image columns, augmentation, fit's tokens per
 image, a timm-style module."""
 import json
+import random
 
 import pytest
 import vision_files
@@ -68,3 +69,22 @@ def test_bad_image_input_is_one_line_exit_2_and_nothing_written(files, tmp_path,
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not out.exists() and not json_path.exists()
     assert sorted(p.name for p in files.rglob("*")) == before
+
+
+def test_a_datasets_dataset_with_image_and_label_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from tier_utils.data.images import ImageProcessing, draw_shape
+    from tier_utils.tasks import IMAGE_CLASSIFICATION, build_datasets
+
+    shapes = ["circle", "square", "cross"]
+    rows = {"img": [draw_shape(shapes[i % 3], random.Random(i)) for i in range(12)],
+            "label": [i % 3 for i in range(12)]}
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=shapes)})
+    given = datasets.Dataset.from_dict(rows, features=features)
+    splits = build_datasets(given, IMAGE_CLASSIFICATION, tokenizer=ImageProcessing(16), val_fraction=0.25)
+    assert splits.classes == shapes and (len(splits.train), len(splits.val)) == (9, 3)
+    assert splits.train[0]["pixel_values"].shape == (3, 16, 16)
+    datasets.DatasetDict({"train": given, "test": given.select(range(3))}).save_to_disk(tmp_path / "saved")
+    saved = build_datasets(str(tmp_path / "saved"), IMAGE_CLASSIFICATION, tokenizer=ImageProcessing(16))
+    assert saved.validation == "the dataset's own 'test' split" and len(saved.val) == 3
+    assert IMAGE_CLASSIFICATION.data_classes(given) == shapes  # what a pretrained head is sized to

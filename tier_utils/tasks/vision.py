@@ -16,6 +16,7 @@ from ..data.images import (
     ImageProcessing,
     has_image_processor,
     image_layout,
+    is_datasets_object,
     load_image_processing,
     read_images,
     stratified_split,
@@ -106,8 +107,9 @@ class ImageClassification(Task):
         return len(batch[self.input_key])
 
     def datasets(self, data, request: DataRequest) -> DataSplits:
-        """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder
-        or a table of image paths and labels."""
+        """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder,
+        a table of image paths and labels, or a `datasets` dataset with image and label columns (given, as
+        hf-dataset:NAME, or a folder save_to_disk wrote)."""
         given = given_splits(data, request)
         if given is not None:
             return given
@@ -131,7 +133,7 @@ class ImageClassification(Task):
         """The bundled shapes' classes, or an image folder's or table's (from its layout; nothing decoded)."""
         if data is None:
             return list(SHAPES)
-        return image_layout(data).classes if is_user_source(data) else None
+        return image_layout(data).classes if is_user_source(data) or is_datasets_object(data) else None
 
     def demo(self, request: DataRequest) -> DataSplits:
         processing = request.tokenizer
@@ -157,12 +159,12 @@ class ImageClassification(Task):
 
 def _file_splits(found, request: DataRequest) -> DataSplits:
     processing = request.tokenizer
-    if found.val_paths is not None:
-        train = ImageFiles(found.paths, found.labels, processing)
-        val = ImageFiles(found.val_paths, found.val_labels, processing)
-        how = "the folder's own validation split"
+    if found.val_images is not None:
+        train = ImageFiles(found.images, found.labels, processing)
+        val = ImageFiles(found.val_images, found.val_labels, processing)
+        how = found.val_how
     else:
-        every = ImageFiles(found.paths, found.labels, processing)
+        every = ImageFiles(found.images, found.labels, processing)
         keep, held = stratified_split(found.labels, request.val_fraction, request.seed)
         train, val = Subset(every, keep), Subset(every, held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"

@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 import vision_files
 
 import tier_utils
@@ -88,3 +89,27 @@ def test_a_datasets_dataset_with_image_and_label_columns(tmp_path):
     saved = build_datasets(str(tmp_path / "saved"), IMAGE_CLASSIFICATION, tokenizer=ImageProcessing(16))
     assert saved.validation == "the dataset's own 'test' split" and len(saved.val) == 3
     assert IMAGE_CLASSIFICATION.data_classes(given) == shapes  # what a pretrained head is sized to
+
+
+def test_augmentation_is_off_by_default_and_crops_and_flips_only_training_images(files):
+    from tier_utils.core.errors import DataError
+    from tier_utils.data.images import ImageProcessing
+    from tier_utils.tasks import IMAGE_CLASSIFICATION, build_datasets
+
+    def read(augment):
+        return build_datasets(str(files / "three"), IMAGE_CLASSIFICATION, tokenizer=ImageProcessing(16),
+                              val_fraction=0.25, augment=augment)
+
+    plain, augmented = read(False), read(True)
+    torch.manual_seed(0)
+    draws = [augmented.train[0]["pixel_values"] for _ in range(3)]
+    assert plain.train[0]["pixel_values"].equal(plain.train[0]["pixel_values"])  # off: the image as it is
+    assert not draws[0].equal(draws[1]) and not draws[1].equal(draws[2]) and draws[0].shape == (3, 16, 16)
+    assert augmented.val[0]["pixel_values"].equal(plain.val[0]["pixel_values"])  # validation never augmented
+    assert "random resized crop and flip" in augmented.tokenizer
+    with pytest.raises(DataError, match="the causal-lm task has no augmentation"):
+        build_datasets(None, "causal-lm", augment=True)
+    torch.manual_seed(0)
+    result = tier_utils.train("tiny-vit", str(files / "three"), model_kwargs=dict(image_size=16, d_model=16, n_layer=1),
+                              augment=True, max_steps=2, batch_size=4, eval_batches=1, progress=False, device="cpu")
+    assert "random resized crop and flip" in result.summary.tokenizer and result.config.augment

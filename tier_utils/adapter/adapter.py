@@ -135,10 +135,10 @@ class ModelAdapter:
         logits = self.batch_logits(batch)
         return self.loss(logits, batch["labels"]), logits
 
-    def datasets(self, data, seq_len: int, seed: int = 0) -> DataSplits:
+    def datasets(self, data, seq_len: int, seed: int = 0, augment: bool = False) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, seed=seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer)
+                              max_len=self.max_len, tokenizer=self.tokenizer, augment=augment)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)

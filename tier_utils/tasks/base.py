@@ -66,6 +66,7 @@ class Task:
     unit = "token"  # what a throughput counts (`units`)
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
+    augments = False  # whether its training data can be augmented (build_datasets' augment)
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
     def __str__(self) -> str:
@@ -264,7 +265,8 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = 0.1, seed: int = 0,
-                   max_len: int | None = None, tokenizer=None, target_len: int | None = None) -> DataSplits:
+                   max_len: int | None = None, tokenizer=None, target_len: int | None = None,
+                   augment: bool = False) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
     data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
@@ -274,6 +276,8 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
     tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
     target_len: a seq2seq pair's target length (None: seq_len, the source's).
+    augment: training examples drawn anew each time they are read, where the task augments (an image classifier's
+    random resized crop and flip); validation stays as it is. A task that does not is refused in one line.
     Validation: the source's own split when it has one; else the last `val_fraction` of the text
     (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification.
     Tensors are checked whole before use: integer ids in [0, vocab_size), inputs no longer than
@@ -281,6 +285,10 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    chosen = task_named(task)
+    if augment and not chosen.augments:
+        raise DataError(f"augment: the {chosen.name} task has no augmentation (an image classifier's random crop and "
+                        "flip); drop augment (--augment)")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
-                          target_len)
-    return task_named(task).datasets(data, request)
+                          target_len, augment)
+    return chosen.datasets(data, request)

@@ -46,6 +46,7 @@ class ImageClassification(Task):
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
+    augments = True  # a random resized crop and flip of each training image (data.images.cropped_and_flipped)
     without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "
                             "with the folder of the image processor it was trained with")
 
@@ -109,8 +110,11 @@ class ImageClassification(Task):
     def datasets(self, data, request: DataRequest) -> DataSplits:
         """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder,
         a table of image paths and labels, or a `datasets` dataset with image and label columns (given, as
-        hf-dataset:NAME, or a folder save_to_disk wrote)."""
+        hf-dataset:NAME, or a folder save_to_disk wrote). augment: the decoded ones' training images."""
         given = given_splits(data, request)
+        if request.augment and (given is not None or is_tensor_data(data) or data == "synthetic"):
+            raise DataError("augment crops and flips images as they are decoded (an image folder, a table, a dataset, "
+                            "the bundled shapes), and this data is pixels already; drop augment (--augment)")
         if given is not None:
             return given
         if not isinstance(request.tokenizer, ImageProcessing):  # no model's processing given: seq_len is the side
@@ -140,9 +144,9 @@ class ImageClassification(Task):
         if request.num_classes is not None and request.num_classes < len(SHAPES):
             raise DataError(f"the bundled shapes have {len(SHAPES)} classes but the model has {request.num_classes}; "
                             f"build it with num_labels={len(SHAPES)} (num_classes for a module)")
-        train, val = DEMO_IMAGES
-        return DataSplits(DrawnImages(train, processing, request.seed), DrawnImages(val, processing, request.seed + 7),
-                          "synthetic", f"bundled shapes ({', '.join(SHAPES)}), drawn on the fly", processing.name,
+        train, val, augmented = *DEMO_IMAGES, _training(request)
+        return DataSplits(DrawnImages(train, augmented, request.seed), DrawnImages(val, processing, request.seed + 7),
+                          "synthetic", f"bundled shapes ({', '.join(SHAPES)}), drawn on the fly", augmented.name,
                           "images drawn from another seed", list(SHAPES))
 
     def tensor_splits(self, data, request: DataRequest) -> DataSplits:
@@ -157,18 +161,26 @@ class ImageClassification(Task):
                           f"a seeded random {request.val_fraction:.0%} of the images")
 
 
-def _file_splits(found, request: DataRequest) -> DataSplits:
+def _training(request: DataRequest) -> ImageProcessing:
+    """The training images' processing: the model's, after a random resized crop and flip where augment is on."""
     processing = request.tokenizer
+    if not request.augment:
+        return processing
+    return replace(processing, augment=True, name=f"{processing.name} after a random resized crop and flip")
+
+
+def _file_splits(found, request: DataRequest) -> DataSplits:
+    processing, augmented = request.tokenizer, _training(request)
     if found.val_images is not None:
-        train = ImageFiles(found.images, found.labels, processing)
+        train = ImageFiles(found.images, found.labels, augmented)
         val = ImageFiles(found.val_images, found.val_labels, processing)
         how = found.val_how
     else:
-        every = ImageFiles(found.images, found.labels, processing)
         keep, held = stratified_split(found.labels, request.val_fraction, request.seed)
-        train, val = Subset(every, keep), Subset(every, held)
+        train = Subset(ImageFiles(found.images, found.labels, augmented), keep)
+        val = Subset(ImageFiles(found.images, found.labels, processing), held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
-    return DataSplits(train, val, "images", found.name, processing.name, how, found.classes)
+    return DataSplits(train, val, "images", found.name, augmented.name, how, found.classes)
 
 
 def _first(objs, keys) -> int | None:

@@ -124,8 +124,10 @@ class RunCheckpoints:
         saved, now = state["config"], self.cfg.to_dict()
         # A checkpoint that reshards on load resumes on another world size if the global batch is the same.
         fields = [k for k in TRAJECTORY_FIELDS if not (saved_strategy(state).sharded and k == "batch_size")]
-        differ = [f"{k}={_readable(k, saved.get(k))} (this run: {_readable(k, now[k])})" for k in fields
-                  if saved.get(k) != now[k]]
+        # A setting a checkpoint predates (augment) ran at its default then.
+        saved = {k: saved.get(k, TrainConfig.__dataclass_fields__[k].default) for k in fields}
+        differ = [f"{k}={_readable(k, saved[k])} (this run: {_readable(k, now[k])})" for k in fields
+                  if saved[k] != now[k]]
         if state["precision"] != self.precision:
             differ.append(f"precision={state['precision']!r} (this run: {self.precision!r})")
         return differ + self.strategy.resume_differences(state, self.data.global_batch)

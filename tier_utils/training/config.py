@@ -13,7 +13,7 @@ from ..engine.compiling import compile_mode_setting
 from ..engine.strategies import DDP, canonical_strategy, sharded_strategies, strategy_class
 
 TRAJECTORY_FIELDS = ("batch_size", "seq_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
-                     "grad_accum_steps", "seed", "memory")
+                     "grad_accum_steps", "seed", "memory", "augment")
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
@@ -41,6 +41,9 @@ class TrainConfig:
     seed: int = setting(0, "initial weights (models built from a spec), data order and dropout", low=0)
     deterministic: bool = setting(False, "bitwise-equal reruns on the same machine, torch build and thread count")
     num_workers: int = setting(0, "DataLoader worker processes", low=0)
+    augment: bool = setting(False, "an image model's training images randomly cropped (a quarter to all of the "
+                                   "image, resized back) and flipped left-right, drawn anew each time one is read "
+                                   "(validation images stay as they are)")
     eval_every: int | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's end)",
                                      low=0)
     eval_batches: int | None = setting(20, "validation batches per evaluation (none: all)", low=1)
@@ -93,6 +96,7 @@ class TrainConfig:
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
+        check_switch(self, "augment")
         check_switch(self, "reshard_after_forward")
         check_switch(self, "consolidate")
         check_fields(self)

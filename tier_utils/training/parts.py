@@ -110,7 +110,7 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, augment=cfg.augment)
     sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * env.world_size
     steps_per_epoch = len(sampler) // cfg.batch_size // cfg.grad_accum_steps

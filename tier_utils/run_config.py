@@ -5,6 +5,7 @@ config's choices stamped in (`tiers`): no tier's config is assembled here a seco
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -102,8 +103,12 @@ class RunConfig:
         super().__setattr__("_owner", (self.model, self.model_kwargs, self.tokenizer))
 
     def own_kwargs(self) -> dict:
-        """The model's own keyword arguments: the device preset's sizes for a built-in, none for any other spec."""
-        return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
+        """The model's own keyword arguments: the device preset's sizes a built-in takes (tiny-vit has no max_len:
+        its length is its image side), none for any other spec."""
+        if self.model not in BUILTIN_MODELS:
+            return {}
+        takes = inspect.signature(BUILTIN_MODELS[self.model]).parameters
+        return {k: v for k, v in self.preset.model_kwargs.items() if k in takes}
 
     @property
     def preset(self) -> Preset:

@@ -113,3 +113,93 @@ def test_augmentation_is_off_by_default_and_crops_and_flips_only_training_images
     result = tier_utils.train("tiny-vit", str(files / "three"), model_kwargs=dict(image_size=16, d_model=16, n_layer=1),
                               augment=True, max_steps=2, batch_size=4, eval_batches=1, progress=False, device="cpu")
     assert "random resized crop and flip" in result.summary.tokenizer and result.config.augment
+
+
+def test_fit_plans_an_image_model_at_its_resolution_within_15_percent_of_a_real_steps_peak():
+    from profile_peak import peak_allocated
+
+    from tier_utils.core.precision import resolve_precision
+    from tier_utils.engine.step import TrainStep, make_optimizer
+
+    torch.manual_seed(0)
+    adapter = tier_utils.adapt(tier_utils.load_model("tiny-vit", image_size=64, patch_size=4, d_model=32, n_layer=1,
+                                                     n_head=2))
+    result = tier_utils.fit(adapter, precisions="fp32,bf16", lora=0, optimizers="adamw", checkpointing=False,
+                            device="cpu", progress=False)
+    assert result.seq_len == 64 and "images of 64 x 64, 257 tokens per image (256 patches + 1)" in result.headline()
+    weights = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
+    batch = adapter.example_batch(8)
+    for row in result.configs:
+        adapter.model.zero_grad(set_to_none=True)
+        step = TrainStep(adapter, resolve_precision(row.precision, "cpu", warn=False),
+                         make_optimizer(adapter.model, 1e-3, 0.1))
+        _, peak = peak_allocated(lambda s=step: s([batch]))  # the gradients and AdamW's state made in it too
+        predicted = row.step_bytes(8, result.seq_len)
+        assert abs(predicted / (weights + peak) - 1) <= 0.15, (row.precision, predicted, weights + peak)
+
+
+def test_tokens_per_image_come_from_the_model():
+    transformers = pytest.importorskip("transformers")
+    from tier_utils.tasks.vision import image_tokens
+
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32,
+                 patch_size=8)
+    assert image_tokens(transformers.ViTForImageClassification(transformers.ViTConfig(**small)), 32) == (16, 1)
+    assert image_tokens(transformers.DeiTForImageClassificationWithTeacher(transformers.DeiTConfig(**small)),
+                        64) == (64, 2)  # patches at the side asked, its CLS and distillation tokens
+    swin = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 1],
+                                   window_size=4)
+    assert image_tokens(transformers.SwinForImageClassification(swin), 32) == (64, 0)  # its first stage's
+    resnet = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1])
+    assert image_tokens(transformers.ResNetForImageClassification(resnet), 32) is None  # a CNN has none
+
+
+class TimmStyle(torch.nn.Module):
+    """What timm builds, without timm: `pretrained_cfg` (its input size, mean and std), `num_classes`, a patch
+    embedding that knows its patch size, and forward(x) -> logits taking the pixels positionally."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.pretrained_cfg = {"input_size": (3, 16, 16), "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+        self.num_classes, self.num_prefix_tokens = classes, 1
+        self.patch_embed = torch.nn.Conv2d(3, 16, 8, stride=8)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, x):
+        tokens = self.patch_embed(x).flatten(2).transpose(1, 2)
+        return self.head(self.attn(tokens, tokens, tokens)[0].mean(1))
+
+
+def test_a_timm_style_module_is_an_image_classifier_by_its_pretrained_cfg(files):
+    from tier_utils.tasks.vision import image_tokens
+
+    adapter = tier_utils.adapt(TimmStyle())
+    assert adapter.task.name == "image-classification" and (adapter.max_len, adapter.num_classes) == (16, 3)
+    assert adapter.tokenizer.mean == (0.485, 0.456, 0.406) and image_tokens(adapter.model, 16) == (4, 1)
+    result = tier_utils.train(adapter, str(files / "three"), max_steps=2, batch_size=4, eval_batches=1,
+                              progress=False, device="cpu")
+    assert result.summary.accuracy is not None and result.summary.unit == "image"
+
+
+def test_the_panel_takes_an_image_folder_and_the_model_typed_in_sets_the_task(files):
+    from tier_utils.run_config import RunConfig
+    from tier_utils.widgets import config_panel, forget_panel_choices
+
+    cfg = RunConfig(device="cpu")
+    panel = config_panel(cfg)
+    try:
+        assert "bundled corpus" in panel.data_input.placeholder
+        panel.model_select.value = "tiny-vit"
+        assert "runs as image-classification" in panel.status.value and "max_len" not in cfg.model_kwargs
+        assert panel.data_input.placeholder.startswith("empty: the bundled shapes; or an image folder")
+        panel.model_select.value = str(files / "vit")  # a save_pretrained folder: its config says the task
+        assert "runs as image-classification" in panel.status.value
+        panel.model_select.value = "tiny-vit"
+        panel.data_input.value = str(files / "three")
+        model = cfg.build_model()
+        result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
+                                                                    progress=False))
+        assert result.summary.data == "image folder three" and result.summary.task == "image-classification"
+    finally:
+        forget_panel_choices()

@@ -26,6 +26,7 @@ from ..tasks import (
     CAUSAL_LM,
     Task,
     build_datasets,
+    marked_task,
     recognized_task,
     task_named,
     task_of_output,
@@ -394,7 +395,8 @@ def _declared_task(model: nn.Module, params: set[str]) -> Task | None:
             return task_named(declared)
         except AdapterError:
             pass
-    return recognized_task(type(model).__name__, getattr(model, "config", None), frozenset(params))
+    return (recognized_task(type(model).__name__, getattr(model, "config", None), frozenset(params))
+            or marked_task(model))
 
 
 def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:

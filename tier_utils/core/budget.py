@@ -107,7 +107,8 @@ def read_budget(device) -> Budget:
 
 @dataclass(frozen=True)
 class ActivationFit:
-    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes."""
+    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes, or from
+    two batches at one length whose per-sequence bytes the model's `shares` split between a*T and c*T^2."""
 
     k: float
     a: float
@@ -115,10 +116,20 @@ class ActivationFit:
     output_per_token: float  # fp32 bytes of the output per token: its gradient is alive during backward
     measured: tuple  # ((B, T, bytes), ...) as measured
     probe: str = ""  # how the bytes were had where not from the whole model (a shallower probe's, extrapolated)
+    # A model that runs at one length only (an image model at its own side): the shares of its per-sequence bytes
+    # that grow linearly and quadratically with the length (a ViT's extra tokens and its patch grid); None: fitted.
+    shares: tuple[float, float] | None = None
 
     @classmethod
-    def from_points(cls, measured, output_per_token: float, probe: str = "") -> ActivationFit:
-        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes."""
+    def from_points(cls, measured, output_per_token: float, probe: str = "",
+                    shares: tuple[float, float] | None = None) -> ActivationFit:
+        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes; with `shares`, through
+        (B=1, T) and (B=2, T), the per-sequence bytes split as they say."""
+        if shares is not None:
+            (_, t, b1), (_, _, b2) = measured
+            per = max(0, b2 - b1)
+            return cls(max(0, b1 - per), per * shares[0] / t, per * shares[1] / t**2, output_per_token,
+                       tuple(measured), probe, shares)
         (_, t, b1), (_, t2, b2), (_, _, b3) = measured
         per2 = max(0, b3 - b2)  # one sequence at t2
         k = max(0, b2 - per2)
@@ -135,7 +146,7 @@ class ActivationFit:
                   for (b, t, x1), (_, _, x2) in zip(self.measured, deeper.measured)]
         return ActivationFit.from_points(points, deeper.output_per_token,
                                          f"with {d1} and {d2} of its {blocks} blocks, extrapolated to {blocks} "
-                                         "(predicted)")
+                                         "(predicted)", self.shares)
 
     def per_sequence(self, length: int) -> float:
         return self.a * length + self.c * length**2
@@ -165,17 +176,25 @@ class ActivationFit:
         return lo
 
 
-def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext) -> ActivationFit:
-    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at
-    (B=1, T=t), (B=1, 2t) and (B=2, 2t) with t = min(PROFILE_LENGTH, length // 2): small, whatever the model.
-    `context(meter)` wraps each forward (e.g. activation checkpointing that reports what it keeps)."""
+def profile_sizes(length: int, max_len: int) -> tuple[tuple[int, int], ...]:
+    """A token model's measuring sizes: (B=1, T=t), (B=1, 2t) and (B=2, 2t) with t = min(PROFILE_LENGTH,
+    length // 2): small, whatever the model."""
     t = max(1, min(PROFILE_LENGTH, length // 2))
-    t2 = min(2 * t, adapter.max_len)
+    t2 = min(2 * t, max_len)
+    return (1, t), (1, t2), (2, t2)
+
+
+def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext) -> ActivationFit:
+    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at the sizes its
+    task chooses (`Task.activation_sizes`: `profile_sizes` for tokens; an image model's own side, where the shares
+    its tokens give split the bytes). `context(meter)` wraps each forward (e.g. activation checkpointing that
+    reports what it keeps)."""
+    sizes, shares = adapter.task.activation_sizes(adapter, length)
     measured = []
     was_training = adapter.model.training
     adapter.model.train()
     try:
-        for b, tt in ((1, t), (1, t2), (2, t2)):
+        for b, tt in sizes:
             with SavedTensorMeter(adapter.model) as meter, context(meter), precision.autocast():
                 loss, logits = adapter.forward_loss(adapter.example_batch(b, tt))
             output = 4 * logits.numel() / (b * tt)
@@ -183,7 +202,7 @@ def measure_activations(adapter, precision, length: int, context=contextlib.null
             measured.append((b, tt, meter.bytes))
     finally:
         adapter.model.train(was_training)
-    return ActivationFit.from_points(measured, output)
+    return ActivationFit.from_points(measured, output, shares=shares)
 
 
 def out_of_memory_note(dev, fit: ActivationFit | None, batch: int, length: int, budget: Budget) -> str:

@@ -1,4 +1,7 @@
-"""The head follows the data: a pretrained classifier (a save_pretrained folder or a hub id) fine-tuned on the
+"""What a spec is before it loads: the task it will run as (the panel says it as the model is typed in), and its
+head sized to the data.
+
+The head follows the data: a pretrained classifier (a save_pretrained folder or a hub id) fine-tuned on the
 user's classes is loaded with `num_labels` set to the data's class count, so transformers starts a head of that
 size (`ignore_mismatched_sizes`: models/pretrained.py), the loader records it as new (`ModelSource.new_modules`)
 and training trains it, under LoRA too. Decided before the model loads: loading the checkpoint's head and then
@@ -9,7 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.hub import HUB_PREFIX, from_hub
+from ..tasks import Task, task_named
+from .builtins import BUILTIN_MODELS
 from .loading import is_pretrained_spec, pretrained_task
+
+
+def spec_task(spec) -> Task | None:
+    """The task `spec` loads as, read without building it: a built-in's declared task, a save_pretrained folder's
+    config's architecture; None where only loading it tells (a file's class, a hub id: no download for this)."""
+    spec = str(spec).strip()
+    if spec in BUILTIN_MODELS:
+        return task_named(BUILTIN_MODELS[spec].task)
+    config = _config(spec) if not spec.startswith(HUB_PREFIX) and is_pretrained_spec(spec) else None
+    return pretrained_task(config, None, spec) if config is not None else None
 
 
 def sized_to_data(spec, kwargs: dict, data) -> dict:

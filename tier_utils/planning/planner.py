@@ -214,6 +214,7 @@ class FitResult(Result):
     # `all`; fp32: None, the baseline); None: this device's fastest is predicted, as every GPU's is.
     measured_speedups: dict | None = None
     speed_source: str = ""  # where measured_speedups were measured, in words
+    length_words: str = ""  # the length axis where it is not tokens (an image model's resolution and its tokens)
 
     def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -301,9 +302,10 @@ class FitResult(Result):
         return self.full_table().set_index("mode").drop(columns=["lora"]).iloc[:, :12]
 
     def headline(self) -> str:
+        length = f" ({self.length_words})" if self.length_words else ""
         return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
-                f"T={self.seq_len} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
-                f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
+                f"T={self.seq_len}{length} on {self.metadata['device_name']}: every mode's step (predicted) and "
+                f"largest batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
                 f"{self.budget.describe()}")
 
     # The overview's columns about this device; the rest are the GPUs' (predicted), each headed by the card.
@@ -353,6 +355,7 @@ class FitResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                         "length": self.length_words,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
@@ -402,7 +405,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers)
     result = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
-                       batch_size=cfg.batch_size)
+                       batch_size=cfg.batch_size, length_words=adapter.task.describe_length(adapter, length))
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked != "off":
         runs = {c.name for c in configs if c.mode.native or c.mode.runs_emulated}
@@ -440,7 +443,9 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
     stand_ins = {p.name: resolve_precision(p.measured_as if p.measured_as and not p.native else p.name, dev,
                                            warn=False) for p in decided}
     probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev))
-    quantized, parameters = quantized_bytes(), sum(p.numel() for p in adapter.model.parameters())
+    # bitsandbytes (seconds to import) measures NF4's bytes only where a QLoRA row needs them.
+    quantized = quantized_bytes() if any(m is not None and m.quantized for _, _, m in combos) else None
+    parameters = sum(p.numel() for p in adapter.model.parameters())
     configs = []
     for prec, ck, memory in progress_bar(combos, desc="fit", unit="config", enabled=progress):
         p, stand_in = prec.name, stand_ins[prec.name]

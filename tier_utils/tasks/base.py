@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..core.budget import profile_sizes
 from ..core.errors import AdapterError, DataError
 from ..core.inputs import by_spelling
 from ..data.datasets import (
@@ -37,6 +38,9 @@ class Task:
     # endings of the model class names (a config's `architectures`, a module's type) that declare the task.
     auto_class: str | None = None
     architectures: tuple[str, ...] = ()
+    # Attributes that mark a module of this task whatever its class is called (timm's `pretrained_cfg`, which
+    # every timm model carries: an image model), read without importing the library that made it.
+    marks: tuple[str, ...] = ()
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
     predicts_input_positions = False  # a per-position task's positions are its input's (else its targets')
@@ -66,6 +70,7 @@ class Task:
     unit = "token"  # what a throughput counts (`units`)
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
+    data_hint = "empty: the bundled corpus; or a text file, a folder of .txt, a table, hf-dataset:NAME"  # the panel's
     augments = False  # whether its training data can be augmented (build_datasets' augment)
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
@@ -196,6 +201,16 @@ class Task:
                             "classifier (a ...ForImageClassification folder, tiny-vit) or text data")
         return self.from_texts(user_texts(data, request, self.reading), request)
 
+    def activation_sizes(self, adapter, length: int) -> tuple[tuple, tuple[float, float] | None]:
+        """The (batch, length) sizes the planner's activation fit measures at, and how the per-sequence bytes split
+        between its linear and quadratic terms where they are measured at one length (None: fitted from three
+        sizes, core.budget.ActivationFit)."""
+        return profile_sizes(length, adapter.max_len), None
+
+    def describe_length(self, adapter, length: int) -> str:
+        """The planner's length axis in words where it is not plain tokens per sequence ("": it is)."""
+        return ""
+
     def data_classes(self, data) -> list[str] | None:
         """The class names `data` holds, read before a model is loaded for them (a pretrained classifier's head
         follows the data: models/heads.py); None: not known without reading it whole, or not a classifier's data."""
@@ -256,6 +271,11 @@ def recognized_task(architecture: str, config=None, params: frozenset = frozense
     (`...ForCausalLM`, `...ForSequenceClassification`), its config (an encoder-decoder's) or its forward's
     parameters (decoder inputs)."""
     return next((t for t in _REGISTRY.values() if t.recognizes(architecture, config, params)), None)
+
+
+def marked_task(model) -> Task | None:
+    """The first registered task one of whose `marks` the module carries (registry order)."""
+    return next((t for t in _REGISTRY.values() if any(hasattr(model, mark) for mark in t.marks)), None)
 
 
 def task_of_output(logits: torch.Tensor) -> Task | None:

@@ -38,6 +38,7 @@ class ImageClassification(Task):
     aliases = ("image_classification", "vision")
     auto_class = "AutoModelForImageClassification"
     architectures = ("ForImageClassification",)
+    marks = ("pretrained_cfg",)  # a timm model: its forward takes the pixels as its first argument
     has_classes = True
     takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
     input_key = "pixel_values"
@@ -46,6 +47,8 @@ class ImageClassification(Task):
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
+    data_hint = ("empty: the bundled shapes; or an image folder (a subfolder per class, or a labels.json), a table "
+                 "of image paths and labels, hf-dataset:NAME")
     augments = True  # a random resized crop and flip of each training image (data.images.cropped_and_flipped)
     without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "
                             "with the folder of the image processor it was trained with")
@@ -133,6 +136,24 @@ class ImageClassification(Task):
                             "table of image paths and labels, or a language model for the text")
         return _file_splits(read_images(data, classes), request)
 
+    def activation_sizes(self, adapter, length: int) -> tuple[tuple, tuple[float, float]]:
+        """One and two images at the model's own side (a position table fixes it), the bytes per image split by
+        what grows with the resolution: a transformer's patch grid with its area (c*S^2), its extra tokens (CLS,
+        DeiT's distillation token) with the side only as an approximation (a*S, exact at S); a CNN's pixels."""
+        side = adapter.max_len
+        tokens = image_tokens(adapter.model, side)
+        patches, extra = tokens if tokens is not None else (side * side, 0)
+        return ((1, side), (2, side)), (extra / (patches + extra), patches / (patches + extra))
+
+    def describe_length(self, adapter, length: int) -> str:
+        """Fit's words for its length axis: the resolution, and the tokens per image the model makes of it."""
+        tokens = image_tokens(adapter.model, length)
+        made = "no tokens (no attention: its activations grow with the pixels)" if tokens is None else (
+            f"{sum(tokens)} tokens per image ({tokens[0]} patches" + (f" + {tokens[1]}" if tokens[1] else "") + ")"
+            + (f", a quarter as many at each of its {_stages(adapter.model) - 1} later stages"
+               if _stages(adapter.model) > 1 else ""))
+        return f"images of {length} x {length}, {made}"
+
     def data_classes(self, data) -> list[str] | None:
         """The bundled shapes' classes, or an image folder's or table's (from its layout; nothing decoded)."""
         if data is None:
@@ -181,6 +202,31 @@ def _file_splits(found, request: DataRequest) -> DataSplits:
         val = Subset(ImageFiles(found.images, found.labels, processing), held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
     return DataSplits(train, val, "images", found.name, augmented.name, how, found.classes)
+
+
+def image_tokens(model, side: int) -> tuple[int, int] | None:
+    """(patch tokens, extra tokens) a vision transformer makes of a side x side image: ViT's patches and its CLS,
+    DeiT's two (CLS and distillation), Swin's first stage (its patch merging quarters them at each later stage, no
+    CLS); None for a model with no attention (a CNN), which has no tokens."""
+    modules = list(model.modules())
+    if not any(isinstance(m, torch.nn.MultiheadAttention) or "Attention" in type(m).__name__ for m in modules):
+        return None
+    config, embed = getattr(model, "config", None), getattr(model, "patch_embed", None)
+    patch = _first((config, embed), ("patch_size",)) or next(
+        (m.stride[0] for m in modules if isinstance(m, torch.nn.Conv2d) and m.stride == m.kernel_size
+         and m.stride[0] > 1), 1)
+    extra = getattr(model, "num_prefix_tokens", None)  # timm's own count
+    if extra is None:  # a position table's rows beyond its own side's patches: ViT's CLS, DeiT's CLS and distiller
+        own = ((_first((config, model), _SIZE_KEYS) or side) // patch) ** 2
+        rows = next((p.shape[1] for name, p in model.named_parameters() if "pos" in name.lower() and p.dim() == 3
+                     and p.shape[0] == 1), own)
+        extra = max(0, rows - own)
+    return (side // patch) ** 2, int(extra)
+
+
+def _stages(model) -> int:
+    """How many stages the model's patches pass, merged between them (Swin: its config's depths; 0: none said)."""
+    return len(getattr(getattr(model, "config", None), "depths", None) or ()) > 1
 
 
 def _first(objs, keys) -> int | None:

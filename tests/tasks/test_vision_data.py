@@ -115,6 +115,16 @@ def test_augmentation_is_off_by_default_and_crops_and_flips_only_training_images
     assert "random resized crop and flip" in result.summary.tokenizer and result.config.augment
 
 
+def test_augmented_runs_draw_the_same_crops_with_and_without_checkpoints(files, tmp_path):
+    def run(**checkpoints):
+        return tier_utils.train("tiny-vit", str(files / "three"), augment=True, max_steps=3, batch_size=4,
+                                eval_batches=1, progress=False, device="cpu", precision="fp32",
+                                model_kwargs=dict(image_size=16, d_model=16, n_layer=1), **checkpoints)
+
+    plain, checkpointed = run(), run(checkpoint_dir=str(tmp_path / "ckpt"))
+    assert plain.history["train_loss"].tolist() == checkpointed.history["train_loss"].tolist()
+
+
 def test_fit_plans_an_image_model_at_its_resolution_within_15_percent_of_a_real_steps_peak():
     from profile_peak import peak_allocated
 

@@ -155,9 +155,8 @@ class ImageClassification(Task):
         return f"images of {length} x {length}, {made}"
 
     def data_classes(self, data) -> list[str] | None:
-        """The bundled shapes' classes, or an image folder's or table's (from its layout; nothing decoded)."""
-        if data is None:
-            return list(SHAPES)
+        """An image folder's, table's or dataset's classes (from its layout; nothing decoded). Not the bundled
+        shapes': a pretrained model run on the demo (`all` with no data) keeps its own head."""
         return image_layout(data).classes if is_user_source(data) or is_datasets_object(data) else None
 
     def demo(self, request: DataRequest) -> DataSplits:

@@ -195,8 +195,13 @@ def measure_activations(adapter, precision, length: int, context=contextlib.null
     adapter.model.train()
     try:
         for b, tt in sizes:
+            batch = adapter.example_batch(b, tt)
             with SavedTensorMeter(adapter.model) as meter, context(meter), precision.autocast():
-                loss, logits = adapter.forward_loss(adapter.example_batch(b, tt))
+                # The batch is held through the step: counted once, whether a layer saves it (an embedding's ids,
+                # fp32 pixels) or a copy (autocast's bf16 pixels: the fp32 ones are still held).
+                for tensor in batch.values():
+                    meter.add(tensor)
+                loss, logits = adapter.forward_loss(batch)
             output = 4 * logits.numel() / (b * tt)
             del loss, logits
             measured.append((b, tt, meter.bytes))

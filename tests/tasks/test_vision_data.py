@@ -44,6 +44,18 @@ def test_a_pretrained_classifier_takes_the_datas_classes_and_trains_the_new_head
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["id2label"] == {"0": "circle", "1": "cross", "2": "square"} and saved["label2id"]["square"] == 2
     assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+    confusion = result.more_tables()["confusion"]  # the last evaluation's, named by class
+    assert list(confusion["true class"]) == ["circle", "cross", "square"] and "predicted cross" in confusion
+    assert confusion.iloc[:, 1:].to_numpy().sum() == result.summary.val_targets
+    assert [t.get_text() for t in result.plot_confusion().axes[0].get_yticklabels()] == ["circle", "cross", "square"]
+
+
+def test_top5_accuracy_reaches_the_summary_of_a_classifier_of_more_than_5_classes():
+    result = tier_utils.train("tiny-vit", "synthetic", model_kwargs=dict(image_size=16, d_model=16, n_layer=1,
+                                                                         num_classes=8),
+                              max_steps=1, batch_size=4, eval_batches=2, progress=False, device="cpu")
+    assert 0 <= result.summary.top5_accuracy <= 1 and result.summary.top5_accuracy >= result.summary.accuracy
+    assert len(result.summary.confusion) == 8 and "top-5 accuracy" in set(result.table.metric)
 
 
 TINY = ["--model", "tiny-vit", "--model-arg", "image_size=16", "--model-arg", "d_model=16", "--model-arg", "n_layer=1"]

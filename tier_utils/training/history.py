@@ -257,6 +257,10 @@ class TrainSummary:
     unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
     new_head: str | None = None  # the head the loader started new for the data's classes, and how it trained
+    # The last evaluation's counts by [true class][predicted class] (a classifier of at most 50 classes) and the
+    # data's class names (None: none known).
+    confusion: list | None = None
+    classes: list | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -344,7 +348,37 @@ class TrainResult(Result):
     def more_tables(self) -> dict[str, pd.DataFrame]:
         """What a generating model wrote at the last evaluation: source, target, generated."""
         samples = (self.summary.generation or {}).get("samples")
-        return {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        tables = {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        if self.summary.confusion:
+            names = self._class_names()
+            counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])
+            tables["confusion"] = pd.concat([pd.Series(names, name="true class"), counts], axis=1)
+        return tables
+
+    def _class_names(self) -> list[str]:
+        """The data's class names where they fit the head, else the class ids."""
+        n, classes = len(self.summary.confusion), self.summary.classes
+        return [str(c) for c in classes] if classes and len(classes) == n else [str(i) for i in range(n)]
+
+    def plot_confusion(self):
+        """The last evaluation's confusion matrix, each row a true class and each column a predicted one, named by
+        class (None: the run has none: not a classifier, or one of more than 50 classes)."""
+        if not self.summary.confusion:
+            return None
+        from matplotlib.figure import Figure
+
+        names, counts = self._class_names(), self.summary.confusion
+        fig = Figure(figsize=(2 + 0.5 * len(names), 1.5 + 0.5 * len(names)), layout="constrained")
+        ax = fig.subplots()
+        ax.imshow(counts, cmap="Blues")
+        for i, row in enumerate(counts):
+            for j, count in enumerate(row):
+                ax.text(j, i, count, ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        ax.set(xlabel="predicted class", ylabel="true class",
+               title=f"{self.summary.model}: the last evaluation (n={sum(map(sum, counts))} images or rows)")
+        return fig
 
     def summary_line(self) -> str:
         """"train: 60 steps, global batch 8, bf16 (...), train_loss 2.1 · val_loss 2.3 · 41,000 tokens/s median"."""

@@ -292,6 +292,8 @@ class _Run:
         metrics = evaluate(self.adapter, self.data.val_loader, self.precision, self.cfg.eval_batches,
                            self.env.all_sum, self.data.eval_forwards)
         self.progress.val_targets = metrics["targets"]
+        # Not history columns: the summary's, from the last evaluation.
+        self.progress.top5_accuracy, self.progress.confusion = metrics.get("top5_accuracy"), metrics.get("confusion")
         if self.adapter.task.generates:
             self.progress.generated = self._generate()
         self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
@@ -336,7 +338,8 @@ class _Run:
             epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),
             val_loss=last_eval.get("val_loss"), perplexity=last_eval.get("perplexity"),
             accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets, unit=adapter.task.unit,
-            top5_accuracy=last_eval.get("top5_accuracy"),
+            top5_accuracy=self.progress.top5_accuracy, confusion=self.progress.confusion,
+            classes=data.splits.classes,
             skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
             precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),

@@ -168,4 +168,6 @@ class Progress:
     resume_generator: torch.Tensor | None = None  # a resume's loader generator for the epoch it re-enters (once)
     epoch_generator: torch.Tensor | None = None  # the loader generator at this epoch's start (seeds its workers)
     val_targets: int | None = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
+    top5_accuracy: float | None = None  # the last evaluation's, for a classifier of more than 5 classes
+    confusion: list | None = None  # the last evaluation's [true][predicted] counts (engine.evaluation)
     generated: object = None  # a generating task's last evaluation: engine.generation.Generated (None: none ran)

@@ -172,7 +172,9 @@ def test_tokens_per_image_come_from_the_model():
                         64) == (64, 2)  # patches at the side asked, its CLS and distillation tokens
     swin = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 1],
                                    window_size=4)
-    assert image_tokens(transformers.SwinForImageClassification(swin), 32) == (64, 0)  # its first stage's
+    adapter = tier_utils.adapt(transformers.SwinForImageClassification(swin))
+    assert image_tokens(adapter.model, 32) == (64, 0)  # its first stage's
+    assert adapter.task.describe_length(adapter, 32).endswith("a quarter as many at each of its 1 later stages")
     resnet = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1])
     assert image_tokens(transformers.ResNetForImageClassification(resnet), 32) is None  # a CNN has none
 

@@ -225,7 +225,7 @@ def image_tokens(model, side: int) -> tuple[int, int] | None:
 
 def _stages(model) -> int:
     """How many stages the model's patches pass, merged between them (Swin: its config's depths; 0: none said)."""
-    return len(getattr(getattr(model, "config", None), "depths", None) or ()) > 1
+    return len(getattr(getattr(model, "config", None), "depths", None) or ())
 
 
 def _first(objs, keys) -> int | None:

@@ -315,7 +315,8 @@ class TrainResult(Result):
             ("param_bytes_per_rank", None if s.sharding is None else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
             ("train_loss", number(s.train_loss, ".4f")),
             ("val_loss", number(s.val_loss, ".4f")),
-            ("perplexity", number(s.perplexity, ".4g")),
+            # NaN where the task has none (a classifier): no row, rather than "nan"
+            ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),

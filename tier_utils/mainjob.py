@@ -37,6 +37,7 @@ from .core.results import Result, TierFailure, checks_table, run_metadata, verdi
 from .core.threads import chooses_threads
 from .jobplan import Growth, JobPlan, job_plan
 from .models.builtins import DEFAULT_MODEL, DEMO_MODEL
+from .models.heads import sized_to_data
 from .models.loading import load_model
 from .planning.planner import FitResult, fit
 from .planning.ranks import plan_ranks
@@ -162,7 +163,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     if batch_size is not None:
         preset = replace(preset, batch_size=batch_size)
     torch.manual_seed(seed)
-    base = load_model(model, **(model_kwargs or {}))
+    base = load_model(model, **sized_to_data(model, model_kwargs or {}, data))  # a classifier's head: the data's
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
     # it analyses the shipped trained demo model instead. Tiers 1 and 3 start from fresh weights.
     default = isinstance(model, str) and model.strip() == DEFAULT_MODEL and not model_kwargs

@@ -301,5 +301,6 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-DATA_HELP = ("a text file, a folder of .txt, a .csv/.jsonl/.parquet table, hf-dataset:NAME[/CONFIG][:SPLIT] or "
-             "'synthetic' (default: the bundled corpus)")
+DATA_HELP = ("a text file, a folder of .txt, an image folder (a subfolder per class, or a labels.json), a "
+             ".csv/.jsonl/.parquet table, hf-dataset:NAME[/CONFIG][:SPLIT] or 'synthetic' (default: the model's "
+             "bundled demo: the corpus, or shapes for an image model)")

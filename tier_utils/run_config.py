@@ -5,6 +5,7 @@ config's choices stamped in (`tiers`): no tier's config is assembled here a seco
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -78,11 +79,14 @@ class RunConfig:
 
     def model_arguments(self) -> dict:
         """The keyword arguments the model is built with: `model_kwargs` as given, else the model's own (the device
-        preset's sizes for a built-in, none for any other spec: tiny-gpt's d_model means nothing to a GPT-2
-        folder's from_pretrained)."""
+        preset's sizes a built-in takes: tiny-vit has no max_len, its length is its image side; none for any other
+        spec: tiny-gpt's d_model means nothing to a GPT-2 folder's from_pretrained)."""
         if self.model_kwargs is not None:
             return dict(self.model_kwargs)
-        return dict(self.preset.model_kwargs) if self.model in BUILTIN_MODELS else {}
+        if self.model not in BUILTIN_MODELS:
+            return {}
+        takes = inspect.signature(BUILTIN_MODELS[self.model]).parameters
+        return {k: v for k, v in self.preset.model_kwargs.items() if k in takes}
 
     @property
     def preset(self) -> Preset:

@@ -16,7 +16,9 @@ import ipywidgets as widgets
 from .core.memory_settings import MEMORY_CHOICES
 from .core.precision import canonical_precision, resolve_precision, supported_precisions
 from .models.builtins import BUILTIN_MODELS
+from .models.heads import spec_task
 from .run_config import MAX_BATCH_SIZE, RunConfig
+from .tasks import CAUSAL_LM
 
 PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing")
 
@@ -62,8 +64,7 @@ class ConfigPanel(widgets.VBox):
         self.size_inputs = {k: widgets.BoundedIntText(value=1, min=1, max=1 << 16, description=k, style=style,
                                                       layout=widgets.Layout(width="190px")) for k in _SIZES}
         self.sizes = widgets.HBox(list(self.size_inputs.values()))
-        self.data_input = _path_box("data", config.data or "", ["synthetic"],
-                                    "empty: the bundled corpus; or a file, folder, hf-dataset:NAME", style)
+        self.data_input = _path_box("data", config.data or "", ["synthetic"], CAUSAL_LM.data_hint, style)
         self.precision_select = widgets.Dropdown(options=precisions, value=current, description="precision",
                                                  style=style)
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
@@ -90,6 +91,7 @@ class ConfigPanel(widgets.VBox):
         for widget in self.size_inputs.values():
             widget.observe(self._set_size, names="value")
         self._show_decision()
+        self._show_task(quiet=True)
         if kept:
             shown = ", ".join(f"{k}={v}" for k, v in kept.items())
             self._say(f"kept your earlier panel choice ({shown}) over the parameters cell; "
@@ -112,6 +114,8 @@ class ConfigPanel(widgets.VBox):
                     self.choices[owned] = None
                 self._show_sizes()
             self._changed(attribute, change["new"])
+            if attribute == "model":
+                self._show_task()
         return write
 
     def _set_size(self, change):
@@ -136,6 +140,15 @@ class ConfigPanel(widgets.VBox):
                 box.value = self.config.model_arguments().get(key) or self.config.preset.model_kwargs[key]
         finally:
             self._filling = False
+    def _show_task(self, quiet: bool = False) -> None:
+        """The task the model typed in runs as, and the data that task reads (the data box's hint); said unless
+        `quiet` (the panel's first showing) or the spec only tells once it loads."""
+        task = spec_task(self.config.model)
+        self.data_input.placeholder = (task or CAUSAL_LM).data_hint
+        if task is not None and not quiet:
+            self.status.value += (f"<br><small>{html.escape(self.config.model)} runs as {task.name}: data "
+                                  f"{html.escape(task.data_hint)}</small>")
+
     def _say(self, text: str) -> None:
         self.status.value = f"<small><b>{text}</b></small>"
 

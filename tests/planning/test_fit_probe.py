@@ -2,7 +2,7 @@
 extrapolated and said so, and the caller's model comes back bit for bit."""
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from profile_peak import peak_allocated
 
 from tier_utils import TinyGPT
 from tier_utils.core.budget import FREE_MEMORY_ENV
@@ -13,19 +13,6 @@ from tier_utils.planning.probe import PROBE_DEPTHS
 # Wide and short: the probes' dtype copies of the weights outweigh their activations, as on a big model.
 WIDE = dict(d_model=256, n_layer=12, n_head=4, max_len=8)
 FREE = 24 << 20  # a stated budget (the safe share, half) of 12 MiB: the whole model's probe holds more
-
-
-def peak_allocated(fn) -> tuple[object, int]:
-    """fn's result, and the most bytes the CPU allocator held at once while it ran, above what it held before:
-    the profiler's record of every allocation and free (each op's own, and frees between ops), summed in the
-    order they ran (a temporary an op frees before it returns is not seen)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    held = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        held += e.self_cpu_memory_usage
-        peak = max(peak, held)
-    return result, peak
 
 
 def _fit(model):

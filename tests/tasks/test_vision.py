@@ -1,44 +1,27 @@
 """Image classification through the tiers: a ViT folder save_pretrained wrote (with its image processor), the
 built-in tiny-vit, a hand-written ViT module; trained on an image folder made with Pillow here."""
-import random
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import vision_files
 
 import tier_utils
 from tier_utils import load_model
 from tier_utils.core.errors import DataError
-from tier_utils.data.images import draw_shape
 
 TINY_VIT = dict(image_size=16, patch_size=8, d_model=32, n_layer=1, n_head=2)
 
 
 @pytest.fixture(scope="module")
 def vit_folder(tmp_path_factory):
-    """A 4-class ViT classifier at 32 x 32 and its image processor, written by save_pretrained."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("vit")
-    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
-                                    num_attention_heads=2, intermediate_size=64, num_labels=4)
-    torch.manual_seed(0)
-    transformers.ViTForImageClassification(config).save_pretrained(folder)
-    processor = getattr(transformers, "ViTImageProcessorPil", None) or transformers.ViTImageProcessor
-    processor(size={"height": 32, "width": 32}).save_pretrained(folder)
-    return folder
+    return vision_files.vit_folder(tmp_path_factory.mktemp("vit"))
 
 
 @pytest.fixture(scope="module")
 def shapes_folder(tmp_path_factory):
-    """Two classes of shapes in the ImageFolder layout, in mixed sizes and modes."""
-    root = tmp_path_factory.mktemp("shapes")
-    for c in ("circle", "square"):
-        (root / c).mkdir()
-        for i in range(10):
-            image = draw_shape(c, random.Random(i), side=24 + i % 3 * 8)
-            image.convert(("RGB", "L", "RGBA", "P")[i % 4]).save(root / c / f"{i}.png")
-    return root
+    return vision_files.shapes_folder(tmp_path_factory.mktemp("shapes"))
 
 
 def test_a_vit_folder_loads_with_its_image_processor_and_no_torchvision_warning(vit_folder):

@@ -27,6 +27,7 @@ from ..tasks import (
     CAUSAL_LM,
     Task,
     build_datasets,
+    marked_task,
     recognized_task,
     task_named,
     task_of_output,
@@ -147,11 +148,11 @@ class ModelAdapter:
         return self.loss(logits, batch["labels"]), logits
 
     def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
-                 target_len: int | None = None) -> DataSplits:
+                 target_len: int | None = None, augment: bool = False) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
-        an encoder-decoder's target length (None: seq_len)."""
+        an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len)
+                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)
@@ -421,7 +422,8 @@ def _declared_task(model: nn.Module, params: set[str]) -> Task | None:
             return task_named(declared)
         except AdapterError:
             pass
-    return recognized_task(type(model).__name__, getattr(model, "config", None), frozenset(params))
+    return (recognized_task(type(model).__name__, getattr(model, "config", None), frozenset(params))
+            or marked_task(model))
 
 
 def _probe_output(adapter: ModelAdapter, length: int = _PROBE_LEN) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..engine.activation_checkpointing import memory_context, require_blocks
 from ..engine.compiling import compile_for_training
 from ..engine.lora import describe_lora, is_lora, model_state, unload
 from ..engine.quantization import apply_memory
+from ..models.heads import sized_to_data
 from ..planning.planner import device_room
 from ..planning.planner import plan as plan_fits
 from .config import CHECKPOINTED, COMPILE_CHOICES, BenchConfig
@@ -75,7 +76,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
                           "tier_utils.strategy_benchmark under torchrun (CLI: torchrun ... -m tier_utils bench "
                           "--strategy ...)")
     dev = resolve_device(cfg.device)
-    adapter = resolve_model(model, **(model_kwargs or {}))
+    adapter = resolve_model(model, **sized_to_data(model, model_kwargs or {}, data))  # a classifier: the data's head
     if cfg.activation_checkpointing:
         require_blocks(adapter.model)
     # LoRA freezes the base: which weights trained before is given back with the model (`all` trains it next).

@@ -109,8 +109,9 @@ def read_budget(device) -> Budget:
 
 @dataclass(frozen=True)
 class ActivationFit:
-    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes; for a
-    task with a target length apart, k + B * (a*S + c*S^2 + target_a*U + target_c*U^2 + cross*S*U), from six."""
+    """Saved-activation bytes of one training forward as k + B * (a*T + c*T^2), from three measured sizes, or from
+    two batches at one length whose per-sequence bytes the model's `shares` split between a*T and c*T^2; for a task
+    with a target length apart, k + B * (a*S + c*S^2 + target_a*U + target_c*U^2 + cross*S*U), from six."""
 
     k: float
     a: float
@@ -121,11 +122,21 @@ class ActivationFit:
     target_a: float = 0.0  # the target side's per-token bytes (an encoder-decoder's decoder), 0 for one length
     target_c: float = 0.0  # its (U, U) maps: the decoder's self-attention
     cross: float = 0.0  # the (U, S) maps: cross-attention
+    # A model that runs at one length only (an image model at its own side): the shares of its per-sequence bytes
+    # that grow linearly and quadratically with the length (a ViT's extra tokens and its patch grid); None: fitted.
+    shares: tuple[float, float] | None = None
 
     @classmethod
-    def from_points(cls, measured, output_per_token: float, probe: str = "") -> ActivationFit:
-        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes; six (B, S, U, bytes) sizes:
+    def from_points(cls, measured, output_per_token: float, probe: str = "",
+                    shares: tuple[float, float] | None = None) -> ActivationFit:
+        """The fit through three sizes (B=1, t), (B=1, t2), (B=2, t2) and their bytes; with `shares`, through
+        (B=1, T) and (B=2, T), the per-sequence bytes split as they say; six (B, S, U, bytes) sizes:
         `from_pair_points`."""
+        if shares is not None:
+            (_, t, b1), (_, _, b2) = measured
+            per = max(0, b2 - b1)
+            return cls(max(0, b1 - per), per * shares[0] / t, per * shares[1] / t**2, output_per_token,
+                       tuple(measured), probe, shares=shares)
         if len(measured[0]) == 4:
             return cls.from_pair_points(measured, output_per_token, probe)
         (_, t, b1), (_, t2, b2), (_, _, b3) = measured
@@ -157,7 +168,7 @@ class ActivationFit:
                   for (*size, x1), (*_, x2) in zip(self.measured, deeper.measured)]
         return ActivationFit.from_points(points, deeper.output_per_token,
                                          f"with {d1} and {d2} of its {blocks} blocks, extrapolated to {blocks} "
-                                         "(predicted)")
+                                         "(predicted)", self.shares)
 
     def per_sequence(self, length: int, target: int | None = None) -> float:
         """One sequence's bytes at `length` tokens (a source's, where the task has a target length apart: `target`
@@ -192,10 +203,10 @@ class ActivationFit:
         return lo
 
 
-def _sizes(adapter, length: int, target: int | None) -> list[tuple]:
-    """The measuring forwards' sizes: (B, T) at t, 2t and batch 2 (t = min(PROFILE_LENGTH, length // 2), so small
-    whatever the model); for a task whose targets have a length of their own, (B, S, U): two sources by three
-    targets' worth (u/2, u, 2u at one source, u and 2u at the other), the largest again at batch 2."""
+def profile_sizes(adapter, length: int, target: int | None = None) -> list[tuple]:
+    """A token model's measuring forwards' sizes: (B, T) at t, 2t and batch 2 (t = min(PROFILE_LENGTH,
+    length // 2), so small whatever the model); for a task whose targets have a length of their own, (B, S, U): two
+    sources by three targets' worth (u/2, u, 2u at one source, u and 2u at the other), the largest again at batch 2."""
     t = max(1, min(PROFILE_LENGTH, length // 2))
     t2 = min(2 * t, adapter.max_len)
     if not adapter.task.own_target_length:
@@ -207,22 +218,29 @@ def _sizes(adapter, length: int, target: int | None) -> list[tuple]:
 
 def measure_activations(adapter, precision, length: int, context=contextlib.nullcontext,
                         target: int | None = None) -> ActivationFit:
-    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at small sizes
-    (`_sizes`; `target`: an encoder-decoder's target length, None: the source's). `context(meter)` wraps each
-    forward (e.g. activation checkpointing that reports what it keeps)."""
+    """Fit the saved bytes of `adapter`'s training forward under `precision`'s autocast, measured at the sizes its
+    task chooses (`Task.activation_sizes`: `profile_sizes` for tokens, `target` an encoder-decoder's target length,
+    None: the source's; an image model's own side, where the shares its tokens give split the bytes).
+    `context(meter)` wraps each forward (e.g. activation checkpointing that reports what it keeps)."""
+    sizes, shares = adapter.task.activation_sizes(adapter, length, target)
     measured = []
     was_training = adapter.model.training
     adapter.model.train()
     try:
-        for b, tt, *u in _sizes(adapter, length, target):
+        for b, tt, *u in sizes:
+            batch = adapter.example_batch(b, tt, target_len=u[0] if u else None)
             with SavedTensorMeter(adapter.model) as meter, context(meter), precision.autocast():
-                loss, logits = adapter.forward_loss(adapter.example_batch(b, tt, target_len=u[0] if u else None))
+                # The batch is held through the step: counted once, whether a layer saves it (an embedding's ids,
+                # fp32 pixels) or a copy (autocast's bf16 pixels: the fp32 ones are still held).
+                for tensor in batch.values():
+                    meter.add(tensor)
+                loss, logits = adapter.forward_loss(batch)
             output = 4 * logits.numel() / (b * (u[0] if u else tt))
             del loss, logits
             measured.append((b, tt, *u, meter.bytes))
     finally:
         adapter.model.train(was_training)
-    return ActivationFit.from_points(measured, output)
+    return ActivationFit.from_points(measured, output, shares=shares)
 
 
 def out_of_memory_note(dev, fit: ActivationFit | None, batch: int, length: int, budget: Budget) -> str:

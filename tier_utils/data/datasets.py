@@ -185,6 +185,7 @@ class DataRequest:
     max_len: int | None = None
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
     target_len: int | None = None  # a pair's target side (None: seq_len); the source side is seq_len
+    augment: bool = False  # training examples augmented as they are read (a task that augments: ImageClassification)
 
 
 def synthetic_splits(request: DataRequest, num_classes: int | None = None) -> DataSplits:

@@ -6,8 +6,11 @@ into the model's inputs (`pixel_values`, (C, S, S) floats), results name it, and
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,15 +19,20 @@ import torch
 from torch.utils.data import Dataset
 
 from ..core.errors import DataError, ModelSpecError, one_line
-from .userdata import LABEL_COLUMNS, class_ids
+from .userdata import LABEL_COLUMNS, class_ids, hf_dataset_spec, load_hf_dataset
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LABELS_FILE = "labels.json"
 PATH_COLUMNS = ("image", "path", "file", "filename", "image_path")
+IMAGE_COLUMNS = ("image", "img", "picture", "photo")  # a `datasets` image column, where no feature types one
 VAL_FOLDERS = ("val", "validation")
 # With no processor and nothing declared: ImageNet-free defaults that map [0, 1] pixels to [-1, 1] (ViT's own).
 DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)
 SHAPES = ("circle", "square", "triangle", "cross")  # the bundled demo's classes
+# The crop's share of the image's area: torchvision's default starts at 0.08, for ImageNet's large photos; on a
+# fine-tuning set of small images (the shapes: one object on a plain ground) crops that small often miss the
+# object, and the label goes with it.
+AUGMENT_SCALE = (0.25, 1.0)
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,13 @@ class ImageProcessing:
     std: tuple[float, ...] = DEFAULT_STD
     processor: object = None  # transformers' image processor (PIL backend)
     name: str = "resize and normalise"
+    augment: bool = False  # a random resized crop and flip of each image before its processing (training's only)
 
     def __call__(self, images: list) -> torch.Tensor:
         """(N, C, S, S) float pixel values for a list of PIL images of any mode and size."""
         images = [im.convert("L" if self.channels == 1 else "RGB") for im in images]  # grayscale, RGBA, palette
+        if self.augment:
+            images = [cropped_and_flipped(im) for im in images]
         if self.processor is not None:
             return torch.as_tensor(self.processor(images, return_tensors="pt")["pixel_values"]).float()
         from PIL import Image
@@ -63,6 +74,22 @@ class ImageProcessing:
             processor = kind(size={"height": self.size, "width": self.size}, image_mean=list(self.mean),
                              image_std=list(self.std))
         processor.save_pretrained(folder)
+
+
+def cropped_and_flipped(image, scale: tuple[float, float] = AUGMENT_SCALE, ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop box (an area share in `scale` and an aspect ratio in `ratio`, drawn up to ten
+    times, else the whole image) then a left-right flip half the time; the processing resizes it back. Drawn from
+    torch's RNG, which the run seeds and its loader seeds per worker: reruns draw the same crops, a resume too."""
+    w, h = image.size
+    for _ in range(10):
+        area = w * h * float(torch.empty(1).uniform_(*scale))
+        aspect = math.exp(float(torch.empty(1).uniform_(math.log(ratio[0]), math.log(ratio[1]))))
+        cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = int(torch.randint(0, w - cw + 1, ())), int(torch.randint(0, h - ch + 1, ()))
+            image = image.crop((x, y, x + cw, y + ch))
+            break
+    return image.transpose(0) if float(torch.rand(())) < 0.5 else image  # 0: PIL's FLIP_LEFT_RIGHT
 
 
 def has_image_processor(folder: Path) -> bool:
@@ -93,18 +120,20 @@ def load_image_processing(spec, size: int, channels: int, mean=None, std=None) -
 
 
 class ImageFiles(Dataset):
-    """Labelled image files, decoded with Pillow as they are read (each was checked when the set was made)."""
+    """Labelled images, decoded as they are read: files with Pillow (each was checked when the set was made), or a
+    `datasets` image column (its Image feature decodes each row)."""
 
-    def __init__(self, paths: list[Path], labels: list[int], processing: ImageProcessing):
-        self.paths, self.labels, self.processing = paths, torch.as_tensor(labels, dtype=torch.long), processing
+    def __init__(self, images: Sequence, labels: list[int], processing: ImageProcessing):
+        self.images, self.labels, self.processing = images, torch.as_tensor(labels, dtype=torch.long), processing
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.images)
 
     def __getitem__(self, i: int) -> dict:
         from PIL import Image
 
-        with Image.open(self.paths[i]) as image:
+        item = self.images[i]
+        with Image.open(item) if isinstance(item, (str, Path)) else contextlib.nullcontext(item) as image:
             return {"pixel_values": self.processing([image])[0], "labels": self.labels[i]}
 
 
@@ -151,14 +180,16 @@ def draw_shape(shape: str, rng: random.Random, side: int = 64):
 
 @dataclass
 class LabelledImages:
-    """What an image source holds: files and class ids, its own validation part where it has one, class names."""
+    """What an image source holds: its images (files, or a `datasets` image column) and class ids, its own
+    validation part where it has one, class names."""
 
-    paths: list[Path]
+    images: Sequence
     labels: list[int]
     classes: list[str]
     name: str
-    val_paths: list[Path] | None = None
+    val_images: Sequence | None = None
     val_labels: list[int] | None = None
+    val_how: str = "the folder's own validation split"
 
 
 def is_image_folder(path) -> bool:
@@ -173,7 +204,23 @@ def _images(folder: Path) -> list[Path]:
 
 def read_images(data, num_classes: int | None) -> LabelledImages:
     """An image folder (ImageFolder layout, or images with a labels.json), with its own val/ or validation/ split
-    where it has one, or a CSV / JSONL / Parquet table of image path and label."""
+    where it has one, or a CSV / JSONL / Parquet table of image path and label; every file checked to decode."""
+    found = image_layout(data)
+    _check_classes(found, num_classes)
+    for files in (found.images, found.val_images):
+        for p in files if isinstance(files, list) else ():  # files; a dataset's column decodes as it is read
+            _check_decodes(p)
+    return found
+
+
+def image_layout(data) -> LabelledImages:
+    """What an image folder or table holds (files, class ids and names), read from its layout alone: nothing is
+    decoded, so the class names are known before a model is loaded for them."""
+    if is_datasets_object(data):
+        return _read_dataset(data if "Dict" in type(data).__name__ else {"train": data}, "the dataset given",
+                             "train", None)
+    if hf_dataset_spec(data) is not None:
+        return _read_dataset(*load_hf_dataset(hf_dataset_spec(data)))
     path = Path(str(data)).expanduser()
     if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".parquet"):
         found = _read_table(path)
@@ -190,9 +237,6 @@ def read_images(data, num_classes: int | None) -> LabelledImages:
     else:
         raise DataError(f"data {str(data)!r} not found; give an image folder (one subfolder per class, or images "
                         "with a labels.json) or a .csv/.jsonl/.parquet of image path and label")
-    _check_classes(found, num_classes)
-    for p in found.paths + (found.val_paths or []):
-        _check_decodes(p)
     return found
 
 
@@ -223,15 +267,15 @@ def _add_validation(found: LabelledImages, val: LabelledImages, split: Path) -> 
     if unknown:
         raise DataError(f"{split} holds classes the training part has not ({', '.join(unknown[:4])}); give both "
                         "parts the same class subfolders")
-    found.val_paths, found.val_labels = val.paths, [found.classes.index(c) for c in names]
+    found.val_images, found.val_labels = val.images, [found.classes.index(c) for c in names]
 
 
-def _labelled(paths: list[Path], values: list, name: str) -> LabelledImages:
+def _labelled(images: Sequence, values: list, name: str) -> LabelledImages:
     if "" in values:
         raise DataError(f"{name} has images outside any class subfolder; put each image in its class's subfolder, "
                         f"or list them in a {LABELS_FILE}")
     ids, names = class_ids(values, None, name)
-    return LabelledImages(paths, ids.tolist(), names or [str(i) for i in range(int(ids.max()) + 1)], name)
+    return LabelledImages(images, ids.tolist(), names or [str(i) for i in range(int(ids.max()) + 1)], name)
 
 
 def _read_table(path: Path) -> LabelledImages:
@@ -254,13 +298,47 @@ def _read_table(path: Path) -> LabelledImages:
     return _labelled(paths, frame[label].tolist(), f"table {path.name}")
 
 
+def is_datasets_object(data) -> bool:
+    """A `datasets` Dataset or DatasetDict given as data (known without importing datasets)."""
+    return type(data).__module__.startswith("datasets.") and hasattr(data, "column_names")
+
+
+def _read_dataset(loaded, name: str, train_split: str, val_split: str | None) -> LabelledImages:
+    """A `datasets` dataset's image and label columns: the image column is the one its features type as an Image
+    (else the first of IMAGE_COLUMNS), a ClassLabel names its classes; its own validation split where it has one."""
+    if train_split not in loaded:
+        raise DataError(f"{name} has no {train_split!r} split; its splits are {', '.join(loaded)}")
+    rows = loaded[train_split]
+    features = getattr(rows, "features", {}) or {}
+    image = next((c for c, f in features.items() if type(f).__name__ == "Image"),
+                 next((c for c in IMAGE_COLUMNS if c in rows.column_names), None))
+    label = next((c for c in LABEL_COLUMNS if c in rows.column_names), None)
+    if image is None or label is None:
+        raise DataError(f"{name} has no image and label columns ({'/'.join(IMAGE_COLUMNS[:2])}, an Image feature, "
+                        f"and {'/'.join(LABEL_COLUMNS)}; it has {', '.join(rows.column_names[:6])}), but an image "
+                        "classifier reads images; give a dataset with an image column and a label column")
+    found = _labelled(rows[image], list(rows[label]), f"{name} [{train_split}]")
+    found.classes = list(getattr(features.get(label), "names", None) or found.classes)  # a ClassLabel's names
+    if val_split is not None:
+        values = list(loaded[val_split][label])
+        unknown = sorted({str(v) for v in values if not isinstance(v, int)} - set(found.classes))
+        if unknown:
+            raise DataError(f"the {val_split!r} split of {name} holds labels the training split has not "
+                            f"({', '.join(unknown[:4])}); give both splits the same classes")
+        found.val_images, found.val_how = loaded[val_split][image], f"the dataset's own {val_split!r} split"
+        found.val_labels = [v if isinstance(v, int) else found.classes.index(str(v)) for v in values]
+    return found
+
+
 def _check_classes(found: LabelledImages, num_classes: int | None) -> None:
     if len(set(found.labels)) < 2:
         raise DataError(f"{found.name} holds one class ({found.classes[0] if found.classes else '?'}); a classifier "
                         "needs at least two: add a subfolder of images per class")
     if num_classes is not None and len(found.classes) > num_classes:
-        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes}; "
-                        f"build the model with num_labels={len(found.classes)} (--model-arg num_labels=N)")
+        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes} "
+                        f"and a model built in Python keeps its head; build it with {len(found.classes)} "
+                        f"(num_classes={len(found.classes)}, --model-arg num_classes=N), or give a save_pretrained "
+                        "folder, whose head follows the data")
 
 
 def _check_decodes(path: Path) -> None:

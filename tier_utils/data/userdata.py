@@ -90,12 +90,11 @@ def read_source(data, reading: Reading = PLAIN) -> Texts:
     text_column = getattr(data, "text_column", None)
     label_column = getattr(data, "label_column", None)
     text = str(data).strip()
-    if text.startswith(HF_DATASET_PREFIX):
-        return _read_hf_dataset(text[len(HF_DATASET_PREFIX):], text_column, label_column, reading)
+    spec = hf_dataset_spec(data)
+    if spec is not None:
+        return _read_hf_dataset(spec, text_column, label_column, reading)
     path = Path(text).expanduser()
     if path.is_dir():
-        if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
-            return _read_hf_dataset(text, text_column, label_column, reading)
         return _read_folder(path, reading)
     if not path.is_file():
         raise DataError(f"data {text!r} not found; give a text file, a folder of .txt files, a .csv/.jsonl/.parquet "
@@ -105,6 +104,17 @@ def read_source(data, reading: Reading = PLAIN) -> Texts:
     if reading.second is not None:
         raise _no_second(reading, "plain text")
     return Texts([_read_text(path)], None, None, None, f"text file {path.name}")
+
+
+def hf_dataset_spec(data) -> str | None:
+    """What `load_hf_dataset` takes for `data` that names a `datasets` dataset (`hf-dataset:NAME...`, or a folder
+    save_to_disk wrote); None for any other data."""
+    text = str(data).strip()
+    if text.startswith(HF_DATASET_PREFIX):
+        return text[len(HF_DATASET_PREFIX):]
+    path = Path(text).expanduser()
+    disk = path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "dataset_info.json"))
+    return text if disk else None
 
 
 def _no_second(reading: Reading, what: str) -> DataError:
@@ -207,6 +217,23 @@ def _pick(columns: dict, given: str | None, tried: tuple, where: str, what: str,
 def _read_hf_dataset(spec: str, text_column, label_column, reading: Reading) -> Texts:
     """NAME[/CONFIG][:SPLIT], or a folder `save_to_disk` wrote. The split trains; the dataset's own
     validation split (validation, valid, val, test) validates, else a part is held out by the caller."""
+    loaded, name, train_split, val_split = load_hf_dataset(spec)
+
+    def part(s: str) -> tuple[list[str], list | None]:
+        if len(loaded[s]) == 0:
+            raise DataError(f"the {s!r} split of {name} is empty; pick another split")
+        return _columns({c: loaded[s][c] for c in loaded[s].column_names}, f"{name} [{s}]", text_column,
+                        label_column, reading)
+
+    train, train_labels = part(train_split)
+    val, val_labels = part(val_split) if val_split else (None, None)
+    return Texts(train, val, train_labels, val_labels, f"{name} [{train_split}]",
+                 f"the dataset's own {val_split!r} split" if val_split else None)
+
+
+def load_hf_dataset(spec: str):
+    """(a DatasetDict, its name, the split that trains, the split that validates or None) for NAME[/CONFIG][:SPLIT]
+    or a folder `save_to_disk` wrote."""
     try:
         import datasets
     except ImportError as exc:
@@ -232,18 +259,7 @@ def _read_hf_dataset(spec: str, text_column, label_column, reading: Reading) -> 
     train_split = split or "train"
     if train_split not in loaded:
         raise DataError(f"{name} has no split {train_split!r}; its splits are {', '.join(loaded)}")
-    val_split = next((s for s in VAL_SPLITS if s in loaded and s != train_split), None)
-
-    def part(s: str) -> tuple[list[str], list | None]:
-        if len(loaded[s]) == 0:
-            raise DataError(f"the {s!r} split of {name} is empty; pick another split")
-        return _columns({c: loaded[s][c] for c in loaded[s].column_names}, f"{name} [{s}]", text_column,
-                        label_column, reading)
-
-    train, train_labels = part(train_split)
-    val, val_labels = part(val_split) if val_split else (None, None)
-    return Texts(train, val, train_labels, val_labels, f"{name} [{train_split}]",
-                 f"the dataset's own {val_split!r} split" if val_split else None)
+    return loaded, name, train_split, next((s for s in VAL_SPLITS if s in loaded and s != train_split), None)
 
 
 def _load_hub_dataset(datasets, where: str):

@@ -8,6 +8,8 @@ import torch
 from ..data.datasets import to_device
 
 TOP_K = 5  # a classifier of more classes is also scored on whether the label is among its 5 best guesses
+# A classifier of at most this many classes gets a confusion matrix (a larger one is no table a person reads).
+CONFUSION_CLASSES = 50
 
 
 def perplexity(loss: float) -> float:
@@ -18,7 +20,8 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
              forwards: int | None = None) -> dict:
     """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
     (next tokens, or class labels) of a ModelAdapter in a Precision; top-5 accuracy where a task's classes are more
-    than 5 (`top5_accuracy`, absent otherwise).
+    than 5 (`top5_accuracy`, absent otherwise); for a one-label-per-row classifier of at most CONFUSION_CLASSES
+    classes, `confusion`: counts by [true class][predicted class] (absent otherwise).
 
     Logits come from the precision's autocast and are scored in fp32, under inference_mode, on at
     most `max_batches` batches (None: all); the model is back in train mode afterwards.
@@ -29,6 +32,8 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
     model, device = adapter.model, adapter.device
     model.eval()
     sums = torch.zeros(4, device=device)  # loss x count, correct, count, correct in the top 5
+    classes = adapter.num_classes if adapter.task.has_classes and not adapter.task.per_token else None
+    confusion = torch.zeros(classes**2, device=device) if classes and classes <= CONFUSION_CLASSES else None
     done = 0
     try:
         with torch.inference_mode():
@@ -46,6 +51,9 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
                 sums[2] += n
                 if adapter.task.has_classes and logits.size(-1) > TOP_K:
                     sums[3] += ((logits.topk(TOP_K, -1).indices == labels.unsqueeze(-1)).any(-1) & scored).sum()
+                if confusion is not None:
+                    pairs = labels[scored] * classes + logits.argmax(-1)[scored]
+                    confusion += torch.bincount(pairs, minlength=classes**2)[:classes**2]
                 done += 1
             for _ in range((forwards or 0) - done):
                 adapter.batch_logits(adapter.example_batch(1, 1))  # its output is not scored
@@ -54,5 +62,8 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
     loss_sum, correct, count, top_k = (reduce_sum(sums) if reduce_sum else sums).tolist()
     ranked = adapter.task.has_classes and (adapter.num_classes or 0) > TOP_K
     val_loss = loss_sum / count
+    counted = {} if confusion is None else {"confusion": (reduce_sum(confusion) if reduce_sum else confusion).view(
+        classes, classes).long().tolist()}
     return {"val_loss": val_loss, "perplexity": perplexity(val_loss) if adapter.task.has_perplexity else math.nan,
-            "accuracy": correct / count, "targets": int(count), **({"top5_accuracy": top_k / count} if ranked else {})}
+            "accuracy": correct / count, "targets": int(count), **({"top5_accuracy": top_k / count} if ranked else {}),
+            **counted}

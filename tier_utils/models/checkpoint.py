@@ -26,9 +26,12 @@ def data_fingerprint(splits) -> dict:
     """What a resume must find again: the data's kind, both split sizes and a hash of three training
     examples (first, middle, last): cheap for any Dataset, and a changed file or tensor shows."""
     digest, n = hashlib.sha1(), len(splits.train)
-    for i in sorted({0, n // 2, n - 1}):
-        for key, value in sorted(splits.train[i].items()):
-            digest.update(f"{key}={torch.as_tensor(value).flatten().tolist()};".encode())
+    # An augmented example is drawn from torch's RNG as it is read: reading these must not move the run's RNG (a
+    # run with checkpoints would train on other draws than one without).
+    with torch.random.fork_rng(devices=[]):
+        for i in sorted({0, n // 2, n - 1}):
+            for key, value in sorted(splits.train[i].items()):
+                digest.update(f"{key}={torch.as_tensor(value).flatten().tolist()};".encode())
     return {"source": splits.source, "train_examples": n, "val_examples": len(splits.val),
             "sample_sha1": digest.hexdigest()}
 

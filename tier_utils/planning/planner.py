@@ -206,10 +206,13 @@ class FitResult(Result):
     measured_speedups: dict | None = None
     speed_source: str = ""  # where measured_speedups were measured, in words
     target_len: int | None = None  # an encoder-decoder's target length, counted apart (None: one length)
+    length_words: str = ""  # the length axis where it is not tokens (an image model's resolution and its tokens)
 
     def lengths(self) -> str:
-        """The planned length in words: T, and an encoder-decoder's target length where it was given apart."""
-        return f"T={self.seq_len}" + (f", target {self.target_len}" if self.target_len else "")
+        """The planned length in words: T (an image model's resolution and its tokens), and an encoder-decoder's
+        target length where it was given apart."""
+        return (f"T={self.seq_len}" + (f" ({self.length_words})" if self.length_words else "")
+                + (f", target {self.target_len}" if self.target_len else ""))
 
     def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -347,7 +350,7 @@ class FitResult(Result):
 
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                         "target_len": self.target_len,
+                         "target_len": self.target_len, "length": self.length_words,
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
@@ -397,7 +400,8 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers, target)
     predicted = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
-                          batch_size=cfg.batch_size, target_len=target)
+                          batch_size=cfg.batch_size, target_len=target,
+                          length_words=adapter.task.describe_length(adapter, length))
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked == "off":
         return predicted
@@ -439,7 +443,9 @@ def plan(adapter, precisions, length: int, checkpointing: bool = False, progress
     stand_ins = {p.name: resolve_precision(p.measured_as if p.measured_as and not p.native else p.name, dev,
                                            warn=False) for p in decided}
     probe = size_probe(adapter, list(stand_ins.values()), length, budget or read_budget(dev), target_len)
-    quantized, parameters = quantized_bytes(), sum(p.numel() for p in adapter.model.parameters())
+    # bitsandbytes (seconds to import) measures NF4's bytes only where a QLoRA row needs them.
+    quantized = quantized_bytes() if any(m is not None and m.quantized for _, _, m in combos) else None
+    parameters = sum(p.numel() for p in adapter.model.parameters())
     configs = []
     for prec, ck, memory in progress_bar(combos, desc="fit", unit="config", enabled=progress):
         p, stand_in = prec.name, stand_ins[prec.name]

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..core.budget import profile_sizes
 from ..core.errors import AdapterError, DataError
 from ..core.registry import Registry
 from ..data.datasets import (
@@ -39,6 +40,9 @@ class Task:
     # endings of the model class names (a config's `architectures`, a module's type) that declare the task.
     auto_class: str | None = None
     architectures: tuple[str, ...] = ()
+    # Attributes that mark a module of this task whatever its class is called (timm's `pretrained_cfg`, which
+    # every timm model carries: an image model), read without importing the library that made it.
+    marks: tuple[str, ...] = ()
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
     predicts_input_positions = False  # a per-position task's positions are its input's (else its targets')
@@ -71,6 +75,8 @@ class Task:
     unit = "token"  # what a throughput counts (`units`)
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
+    data_hint = "empty: the bundled corpus; or a text file, a folder of .txt, a table, hf-dataset:NAME"  # the panel's
+    augments = False  # whether its training data can be augmented (build_datasets' augment)
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
     def __str__(self) -> str:
@@ -206,6 +212,22 @@ class Task:
                             "classifier (a ...ForImageClassification folder, tiny-vit) or text data")
         return self.from_texts(user_texts(data, request, self.reading), request)
 
+    def activation_sizes(self, adapter, length: int, target: int | None = None) -> tuple[tuple,
+                                                                                     tuple[float, float] | None]:
+        """The (batch, length) sizes the planner's activation fit measures at, and how the per-sequence bytes split
+        between its linear and quadratic terms where they are measured at one length (None: fitted from three
+        sizes, core.budget.ActivationFit)."""
+        return profile_sizes(adapter, length, target), None
+
+    def describe_length(self, adapter, length: int) -> str:
+        """The planner's length axis in words where it is not plain tokens per sequence ("": it is)."""
+        return ""
+
+    def data_classes(self, data) -> list[str] | None:
+        """The class names `data` holds, read before a model is loaded for them (a pretrained classifier's head
+        follows the data: models/heads.py); None: not known without reading it whole, or not a classifier's data."""
+        return None
+
     # What a task reads, each its own: a task defined elsewhere overrides what it takes.
     def demo(self, request: DataRequest) -> DataSplits:
         raise DataError(f"the {self.name} task has no bundled demo data; pass data")
@@ -251,6 +273,11 @@ def recognized_task(architecture: str, config=None, params: frozenset = frozense
     return next((t for t in _REGISTRY.entries() if t.recognizes(architecture, config, params)), None)
 
 
+def marked_task(model) -> Task | None:
+    """The first registered task one of whose `marks` the module carries (registry order)."""
+    return next((t for t in _REGISTRY.values() if any(hasattr(model, mark) for mark in t.marks)), None)
+
+
 def task_of_output(logits: torch.Tensor) -> Task | None:
     """The first registered task whose layout a probe's logits have (registry order: the built-in ones first)."""
     return next((t for t in _REGISTRY.entries() if t.fits_output(logits)), None)
@@ -258,7 +285,8 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0,
-                   max_len: int | None = None, tokenizer=None, target_len: int | None = None) -> DataSplits:
+                   max_len: int | None = None, tokenizer=None, target_len: int | None = None,
+                   augment: bool = False) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
     data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
@@ -268,6 +296,8 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
     tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
     target_len: a seq2seq pair's target length (None: seq_len, the source's).
+    augment: training examples drawn anew each time they are read, where the task augments (an image classifier's
+    random resized crop and flip); validation stays as it is. A task that does not is refused in one line.
     Validation: the source's own split when it has one; else the last `val_fraction` of the text
     (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification; none at all for
     val_fraction=0 (a source's own validation split is then left unused).
@@ -276,7 +306,11 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
+    chosen = task_named(task)
+    if augment and not chosen.augments:
+        raise DataError(f"augment: the {chosen.name} task has no augmentation (an image classifier's random crop and "
+                        "flip); drop augment (--augment)")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
-                          target_len)
-    splits = task_named(task).datasets(data, request)
+                          target_len, augment)
+    splits = chosen.datasets(data, request)
     return without_validation(splits) if val_fraction == 0 else splits

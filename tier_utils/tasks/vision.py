@@ -15,10 +15,13 @@ from ..data.images import (
     ImageFiles,
     ImageProcessing,
     has_image_processor,
+    image_layout,
+    is_datasets_object,
     load_image_processing,
     read_images,
     stratified_split,
 )
+from ..data.userdata import is_user_source
 from .base import Task, register_task
 
 # A hand-written image model that declares no size (and has no processor): the size most image classifiers take.
@@ -35,6 +38,7 @@ class ImageClassification(Task):
     aliases = ("image_classification", "vision")
     auto_class = "AutoModelForImageClassification"
     architectures = ("ForImageClassification",)
+    marks = ("pretrained_cfg",)  # a timm model: its forward takes the pixels as its first argument
     has_classes = True
     takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
     input_key = "pixel_values"
@@ -44,6 +48,9 @@ class ImageClassification(Task):
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
+    data_hint = ("empty: the bundled shapes; or an image folder (a subfolder per class, or a labels.json), a table "
+                 "of image paths and labels, hf-dataset:NAME")
+    augments = True  # a random resized crop and flip of each training image (data.images.cropped_and_flipped)
     without_preprocessor = ("resizing to the model's image size with mean and std 0.5; pass tokenizer= (--tokenizer) "
                             "with the folder of the image processor it was trained with")
 
@@ -96,9 +103,13 @@ class ImageClassification(Task):
         return len(batch[self.input_key])
 
     def datasets(self, data, request: DataRequest) -> DataSplits:
-        """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder
-        or a table of image paths and labels."""
+        """None: the bundled shapes; "synthetic": random pixels; (pixel_values, labels) tensors; an image folder,
+        a table of image paths and labels, or a `datasets` dataset with image and label columns (given, as
+        hf-dataset:NAME, or a folder save_to_disk wrote). augment: the decoded ones' training images."""
         given = given_splits(data, request)
+        if request.augment and (given is not None or is_tensor_data(data) or data == "synthetic"):
+            raise DataError("augment crops and flips images as they are decoded (an image folder, a table, a dataset, "
+                            "the bundled shapes), and this data is pixels already; drop augment (--augment)")
         if given is not None:
             return given
         if not isinstance(request.tokenizer, ImageProcessing):  # no model's processing given: seq_len is the side
@@ -117,14 +128,37 @@ class ImageClassification(Task):
                             "table of image paths and labels, or a language model for the text")
         return _file_splits(read_images(data, classes), request)
 
+    def activation_sizes(self, adapter, length: int, target: int | None = None) -> tuple[tuple, tuple[float, float]]:
+        """One and two images at the model's own side (a position table fixes it), the bytes per image split by
+        what grows with the resolution: a transformer's patch grid with its area (c*S^2), its extra tokens (CLS,
+        DeiT's distillation token) with the side only as an approximation (a*S, exact at S); a CNN's pixels."""
+        side = adapter.max_len
+        tokens = image_tokens(adapter.model, side)
+        patches, extra = tokens if tokens is not None else (side * side, 0)
+        return ((1, side), (2, side)), (extra / (patches + extra), patches / (patches + extra))
+
+    def describe_length(self, adapter, length: int) -> str:
+        """Fit's words for its length axis: the resolution, and the tokens per image the model makes of it."""
+        tokens = image_tokens(adapter.model, length)
+        made = "no tokens (no attention: its activations grow with the pixels)" if tokens is None else (
+            f"{sum(tokens)} tokens per image ({tokens[0]} patches" + (f" + {tokens[1]}" if tokens[1] else "") + ")"
+            + (f", a quarter as many at each of its {_stages(adapter.model) - 1} later stages"
+               if _stages(adapter.model) > 1 else ""))
+        return f"images of {length} x {length}, {made}"
+
+    def data_classes(self, data) -> list[str] | None:
+        """An image folder's, table's or dataset's classes (from its layout; nothing decoded). Not the bundled
+        shapes': a pretrained model run on the demo (`all` with no data) keeps its own head."""
+        return image_layout(data).classes if is_user_source(data) or is_datasets_object(data) else None
+
     def demo(self, request: DataRequest) -> DataSplits:
         processing = request.tokenizer
         if request.num_classes is not None and request.num_classes < len(SHAPES):
             raise DataError(f"the bundled shapes have {len(SHAPES)} classes but the model has {request.num_classes}; "
                             f"build it with num_labels={len(SHAPES)} (num_classes for a module)")
-        train, val = DEMO_IMAGES
-        return DataSplits(DrawnImages(train, processing, request.seed), DrawnImages(val, processing, request.seed + 7),
-                          "synthetic", f"bundled shapes ({', '.join(SHAPES)}), drawn on the fly", processing.name,
+        train, val, augmented = *DEMO_IMAGES, _training(request)
+        return DataSplits(DrawnImages(train, augmented, request.seed), DrawnImages(val, processing, request.seed + 7),
+                          "synthetic", f"bundled shapes ({', '.join(SHAPES)}), drawn on the fly", augmented.name,
                           "images drawn from another seed", list(SHAPES))
 
     def tensor_splits(self, data, request: DataRequest) -> DataSplits:
@@ -139,18 +173,51 @@ class ImageClassification(Task):
                           f"a seeded random {request.val_fraction:.0%} of the images")
 
 
-def _file_splits(found, request: DataRequest) -> DataSplits:
+def _training(request: DataRequest) -> ImageProcessing:
+    """The training images' processing: the model's, after a random resized crop and flip where augment is on."""
     processing = request.tokenizer
-    if found.val_paths is not None:
-        train = ImageFiles(found.paths, found.labels, processing)
-        val = ImageFiles(found.val_paths, found.val_labels, processing)
-        how = "the folder's own validation split"
+    if not request.augment:
+        return processing
+    return replace(processing, augment=True, name=f"{processing.name} after a random resized crop and flip")
+
+
+def _file_splits(found, request: DataRequest) -> DataSplits:
+    processing, augmented = request.tokenizer, _training(request)
+    if found.val_images is not None:
+        train = ImageFiles(found.images, found.labels, augmented)
+        val = ImageFiles(found.val_images, found.val_labels, processing)
+        how = found.val_how
     else:
-        every = ImageFiles(found.paths, found.labels, processing)
         keep, held = stratified_split(found.labels, request.val_fraction, request.seed)
-        train, val = Subset(every, keep), Subset(every, held)
+        train = Subset(ImageFiles(found.images, found.labels, augmented), keep)
+        val = Subset(ImageFiles(found.images, found.labels, processing), held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
-    return DataSplits(train, val, "images", found.name, processing.name, how, found.classes)
+    return DataSplits(train, val, "images", found.name, augmented.name, how, found.classes)
+
+
+def image_tokens(model, side: int) -> tuple[int, int] | None:
+    """(patch tokens, extra tokens) a vision transformer makes of a side x side image: ViT's patches and its CLS,
+    DeiT's two (CLS and distillation), Swin's first stage (its patch merging quarters them at each later stage, no
+    CLS); None for a model with no attention (a CNN), which has no tokens."""
+    modules = list(model.modules())
+    if not any(isinstance(m, torch.nn.MultiheadAttention) or "Attention" in type(m).__name__ for m in modules):
+        return None
+    config, embed = getattr(model, "config", None), getattr(model, "patch_embed", None)
+    patch = _first((config, embed), ("patch_size",)) or next(
+        (m.stride[0] for m in modules if isinstance(m, torch.nn.Conv2d) and m.stride == m.kernel_size
+         and m.stride[0] > 1), 1)
+    extra = getattr(model, "num_prefix_tokens", None)  # timm's own count
+    if extra is None:  # a position table's rows beyond its own side's patches: ViT's CLS, DeiT's CLS and distiller
+        own = ((_first((config, model), _SIZE_KEYS) or side) // patch) ** 2
+        rows = next((p.shape[1] for name, p in model.named_parameters() if "pos" in name.lower() and p.dim() == 3
+                     and p.shape[0] == 1), own)
+        extra = max(0, rows - own)
+    return (side // patch) ** 2, int(extra)
+
+
+def _stages(model) -> int:
+    """How many stages the model's patches pass, merged between them (Swin: its config's depths; 0: none said)."""
+    return len(getattr(getattr(model, "config", None), "depths", None) or ())
 
 
 def _first(objs, keys) -> int | None:

@@ -121,8 +121,10 @@ class RunCheckpoints:
     def _differences(self, state: dict) -> list[str]:
         """The trajectory settings, precision and ranks in which a checkpoint's run differs from this one."""
         saved, now = state["config"], self.cfg.to_dict()
-        differ = [f"{k}={_readable(k, saved.get(k))} (this run: {_readable(k, now[k])})" for k in TRAJECTORY_FIELDS
-                  if saved.get(k) != now[k]]
+        # A setting a checkpoint predates (augment, the schedule, shuffle) ran at its default then.
+        saved = {k: saved.get(k, TrainConfig.__dataclass_fields__[k].default) for k in TRAJECTORY_FIELDS}
+        differ = [f"{k}={_readable(k, saved[k])} (this run: {_readable(k, now[k])})" for k in TRAJECTORY_FIELDS
+                  if saved[k] != now[k]]
         if state["precision"] != self.precision:
             differ.append(f"precision={state['precision']!r} (this run: {self.precision!r})")
         return differ + self.strategy.resume_differences(state, self.cfg.batch_size, self.data.global_batch)

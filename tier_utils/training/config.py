@@ -19,7 +19,7 @@ from ..engine.strategies import DDP, canonical_strategy, strategy_class
 # sharded checkpoint reshards onto another one with the same global batch).
 TRAJECTORY_FIELDS = ("seq_len", "target_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
-                     "shuffle", "val_fraction")
+                     "shuffle", "val_fraction", "augment")
 NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
@@ -61,6 +61,9 @@ class TrainConfig:
     seed: int = setting(0, "initial weights (models built from a spec), data order and dropout", low=0)
     deterministic: bool = setting(False, "bitwise-equal reruns on the same machine, torch build and thread count")
     num_workers: int = setting(0, "DataLoader worker processes", low=0)
+    augment: bool = setting(False, "an image model's training images randomly cropped (a quarter to all of the "
+                                   "image, resized back) and flipped left-right, drawn anew each time one is read "
+                                   "(validation images stay as they are)")
     eval_every: int | str | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's "
                                                f"end; {NEVER}: no evaluation, and no validation split)", low=0,
                                            words=(NEVER,))
@@ -117,6 +120,7 @@ class TrainConfig:
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
+        check_switch(self, "augment")
         check_switch(self, "reshard_after_forward")
         check_switch(self, "consolidate")
         check_fields(self)

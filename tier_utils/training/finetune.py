@@ -22,6 +22,7 @@ from ..engine.lora import is_lora, merged_copy
 from ..engine.quantization import merge_to_plain, quantized_layers
 from ..engine.sharding import unsharded_class
 from ..engine.strategies import Strategy
+from ..models.loading import source_of
 
 
 @dataclass
@@ -120,6 +121,18 @@ def name_classes(model, classes: list[str] | None) -> None:
     if classes and config is not None and getattr(config, "num_labels", None) == len(classes):
         config.id2label = dict(enumerate(classes))
         config.label2id = {name: i for i, name in enumerate(classes)}
+
+
+def describe_new_head(model, classes: list[str] | None) -> str | None:
+    """The head the loader started new (a pretrained classifier fine-tuned on the data's classes), in words; None:
+    the model's head is its checkpoint's."""
+    source = source_of(model)
+    if source is None or not source.new_modules:
+        return None
+    named = f" for the data's {len(classes)} classes ({', '.join(classes[:6])}{', ...' * (len(classes) > 6)})" \
+        if classes else ""
+    trained = "trained in full beside LoRA's adapters" if is_lora(model) else "trained"
+    return f"{', '.join(source.new_modules)}: new{named}, started at random and {trained}"
 
 
 def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None,

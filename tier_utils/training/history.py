@@ -258,6 +258,11 @@ class TrainSummary:
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
     lr_schedule: str | None = None  # the decided schedule (engine.schedules.Schedule.describe)
     order: str | None = None  # the training rows' order: shuffled from the seed each epoch, or the data's own
+    new_head: str | None = None  # the head the loader started new for the data's classes, and how it trained
+    # The last evaluation's counts by [true class][predicted class] (a classifier of at most 50 classes) and the
+    # data's class names (None: none known).
+    confusion: list | None = None
+    classes: list | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -298,6 +303,7 @@ class TrainResult(Result):
 
         rows = [
             ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
+            ("new_head", s.new_head),
             ("data", f"{s.data} (tokenizer: {s.tokenizer})"),
             ("validation", s.validation),
             ("precision", s.precision),
@@ -311,7 +317,8 @@ class TrainResult(Result):
             ("param_bytes_per_rank", None if s.sharding is None else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
             ("train_loss", number(s.train_loss, ".4f")),
             ("val_loss", number(s.val_loss, ".4f")),
-            ("perplexity", number(s.perplexity, ".4g")),
+            # NaN where the task has none (a classifier): no row, rather than "nan"
+            ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),
@@ -346,7 +353,37 @@ class TrainResult(Result):
     def more_tables(self) -> dict[str, pd.DataFrame]:
         """What a generating model wrote at the last evaluation: source, target, generated."""
         samples = (self.summary.generation or {}).get("samples")
-        return {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        tables = {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        if self.summary.confusion:
+            names = self._class_names()
+            counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])
+            tables["confusion"] = pd.concat([pd.Series(names, name="true class"), counts], axis=1)
+        return tables
+
+    def _class_names(self) -> list[str]:
+        """The data's class names where they fit the head, else the class ids."""
+        n, classes = len(self.summary.confusion), self.summary.classes
+        return [str(c) for c in classes] if classes and len(classes) == n else [str(i) for i in range(n)]
+
+    def plot_confusion(self):
+        """The last evaluation's confusion matrix, each row a true class and each column a predicted one, named by
+        class (None: the run has none: not a classifier, or one of more than 50 classes)."""
+        if not self.summary.confusion:
+            return None
+        from matplotlib.figure import Figure
+
+        names, counts = self._class_names(), self.summary.confusion
+        fig = Figure(figsize=(2 + 0.5 * len(names), 1.5 + 0.5 * len(names)), layout="constrained")
+        ax = fig.subplots()
+        ax.imshow(counts, cmap="Blues")
+        for i, row in enumerate(counts):
+            for j, count in enumerate(row):
+                ax.text(j, i, count, ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        ax.set(xlabel="predicted class", ylabel="true class",
+               title=f"{self.summary.model}: the last evaluation (n={sum(map(sum, counts))} images or rows)")
+        return fig
 
     def summary_line(self) -> str:
         """"train: 60 steps, global batch 8, bf16 (...), train_loss 2.1 · val_loss 2.3 · 41,000 tokens/s median"."""

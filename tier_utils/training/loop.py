@@ -34,10 +34,11 @@ from ..engine.generation import Generated, generate_and_score
 from ..engine.lora import describe_lora
 from ..engine.quantization import describe_quantized
 from ..engine.strategies import Strategy, resolve_strategy
+from ..models.heads import sized_to_data
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
 from .divergence import divergence_error, ended_nonfinite
-from .finetune import Selection, name_classes, restore_best, save_hf
+from .finetune import Selection, describe_new_head, name_classes, restore_best, save_hf
 from .history import History, TrainResult, TrainSummary, step_stats
 from .host_memory import refuse_past_host_memory
 from .out_of_memory import answered
@@ -107,7 +108,8 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
     env = strategy.env
     try:
         device = env.device or resolve_device(cfg.device)
-        refuse_past_host_memory(model, model_kwargs or {}, cfg, device)  # one line, before anything loads or is written
+        model_kwargs = sized_to_data(model, model_kwargs or {}, data)  # a pretrained classifier's head: the data's
+        refuse_past_host_memory(model, model_kwargs, cfg, device)  # one line, before anything loads or is written
         if cfg.checkpoint_dir is not None:
             writable_dir(cfg.checkpoint_dir, "checkpoint_dir")  # before the run, not after it
         if cfg.save_hf is not None:
@@ -118,7 +120,7 @@ def train(model, data=None, config: TrainConfig | dict | None = None, *, model_k
         # Under torchrun a rank's one-line error reaches the others as one line naming it (engine/distributed.py).
         with locked, answering_for_ranks(env), _deterministic_algorithms(cfg.deterministic, device.type == "cuda"):
             # Out of memory: one line with what fits, the memory given back (out_of_memory.py).
-            return answered(lambda: _start(model, model_kwargs or {}, data, cfg, on_eval, strategy, device), cfg,
+            return answered(lambda: _start(model, model_kwargs, data, cfg, on_eval, strategy, device), cfg,
                             device)
     finally:
         strategy.close()
@@ -289,6 +291,8 @@ class _Run:
         metrics = evaluate(self.adapter, self.data.val_loader, self.precision, self.cfg.eval_batches,
                            self.env.all_sum, self.data.eval_forwards)
         self.progress.val_targets = metrics["targets"]
+        # Not history columns: the summary's, from the last evaluation.
+        self.progress.top5_accuracy, self.progress.confusion = metrics.get("top5_accuracy"), metrics.get("confusion")
         if self.adapter.task.generates:
             self.progress.generated = self._generate()
         self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
@@ -333,7 +337,8 @@ class _Run:
             epochs=round(step / data.steps_per_epoch, 3), train_loss=last_step.get("train_loss"),
             val_loss=last_eval.get("val_loss"), perplexity=last_eval.get("perplexity"),
             accuracy=last_eval.get("accuracy"), val_targets=self.progress.val_targets, unit=adapter.task.unit,
-            top5_accuracy=last_eval.get("top5_accuracy"),
+            top5_accuracy=self.progress.top5_accuracy, confusion=self.progress.confusion,
+            classes=data.splits.classes,
             skipped_steps=hist.skipped_total if prec.needs_scaler else None, precision=prec.name,
             precision_reason=prec.reason, device=str(self.device), device_name=device_name(self.device),
             tokens_per_s=step_stats(history, "tokens_per_s"), step_time_ms=step_stats(history, "step_time_ms"),
@@ -358,6 +363,7 @@ class _Run:
             quantized=describe_quantized(adapter.model),
             generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
             order=f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch",
+            new_head=describe_new_head(adapter.model, data.splits.classes),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)

@@ -112,7 +112,7 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment)
     if not cfg.shuffle:
         splits = replace(splits, train=in_data_order(splits.train))
     sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)
@@ -172,4 +172,6 @@ class Progress:
     resume_generator: torch.Tensor | None = None  # a resume's loader generator for the epoch it re-enters (once)
     epoch_generator: torch.Tensor | None = None  # the loader generator at this epoch's start (seeds its workers)
     val_targets: int | None = None  # how many targets the last evaluation scored: the n behind val loss/accuracy
+    top5_accuracy: float | None = None  # the last evaluation's, for a classifier of more than 5 classes
+    confusion: list | None = None  # the last evaluation's [true][predicted] counts (engine.evaluation)
     generated: object = None  # a generating task's last evaluation: engine.generation.Generated (None: none ran)

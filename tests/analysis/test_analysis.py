@@ -251,8 +251,8 @@ def test_attention_maps_are_drawn_with_example_0s_tokens():
     (rows, queries), (columns, keys) = outcome.artifacts["tokens"]["blocks.0.attn"]
     assert (rows, columns) == ("source", "source") and queries == keys == expected
     ax = attention.plot(outcome).axes[0]
-    every = -(-40 // attention.TICKS_SHOWN)  # 40 tokens: every second one labelled
-    assert [t.get_text() for t in ax.get_yticklabels()] == expected[::every] and every == 2
+    every = -(-40 // attention.TICKS_SHOWN)  # 40 tokens: every third one labelled
+    assert [t.get_text() for t in ax.get_yticklabels()] == expected[::every] and every == 3
     assert ax.get_xlabel() == "key (source token)"
 
 

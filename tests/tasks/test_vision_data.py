@@ -210,22 +210,19 @@ def test_a_timm_style_module_is_an_image_classifier_by_its_pretrained_cfg(files)
 
 def test_the_panel_takes_an_image_folder_and_the_model_typed_in_sets_the_task(files):
     from tier_utils.run_config import RunConfig
-    from tier_utils.widgets import config_panel, forget_panel_choices
+    from tier_utils.widgets import config_panel
 
     cfg = RunConfig(device="cpu")
     panel = config_panel(cfg)
-    try:
-        assert "bundled corpus" in panel.data_input.placeholder
-        panel.model_select.value = "tiny-vit"
-        assert "runs as image-classification" in panel.status.value and "max_len" not in cfg.model_kwargs
-        assert panel.data_input.placeholder.startswith("empty: the bundled shapes; or an image folder")
-        panel.model_select.value = str(files / "vit")  # a save_pretrained folder: its config says the task
-        assert "runs as image-classification" in panel.status.value
-        panel.model_select.value = "tiny-vit"
-        panel.data_input.value = str(files / "three")
-        model = cfg.build_model()
-        result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
-                                                                    progress=False))
-        assert result.summary.data == "image folder three" and result.summary.task == "image-classification"
-    finally:
-        forget_panel_choices()
+    assert "bundled corpus" in panel.data_input.placeholder
+    panel.model_select.value = "tiny-vit"
+    assert "runs as image-classification" in panel.status.value and "max_len" not in cfg.model_arguments()
+    assert panel.data_input.placeholder.startswith("empty: the bundled shapes; or an image folder")
+    panel.model_select.value = str(files / "vit")  # a save_pretrained folder: its config says the task
+    assert "runs as image-classification" in panel.status.value
+    panel.model_select.value = "tiny-vit"
+    panel.data_input.value = str(files / "three")
+    model = cfg.build_model()
+    result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
+                                                                progress=False))
+    assert result.summary.data == "image folder three" and result.summary.task == "image-classification"

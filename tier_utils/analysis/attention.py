@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 ONE_HOT_MAX = 0.9  # mean top weight at or above this: the head looks at one token (near one-hot)
 UNIFORM_ENTROPY = 0.97  # mean entropy / log(#keys) at or above this: the head averages (near uniform)
 SAME_HEADS_TV = 0.05  # mean total-variation distance between a layer's heads below this: they all do the same
-TICKS_SHOWN = 32  # a map's axis labels at most this many of its tokens: more overlap at a panel's size
+TICKS_SHOWN = 16  # a map's axis labels at most this many of its tokens: more overlap at a panel's size
 
 
 def _has_attention(model: nn.Module) -> bool:
@@ -224,9 +224,10 @@ def _map_tokens(ctx: Context, example: dict) -> dict:
     """Each example map's rows and columns as (side, tokens): the side the task says its queries and keys are
     (an encoder-decoder's source or target) and example 0's tokens there, as far as the map reaches (nothing for a
     task whose inputs are not tokens)."""
-    task, batch, label = ctx.adapter.task, ctx.batches[0], ctx.adapter.tokenizer.label
+    task, batch = ctx.adapter.task, ctx.batches[0]
     if not task.reads_tokens:
         return {}
+    label = ctx.adapter.tokenizer.label
     target = task.target_tokens(ctx.adapter, batch)
     sides = {"source": batch["input_ids"][0], **({} if target is None else {"target": target[0]})}
     named = {}
@@ -313,8 +314,8 @@ def _token_axes(ax, tokens) -> None:
         every = max(1, -(-len(names) // TICKS_SHOWN))
         return range(0, len(names), every), names[::every]
 
-    ax.set_yticks(*shown(row_tokens), fontsize=5)
-    ax.set_xticks(*shown(column_tokens), fontsize=5, rotation=90)
+    ax.set_yticks(*shown(row_tokens), fontsize=7)  # the plots' smallest readable size (tests/test_plots.py)
+    ax.set_xticks(*shown(column_tokens), fontsize=7, rotation=90)
     ax.set_ylabel(f"query ({rows} token)", fontsize=7)
     ax.set_xlabel(f"key ({columns} token)", fontsize=7)
 

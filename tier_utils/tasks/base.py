@@ -275,7 +275,7 @@ def recognized_task(architecture: str, config=None, params: frozenset = frozense
 
 def marked_task(model) -> Task | None:
     """The first registered task one of whose `marks` the module carries (registry order)."""
-    return next((t for t in _REGISTRY.values() if any(hasattr(model, mark) for mark in t.marks)), None)
+    return next((t for t in _REGISTRY.entries() if any(hasattr(model, mark) for mark in t.marks)), None)
 
 
 def task_of_output(logits: torch.Tensor) -> Task | None:

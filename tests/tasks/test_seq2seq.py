@@ -195,6 +195,7 @@ def test_text_given_to_a_seq2seq_model_and_pairs_given_to_a_causal_lm_are_one_li
         build_datasets(str(folders["pairs"]), "causal-lm", seq_len=8)
 
 
+@pytest.mark.filterwarnings("ignore:.*sources in .* were cut to it")  # the sources' cut, said beside the targets' this test checks
 def test_targets_longer_than_the_target_length_are_cut_and_counted(folders):
     with pytest.warns(UserWarning, match="40 of 40 targets in .* are longer than 3 tokens and were cut"):
         splits = build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=16, target_len=3)
@@ -288,6 +289,7 @@ def test_smoke_checks_both_lengths_and_fails_a_decoder_that_reads_the_future():
                                                 "status"] == "PASS"
 
 
+@pytest.mark.filterwarnings("ignore:.*were cut to it")  # the bundled pairs at this test's short lengths
 def test_t5s_fp16_overflow_shows_in_headroom_with_its_reason():
     """A feed-forward scaled as T5's grow in training: outputs past fp16's 65504, on any CPU."""
     torch.manual_seed(0)
@@ -330,6 +332,7 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert tokens["model.decoder.layers.0.self_attn"] == ((rows, targets), (rows, targets))
 
 
+@pytest.mark.filterwarnings("ignore:.*were cut to it")  # the bundled pairs at this test's short lengths
 def test_export_takes_the_decoder_inputs_with_their_own_dynamic_length(tmp_path):
     written = tier_utils.export("tiny-seq2seq", tmp_path / "s2s.pt2", model_kwargs=SMALL, format="pt2", repeats=1)
     assert written.status == "PASS" and written.config.inputs == ["input_ids", "attention_mask", "decoder_input_ids"]

@@ -18,7 +18,7 @@ from tier_utils.widgets import ConfigPanel, config_panel
 
 def test_panel_offers_builtins_auto_and_what_the_device_runs():
     panel = config_panel(RunConfig())
-    assert isinstance(panel, ConfigPanel) and len(panel.children) == 10  # 7 boxes, the sizes, 2 lines of text
+    assert isinstance(panel, ConfigPanel) and len(panel.children) == 12  # 9 boxes, the sizes, 2 lines of text
     assert list(panel.model_select.options) == list(tier_utils.BUILTIN_MODELS)
     assert list(panel.precision_select.options) == ["auto"] + supported_precisions()
     preset = NOTEBOOK[tier_utils.resolve_device().type]  # None = sized for the device
@@ -151,7 +151,7 @@ def test_the_notebook_path_declares_no_setting_of_its_own():
     the notebooks run is declared a second time, in RunConfig or in a run cell."""
     shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(RunConfig)}
     sized = {"batch_size", "seq_len", "max_steps"}  # None in RunConfig: the device preset's
-    assert shared - sized == {"precision", "device", "seed", "compile", "memory"}
+    assert shared - sized == {"precision", "device", "seed", "compile", "memory", "schedule", "shuffle"}
     assert RunConfig.activation_checkpointing == MemorySettings.checkpointing
     # The panel's memory is a choice's name (full, lora, ...), train's the MemorySettings it names: the same default.
     assert memory_setting(RunConfig.memory) == TrainConfig().memory
@@ -204,7 +204,7 @@ def test_each_tier_shows_only_the_boxes_it_reads():
     shown = {tier: config_panel(RunConfig(), tier=tier).children for tier in ("smoke", "analysis", "train")}
     panel = config_panel(RunConfig(), tier="smoke")
     assert panel.data_input not in panel.children and panel.compile_box not in panel.children
-    assert len(shown["smoke"]) + 1 == len(shown["analysis"]) and len(shown["train"]) == 10
+    assert len(shown["smoke"]) + 1 == len(shown["analysis"]) and len(shown["train"]) == 12
     assert all(p.model_select.layout.width == "100%" for p in [panel])  # a path fits
     with pytest.raises(ValueError, match="tier must be one of smoke, analysis, train"):
         config_panel(RunConfig(), tier="tier1")
@@ -262,3 +262,17 @@ def test_run_config_makes_each_tiers_config_with_presets_own_builders():
     for name in ("smoke_config", "analysis_config", "train_config", "bench_config", "fit_config", "ranks_config"):
         assert getattr(cfg, name)() == getattr(Preset, name)(cfg.tiers), name
     assert cfg.tiers.train.max_steps == cfg.max_steps and cfg.tiers.precision == "fp32"
+
+
+def test_the_schedule_and_shuffle_boxes_fill_the_training_config():
+    cfg = RunConfig(device="cpu")
+    panel = config_panel(cfg, tier="train")
+    assert panel.schedule_select in panel.children and panel.shuffle_box in panel.children
+    assert list(panel.schedule_select.options) == ["constant", "linear", "cosine", "wsd"]
+    assert (cfg.train_config().schedule, cfg.train_config().shuffle) == ("cosine", True)  # the defaults stay
+    panel.schedule_select.value = "wsd"
+    panel.shuffle_box.value = False
+    made = cfg.train_config()
+    assert (made.schedule, made.shuffle, made.lr_schedule.kind) == ("wsd", False, "wsd")
+    assert cfg.search_config().trial.schedule == "wsd"
+    assert panel.schedule_select not in config_panel(RunConfig(), tier="smoke").children

@@ -58,6 +58,8 @@ class RunConfig:
     device: str | None = TrainConfig.device
     seed: int = TrainConfig.seed
     compile: bool = TrainConfig.compile
+    schedule: str = TrainConfig.schedule  # the LR after warm-up (engine/schedules.py): constant, linear, cosine, wsd
+    shuffle: bool = TrainConfig.shuffle  # off: training reads the rows in the data's own order
     # Memory, for train, the benchmark and search: full, lora, qlora or adamw8bit (MEMORY_CHOICES), or
     # MemorySettings; checkpointing on/off on top.
     memory: str | MemorySettings = "full"
@@ -71,6 +73,7 @@ class RunConfig:
                 setattr(self, name, value)
         canonical_precision(self.precision)  # a bad spelling fails here, naming the valid ones
         check_switch(self, "compile")
+        check_switch(self, "shuffle")
         check_switch(self, "activation_checkpointing")
         memory_setting(self.memory)  # a bad name fails here, naming the choices
         if isinstance(self.memory, str):
@@ -105,7 +108,7 @@ class RunConfig:
         return replace(p, batch_size=self.batch_size, seq_len=self.seq_len, precision=self.precision,
                        device=self.device, bench=bench,
                        train=replace(p.train, max_steps=self.max_steps, seed=self.seed, compile=self.compile,
-                                     memory=memory))
+                                     memory=memory, schedule=self.schedule, shuffle=self.shuffle))
 
     smoke_config = _preset_builder("smoke_config")
     analysis_config = _preset_builder("analysis_config")

@@ -15,12 +15,14 @@ import ipywidgets as widgets
 
 from .core.memory_settings import MEMORY_CHOICES
 from .core.precision import canonical_precision, resolve_precision, supported_precisions
+from .engine.schedules import SCHEDULES
 from .models.builtins import BUILTIN_MODELS
 from .models.heads import spec_task
 from .run_config import MAX_BATCH_SIZE, RunConfig
 from .tasks import CAUSAL_LM
 
-PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing")
+PANEL_FIELDS = ("model", "data", "precision", "batch_size", "compile", "memory", "activation_checkpointing", "schedule",
+                "shuffle")
 
 # The boxes each tier's run cells read; None: every box.
 TIER_BOXES = {"smoke": ("model", "precision", "batch_size"),
@@ -70,22 +72,14 @@ class ConfigPanel(widgets.VBox):
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
         self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
-        # The memory modes: what train, the benchmark and the search run with (docs/precision.md).
-        self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
-                                                  description="activation checkpointing")
-        # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its
-        # own entry.
-        options = [(label, name) for name, label in MEMORY_CHOICES.items()]
-        if config.memory not in MEMORY_CHOICES:
-            options.append((str(config.memory), config.memory))
-        self.memory_select = widgets.Dropdown(options=options, value=config.memory, description="memory",
-                                              style=style)
+        self._training_boxes(config, style)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
         self._show_sizes()
         boxes = {"model": self.model_select, "data": self.data_input, "precision": self.precision_select,
                  "batch_size": self.batch_size_input, "compile": self.compile_box,
-                 "memory": self.memory_select, "activation_checkpointing": self.checkpointing_box}
+                 "memory": self.memory_select, "activation_checkpointing": self.checkpointing_box,
+                 "schedule": self.schedule_select, "shuffle": self.shuffle_box}
         for name, widget in boxes.items():
             widget.observe(self._set(name), names="value")
         for widget in self.size_inputs.values():
@@ -100,6 +94,23 @@ class ConfigPanel(widgets.VBox):
         rows = [boxes[n] for n in shown]
         rows.insert(1, self.sizes)  # under the model box it belongs to
         super().__init__(rows + [self.decision, self.status])
+
+    def _training_boxes(self, config: RunConfig, style: dict) -> None:
+        """The boxes only training reads: the memory modes (what train, the benchmark and the search run with:
+        docs/precision.md), the LR schedule and shuffling."""
+        self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
+                                                  description="activation checkpointing")
+        # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its
+        # own entry.
+        options = [(label, name) for name, label in MEMORY_CHOICES.items()]
+        if config.memory not in MEMORY_CHOICES:
+            options.append((str(config.memory), config.memory))
+        self.memory_select = widgets.Dropdown(options=options, value=config.memory, description="memory",
+                                              style=style)
+        self.schedule_select = widgets.Dropdown(options=list(SCHEDULES), value=config.schedule,
+                                                description="LR schedule", style=style)
+        self.shuffle_box = widgets.Checkbox(value=config.shuffle, description="shuffle the rows each epoch",
+                                            style=style)
 
     def _set(self, attribute: str):
         def write(change):

@@ -195,7 +195,8 @@ def test_text_given_to_a_seq2seq_model_and_pairs_given_to_a_causal_lm_are_one_li
         build_datasets(str(folders["pairs"]), "causal-lm", seq_len=8)
 
 
-@pytest.mark.filterwarnings("ignore:.*sources in .* were cut to it")  # the sources' cut, said beside the targets' this test checks
+# the sources' cut, said beside the targets' this test checks
+@pytest.mark.filterwarnings("ignore:.*sources in .* were cut to it")
 def test_targets_longer_than_the_target_length_are_cut_and_counted(folders):
     with pytest.warns(UserWarning, match="40 of 40 targets in .* are longer than 3 tokens and were cut"):
         splits = build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=16, target_len=3)

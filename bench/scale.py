@@ -23,7 +23,11 @@ cheapest mode predicted to fit there (LoRA over an fp16 base, with AdamW8bit and
 `--models t5-small`: smoke and `all --fast` on a T5-small shape (60 M parameters, an encoder-decoder) under the
 GPT-2-small budgets; its plain step feeds the same 1024 tokens as source and target.
 
-    python bench/scale.py [--models small,medium,llama-1b,llama-3b,t5-small] [--verbs smoke,fit] [--threads N]
+`--models vit-base,vit-small`: smoke on a ViT-Base/16 shape (86 M parameters, 224 x 224), smoke and `all --fast` on
+a ViT-Small/16 shape (22 M) on the bundled shapes, under the GPT-2-small budgets; their plain step is 8 images.
+
+    python bench/scale.py [--models small,medium,llama-1b,llama-3b,t5-small,vit-base,vit-small] [--verbs smoke,fit]
+                          [--threads N]
                           [--json out.json]
 """
 from __future__ import annotations
@@ -60,9 +64,21 @@ CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head":
            "t5-small": ("T5ForConditionalGeneration", {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048,
                                                        "num_layers": 6, "num_heads": 8, "pad_token_id": 0,
                                                        "eos_token_id": 1, "decoder_start_token_id": 0}, "AdamW",
-                        ("smoke", "all --fast"))}
+                        ("smoke", "all --fast")),
+           # ViT-Base/16 (86 M parameters, 224 x 224) and ViT-Small/16 (22 M): image classifiers (issue 49).
+           "vit-base": ("ViTForImageClassification", {"hidden_size": 768, "num_hidden_layers": 12,
+                                                      "num_attention_heads": 12, "intermediate_size": 3072,
+                                                      "image_size": 224, "patch_size": 16}, "AdamW", ("smoke",)),
+           "vit-small": ("ViTForImageClassification", {"hidden_size": 384, "num_hidden_layers": 12,
+                                                       "num_attention_heads": 6, "intermediate_size": 1536,
+                                                       "image_size": 224, "patch_size": 16}, "AdamW",
+                         ("smoke", "all --fast"))}
 NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped",
-         "t5-small": "T5-small-shaped"}
+         "t5-small": "T5-small-shaped", "vit-base": "ViT-Base-shaped", "vit-small": "ViT-Small-shaped"}
+# The plain step's batch: one sequence of 1024 tokens (its own target too), or for an image classifier 8 images of
+# 224 x 224 (1,576 patch tokens, about as many as the text's).
+_TEXT_BATCH = "ids = torch.randint(0, model.config.vocab_size, (1, 1024)); batch = dict(input_ids=ids, labels=ids)"
+_IMAGE_BATCH = "batch = dict(pixel_values=torch.randn(8, 3, 224, 224), labels=torch.randint(0, 2, (8,)))"
 # Llama-3.2-3B's sizes (3.21 B parameters, tied embeddings), fit at 1 x 1024 only: see _T4_FIT.
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
             "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 1024,
@@ -94,12 +110,12 @@ torch.manual_seed(0)
 cls = getattr(transformers, {cls!r})
 model = cls(cls.config_class(**{kwargs})).train()
 opt = getattr(torch.optim, {optimizer!r})(model.parameters(), lr=1e-4)
-ids = torch.randint(0, model.config.vocab_size, (1, 1024))
+{batch}
 times = []
 for _ in range(2):
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(**batch).loss.backward()
     opt.step()
     times.append(time.perf_counter() - t0)
 print(times[0], times[1])
@@ -159,7 +175,8 @@ def model_args(cls: str, kwargs: dict) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="small,medium",
-                        help="comma-separated: small, medium, llama-1b, t5-small (run in this order)")
+                        help="comma-separated: small, medium, llama-1b, t5-small, vit-base, vit-small (run in "
+                             "this order)")
     parser.add_argument("--min-free-gib", type=float, default=6.0, help="abort when available RAM falls below")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of every child, the plain step's included (default: one per core)")
@@ -183,13 +200,17 @@ def main(argv=None) -> int:
     except TooLittleMemory as exc:
         stopped = str(exc)
         print(f"stopped: {exc}", flush=True)
-    t5 = next((r for r in rows if r["model"] == NAMES["t5-small"]), None)
-    if t5 and all(verb in t5 for verb in ("smoke", "all --fast")):  # the GPT-2-small budgets
-        print(f"targets, {t5['model']}: smoke {t5['smoke']['steps']:.2f} <= {TARGETS['smoke']:g} steps: "
-              + ("met" if t5["smoke"]["steps"] <= TARGETS["smoke"] else "NOT met")
-              + " · " + " · ".join(f"{verb} peak RSS {t5[verb]['peak_rss_gib']:.2f} <= {RSS_TARGET_GIB:g} GiB: "
-                                   + ("met" if t5[verb]["peak_rss_gib"] <= RSS_TARGET_GIB else "NOT met")
-                                   for verb in ("smoke", "all --fast")), flush=True)
+    for other in ("t5-small", "vit-base", "vit-small"):  # under the GPT-2-small budgets
+        row = next((r for r in rows if r["model"] == NAMES[other]), None)
+        said = [verb for verb in ("smoke", "all --fast") if row and verb in row]
+        if said:
+            steps = (f"smoke {row['smoke']['steps']:.2f} <= {TARGETS['smoke']:g} steps: "
+                     + ("met" if row["smoke"]["steps"] <= TARGETS["smoke"] else "NOT met") + " · ") \
+                if "smoke" in said else ""
+            print(f"targets, {row['model']}: " + steps
+                  + " · ".join(f"{verb} peak RSS {row[verb]['peak_rss_gib']:.2f} <= {RSS_TARGET_GIB:g} GiB: "
+                               + ("met" if row[verb]["peak_rss_gib"] <= RSS_TARGET_GIB else "NOT met")
+                               for verb in said), flush=True)
     small = next((r for r in rows if r["model"] == "GPT-2-small"), None)
     if small and all(verb in small for verb in (*TARGETS, "all --fast")):
         met = ["met" if small[verb]["steps"] <= limit else "NOT met" for verb, limit in TARGETS.items()]
@@ -219,7 +240,8 @@ def measure_model(name: str, py: str, min_free: int, rows: list, only: list | No
     half-way keeps what it measured."""
     cls, kwargs, optimizer, verbs = CONFIGS[name]
     verbs = [v for v in verbs if only is None or v in only]
-    step = measure([py, "-c", _STEP.format(cls=cls, kwargs=kwargs, optimizer=optimizer)], min_free)
+    batch = _IMAGE_BATCH if cls.endswith("ForImageClassification") else _TEXT_BATCH
+    step = measure([py, "-c", _STEP.format(cls=cls, kwargs=kwargs, optimizer=optimizer, batch=batch)], min_free)
     first_s, step_s = map(float, step["stdout"].split())
     row = {"model": NAMES[name], "class": cls, **kwargs, "step_optimizer": optimizer, "step_s": step_s,
            "first_step_s": first_s, "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}

@@ -65,14 +65,16 @@ CONFIGS = {"small": ("GPT2LMHeadModel", {"n_embd": 768, "n_layer": 12, "n_head":
                                                        "num_layers": 6, "num_heads": 8, "pad_token_id": 0,
                                                        "eos_token_id": 1, "decoder_start_token_id": 0}, "AdamW",
                         ("smoke", "all --fast")),
-           # ViT-Base/16 (86 M parameters, 224 x 224) and ViT-Small/16 (22 M): image classifiers (issue 49).
+           # ViT-Base/16 (86 M parameters, 224 x 224) and ViT-Small/16 (22 M): image classifiers (issue 49), with the
+           # bundled shapes' 4 classes (random weights: nothing pretrained for the data to resize).
            "vit-base": ("ViTForImageClassification", {"hidden_size": 768, "num_hidden_layers": 12,
                                                       "num_attention_heads": 12, "intermediate_size": 3072,
-                                                      "image_size": 224, "patch_size": 16}, "AdamW", ("smoke",)),
+                                                      "image_size": 224, "patch_size": 16, "num_labels": 4}, "AdamW",
+                        ("smoke",)),
            "vit-small": ("ViTForImageClassification", {"hidden_size": 384, "num_hidden_layers": 12,
                                                        "num_attention_heads": 6, "intermediate_size": 1536,
-                                                       "image_size": 224, "patch_size": 16}, "AdamW",
-                         ("smoke", "all --fast"))}
+                                                       "image_size": 224, "patch_size": 16, "num_labels": 4},
+                         "AdamW", ("smoke", "all --fast"))}
 NAMES = {"small": "GPT-2-small", "medium": "GPT-2-medium", "llama-1b": "Llama-3.2-1B-shaped",
          "t5-small": "T5-small-shaped", "vit-base": "ViT-Base-shaped", "vit-small": "ViT-Small-shaped"}
 # The plain step's batch: one sequence of 1024 tokens (its own target too), or for an image classifier 8 images of
@@ -246,7 +248,8 @@ def measure_model(name: str, py: str, min_free: int, rows: list, only: list | No
     row = {"model": NAMES[name], "class": cls, **kwargs, "step_optimizer": optimizer, "step_s": step_s,
            "first_step_s": first_s, "step_peak_rss_gib": step["peak_rss_gib"], "load_average_1m": load_average()}
     rows.append(row)
-    print(f"{NAMES[name]}: plain fp32 step ({optimizer}) at 1x1024: {step_s:.1f} s (first {first_s:.1f} s), "
+    shape = "8 x 224 x 224 images" if batch == _IMAGE_BATCH else "1 x 1024"
+    print(f"{NAMES[name]}: plain fp32 step ({optimizer}) at {shape}: {step_s:.1f} s (first {first_s:.1f} s), "
           f"peak RSS {step['peak_rss_gib']:.2f} GiB", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         words = {"smoke": ["smoke"], "analyze": ["analyze"], "fit": ["fit"],

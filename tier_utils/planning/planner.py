@@ -396,10 +396,6 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     adapter.model.to(dev)
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
-    if cfg.seq_len not in (None, adapter.max_len) and not adapter.task.reads_tokens:
-        # its position table fixes the side it runs at: a plan for another would be for a model that can't run it
-        raise ValueError(f"fit plans {adapter.name} at its own side, {adapter.max_len} px (seq_len {cfg.seq_len} "
-                         "asked for another); drop seq_len (--seq-len)")
     length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), adapter.target_length(cfg.target_len)
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers, target)

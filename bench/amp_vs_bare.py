@@ -47,7 +47,8 @@ def batches(seq_len: int, batch_size: int, n: int, dev) -> list[dict]:
     splits = build_datasets(None, "causal-lm", seq_len)
     out = []
     while len(out) < n:
-        for batch in make_loader(splits.train, batch_size, shuffle=True, seed=0, drop_last=True, device=dev):
+        for batch in make_loader(splits.train, batch_size, collate=splits.collate, shuffle=True, seed=0, drop_last=True,
+                                 device=dev):
             out.append(to_device(batch, dev))
             if len(out) == n:
                 break

@@ -35,7 +35,7 @@ def corpus_val_loss(model: torch.nn.Module) -> tuple[float, int]:
     validation split, in fp32 on the model's device, and the number of targets scored."""
     adapter = adapt(model)
     splits = adapter.datasets(None, adapter.fit_length(MODEL_KWARGS["max_len"]))
-    loader = make_loader(splits.val, EVAL_BATCH, shuffle=False, device=adapter.device)
+    loader = make_loader(splits.val, EVAL_BATCH, collate=splits.collate, shuffle=False, device=adapter.device)
     was_training = model.training
     metrics = evaluate(adapter, loader, resolve_precision("fp32", adapter.device))
     model.train(was_training)  # evaluate leaves it in train mode

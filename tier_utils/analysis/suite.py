@@ -74,7 +74,7 @@ def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None), and the
     splits they came from (what the data was, its class names); the sizes are AnalysisConfig's, checked there."""
     splits = adapter.datasets(data, adapter.fit_length(seq_len))
-    loader = make_loader(splits.val, batch_size, shuffle=True, device=device, seed=0)
+    loader = make_loader(splits.val, batch_size, collate=splits.collate, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
     if not batches:
         raise DataError("the validation split is empty; give more data")

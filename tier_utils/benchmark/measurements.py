@@ -52,9 +52,10 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def same_batches(dataset, n: int, cfg: BenchConfig, device):
-    """The same `n` batches, in the same order, for every call; cycles a small dataset; on `device`."""
-    loader = make_loader(dataset, cfg.batch_size, shuffle=True, seed=cfg.seed, drop_last=True, device=device)
+def same_batches(splits, n: int, cfg: BenchConfig, device):
+    """The same `n` training batches, in the same order, for every call; cycles a small dataset; on `device`."""
+    loader = make_loader(splits.train, cfg.batch_size, collate=splits.collate, shuffle=True, seed=cfg.seed,
+                         drop_last=True, device=device)
     produced = 0
     while produced < n:
         for batch in loader:
@@ -146,7 +147,7 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
                        count_rounding=True)
     curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
     rounded = updated = 0
-    for i, batch in enumerate(same_batches(splits.train, cfg.accuracy_steps, cfg, adapter.device)):
+    for i, batch in enumerate(same_batches(splits, cfg.accuracy_steps, cfg, adapter.device)):
         while True:
             rng = rng_state() if prec.needs_scaler else None
             out = step([batch])
@@ -170,8 +171,8 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
             bar.update(cfg.accuracy_steps - i - 1)
             break
         curve.append(out.loss.item())  # not timed: a sync per step is fine here
-    val = evaluate(adapter, make_loader(splits.val, cfg.batch_size, shuffle=False, device=adapter.device), prec,
-                   cfg.eval_batches)
+    val = evaluate(adapter, make_loader(splits.val, cfg.batch_size, collate=splits.collate, shuffle=False,
+                                        device=adapter.device), prec, cfg.eval_batches)
     return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
             "val_accuracy": val["accuracy"], "val_targets": val["targets"], "diverged_at": diverged_at,
             "diverged_reason": why, "loss_scale": scales if prec.needs_scaler else None,

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..core.errors import DataError
+from .collate import PadCollator
 from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
 from .userdata import Reading, Texts, class_ids, is_user_source, read_source
 
@@ -76,24 +77,21 @@ class TokenWindows(Dataset):
 
 
 class Snippets(Dataset):
-    """Classification examples: fixed-length token snippets with a class id (padded, masked)."""
+    """Classification examples: token ids at their own length (cut to `seq_len`) with a class id; the task's
+    collator pads each batch to its longest row."""
 
-    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int, pad_id: int = 0):
+    def __init__(self, texts: list[torch.Tensor], labels: list[int], seq_len: int):
         if not texts:
             raise DataError("no classification examples; give at least one (text, label) pair")
-        self.ids = torch.full((len(texts), seq_len), pad_id, dtype=torch.long)
-        self.mask = torch.zeros(len(texts), seq_len, dtype=torch.long)
-        for i, t in enumerate(texts):
-            t = t[:seq_len]
-            self.ids[i, : len(t)] = t
-            self.mask[i, : len(t)] = 1
+        self.ids = [t[:seq_len] for t in texts]
         self.labels = torch.as_tensor(labels, dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.labels[i], "attention_mask": self.mask[i]}
+        ids = self.ids[i]
+        return {"input_ids": ids, "labels": self.labels[i], "attention_mask": torch.ones(len(ids), dtype=torch.long)}
 
 
 class TokenRows(Dataset):
@@ -133,7 +131,7 @@ def _snippets(topics: list[str], seq_len: int, tokenizer: Tokenizer) -> Snippets
         for start in range(0, len(tokens) - seq_len // 2, seq_len):
             texts.append(tokens[start: start + seq_len])
             labels.append(TOPIC_GROUPS.index(topic_group(topic)))
-    return Snippets(texts, labels, seq_len, tokenizer.pad_id or 0)
+    return Snippets(texts, labels, seq_len)
 
 
 @dataclass(frozen=True)
@@ -161,6 +159,8 @@ class DataSplits:
     tokenizer: str = BYTES  # the tokenizer that made the ids
     validation: str = ""  # how the validation part was made
     classes: list[str] | None = None  # label names, where the labels were text
+    # What makes a batch of its examples: the task's collator (build_datasets sets it), padding to the batch's longest.
+    collate: PadCollator = field(default_factory=PadCollator)
 
     def describe(self) -> DataDescription:
         """What every result records about its data."""
@@ -299,7 +299,7 @@ def labelled_rows(texts: Texts, request: DataRequest) -> DataSplits:
     ids = [request.tokenizer.encode(t)[:request.seq_len] for t in rows]
     if any(len(t) == 0 for t in ids):
         raise DataError(f"{texts.name} has empty text rows; drop them or fill the text column")
-    data = Snippets(ids, labels.tolist(), request.seq_len, request.tokenizer.pad_id or 0)
+    data = Snippets(ids, labels.tolist(), request.seq_len)
     n_train = len(texts.train)
     if texts.val is not None:
         train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows)))
@@ -389,12 +389,14 @@ def _seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
 
 
-def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, device=None, num_workers: int = 0,
-                seed: int = 0, drop_last: bool = False, sampler=None) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, *, collate: PadCollator | None = None, shuffle: bool = True,
+                device=None, num_workers: int = 0, seed: int = 0, drop_last: bool = False, sampler=None) -> DataLoader:
     """A DataLoader with the rules that matter for speed and reproducibility.
 
-    pin_memory on CUDA (so `to_device(..., non_blocking=True)` overlaps), persistent workers
-    and prefetch when num_workers > 0, a seeded generator and seeded workers, default collate.
+    collate: what makes a batch of the examples (the splits' own, `DataSplits.collate`: the task's collator, padding
+    each batch to its longest row); None pads with id 0 on the right. pin_memory on CUDA (so
+    `to_device(..., non_blocking=True)` overlaps), persistent workers and prefetch when num_workers > 0, a seeded
+    generator and seeded workers.
     """
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
@@ -406,8 +408,9 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, devi
     cuda = device is not None and torch.device(device).type == "cuda"
     extra = {"persistent_workers": True, "prefetch_factor": 2} if num_workers > 0 else {}
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
-                      num_workers=num_workers, pin_memory=cuda, drop_last=drop_last,
-                      generator=torch.Generator().manual_seed(seed), worker_init_fn=_seed_worker, **extra)
+                      collate_fn=collate or PadCollator(), num_workers=num_workers, pin_memory=cuda,
+                      drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
+                      worker_init_fn=_seed_worker, **extra)
 
 
 def to_device(batch: dict, device) -> dict:

@@ -1,6 +1,6 @@
 """Source-target pairs for a sequence-to-sequence model: each side encoded as the model's tokenizer encodes it (its
-special tokens: T5's and BART's end of sequence), truncated to its own length, padded; unscored target places are
--100 in the labels, so the loss and the accuracy skip them."""
+special tokens: T5's and BART's end of sequence), truncated to its own length and kept at it; the task's collator pads
+each side of a batch to its longest, the targets with -100, so the loss and the accuracy skip the padding."""
 from __future__ import annotations
 
 import warnings
@@ -9,19 +9,18 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ..core.errors import DataError
+from .collate import IGNORE
 from .datasets import DataRequest, DataSplits, split_off
 from .userdata import Texts
 
-IGNORE = -100  # a target place the loss does not score (torch's cross_entropy ignore_index; tasks.IGNORE_INDEX)
-
 
 class Pairs(Dataset):
-    """Sources with their mask, and targets as labels (-100 past each target's end)."""
+    """Sources and targets (the labels; -100 where a given target place is not scored), each at its own length."""
 
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, ids: list[torch.Tensor], labels: list[torch.Tensor]):
         if not len(ids):
             raise DataError("no source-target pairs; give at least one row with both")
-        self.ids, self.mask, self.labels = ids, mask, labels
+        self.ids, self.labels = ids, labels
 
     @classmethod
     def encode(cls, sources: list[str], targets: list[str], request: DataRequest, where: str = "the pairs") -> Pairs:
@@ -38,19 +37,14 @@ class Pairs(Dataset):
             if cut:
                 warnings.warn(f"{cut} of {len(side)} {'sources' if side is src else 'targets'} in {where} are longer "
                               f"than {n} tokens and were cut to it; raise {flag} to keep them whole", stacklevel=3)
-        ids = torch.full((len(src), seq_len), tokenizer.pad_id or 0, dtype=torch.long)
-        mask = torch.zeros(len(src), seq_len, dtype=torch.long)
-        labels = torch.full((len(tgt), target_len), IGNORE, dtype=torch.long)
-        for i, (s, t) in enumerate(zip(src, tgt)):
-            s, t = s[:seq_len], t[:target_len]
-            ids[i, :len(s)], mask[i, :len(s)], labels[i, :len(t)] = s, 1, t
-        return cls(ids, mask, labels)
+        return cls([s[:seq_len] for s in src], [t[:target_len] for t in tgt])
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+        ids = self.ids[i]
+        return {"input_ids": ids, "attention_mask": torch.ones(len(ids), dtype=torch.long), "labels": self.labels[i]}
 
 
 def pair_rows(texts: Texts, request: DataRequest) -> DataSplits:
@@ -79,4 +73,4 @@ def paired_tensors(data, request: DataRequest) -> Pairs:
             max(int(ids.max()), int(labels.max())) >= request.vocab_size or (labels.lt(0) & labels.ne(IGNORE)).any():
         raise DataError(f"seq2seq tensors must hold integer ids in [0, {request.vocab_size}) (labels may also be "
                         "-100); re-tokenize with the model's tokenizer")
-    return Pairs(ids.long(), torch.ones_like(ids, dtype=torch.long), labels.long())
+    return Pairs(list(ids.long()), list(labels.long()))

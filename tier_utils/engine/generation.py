@@ -40,12 +40,12 @@ class Generated:
                 f"{self.seconds:.1f} s)")
 
 
-def generate_and_score(adapter, dataset, precision, n: int = MAX_SAMPLES) -> Generated:
-    """Greedy generation on the first `n` pairs of `dataset` (Pairs rows: input_ids, attention_mask, labels)."""
-    rows = [dataset[i] for i in range(min(n, len(dataset)))]
-    ids = torch.stack([r["input_ids"] for r in rows]).to(adapter.device)
-    mask = torch.stack([r["attention_mask"] for r in rows]).to(adapter.device)
-    labels = torch.stack([r["labels"] for r in rows])
+def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES) -> Generated:
+    """Greedy generation on the first `n` validation pairs of `splits` (Pairs rows: input_ids, attention_mask,
+    labels), batched by the task's collator."""
+    rows = [splits.val[i] for i in range(min(n, len(splits.val)))]
+    batch = splits.collate(rows)
+    ids, mask, labels = (batch[k].to(adapter.device) for k in ("input_ids", "attention_mask", "labels"))
     longest = int(adapter.task.scored(labels).sum(1).max())  # a generation may run as long as the longest target
     model, start = adapter.model, time.perf_counter()
     was_training = model.training

@@ -180,16 +180,17 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
     splits = adapter.datasets(data, max(s[1] for s in shapes))
     trace = (_example(cfg.example, keys, adapter) if cfg.example is not None
-             else _batch(splits.val, 2, t_trace, keys, adapter))
+             else _batch(splits, 2, t_trace, keys, adapter))
     program = _capture(wrapper, trace, adapter, fmt)
     payload = _serialize(program, trace, keys, fmt, adapter.name)
     written = atomic_write_bytes(path, payload)
     runner, skip = _runner(fmt, payload, keys)
-    checks, latency = [], []
+    checks, latency, labels = [], [], []
     with torch.inference_mode():
         for b, t in shapes:
-            batch = _batch(splits.val, b, t, keys, adapter)
-            label = f"{b}x{t}"
+            batch = _batch(splits, b, t, keys, adapter)
+            label = "x".join(str(n) for n in batch[0].shape[:2])  # padded to the batch's longest, at most t
+            labels.append(label)
             if runner is None:
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
                                                                                        "argmax agreement")]
@@ -197,7 +198,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.tolerances(), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
     config = ExportRun(adapter.name, adapter.task.name, fmt, prec.name, prec.reason, inputs=list(keys),
-                       trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
+                       trace_shape=list(trace[0].shape), parity_shapes=labels,
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
                        rel_tolerance=prec.tolerances().export, argmax_agreement=prec.tolerances().agreement)
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}
@@ -234,9 +235,10 @@ def _example(example, keys, adapter) -> tuple:
     return _inputs({"attention_mask": torch.ones_like(ids), **example, "input_ids": ids}, keys, adapter)
 
 
-def _batch(dataset, b: int, t: int, keys, adapter) -> tuple:
-    """The first `b` validation examples, cut to `t` tokens (each side of a pair to `t`)."""
-    batch = next(iter(make_loader(dataset, min(b, len(dataset)), shuffle=False)))
+def _batch(splits, b: int, t: int, keys, adapter) -> tuple:
+    """The first `b` validation examples, padded as the task pads a batch and cut to `t` tokens (each side of a pair
+    to `t`)."""
+    batch = next(iter(make_loader(splits.val, min(b, len(splits.val)), collate=splits.collate, shuffle=False)))
     return tuple(x[:, :t].contiguous() for x in _inputs(batch, keys, adapter))
 
 

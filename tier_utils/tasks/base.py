@@ -6,6 +6,7 @@ tier. A task instance holds no state of one model: the adapter passes itself whe
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from ..core.budget import profile_sizes
 from ..core.errors import AdapterError, DataError
 from ..core.registry import Registry
+from ..data.collate import IGNORE, PadCollator
 from ..data.datasets import (
     DEFAULT_VAL_FRACTION,
     DataRequest,
@@ -28,7 +30,7 @@ from ..data.images import is_image_folder
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
 from ..data.userdata import PLAIN, is_user_source
 
-IGNORE_INDEX = -100  # torch's cross_entropy default: a target it does not score
+IGNORE_INDEX = IGNORE  # torch's cross_entropy default: a target it does not score
 
 
 class Task:
@@ -55,6 +57,10 @@ class Task:
     binds_model = False
     causal_attention = False  # its self-attention sees only the past (what an attention map may hold)
     padding_side = "right"  # where a padded batch of this task puts its padding, unless the model says
+    # Where its training and evaluation batches are padded: on the right, as transformers' and TRL's training collators
+    # pad, so positions never shift and a causal model's real tokens never reach the padding, whether or not the model
+    # reads a mask. Generation pads prompts on `padding_side`.
+    collate_side = "right"
     # Whether the forward gets the targets (the per-position labels), for a model that returns every position's
     # logits only when given them (the GPT training-code convention).
     feeds_targets = False
@@ -228,6 +234,11 @@ class Task:
         follows the data: models/heads.py); None: not known without reading it whole, or not a classifier's data."""
         return None
 
+    def collator(self, request: DataRequest) -> PadCollator:
+        """What makes a batch of this task's examples: each padded to the batch's longest row (the tokenizer's pad
+        id, -100 in the labels, 0 in the masks), never past the model's max length."""
+        return PadCollator(request.tokenizer.pad_id or 0, self.collate_side, limit=request.max_len)
+
     # What a task reads, each its own: a task defined elsewhere overrides what it takes.
     def demo(self, request: DataRequest) -> DataSplits:
         raise DataError(f"the {self.name} task has no bundled demo data; pass data")
@@ -312,5 +323,5 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
                         "flip); drop augment (--augment)")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
                           target_len, augment)
-    splits = chosen.datasets(data, request)
+    splits = replace(chosen.datasets(data, request), collate=chosen.collator(request))
     return without_validation(splits) if val_fraction == 0 else splits

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..core.errors import DataError
+from ..data.collate import PadCollator
 from ..data.datasets import DataRequest, DataSplits, given_splits, is_tensor_data, split_off
 from ..data.images import (
     SHAPES,
@@ -150,6 +151,10 @@ class ImageClassification(Task):
         """An image folder's, table's or dataset's classes (from its layout; nothing decoded). Not the bundled
         shapes': a pretrained model run on the demo (`all` with no data) keeps its own head."""
         return image_layout(data).classes if is_user_source(data) or is_datasets_object(data) else None
+
+    def collator(self, request: DataRequest) -> PadCollator:
+        """Images come out of the model's processing at one size: a batch is stacked, nothing padded."""
+        return PadCollator()
 
     def demo(self, request: DataRequest) -> DataSplits:
         processing = request.tokenizer

@@ -303,7 +303,7 @@ class _Run:
         needs every rank, and the scores are the same anywhere), else why not."""
         if self.env.world_size > 1:
             return f"generation runs in one process; not under torchrun ({self.env.world_size} ranks)"
-        return generate_and_score(self.adapter, self.data.splits.val, self.precision)
+        return generate_and_score(self.adapter, self.data.splits, self.precision)
 
     def _finish(self) -> Finished:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""

@@ -123,10 +123,10 @@ def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strate
                         f"of {global_batch}; lower batch_size or grad_accum_steps, or give more data")
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     log_every = cfg.log_every or (1 if total_steps <= FINE_LOG_STEPS else 10)
-    loader = make_loader(splits.train, cfg.batch_size, device=device, num_workers=cfg.num_workers, seed=cfg.seed,
-                         drop_last=True, sampler=sampler)
-    val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, shuffle=False, device=device,
-                             num_workers=cfg.num_workers, seed=cfg.seed)
+    loader = make_loader(splits.train, cfg.batch_size, collate=splits.collate, device=device,
+                         num_workers=cfg.num_workers, seed=cfg.seed, drop_last=True, sampler=sampler)
+    val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, collate=splits.collate,
+                             shuffle=False, device=device, num_workers=cfg.num_workers, seed=cfg.seed)
     eval_forwards = strategy.eval_forwards(min(len(val_loader), cfg.eval_batches or len(val_loader)))
     return RunData(splits, splits.describe(), data_fingerprint(splits) if cfg.checkpoint_dir is not None else None,
                    sampler, loader, val_loader, eval_forwards, steps_per_epoch, total_steps,
@@ -154,7 +154,8 @@ def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precis
     stepped, info = strategy.wrap(built.adapter), None
     if cfg.compile:
         device = built.adapter.device
-        shaped = next(iter(make_loader(data.splits.train, cfg.batch_size, shuffle=False, device=device)))
+        shaped = next(iter(make_loader(data.splits.train, cfg.batch_size, collate=data.splits.collate, shuffle=False,
+                                       device=device)))
         stepped, info = compile_for_training(stepped, precision, to_device(shaped, device), cfg.compile_mode,
                                              cfg.progress and strategy.env.is_main)
     step = TrainStep(stepped, precision, optimizer, scheduler, cfg.grad_clip, strategy=strategy)

@@ -1,0 +1,60 @@
+"""Batches made from examples at their own length: the task's collator pads each batch to its longest row, as
+transformers' `DataCollatorWithPadding` / `DataCollatorForSeq2Seq` do, instead of padding every example to `seq_len`
+when the dataset is built. Each key is padded on its own (a pair's source and target to their own longest), labels
+with -100 so the loss and the metrics skip the padding, masks with 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import default_collate
+
+IGNORE = -100  # a target the loss does not score (torch's cross_entropy ignore_index)
+# Tensor cores multiply in tiles of 8 (16 bits) and a compiled step meets one shape per padded length: rounding the
+# padded length up to a multiple of 8 serves both, at a few positions per row.
+PAD_MULTIPLE = 8
+MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+LABEL_KEYS = ("labels",)
+
+
+@dataclass(frozen=True)
+class PadCollator:
+    """Pads a list of example dicts into one batch dict.
+
+    pad_id: what pads token ids (the tokenizer's pad id; a pad that is the EOS is fine: labels are padded with -100
+    by place, never masked by id). side: "right" or "left". limit: the longest a padded row may be (the model's max
+    length), so rounding up to `multiple` never passes it. Rows that are already all one length (corpus windows,
+    images) are stacked as they are."""
+
+    pad_id: int = 0
+    side: str = "right"
+    multiple: int = PAD_MULTIPLE
+    limit: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return {key: self._batch(key, [example[key] for example in examples]) for key in examples[0]}
+
+    def _batch(self, key: str, values: list) -> torch.Tensor:
+        if not torch.is_tensor(values[0]):
+            return default_collate(values)
+        if all(v.shape == values[0].shape for v in values):
+            return torch.stack(values)
+        fill = IGNORE if key in LABEL_KEYS else 0 if key in MASK_KEYS else self.pad_id
+        return self.pad(values, fill)
+
+    def padded_length(self, longest: int) -> int:
+        """`longest` rounded up to the multiple, but never past the limit (and never below `longest`)."""
+        rounded = -(-longest // self.multiple) * self.multiple
+        return max(longest, min(rounded, self.limit)) if self.limit is not None else rounded
+
+    def pad(self, rows: list[torch.Tensor], fill: int) -> torch.Tensor:
+        """1-D rows (their first dimension is the sequence) into one (B, T, ...) tensor, `fill` in the padding."""
+        length = self.padded_length(max(len(r) for r in rows))
+        out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), fill)
+        for i, row in enumerate(rows):
+            if self.side == "left":
+                out[i, length - len(row):] = row
+            else:
+                out[i, :len(row)] = row
+        return out

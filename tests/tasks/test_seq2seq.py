@@ -177,7 +177,7 @@ def test_every_text_to_text_encoder_decoder_in_transformers_loads_as_seq2seq():
 
 @pytest.mark.parametrize("rows,needle", [
     ([{"input": "a", "answer_text": "b"}], "has no target column"),
-    ([{"input": "a b", "target": ""}, {"input": "c", "target": "d"}], "has an empty target in row 0"),
+    ([{"input": "a b", "target": ""}, {"input": "c", "target": " "}], "has no usable row"),
 ])
 def test_bad_pairs_are_one_line(tmp_path, rows, needle):
     data = tmp_path / "p.jsonl"

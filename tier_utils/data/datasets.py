@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ..core.errors import DataError
 from .collate import PadCollator
 from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
-from .userdata import Reading, Texts, class_ids, is_user_source, read_source
+from .userdata import Reading, Texts, class_ids, is_user_source, read_source, usable_rows
 
 # Topic groups for the classification set (snippet -> which part of the docs it came from).
 TOPIC_GROUPS = ("statements", "expressions", "types", "runtime")
@@ -295,14 +295,15 @@ def labelled_rows(texts: Texts, request: DataRequest) -> DataSplits:
         raise DataError("plain text has no labels for classification; give a table with a label column, "
                         "(input_ids, labels) tensors or a Dataset")
     rows = texts.train + (texts.val or [])
-    labels, names = class_ids(texts.train_labels + (texts.val_labels or []), request.num_classes, texts.name)
-    ids = [request.tokenizer.encode(t)[:request.seq_len] for t in rows]
-    if any(len(t) == 0 for t in ids):
-        raise DataError(f"{texts.name} has empty text rows; drop them or fill the text column")
-    data = Snippets(ids, labels.tolist(), request.seq_len)
-    n_train = len(texts.train)
+    encoded = [request.tokenizer.encode(t)[:request.seq_len] for t in rows]
+    kept = usable_rows({"text": [t if len(t) else None for t in encoded],
+                        "label": texts.train_labels + (texts.val_labels or []), "row": list(range(len(rows)))},
+                       texts.name)  # a text of no tokens (emptiness is judged before special tokens)
+    labels, names = class_ids(kept["label"], request.num_classes, texts.name)
+    data = Snippets(kept["text"], labels.tolist(), request.seq_len)
     if texts.val is not None:
-        train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows)))
+        n_train = sum(row < len(texts.train) for row in kept["row"])
+        train, val = Subset(data, range(n_train)), Subset(data, range(n_train, len(data)))
         how = texts.validation
     else:
         train, val = split_off(data, request.val_fraction, request.seed)

@@ -11,33 +11,37 @@ from torch.utils.data import Dataset, Subset
 from ..core.errors import DataError
 from .collate import IGNORE
 from .datasets import DataRequest, DataSplits, split_off
-from .userdata import Texts
+from .userdata import Texts, usable_rows
 
 
 class Pairs(Dataset):
     """Sources and targets (the labels; -100 where a given target place is not scored), each at its own length."""
 
-    def __init__(self, ids: list[torch.Tensor], labels: list[torch.Tensor]):
+    def __init__(self, ids: list[torch.Tensor], labels: list[torch.Tensor], rows: list[int] | None = None):
         if not len(ids):
             raise DataError("no source-target pairs; give at least one row with both")
         self.ids, self.labels = ids, labels
+        self.rows = list(range(len(ids))) if rows is None else rows  # each pair's row in what was encoded
 
     @classmethod
     def encode(cls, sources: list[str], targets: list[str], request: DataRequest, where: str = "the pairs") -> Pairs:
         """Both sides through the request's tokenizer, each cut to its length; the cuts are counted and said."""
         tokenizer, seq_len = request.tokenizer, request.seq_len
         target_len = request.target_len or seq_len
-        src = [tokenizer.encode_example(s) for s in sources]
-        tgt = [tokenizer.encode_example(t, target=True) for t in targets]
-        empty = next((i for i, t in enumerate(tgt) if len(t) == 0), None)
-        if empty is not None:
-            raise DataError(f"{where} has an empty target in row {empty}; drop the row or fill its target")
+        # Empty is judged on the text's own tokens: an empty target still gets T5's or BART's end token.
+        own = {"source": len(tokenizer.encode_example("")), "target": len(tokenizer.encode_example("", target=True))}
+        kept = usable_rows({"source": [s if len(s) > own["source"] else None for s in
+                                       (tokenizer.encode_example(s) for s in sources)],
+                            "target": [t if len(t) > own["target"] else None for t in
+                                       (tokenizer.encode_example(t, target=True) for t in targets)],
+                            "row": list(range(len(sources)))}, where)
+        src, tgt = kept["source"], kept["target"]
         for side, n, flag in ((src, seq_len, "seq_len"), (tgt, target_len, "target_len")):
             cut = sum(len(x) > n for x in side)
             if cut:
                 warnings.warn(f"{cut} of {len(side)} {'sources' if side is src else 'targets'} in {where} are longer "
                               f"than {n} tokens and were cut to it; raise {flag} to keep them whole", stacklevel=3)
-        return cls([s[:seq_len] for s in src], [t[:target_len] for t in tgt])
+        return cls([s[:seq_len] for s in src], [t[:target_len] for t in tgt], kept["row"])
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -51,10 +55,10 @@ def pair_rows(texts: Texts, request: DataRequest) -> DataSplits:
     """A table's (or dataset's) source and target columns as Pairs: the source's own validation rows, else a seeded
     random `val_fraction` of the rows."""
     rows, targets = texts.train + (texts.val or []), texts.train_labels + (texts.val_labels or [])
-    data = Pairs.encode(rows, ["" if t is None else str(t) for t in targets], request, texts.name)
-    n_train = len(texts.train)
+    data = Pairs.encode(rows, targets, request, texts.name)
     if texts.val is not None:
-        train, val, how = Subset(data, range(n_train)), Subset(data, range(n_train, len(rows))), texts.validation
+        n_train = sum(row < len(texts.train) for row in data.rows)
+        train, val, how = Subset(data, range(n_train)), Subset(data, range(n_train, len(data))), texts.validation
     else:
         train, val = split_off(data, request.val_fraction, request.seed)
         how = f"a seeded random {request.val_fraction:.0%} of the pairs ({len(val)} pairs)"

@@ -6,6 +6,9 @@ else a held-out part that shares nothing with training (the text's tail; whole r
 """
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,27 +155,65 @@ def _read_folder(path: Path, reading: Reading) -> Texts:
 
 
 def _read_table(path: Path, text_column, label_column, reading: Reading) -> Texts:
-    import pandas as pd
-
-    kind = TABLE_SUFFIXES[path.suffix.lower()]
-    try:
-        if kind == "csv":
-            frame = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",")
-        elif kind == "json":
-            frame = pd.read_json(path, lines=path.suffix.lower() == ".jsonl")
-        else:
-            frame = pd.read_parquet(path)
-    except ImportError as exc:
-        raise DataError(f"reading {path.name} needs {one_line(exc)}; pip install pyarrow") from exc
-    except (ValueError, OSError) as exc:
-        raise DataError(f"cannot read {path.name} as {kind} ({one_line(exc)[:160]}); check the file") from exc
-    columns = {str(c): frame[c].tolist() for c in frame.columns}
+    columns = read_columns(path)
     texts, label_values = _columns(columns, path.name, text_column, label_column, reading)
     return Texts(texts, None, label_values, None, f"table {path.name} ({len(texts)} rows)")
 
 
+def read_columns(path: Path) -> dict[str, list]:
+    """A table's columns as the user wrote its cells: no type guessing ("0044" stays text, "None" and "NA" are
+    text, a column of whole numbers with a null keeps its whole numbers); only an empty CSV cell or a JSON null is
+    missing (None). One line naming the file and the row where it can't be read."""
+    kind = TABLE_SUFFIXES[path.suffix.lower()]
+    try:
+        if kind == "csv":
+            import pandas as pd
+
+            frame = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", dtype=str,
+                                keep_default_na=False, na_values=[""])
+            columns = {str(c): [None if v != v else v for v in frame[c].tolist()] for c in frame.columns}
+        elif kind == "json":
+            columns = _json_columns(path)
+        else:
+            import pyarrow.parquet as pq
+
+            columns = {str(c): v for c, v in pq.read_table(path).to_pydict().items()}
+    except DataError:
+        raise
+    except ImportError as exc:
+        raise DataError(f"reading {path.name} needs {one_line(exc)}; pip install pyarrow") from exc
+    except (ValueError, OSError) as exc:
+        raise DataError(f"cannot read {path.name} as {kind} ({one_line(exc)[:160]}); check the file") from exc
+    if not columns or not any(columns.values()):
+        raise DataError(f"{path.name} has no rows; give a table with a header and at least one row")
+    return columns
+
+
+def _json_columns(path: Path) -> dict[str, list]:
+    """JSON Lines (one object a line) or a JSON list of objects, with json's own types."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".jsonl":
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path.name} line {n} is not JSON ({exc.msg}); one JSON object a line") from exc
+    else:
+        rows = json.loads(text)
+        rows = rows if isinstance(rows, list) else [rows]
+    bad = next((n for n, row in enumerate(rows, 1) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise DataError(f"{path.name} row {bad} is a {type(rows[bad - 1]).__name__}, not an object; each row must be "
+                        '{"column": value, ...}')
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    return {str(k): [row.get(k) for row in rows] for k in names}
+
+
 def _columns(columns: dict, where: str, text_column, label_column, reading: Reading) -> tuple[list[str], list | None]:
-    """The text column's strings and the second column's values (a classifier's labels, a pair's targets)."""
+    """The text column's strings and the second column's values (a classifier's labels, a pair's targets), rows
+    without a usable value in either dropped and counted (`usable_rows`)."""
     if reading is PAIRS and TRANSLATION_COLUMN in columns and text_column not in columns:
         return _translation(columns[TRANSLATION_COLUMN], where, text_column, label_column)
     if reading.second is None and text_column is None and not any(c in columns for c in reading.text) and any(
@@ -180,17 +221,55 @@ def _columns(columns: dict, where: str, text_column, label_column, reading: Read
         raise DataError(f"{where} holds source-target pairs (columns {', '.join(columns)}), which a sequence-to-"
                         "sequence model reads; give this model running text, or name its text with --text-column")
     text_col = _pick(columns, text_column, reading.text, where, reading.text_what, reading.text_flag)
-    texts = ["" if v is None else str(v) for v in columns[text_col]]
-    if not any(texts):
-        raise DataError(f"the column {text_col!r} of {where} is empty; give rows with text")
-    if reading.second is None:
-        return texts, None
-    label_col = _pick(columns, label_column, reading.second, where, reading.second_what, reading.second_flag)
-    return texts, list(columns[label_col])
+    picked = {text_col: columns[text_col]}
+    if reading.second is not None:
+        label_col = _pick(columns, label_column, reading.second, where, reading.second_what, reading.second_flag)
+        picked[label_col] = columns[label_col]
+    kept = usable_rows({c: [text_value(v) for v in values] for c, values in picked.items()}, where)
+    texts = kept[text_col]
+    return (texts, None) if reading.second is None else (texts, kept[label_col])
+
+
+def text_value(value) -> str | None:
+    """A cell as the text the user wrote, or None where it holds none: missing (an empty cell, a JSON null), blank, or
+    not text (a list or dict: never its Python text; a bool). A number in a JSON or Parquet column is its text."""
+    if isinstance(value, str):
+        return value if value.strip() else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+        if isinstance(value, numbers.Integral):
+            return str(int(value))
+        return str(float(value)) if math.isfinite(value) else None
+    return None
+
+
+def usable_rows(values: dict[str, list], where: str) -> dict[str, list]:
+    """The one rule for every reader: a row whose value in any of `values`' columns is None (missing, empty, blank or
+    of the wrong type, as the reader decided) is dropped, with one line per column naming it, the count and the first
+    row numbers (from 1); no row left is refused in one line."""
+    n = len(next(iter(values.values())))
+    bad = {c: [i for i, v in enumerate(column) if v is None] for c, column in values.items()}
+    dropped = sorted({i for rows in bad.values() for i in rows})
+    if len(dropped) == n:
+        columns = " and ".join(repr(c) for c, rows in bad.items() if rows)
+        raise DataError(f"{where} has no usable row: every row's {columns} is missing, empty or not text; fill it, or "
+                        "name another column")
+    for column, rows in bad.items():
+        if rows:
+            warnings.warn(f"{where}: dropped {len(rows)} of {n} rows whose {column!r} is missing, empty or not text "
+                          f"(rows {_first(rows)}); the other rows train", stacklevel=4)
+    keep = set(range(n)) - set(dropped)
+    return {c: [v for i, v in enumerate(column) if i in keep] for c, column in values.items()}
+
+
+def _first(rows: list[int], shown: int = 5) -> str:
+    """The first row numbers (from 1), and how many more."""
+    listed = ", ".join(str(i + 1) for i in rows[:shown])
+    return listed + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
 
 
 def _translation(rows: list, where: str, source: str | None, target: str | None) -> tuple[list[str], list[str]]:
-    """A `translation` column of {language: text} dicts (as translation datasets keep them): the two languages named."""
+    """A `translation` column of {language: text} dicts (as translation datasets keep them): the two languages named;
+    a row without both (a null row, a missing language) is dropped by `usable_rows`' rule."""
     languages = sorted({k for row in rows if isinstance(row, dict) for k in row})
     if source is None or target is None:
         raise DataError(f"{where} holds a translation column ({', '.join(languages)}); name its two languages with "
@@ -199,7 +278,10 @@ def _translation(rows: list, where: str, source: str | None, target: str | None)
     if missing:
         raise DataError(f"{where}'s translation column has no {', '.join(missing)}; its languages are "
                         f"{', '.join(languages)}")
-    return [str(row.get(source, "")) for row in rows], [str(row.get(target, "")) for row in rows]
+    sides = {lang: [text_value(row.get(lang)) if isinstance(row, dict) else None for row in rows]
+             for lang in (source, target)}
+    kept = usable_rows({f"{TRANSLATION_COLUMN}.{lang}": side for lang, side in sides.items()}, where)
+    return kept[f"{TRANSLATION_COLUMN}.{source}"], kept[f"{TRANSLATION_COLUMN}.{target}"]
 
 
 def _pick(columns: dict, given: str | None, tried: tuple, where: str, what: str, flag: str) -> str:
@@ -280,11 +362,20 @@ def _load_hub_dataset(datasets, where: str):
                         "(NAME[/CONFIG][:SPLIT])") from exc
 
 
+def _whole_number(value) -> int | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
+
+
 def class_ids(values: list, num_classes: int | None, where: str) -> tuple[torch.Tensor, list]:
-    """Labels as class ids: whole numbers are used as they are, other values (strings) are numbered in
-    sorted order. Ids outside the classifier's classes are refused."""
-    if all(isinstance(v, (int, bool)) or (isinstance(v, float) and v.is_integer()) for v in values):
-        ids, names = [int(v) for v in values], None
+    """Labels as class ids: whole numbers (as numbers or as their text: "3", "03" and "3.0" are class 3) are used as
+    they are, other values (strings) are numbered in sorted order. Ids outside the classifier's classes are refused."""
+    whole = [_whole_number(v) for v in values]
+    if all(w is not None for w in whole):
+        ids, names = whole, None
     else:
         names = sorted({str(v) for v in values})
         ids = [names.index(str(v)) for v in values]

@@ -228,4 +228,5 @@ def test_the_panel_takes_an_image_folder_and_the_model_typed_in_sets_the_task(fi
     model = cfg.build_model()
     result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
                                                                 progress=False))
-    assert result.summary.data == "image folder three" and result.summary.task == "image-classification"
+    assert result.summary.data == "image folder three (3 classes: circle, cross, square)"
+    assert result.summary.task == "image-classification"

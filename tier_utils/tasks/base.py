@@ -24,7 +24,7 @@ from ..data.datasets import (
     user_texts,
     without_validation,
 )
-from ..data.images import is_image_folder
+from ..data.image_files import is_image_folder
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
 from ..data.userdata import PLAIN, is_user_source
 

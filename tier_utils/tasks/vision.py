@@ -9,18 +9,8 @@ from torch.utils.data import Subset
 
 from ..core.errors import DataError
 from ..data.datasets import DataRequest, DataSplits, given_splits, is_tensor_data, split_off
-from ..data.images import (
-    SHAPES,
-    DrawnImages,
-    ImageFiles,
-    ImageProcessing,
-    has_image_processor,
-    image_layout,
-    is_datasets_object,
-    load_image_processing,
-    read_images,
-    stratified_split,
-)
+from ..data.image_files import image_layout, is_datasets_object, read_images, stratified_split
+from ..data.images import SHAPES, DrawnImages, ImageFiles, ImageProcessing, has_image_processor, load_image_processing
 from ..data.userdata import is_user_source
 from .base import Task, register_task
 
@@ -192,7 +182,7 @@ def _file_splits(found, request: DataRequest) -> DataSplits:
         train = Subset(ImageFiles(found.images, found.labels, augmented), keep)
         val = Subset(ImageFiles(found.images, found.labels, processing), held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
-    return DataSplits(train, val, "images", found.name, augmented.name, how, found.classes)
+    return DataSplits(train, val, "images", found.described(), augmented.name, how, found.classes)
 
 
 def image_tokens(model, side: int) -> tuple[int, int] | None:

@@ -44,6 +44,9 @@ class Task:
     # every timm model carries: an image model), read without importing the library that made it.
     marks: tuple[str, ...] = ()
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
+    # The head's module names in transformers' models of this task (matched as peft and bitsandbytes match them: the
+    # module or its start): a 4-bit load keeps them whole, as LoRA trains them (RoBERTa's classifier is two Linears).
+    head_modules: tuple[str, ...] = ()
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
     predicts_input_positions = False  # a per-position task's positions are its input's (else its targets')
     has_classes = False  # the output width is the model's number of classes (else its vocabulary)

@@ -51,6 +51,7 @@ class Classification(Task):
     auto_class = "AutoModelForSequenceClassification"
     architectures = ("ForSequenceClassification",)
     peft_task_type = "SEQ_CLS"
+    head_modules = ("classifier", "score")  # BERT's, DeBERTa's, RoBERTa's; Llama's, GPT-2's
     has_classes = True
     takes_new_head = True
     reading = LABELLED

@@ -30,6 +30,7 @@ class ImageClassification(Task):
     architectures = ("ForImageClassification",)
     marks = ("pretrained_cfg",)  # a timm model: its forward takes the pixels as its first argument
     has_classes = True
+    head_modules = ("classifier",)  # ViT's, Swin's, ConvNeXt's, ResNet's
     takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
     input_key = "pixel_values"
     reads_tokens = False

@@ -78,7 +78,7 @@ class Task:
     unit = "token"  # what a throughput counts (`units`)
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
-    data_hint = "empty: the bundled corpus; or a text file, a folder of .txt, a table, hf-dataset:NAME"  # the panel's
+    data_hint = "empty: the task's bundled demo; or a file, a folder, hf-dataset:NAME"  # the panel's
     augments = False  # whether its training data can be augmented (build_datasets' augment)
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 

@@ -24,6 +24,8 @@ class Seq2Seq(Task):
     aliases = ("text2text", "encoder-decoder")
     auto_class = "AutoModelForSeq2SeqLM"
     peft_task_type = "SEQ_2_SEQ_LM"
+    data_hint = ("empty: the bundled snippets and their capitals; or a table of source and target pairs "
+                 "(.csv/.jsonl/.parquet; or a translation column), hf-dataset:NAME")
     per_token = True
     feeds_targets = True  # the targets make the decoder's inputs
     binds_model = True

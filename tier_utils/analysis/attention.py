@@ -172,7 +172,7 @@ def run(ctx: Context) -> Outcome:
         return Outcome([Check("attention maps", "SKIP", None, None,
                               f"{cap.source}: no (B, heads, queries, keys) attention maps over the batch's tokens "
                               "were captured")])
-    outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
+    outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit, task)}")
     if means is not None:
         _add_rollout(ctx, outcome, list(means.values()), predicted)
     outcome.artifacts["tokens"] = _map_tokens(ctx, example)
@@ -238,11 +238,12 @@ def _map_tokens(ctx: Context, example: dict) -> dict:
     return named
 
 
-def _size(cap: AttentionCapture, limit: int) -> str:
-    """What the captured maps held: sequences kept per batch and the largest map, against the budget."""
+def _size(cap: AttentionCapture, limit: int, task) -> str:
+    """What the captured maps held: rows kept per batch (sequences, images) and the largest map, against the
+    budget."""
     kept = min(rows for rows, _ in cap.rows.values())
     batch = max(total for _, total in cap.rows.values())
-    return (f"maps of {kept} of {batch} sequences per batch, largest {cap.largest / 2**20:.2f} MiB, "
+    return (f"maps of {kept} of {task.rows(batch)} per batch, largest {cap.largest / 2**20:.2f} MiB, "
             f"sized to {limit / 2**20:.3g} MiB per map")
 
 

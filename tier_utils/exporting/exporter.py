@@ -189,15 +189,16 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     with torch.inference_mode():
         for b, t in shapes:
             batch = _batch(splits.val, b, t, keys, adapter)
-            label = f"{b}x{t}"
+            label = adapter.task.shape_label(adapter, b, t)
             if runner is None:
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
                                                                                        "argmax agreement")]
                 continue
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.tolerances(), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
+    labels = [adapter.task.shape_label(adapter, b, t) for b, t in shapes]
     config = ExportRun(adapter.name, adapter.task.name, fmt, prec.name, prec.reason, inputs=list(keys),
-                       trace_shape=list(trace[0].shape), parity_shapes=[f"{b}x{t}" for b, t in shapes],
+                       trace_shape=list(trace[0].shape), parity_shapes=labels,
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),
                        rel_tolerance=prec.tolerances().export, argmax_agreement=prec.tolerances().agreement)
     metadata = {**run_metadata("cpu", prec.dtype), "runtime": _runtime_version(fmt)}

@@ -76,6 +76,8 @@ class Task:
     # maps over it (noise, blur, brightness; pixel attribution; attention rollout or a gradient saliency map).
     reads_pixels = False
     unit = "token"  # what a throughput counts (`units`)
+    row = "sequence"  # what one row of a batch is, as result lines count them
+    random_input = "random tokens"  # what tier 1's random batches are, in words
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
     data_hint = "empty: the task's bundled demo; or a file, a folder, hf-dataset:NAME"  # the panel's
@@ -134,6 +136,18 @@ class Task:
     def batch_words(self, batch: int, length: int) -> str:
         """A batch's size in words, as result lines say it."""
         return f"batch {batch} x {length} tokens"
+
+    def rows(self, n: int) -> str:
+        """`n` rows of a batch in words: "4 sequences", "1 image"."""
+        return f"{n} {self.row}{'' if n == 1 else 's'}"
+
+    def length_words(self, length: int) -> str:
+        """The length a plan or measurement ran at, as result lines say it: "T=32"."""
+        return f"T={length}"
+
+    def shape_label(self, adapter, batch: int, length: int) -> str:
+        """A (batch, length) input's short label (an export's parity and latency rows): "4x32"."""
+        return f"{batch}x{length}"
 
     def units(self, batch: dict) -> int:
         """How many of `unit` a batch holds (a throughput's numerator)."""

@@ -36,6 +36,8 @@ class ImageClassification(Task):
     reads_tokens = False
     reads_pixels = True
     unit = "image"
+    row = "image"
+    random_input = "random pixels"
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
@@ -89,6 +91,13 @@ class ImageClassification(Task):
 
     def batch_words(self, batch: int, length: int) -> str:
         return f"batch {batch} images of {length} x {length}"
+
+    def length_words(self, length: int) -> str:
+        return f"{length}x{length} pixels"
+
+    def shape_label(self, adapter, batch: int, length: int) -> str:
+        """An image batch is at the model's own side, whatever length the caller planned."""
+        return f"{self.rows(batch)} of {adapter.max_len}x{adapter.max_len}"
 
     def units(self, batch: dict) -> int:
         return len(batch[self.input_key])

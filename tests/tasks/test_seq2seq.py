@@ -331,6 +331,15 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert fig.axes[0].get_ylabel() == "query (target token)" and fig.axes[0].get_xlabel() == "key (source token)"
     assert [side for side, _ in tokens["model.encoder.layers.0.self_attn"]] == ["source", "source"]
     assert tokens["model.decoder.layers.0.self_attn"] == ((rows, targets), (rows, targets))
+    # Each map's role named in its frames (the JSON's too) and its plot titles: nothing else says which is cross.
+    layers = found.frames["attention_layers"].set_index("layer").role
+    assert layers.to_dict() == {"model.encoder.layers.0.self_attn": "encoder self",
+                                "model.decoder.layers.0.self_attn": "decoder self",
+                                "model.decoder.layers.0.encoder_attn": "cross"}
+    assert set(found.frames["attention"].role) == {"encoder self", "decoder self", "cross"}
+    assert fig.axes[0].get_title() == "model.decoder.layers.0.encoder_attn (cross) h0"
+    frames = found.to_json()["frames"]
+    assert {r["role"] for r in frames["attention_layers"]} == {"encoder self", "decoder self", "cross"}
 
 
 @pytest.mark.filterwarnings("ignore:.*were cut to it")  # the bundled pairs at this test's short lengths

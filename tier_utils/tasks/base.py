@@ -187,6 +187,12 @@ class Task:
         target tokens) and whether it is causal: every layer of a one-stack model attends over its input."""
         return "source", "source", self.causal_attention
 
+    def attention_kind(self, layer: str) -> str:
+        """An attention layer's role in words, as results name it: "self" ("causal self" where it sees only the
+        past) for a one-stack model; an encoder-decoder's names its stack, and "cross" for target-to-source."""
+        queries, keys, causal = self.attention_role(layer)
+        return "cross" if queries != keys else "causal self" if causal else "self"
+
     def target_mask(self, batch: dict) -> torch.Tensor | None:
         """(B, T) bool: the target positions a decoder reads (None: the task has no target side)."""
         return None

@@ -61,6 +61,10 @@ class Seq2Seq(Task):
             return "target", "target", True
         return "source", "source", False
 
+    def attention_kind(self, layer: str) -> str:
+        queries, keys, _ = self.attention_role(layer)
+        return "cross" if queries != keys else "decoder self" if queries == "target" else "encoder self"
+
     def target_mask(self, batch: dict) -> torch.Tensor:
         return self.scored(batch["labels"])
 

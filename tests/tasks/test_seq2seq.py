@@ -113,6 +113,17 @@ def test_pairs_are_encoded_as_the_tokenizer_does_with_unscored_padding(folders):
     assert "a seeded random 10% of the pairs" in splits.validation
 
 
+def test_the_bundled_pairs_are_cut_without_a_warning_and_the_users_are_not(folders):
+    """The tier-2 demo cell printed four red "were cut; raise seq_len" lines about tier_utils' own snippets."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        demo = build_datasets(None, SEQ2SEQ, seq_len=12)
+    assert not [w for w in caught if "cut" in str(w.message)] and "cut to the lengths asked" in demo.name
+    tok = tier_utils.load_tokenizer(str(folders["t5"]))
+    with pytest.warns(UserWarning, match="were cut to it"):
+        build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=2, vocab_size=tok.vocab_size, tokenizer=tok)
+
+
 def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), "--target-column", "target",

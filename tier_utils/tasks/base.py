@@ -78,6 +78,9 @@ class Task:
     unit = "token"  # what a throughput counts (`units`)
     row = "sequence"  # what one row of a batch is, as result lines count them
     random_input = "random tokens"  # what tier 1's random batches are, in words
+    # The AMP benchmark's memory threshold unless one is given (benchmark Thresholds.memory_reduction): a language
+    # model's activations, dominated by its matmul outputs and logits, halve under bf16/fp16 autocast.
+    amp_memory_reduction = 0.40
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
     data_hint = "empty: the task's bundled demo; or a file, a folder, hf-dataset:NAME"  # the panel's

@@ -124,6 +124,22 @@ def test_the_bundled_pairs_are_cut_without_a_warning_and_the_users_are_not(folde
         build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=2, vocab_size=tok.vocab_size, tokenizer=tok)
 
 
+def test_a_t5_folder_without_tokenizer_files_names_the_tokenizer_as_the_fix(folders, tmp_path, capsys):
+    """Its vocabulary is smaller than byte ids': the line said only vocab_size>=256, where the fix is --tokenizer."""
+    import shutil
+
+    bare = tmp_path / "t5-bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folders["t5"] / name, bare / name)
+    code = main(["train", "--model", str(bare), "--data", str(folders["pairs"]), "--max-steps", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in lines if not line.startswith("warning:")]
+    assert code == 2 and len(err) == 1 and "--tokenizer PATH" in err[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), "--target-column", "target",

@@ -117,9 +117,9 @@ def _read_folder(folder: Path, exclude: Path | None = None) -> LabelledImages:
     empty = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")
                    and d != exclude and d.name not in values)
     if empty and "" not in values:
-        raise DataError(f"the class folder {folder / empty[0]} holds no images"
-                        f"{f' (nor do {len(empty) - 1} more: {chr(44).join(empty[1:4])})' if len(empty) > 1 else ''}"
-                        "; add its images, or remove the folder to train without that class")
+        more = f" (nor do {len(empty) - 1} more: {', '.join(empty[1:4])})" if len(empty) > 1 else ""
+        raise DataError(f"the class folder {folder / empty[0]} holds no images{more}; add its images, or remove the "
+                        "folder to train without that class")
     return _labelled(images, values, f"image folder {folder.name}")
 
 
@@ -131,10 +131,9 @@ def _labels_json(path: Path) -> dict:
         raise DataError(f"{path} is not JSON ({one_line(exc)[:100]}); write one object mapping each image file to "
                         'its label, e.g. {"a.png": "cat", "b.png": "dog"}') from exc
     if not isinstance(table, dict) or not all(isinstance(v, (str, int)) for v in table.values()):
-        shape = type(table).__name__ if not isinstance(table, dict) else "an object with non-label values"
-        raise DataError(f"{path} holds {'a ' if shape != 'an object with non-label values' else ''}{shape}, but "
-                        'labels.json maps each image file to its label (text or a class id): write it as '
-                        '{"a.png": "cat", "b.png": "dog"}')
+        shape = "an object with non-label values" if isinstance(table, dict) else f"a {type(table).__name__}"
+        raise DataError(f"{path} holds {shape}, but labels.json maps each image file to its label (text or a class "
+                        'id): write it as {"a.png": "cat", "b.png": "dog"}')
     return table
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import DataError, one_line
+from ..core.progress import progress_bar
 from .images import opened
 from .userdata import LABEL_COLUMNS, class_ids, hf_dataset_spec, load_hf_dataset
 
@@ -19,6 +20,7 @@ LABELS_FILE = "labels.json"
 PATH_COLUMNS = ("image", "path", "file", "filename", "image_path")
 IMAGE_COLUMNS = ("image", "img", "picture", "photo")  # a `datasets` image column, where no feature types one
 VAL_FOLDERS = ("val", "validation")
+CHECK_BAR_FILES = 1000  # from this many files, decoding each once before training shows a bar (seconds to minutes)
 
 
 @dataclass
@@ -64,9 +66,10 @@ def read_images(data, num_classes: int | None) -> LabelledImages:
     where it has one, or a CSV / JSONL / Parquet table of image path and label; every file checked to decode."""
     found = image_layout(data)
     _check_classes(found, num_classes)
-    for files in (found.images, found.val_images):
-        for p in files if isinstance(files, list) else ():  # files; a dataset's column decodes as it is read
-            _check_decodes(p)
+    # Files; a dataset's column decodes as it is read. A bar where decoding them all takes a while.
+    files = [p for part in (found.images, found.val_images) if isinstance(part, list) for p in part]
+    for p in progress_bar(files, desc="decoding images", unit="image", enabled=len(files) >= CHECK_BAR_FILES):
+        _check_decodes(p)
     return found
 
 

@@ -4,7 +4,8 @@ planner's prediction (tier_utils.planning.ranks: RanksResult.rank_bytes) for eac
 against TOLERANCE (issue 33: within 15 %).
 
 Each strategy is one `train()` under `torchrun --nproc_per_node 2` on the bundled corpus (byte ids), `--repeats`
-times. A rank's "peak RSS increase" is its peak resident memory (getrusage ru_maxrss) less its RSS just before
+times. A rank's "peak RSS increase" is its own peak resident memory (VmHWM; not getrusage's ru_maxrss, which on Linux
+carries torchrun's peak over exec) less its RSS just before
 train() starts (torch, transformers and tier_utils imported): what training added. Step time is the run's
 per-step median with its IQR over the step rows (the first steps, warm-up, included in n). Under FSDP on CPU
 ranks, train() fixes glibc's mmap threshold as it starts (tier_utils/core/allocator.py; the run's sharding line,
@@ -28,7 +29,6 @@ import argparse
 import ast
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -50,6 +50,7 @@ def rank_main(args) -> None:
     import torch  # noqa: F401  (imported before the baseline, as in any run)
     import transformers  # noqa: F401
 
+    from tier_utils.core.measure import PeakRSS
     from tier_utils.training.loop import train
 
     before = _rss()
@@ -58,7 +59,7 @@ def rank_main(args) -> None:
                    seq_len=args.seq_len, max_steps=args.steps, warmup_steps=0, log_every=1, eval_every=0,
                    eval_batches=1, deterministic=False, progress=False)
     s = result.summary
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = PeakRSS.own_peak()
     out = {"rank": s.rank, "strategy": s.strategy, "baseline_rss": before, "peak_rss": peak,
            "peak_increase": peak - before, "param_bytes": s.param_bytes_per_rank, "sharding": s.sharding,
            "step_ms": s.step_time_ms.to_dict(), "tokens_per_s": s.tokens_per_s.to_dict(), "loss": s.train_loss,

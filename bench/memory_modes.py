@@ -7,7 +7,8 @@ measured in this run. Issue 42's rows: LoRA over a bf16 or fp16 base (the base h
 adapters, autocast), AdamW8bit (bitsandbytes' 8-bit optimizer state) for a full fine-tune and under LoRA, and
 QLoRA (a 4-bit NF4 base).
 
-Each mode runs in its own subprocess, so its peak RSS (ru_maxrss) is its own: the model built, put in the mode
+Each mode runs in its own subprocess, so its peak RSS (VmHWM: not ru_maxrss, which on Linux carries the parent's
+peak over exec) is its own: the model built, put in the mode
 (the memory settings decided by resolve_memory, LoRA through peft, the base and adapters in their dtypes by
 Precision.convert_module, checkpointing through engine.activation_checkpointing), one untimed step,
 then --steps timed steps through tier_utils' TrainStep; then one more step under the saved-tensor meter. A QLoRA
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,7 +34,7 @@ import psutil
 
 from tier_utils.core.device import CPU_FLAGS_ENV, cpu_flags, cpu_name
 from tier_utils.core.files import write_json
-from tier_utils.core.measure import load_average
+from tier_utils.core.measure import PeakRSS, load_average
 
 # mode: (precision, the memory settings' fields: checkpointing, LoRA as "r=8,alpha=16" (with bits=4: QLoRA), its
 # base dtype, the optimizer)
@@ -130,7 +130,7 @@ def child(precision: str, memory: dict, steps: int, size: str = "small", folder:
             "step_ms": s.median, "step_iqr_ms": s.iqr, "n": s.n, "native": prec.native, "losses": losses,
             "memory": held.describe(), "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": PeakRSS.own_peak()}
 
 
 def _null():

@@ -474,3 +474,48 @@ def test_every_error_class_lives_in_errors_py_with_its_exit_code():
     assert all(issubclass(c, errors.TierError) for c in classes)
     ones = {c.__name__ for c in classes if c.exit_code == 1}
     assert ones == {"ModelForwardError", "TrainingDiverged"} and {c.exit_code for c in classes} == {1, 2}
+
+
+def test_all_refuses_a_folder_holding_a_training_run(tmp_path, capsys):
+    """Its report (train.csv, plots, index.html) would sit beside the run's metrics, checkpoints and training.png."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,train_loss\n1,5.5\n")
+    before = sorted(p.name for p in run.rglob("*"))
+    code, lines = run_main(["all", "--fast", "--out", str(run), "--no-progress", *TINY_ARGS], capsys)
+    errors = [line for line in lines if line.startswith("error: ")]  # after all's line naming its tiers and threads
+    assert code == 2 and len(errors) == 1 and errors[0] == lines[-1], lines
+    assert f"{run} holds a training run (checkpoints, metrics.csv)" in errors[0] and f"--out {run}/report" in errors[0]
+    assert sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_a_second_ctrl_c_still_leaves_training_png_and_says_what_was_saved(tmp_path, capsys, monkeypatch):
+    """Two SIGINTs: the first stops the loop, the second comes while the partial result is written (here: as the
+    plot starts). It left no training.png, and the CLI said only "interrupted"."""
+    import signal
+
+    from tier_utils.engine.step import TrainStep
+    from tier_utils.training.history import TrainResult
+
+    step, plot = TrainStep.__call__, TrainResult.save_plot
+    calls = []
+
+    def interrupted_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+        return step(self, *args, **kwargs)
+
+    def interrupted_plot(self, path):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C
+        return plot(self, path)
+
+    monkeypatch.setattr(TrainStep, "__call__", interrupted_step)
+    monkeypatch.setattr(TrainResult, "save_plot", interrupted_plot)
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--max-steps", "8", "--log-every", "1", "--eval-every", "0",
+                 "--eval-batches", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress", *TINY_ARGS])
+    err = capsys.readouterr().err
+    assert code == 130 and (out / "training.png").is_file() and (out / "metrics.csv").is_file(), err
+    assert "interrupted after step 2: wrote metrics.csv, training.png; no checkpoint was saved yet" in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the user's handler back

@@ -81,6 +81,34 @@ def test_checked_outputs_name_no_machine(name):
         assert "resolve_precision(\"auto\"" not in cell.source  # auto's choice is a device fact
 
 
+# An absolute path of the machine that ran the notebook (a checkout, a temporary folder, a home, Colab's /content,
+# a Windows drive); a notebook's own relative paths (runs/tier3/...) are fine.
+MACHINE_PATH = re.compile(r"(?<![\w.~-])(?:/(?:home|work|tmp|root|Users|usr|opt|content|var|mnt|private|srv|data)/"
+                          r"[^\s'\"<>]+|[A-Za-z]:\\[^\s'\"<>]+)")
+
+
+def _output_text(output) -> str:
+    data = output.get("data", {})
+    return output.get("text", "") + "".join(
+        v if isinstance(v, str) else "".join(v) for k, v in data.items() if k.startswith("text/"))
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_no_saved_output_shows_a_machine_path(name):
+    """A saved warning once showed the checkout that ran the notebook (/work/wt/vision-analysis/tier_utils/...)."""
+    found = [(i, m.group(0)) for i, cell in enumerate(code_cells(load(name))) for o in cell.outputs
+             for m in MACHINE_PATH.finditer(_output_text(o))]
+    assert not found, found
+
+
+def test_the_machine_path_check_sees_paths():
+    warning = {"output_type": "stream", "name": "stderr",
+               "text": "/work/wt/x/tier_utils/tasks/seq2seq.py:82: UserWarning: cut\n"}
+    page = {"output_type": "display_data", "data": {"text/html": "<a href='C:\\Users\\me\\run'>run</a>"}}
+    assert [MACHINE_PATH.search(_output_text(o)) is not None for o in (warning, page)] == [True, True]
+    assert MACHINE_PATH.search("runs/tier3/model.pt2 and </td></tr>") is None
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_run_cells_pass_the_panels_configs_and_copy_no_setting_by_hand(name):
     """A tier call takes its settings from the panel's config (cfg.smoke_config(), cfg.train_config(), ...):

@@ -276,3 +276,40 @@ def test_the_schedule_and_shuffle_boxes_fill_the_training_config():
     assert (made.schedule, made.shuffle, made.lr_schedule.kind) == ("wsd", False, "wsd")
     assert cfg.search_config().trial.schedule == "wsd"
     assert panel.schedule_select not in config_panel(RunConfig(), tier="smoke").children
+
+
+def test_each_task_has_its_own_data_hint_and_the_task_line_stays_when_data_is_typed():
+    from tier_utils.tasks import CAUSAL_LM, CLASSIFICATION, IMAGE_CLASSIFICATION, SEQ2SEQ
+
+    hints = {task.name: task.data_hint for task in (CAUSAL_LM, CLASSIFICATION, SEQ2SEQ, IMAGE_CLASSIFICATION)}
+    assert len(set(hints.values())) == len(hints), hints  # a T5's box no longer offers a text file
+    assert "pairs" in hints["seq2seq"] and "text file" not in hints["seq2seq"]
+    cfg = RunConfig(device="cpu")
+    panel = config_panel(cfg)
+    panel.model_select.value = "tiny-seq2seq"
+    assert panel.data_input.placeholder == hints["seq2seq"]
+    panel.data_input.value = "pairs.jsonl"
+    panel.precision_select.value = "fp32"
+    assert "data is now" not in panel.status.value and "precision is now fp32" in panel.status.value
+    assert "tiny-seq2seq runs as seq2seq: data" in panel.status.value
+
+
+def test_the_panel_is_built_whole_in_its_init():
+    """Every attribute a ConfigPanel method sets is first set in __init__ (objects are built whole)."""
+    import ast
+    import inspect
+
+    from tier_utils import widgets
+
+    tree = ast.parse(inspect.getsource(widgets.ConfigPanel))
+    methods = {f.name: f for f in tree.body[0].body if isinstance(f, ast.FunctionDef)}
+
+    def assigned(function):
+        return {t.attr for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AugAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    built = assigned(methods["__init__"])
+    late = {name: sorted(assigned(f) - built) for name, f in methods.items() if assigned(f) - built}
+    assert not late, f"set outside __init__: {late}"

@@ -6,6 +6,7 @@ line on stderr naming the fix), 130 Ctrl-C; each error class carries its code (c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import shutil
@@ -50,8 +51,9 @@ from .planning.planner import FitConfig, fit
 from .planning.ranks import RanksConfig, plan_ranks
 from .presets import FAST, JOB
 from .smoketest.suite import SmokeConfig, smoke
-from .training.config import TrainConfig
+from .training.config import CHECKPOINTS_FOLDER, METRICS_FILE, PLOT_FILE, TrainConfig
 from .training.loop import train
+from .training.stopping import interrupts_deferred
 from .tuning.study import SearchConfig, search
 
 
@@ -71,14 +73,10 @@ def _run_smoke(args) -> tuple[dict, int]:
     return report.to_json(), 0 if report.passed else 1
 
 
-# What train writes into --out beside checkpoints/ (probed before training: a folder in their place fails no run).
-METRICS_FILE, PLOT_FILE = "metrics.csv", "training.png"
-
-
 def _run_train(args) -> tuple[dict, int]:
     out = Path(args.out)
     # Bad settings fail here, before anything is built or written; logs go beside: DIR/logs.
-    config = settings_from(args, TrainConfig, checkpoint_dir=str(out / "checkpoints"), memory=memory_of(args))
+    config = settings_from(args, TrainConfig, checkpoint_dir=str(out / CHECKPOINTS_FOLDER), memory=memory_of(args))
     code = 0
     try:
         # seeded before it builds the model
@@ -93,15 +91,19 @@ def _run_train(args) -> tuple[dict, int]:
     if s.rank != 0:  # under torchrun only rank 0 prints and writes
         args.json = None
         return jsonable(s), code
-    files = [result.to_csv(out / METRICS_FILE), result.save_plot(out / PLOT_FILE)]
-    files += [atomic_write_bytes(out / f"{part}.csv", frame.to_csv(index=False).encode())  # e.g. samples.csv
-              for part, frame in result.more_tables().items()]
+    with interrupts_deferred() if result.interrupted else contextlib.nullcontext():  # a second Ctrl-C: still saved
+        files = [result.to_csv(out / METRICS_FILE), result.save_plot(out / PLOT_FILE)]
+        files += [atomic_write_bytes(out / f"{part}.csv", frame.to_csv(index=False).encode())  # e.g. samples.csv
+                  for part, frame in result.more_tables().items()]
     files += [f for f in (s.checkpoint, s.best_checkpoint, s.consolidated, s.hf_folder) if f]
     print(f"trained {s.model} for {s.steps} steps ({s.epochs} epochs)")
     _show(result.table)  # the summary as the notebook shows it
     print("wrote: " + ", ".join(str(f) for f in files))
     if result.interrupted:
-        print("interrupted: partial results written; rerun with --resume to continue", file=sys.stderr)
+        kept = f"; --resume continues from {s.checkpoint}" if s.checkpoint else \
+            "; no checkpoint was saved yet (--checkpoint-every N saves one every N steps)"
+        print(f"interrupted after step {s.steps}: wrote {', '.join(Path(f).name for f in files)}{kept}",
+              file=sys.stderr)
         code = 130
     return jsonable({**s.to_dict(), "files": [str(f) for f in files]}), code
 
@@ -285,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                            "checkpoint_dir", "log_dir", "epochs",
                                                                            "max_steps", "memory"})
     add_memory(p)
+    # Its files, probed before training: a folder in their place fails no run.
     p.set_defaults(run=_run_train, writes=(METRICS_FILE, PLOT_FILE))
 
     p = verbs.add_parser("bench", help="tier 3: fp32 vs bf16 vs fp16 speed, MFU, memory, accuracy, with verdicts")

@@ -23,6 +23,7 @@ from .core.errors import (
     Fp16RangeError,
     HostMemoryShort,
     ModelForwardError,
+    OutputError,
     TierError,
     TrainingDiverged,
     TrainingOutOfMemory,
@@ -44,7 +45,7 @@ from .planning.ranks import plan_ranks
 from .presets import FAST, JOB, Preset
 from .report import write_report
 from .smoketest.suite import smoke
-from .training.config import TrainConfig
+from .training.config import CHECKPOINTS_FOLDER, METRICS_FILE, PLOT_FILE, TrainConfig
 from .training.loop import train
 
 
@@ -159,6 +160,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     (the CLI exits 130) and writes no report.
     """
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
+    _not_a_training_run(Path(out_dir))
     preset = FAST if fast else JOB
     if batch_size is not None:
         preset = replace(preset, batch_size=batch_size)
@@ -280,6 +282,15 @@ def _grown_batch(adapter: ModelAdapter, dev, growth: Growth | None, seq_len: int
                           max_batch=growth.max_batch)
     finally:
         adapter.model.train(was_training)
+
+
+def _not_a_training_run(out: Path) -> None:
+    """Refuse a report folder that holds a training run (`train --out`'s files): the report's own train.csv and
+    plots would sit beside the run's metrics, checkpoints and training.png, and read as one run's."""
+    found = [name for name in (CHECKPOINTS_FOLDER, METRICS_FILE, PLOT_FILE) if (out / name).exists()]
+    if found:
+        raise OutputError(f"{out} holds a training run ({', '.join(found)}), and `all` writes a report of its own "
+                          f"beside nothing else; give it another folder, e.g. --out {out / 'report'}")
 
 
 def _train(model, data, config: TrainConfig):

@@ -14,6 +14,7 @@ from .core.memory_settings import MemorySettings, memory_setting
 from .core.precision import canonical_precision, resolve_device
 from .core.settings import check_fields, check_switch, setting
 from .models.builtins import BUILTIN_MODELS, DEFAULT_MODEL
+from .models.heads import sized_to_data
 from .models.loading import load_model
 from .presets import Preset, notebook_preset
 from .training.config import TrainConfig
@@ -124,9 +125,11 @@ class RunConfig:
 
     def build_model(self):
         """A fresh model from the spec, its initial weights fixed by `seed`: every run cell starts
-        from the same weights, so re-running a cell with new settings compares like with like."""
+        from the same weights, so re-running a cell with new settings compares like with like. Resolved with the
+        data, as the CLI resolves it: a pretrained classifier's head follows the data's classes."""
         torch.manual_seed(self.seed)
-        return load_model(self.model, tokenizer=self.tokenizer, **self.model_arguments())
+        arguments = sized_to_data(self.model, self.model_arguments(), self.data)
+        return load_model(self.model, tokenizer=self.tokenizer, **arguments)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -72,7 +72,9 @@ class ConfigPanel(widgets.VBox):
         self.batch_size_input = widgets.BoundedIntText(value=config.batch_size, min=1, max=MAX_BATCH_SIZE,
                                                        description="batch size", style=style)
         self.compile_box = widgets.Checkbox(value=config.compile, description="torch.compile", style=style)
-        self._training_boxes(config, style)
+        self.checkpointing_box, self.memory_select, self.schedule_select, self.shuffle_box = \
+            _training_boxes(config, style)
+        self._filling = False  # the size boxes being filled from a built-in's sizes (not the user setting one)
         self.decision = widgets.HTML()
         self.status = widgets.HTML()
         self._show_sizes()
@@ -95,23 +97,6 @@ class ConfigPanel(widgets.VBox):
         rows.insert(1, self.sizes)  # under the model box it belongs to
         super().__init__(rows + [self.decision, self.status])
 
-    def _training_boxes(self, config: RunConfig, style: dict) -> None:
-        """The boxes only training reads: the memory modes (what train, the benchmark and the search run with:
-        docs/precision.md), the LR schedule and shuffling."""
-        self.checkpointing_box = widgets.Checkbox(value=config.activation_checkpointing, style=style,
-                                                  description="activation checkpointing")
-        # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its
-        # own entry.
-        options = [(label, name) for name, label in MEMORY_CHOICES.items()]
-        if config.memory not in MEMORY_CHOICES:
-            options.append((str(config.memory), config.memory))
-        self.memory_select = widgets.Dropdown(options=options, value=config.memory, description="memory",
-                                              style=style)
-        self.schedule_select = widgets.Dropdown(options=list(SCHEDULES), value=config.schedule,
-                                                description="LR schedule", style=style)
-        self.shuffle_box = widgets.Checkbox(value=config.shuffle, description="shuffle the rows each epoch",
-                                            style=style)
-
     def _set(self, attribute: str):
         def write(change):
             value = change["new"] if change["new"] != "" else None  # an emptied data box: the bundled corpus
@@ -125,8 +110,6 @@ class ConfigPanel(widgets.VBox):
                     self.choices[owned] = None
                 self._show_sizes()
             self._changed(attribute, change["new"])
-            if attribute == "model":
-                self._show_task()
         return write
 
     def _set_size(self, change):
@@ -140,6 +123,7 @@ class ConfigPanel(widgets.VBox):
         self._show_decision()
         self._say(f"{name} is now {html.escape(str(value))}: outputs below are from the old "
                   "settings; re-run from the cell after this panel (Run ▸ Run Selected Cell and All Below)")
+        self._show_task()  # the task line stays under every change (typing the data replaced it)
 
     def _show_sizes(self) -> None:
         """The size boxes for a built-in, filled with its sizes; hidden for any other spec (no known sizes)."""
@@ -174,6 +158,23 @@ class ConfigPanel(widgets.VBox):
         c = self.config
         ran = resolve_precision(c.precision, c.device, warn=False).name
         return f"settings: model {c.model} · precision {c.precision} → {ran} · batch size {c.batch_size}"
+
+
+def _training_boxes(config: RunConfig, style: dict) -> tuple:
+    """The boxes only training reads: activation checkpointing, the memory modes (what train, the benchmark and the
+    search run with: docs/precision.md), the LR schedule and shuffling."""
+    checkpointing = widgets.Checkbox(value=config.activation_checkpointing, style=style,
+                                     description="activation checkpointing")
+    # ipywidgets 7.7: Dropdown's options as (label, value) pairs. A MemorySettings given in code shows as its own
+    # entry.
+    options = [(label, name) for name, label in MEMORY_CHOICES.items()]
+    if config.memory not in MEMORY_CHOICES:
+        options.append((str(config.memory), config.memory))
+    memory = widgets.Dropdown(options=options, value=config.memory, description="memory", style=style)
+    schedule = widgets.Dropdown(options=list(SCHEDULES), value=config.schedule, description="LR schedule",
+                                style=style)
+    shuffle = widgets.Checkbox(value=config.shuffle, description="shuffle the rows each epoch", style=style)
+    return checkpointing, memory, schedule, shuffle
 
 
 def config_panel(config: RunConfig, models=None, tier: str | None = None,

@@ -57,7 +57,7 @@ def test_analyze_names_maps_by_module_path_and_says_the_size(style):
     detail = report.table.detail.iloc[0]
     assert "maps of 4 of 4 sequences per batch" in detail and "MiB per map" in detail
     fig = report.plot("attention")
-    assert fig.axes[0].get_title() == "transformer.h.0.attn h0"
+    assert fig.axes[0].get_title() == "transformer.h.0.attn (causal self) h0"  # its role beside its path
 
 
 def test_maps_are_cut_to_the_memory_budget(monkeypatch):

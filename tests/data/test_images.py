@@ -1,5 +1,6 @@
 """Image data: the folder layouts, tables of paths, the validation split, Pillow's modes, and every bad input in one
 line."""
+import io
 import json
 import random
 
@@ -108,3 +109,85 @@ def test_the_bundled_shapes_and_random_pixels_need_no_files():
     assert demo.train[5]["pixel_values"].equal(demo.train[5]["pixel_values"])  # drawn again, the same image
     noise = read("synthetic", num_classes=3)
     assert noise.train[0]["pixel_values"].shape == (3, 16, 16) and int(noise.train[0]["labels"]) < 3
+
+
+def test_the_classes_found_are_named_and_hidden_files_skipped(tmp_path):
+    image_folder(tmp_path, classes=("circle", "square", "cross"))
+    _save(tmp_path / ".ipynb_checkpoints" / "0-checkpoint.png", "circle", 0)  # JupyterLab's, beside the user's
+    _save(tmp_path / "circle" / ".ipynb_checkpoints" / "1-checkpoint.png", "circle", 1)
+    (tmp_path / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (tmp_path / "square" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS's resource fork
+    splits = read(tmp_path)
+    assert splits.classes == ["circle", "cross", "square"]
+    assert "3 classes: circle, cross, square" in splits.describe().data
+    assert len(splits.train) + len(splits.val) == 18
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty class", r"the class folder \S+zebra holds no images; add its images, or remove the folder"),
+    ("truncated", r"truncated\.jpg is not an image Pillow can decode \(image file is truncated"),
+    ("bomb", r"bomb\.png is not an image Pillow can decode \(Image size \(\d+ pixels\) exceeds limit"),
+    ("labels not json", r"labels\.json is not JSON \(.*\); write one object mapping each image file"),
+    ("labels a list", r"labels\.json holds a list, but labels\.json maps each image file to its label"),
+    ("labels pairs", r"labels\.json holds a list, but"),
+    ("labels of lists", r"labels\.json holds an object with non-label values"),
+    ("no labelled row", r"images\.csv has no row with both an image path and a label"),
+])
+def test_bad_image_files_are_one_line_naming_the_file(tmp_path, case, message):
+    image_folder(tmp_path / "set")
+    data = tmp_path / "set"
+    if case == "empty class":
+        (data / "zebra").mkdir()
+    elif case == "truncated":
+        buffer = io.BytesIO()
+        draw_shape("circle", random.Random(0), side=64).save(buffer, "JPEG")
+        (data / "square" / "truncated.jpg").write_bytes(buffer.getvalue()[:-200])
+    elif case == "bomb":  # a PNG whose header declares 30000 x 30000: Pillow refuses it at open
+        (data / "circle" / "bomb.png").write_bytes(_png_header(30000, 30000))
+    elif case.startswith("labels") or case == "no labelled row":
+        data = tmp_path / "flat"
+        _save(data / "a.png", "circle", 0)
+        _save(data / "b.png", "square", 1)
+        table = {"labels not json": "{'a.png': 'circle',", "labels a list": json.dumps(["circle", "square"]),
+                 "labels pairs": json.dumps([["a.png", "circle"], ["b.png", "square"]]),
+                 "labels of lists": json.dumps({"a.png": ["circle"], "b.png": ["square"]})}.get(case)
+        if table is None:
+            (data / "images.csv").write_text("path,label\na.png,\nb.png,  \n")
+            data = data / "images.csv"
+        else:
+            (data / "labels.json").write_text(table)
+    with pytest.raises(DataError, match=message) as info:
+        read(data)
+    assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
+
+
+def test_a_file_broken_after_the_check_is_named_where_it_is_read(tmp_path):
+    splits = read(image_folder(tmp_path, per_class=4), val_fraction=0)
+    for path in (tmp_path / "circle").iterdir():
+        path.write_bytes(b"\x89PNG gone")
+    with pytest.raises(DataError, match=r"circle/\d\.png is not an image Pillow can decode"):
+        [splits.train[i] for i in range(len(splits.train))]
+
+
+def test_rows_of_a_table_without_a_label_are_dropped_and_counted(tmp_path):
+    image_folder(tmp_path, per_class=4)
+    rows = [f"{c}/{i}.png,{c}" for c in ("circle", "square") for i in range(4)]
+    rows[1], rows[5] = "circle/1.png,", "square/1.png,"  # empty cells pandas reads as NaN: no class "nan"
+    table = tmp_path / "images.csv"
+    table.write_text("path,label\n" + "\n".join(rows) + "\n")
+    with pytest.warns(UserWarning, match=r"2 of 8 rows of images\.csv have an empty path or label and were dropped "
+                                         r"\(lines 3, 7\)"):
+        splits = read(table)
+    assert splits.classes == ["circle", "square"] and len(splits.train) + len(splits.val) == 6
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and IHDR chunk declaring width x height (no pixels: Pillow refuses it before reading them)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")

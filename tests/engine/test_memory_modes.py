@@ -52,6 +52,31 @@ def test_checkpointing_leaves_the_fp32_loss_curve_unchanged(spec, kwargs):
     assert not any("forward" in vars(b) for b in repeated_blocks(runs[1].model))  # the model comes back as it was
 
 
+def test_checkpointing_a_t5_turns_its_caches_off_without_transformers_notice_and_undo_puts_them_back(caplog):
+    """T5's decoder stack reads its own copy of the config: with its use_cache on, transformers logs "`use_cache=True`
+    is incompatible with gradient checkpointing" (a red line in a notebook) from the fit cell and from `all`."""
+
+    import transformers
+
+    from tier_utils.engine.activation_checkpointing import enable_checkpointing
+
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0)).train()
+    transformers.utils.logging.warning_once.cache_clear()  # said once per process: an earlier test may have said it
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.addHandler(caplog.handler)  # transformers' loggers don't propagate to the root, where caplog listens
+    try:
+        on = enable_checkpointing(model)
+        ids = torch.randint(1, 60, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if "use_cache" in r.getMessage()], caplog.text
+    assert model.config.use_cache is False and model.decoder.config.use_cache is False
+    on.undo()
+    assert model.config.use_cache is True and model.decoder.config.use_cache is True  # the user's, as it came
+
+
 def test_checkpointing_saves_fewer_activation_bytes():
     model = TinyGPT(**TWO)
     batch = adapt(model).example_batch(4, 32)

@@ -18,7 +18,7 @@ def test_ddp_holds_everything_per_rank_and_fsdp_a_shard_plus_the_units_in_flight
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
     result = plan_ranks(model, seq_len=32, precision="fp32", device="cpu", ranks=(1, 2, 4), progress=False)
-    p, t = result.plan, result.table.set_index(["mode", "ranks"])
+    p, t = result.plan, result.full_table().set_index(["mode", "ranks"])
     whole = sum(static_bytes(model).values())
     block = sum(q.numel() for q in model.blocks[0].parameters())
     root = sum(q.numel() for q in model.parameters()) - 3 * block

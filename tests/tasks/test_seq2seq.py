@@ -113,6 +113,33 @@ def test_pairs_are_encoded_as_the_tokenizer_does_with_unscored_padding(folders):
     assert "a seeded random 10% of the pairs" in splits.validation
 
 
+def test_the_bundled_pairs_are_cut_without_a_warning_and_the_users_are_not(folders):
+    """The tier-2 demo cell printed four red "were cut; raise seq_len" lines about tier_utils' own snippets."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        demo = build_datasets(None, SEQ2SEQ, seq_len=12)
+    assert not [w for w in caught if "cut" in str(w.message)] and "cut to the lengths asked" in demo.name
+    tok = tier_utils.load_tokenizer(str(folders["t5"]))
+    with pytest.warns(UserWarning, match="were cut to it"):
+        build_datasets(str(folders["pairs"]), SEQ2SEQ, seq_len=2, vocab_size=tok.vocab_size, tokenizer=tok)
+
+
+def test_a_t5_folder_without_tokenizer_files_names_the_tokenizer_as_the_fix(folders, tmp_path, capsys):
+    """Its vocabulary is smaller than byte ids': the line said only vocab_size>=256, where the fix is --tokenizer."""
+    import shutil
+
+    bare = tmp_path / "t5-bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folders["t5"] / name, bare / name)
+    code = main(["train", "--model", str(bare), "--data", str(folders["pairs"]), "--max-steps", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in lines if not line.startswith("warning:")]
+    assert code == 2 and len(err) == 1 and "--tokenizer PATH" in err[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_t5_folder_trains_on_a_pairs_file_through_the_cli(folders, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "--model", str(folders["t5"]), "--data", str(folders["pairs"]), "--target-column", "target",
@@ -331,6 +358,15 @@ def test_attention_maps_encoder_decoder_and_cross_attention_with_their_own_shape
     assert fig.axes[0].get_ylabel() == "query (target token)" and fig.axes[0].get_xlabel() == "key (source token)"
     assert [side for side, _ in tokens["model.encoder.layers.0.self_attn"]] == ["source", "source"]
     assert tokens["model.decoder.layers.0.self_attn"] == ((rows, targets), (rows, targets))
+    # Each map's role named in its frames (the JSON's too) and its plot titles: nothing else says which is cross.
+    layers = found.frames["attention_layers"].set_index("layer").role
+    assert layers.to_dict() == {"model.encoder.layers.0.self_attn": "encoder self",
+                                "model.decoder.layers.0.self_attn": "decoder self",
+                                "model.decoder.layers.0.encoder_attn": "cross"}
+    assert set(found.frames["attention"].role) == {"encoder self", "decoder self", "cross"}
+    assert fig.axes[0].get_title() == "model.decoder.layers.0.encoder_attn (cross) h0"
+    frames = found.to_json()["frames"]
+    assert {r["role"] for r in frames["attention_layers"]} == {"encoder self", "decoder self", "cross"}
 
 
 @pytest.mark.filterwarnings("ignore:.*were cut to it")  # the bundled pairs at this test's short lengths

@@ -60,6 +60,7 @@ def test_smoke_on_a_vit_folder_passes_with_image_probes(vit_folder):
     assert rows["shapes: batch rows independent"].status == "PASS"
     assert rows["stability: black image (pixels -1)"].status == "PASS"
     assert rows["shapes: padded batch + attention_mask"].status == "SKIP"
+    assert "gradients: loss on random pixels" in rows  # an image model's texts say images and pixels
 
 
 class HandViT(nn.Module):
@@ -132,8 +133,15 @@ def test_analysis_draws_rollout_and_runs_headroom_and_export_takes_pixels(tmp_pa
                                 progress=False)
     rows = {(r["analysis"], r["status"]) for r in report.table.to_dict("records")}
     assert ("attention", "PASS") in rows and ("headroom", "PASS") in rows  # the rollout's row
+    assert "sequences" not in " ".join(report.table.detail.astype(str))  # its rows are images
     exported = tier_utils.export(model, path=str(tmp_path / "vit.pt2"), format="pt2", repeats=1)
     assert exported.config.inputs == ["pixel_values"] and all(c.status == "PASS" for c in exported.checks)
+    # its shapes in images and pixels (they read "(1x8)" and "(4x32)": a token model's batch and length)
+    assert exported.config.parity_shapes == ["1 image of 16x16", "4 images of 16x16"]
+    assert set(exported.latency_table.index.get_level_values("shape")) == {"1 image of 16x16", "4 images of 16x16"}
+    ranks = tier_utils.plan_ranks(model, ranks=(1, 2), device="cpu", progress=False)
+    assert "at 16x16 pixels, " in ranks.headline() and "T=" not in ranks.summary_line()
+    assert "full fine-tune, AdamW" in ranks.summary_line() and len(ranks.table.columns) <= 12
 
 
 @pytest.mark.slow

@@ -211,6 +211,22 @@ def test_a_timm_style_module_is_an_image_classifier_by_its_pretrained_cfg(files)
     assert result.summary.accuracy is not None and result.summary.unit == "image"
 
 
+def test_the_notebooks_model_is_resolved_with_its_data_so_a_folders_head_follows_it(files, tmp_path):
+    """A ViT folder of 2 classes typed in beside an image folder of 3: the notebooks build the model with
+    cfg.build_model(), which sizes the head to the data as the CLI does (it stopped with "a model built in Python
+    keeps its head")."""
+    from tier_utils.run_config import RunConfig
+
+    two = vision_files.vit_folder(tmp_path / "vit2", classes=2)
+    cfg = RunConfig(model=str(two), data=str(files / "three"), device="cpu")
+    with pytest.warns(UserWarning, match="new head starts at random"):
+        model = cfg.build_model()
+    assert model.config.num_labels == 3
+    result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
+                                                                progress=False))
+    assert result.summary.classes == ["circle", "cross", "square"]
+
+
 def test_the_panel_takes_an_image_folder_and_the_model_typed_in_sets_the_task(files):
     from tier_utils.run_config import RunConfig
     from tier_utils.widgets import config_panel
@@ -228,4 +244,5 @@ def test_the_panel_takes_an_image_folder_and_the_model_typed_in_sets_the_task(fi
     model = cfg.build_model()
     result = tier_utils.train(model, cfg.data, cfg.train_config(max_steps=1, batch_size=4, eval_batches=1,
                                                                 progress=False))
-    assert result.summary.data == "image folder three" and result.summary.task == "image-classification"
+    assert result.summary.data == "image folder three (3 classes: circle, cross, square)"
+    assert result.summary.task == "image-classification"

@@ -209,3 +209,48 @@ def test_a_folder_whose_weights_are_cut_short_is_one_line_naming_the_file_before
     line = str(caught.value)
     assert "\n" not in line and f"{file} is not a readable safetensors file (cut short" in line
     assert not (tmp_path / "ckpt").exists()
+
+
+def _header_only(path, tensors: dict) -> None:
+    """A .safetensors file whose header places `tensors` ({name: (dtype, shape)}), its data a sparse hole: the file
+    is as long as the header says (not cut short), and takes no disk."""
+    entries, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = 2 * int(torch.tensor(shape).prod())  # BF16
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+    os.truncate(path, 8 + len(header) + offset)
+
+
+def test_a_header_larger_than_the_config_is_sized_and_refused_in_one_line(tmp_path, monkeypatch):
+    """A tiny Llama config beside a header claiming a 128 GiB embedding: the pre-flight sizes the larger (transformers
+    maps the whole file: `unable to mmap`, a traceback, past a pre-flight that sized the config)."""
+    from tier_utils.cli import main
+
+    folder = llama_folder(tmp_path / "llama")
+    _header_only(tmp_path / "llama" / "model.safetensors", {"model.embed_tokens.weight": ("BF16", [2**26, 1024])})
+    sized = weights_of(folder, {})
+    assert (sized.parameters, sized.stored_bytes, sized.module) == (2**36, 2**37, None)
+    assert sized.task is not None and sized.task.name == "causal-lm"
+    monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", "64GiB")
+    out = tmp_path / "run"
+    assert main(["train", "--model", folder, "--max-steps", "2", "--no-progress", "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_only_the_files_the_index_names_are_summed(tmp_path):
+    """A sharded folder beside a stale shard of an older save and a peft adapter's file: from_pretrained reads the
+    index's shards only, and so does the pre-flight."""
+    tensors = {"a.weight": torch.zeros(64, 64, dtype=torch.bfloat16), "b.weight": torch.zeros(32, dtype=torch.bfloat16)}
+    save_file({"a.weight": tensors["a.weight"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": tensors["b.weight"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    stale = {"a.weight": torch.zeros(512, 512, dtype=torch.bfloat16)}
+    save_file(stale, str(tmp_path / "model-00001-of-00003.safetensors"))  # an older save's shard
+    save_file(stale, str(tmp_path / "adapter_model.safetensors"))
+    sized = weights_of(str(tmp_path), {})
+    assert (sized.parameters, sized.stored_bytes) == (64 * 64 + 32, 2 * (64 * 64 + 32))

@@ -259,3 +259,27 @@ def test_a_prediction_that_runs_out_of_memory_too_is_said_and_the_checkpoint_sti
     assert after and int(after.group(1)) >= 1, line
     assert f"is intact at step {after.group(1)}: --resume (resume=True) with the same batch and precision " \
            f"continues from step {after.group(1)} " in line
+
+
+@pytest.mark.slow  # the planner's probes of every mode, ~20 s here
+def test_an_encoder_decoder_is_planned_with_its_own_target_length(budget, monkeypatch):
+    """A seq2seq run with --target-len 4 at T=32: the answer plans targets of 4 tokens (it planned 32)."""
+    from tier_utils.engine.step import TrainStep
+    from tier_utils.training import out_of_memory
+
+    planned, real_plan, step = [], out_of_memory.plan, TrainStep.__call__
+
+    def recorded(*args, **kwargs):
+        planned.append(kwargs.get("target_len"))
+        return real_plan(*args, **kwargs)
+
+    def runs_out(self, batches, *args, **kwargs):
+        if len(batches[0]["input_ids"]) == RUN["batch_size"]:  # the run's steps, not the planner's probes
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return step(self, batches, *args, **kwargs)
+
+    monkeypatch.setattr(out_of_memory, "plan", recorded)
+    monkeypatch.setattr(TrainStep, "__call__", runs_out)
+    with pytest.raises(TrainingOutOfMemory) as caught:
+        train("tiny-seq2seq", model_kwargs=dict(SIZE), target_len=4, **RUN)
+    assert planned == [4] and "at B=8, T=32, target 4, fp32" in str(caught.value), str(caught.value)

@@ -172,7 +172,8 @@ def run(ctx: Context) -> Outcome:
         return Outcome([Check("attention maps", "SKIP", None, None,
                               f"{cap.source}: no (B, heads, queries, keys) attention maps over the batch's tokens "
                               "were captured")])
-    outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit)}")
+    outcome = _outcome(stats, example, f"{cap.source}, {len(ctx.batches)} batches; {_size(cap, limit, task)}",
+                       task)
     if means is not None:
         _add_rollout(ctx, outcome, list(means.values()), predicted)
     outcome.artifacts["tokens"] = _map_tokens(ctx, example)
@@ -238,35 +239,39 @@ def _map_tokens(ctx: Context, example: dict) -> dict:
     return named
 
 
-def _size(cap: AttentionCapture, limit: int) -> str:
-    """What the captured maps held: sequences kept per batch and the largest map, against the budget."""
+def _size(cap: AttentionCapture, limit: int, task) -> str:
+    """What the captured maps held: rows kept per batch (sequences, images) and the largest map, against the
+    budget."""
     kept = min(rows for rows, _ in cap.rows.values())
     batch = max(total for _, total in cap.rows.values())
-    return (f"maps of {kept} of {batch} sequences per batch, largest {cap.largest / 2**20:.2f} MiB, "
+    return (f"maps of {kept} of {task.rows(batch)} per batch, largest {cap.largest / 2**20:.2f} MiB, "
             f"sized to {limit / 2**20:.3g} MiB per map")
 
 
-def _outcome(stats: _HeadStats, example: dict, captured: str) -> Outcome:
+def _outcome(stats: _HeadStats, example: dict, captured: str, task) -> Outcome:
+    """The checks and frames of the captured maps, each layer named with its role (the task's attention_kind:
+    self, encoder self, decoder self, cross)."""
     heads, layers, profile_rows = [], [], []
     for li, (name, s) in enumerate(stats.sums.items()):
-        n = s["rows"].clamp_min(1)
+        n, role = s["rows"].clamp_min(1), task.attention_kind(name)
         kinds = []
         for h in range(len(n)):
             ent, top = float(s["entropy"][h] / n[h]), float(s["max_weight"][h] / n[h])
             kinds.append(_classify(ent, top))
-            heads.append({"layer": name, "layer_index": li, "head": h, "entropy": ent, "max_weight": top,
+            heads.append({"layer": name, "role": role, "layer_index": li, "head": h, "entropy": ent, "max_weight": top,
                           "mean_distance": float(s["mean_distance"][h] / n[h]), "pattern": kinds[-1],
                           "rows": int(s["rows"][h])})
             prof = s["profile"][h] / n[h]
             profile_rows += [{"layer": name, "head": h, "distance": d, "weight": float(v)} for d, v in enumerate(prof)]
         tv = float(s["tv"] / s["tv_rows"].clamp_min(1)) if "tv" in s else math.nan
         collapsed = sum(k != "ok" for k in kinds)
-        layers.append({"layer": name, "heads": len(kinds), "collapsed_heads": collapsed, "head_similarity_tv": tv,
+        layers.append({"layer": name, "role": role, "heads": len(kinds), "collapsed_heads": collapsed,
+                       "head_similarity_tv": tv,
                        "collapsed": collapsed == len(kinds) or (len(kinds) > 1 and tv < SAME_HEADS_TV)})
     heads_df, layers_df = pd.DataFrame(heads), pd.DataFrame(layers)
     bad = heads_df[heads_df.pattern != "ok"]
     n_heads = len(heads_df)
-    named = ", ".join(f"{r.layer} h{r.head} ({r.pattern})" for r in bad.head(6).itertuples())
+    named = ", ".join(f"{r.layer} ({r.role}) h{r.head} ({r.pattern})" for r in bad.head(6).itertuples())
     more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
     if len(bad) and (bad.pattern == "uniform").all():
         more += "; near-uniform heads everywhere is what an untrained model shows"
@@ -280,7 +285,8 @@ def _outcome(stats: _HeadStats, example: dict, captured: str) -> Outcome:
     checks.append(Check("collapsed layers", "WARN" if len(bad_layers) else "PASS",
                         f"{len(bad_layers)}/{len(layers_df)}",
                         f"all heads collapsed or head TV distance < {SAME_HEADS_TV}",
-                        ", ".join(bad_layers.layer) + ("; all heads uniform, which is what an untrained model shows"
+                        ", ".join(f"{r.layer} ({r.role})" for r in bad_layers.itertuples())
+                        + ("; all heads uniform, which is what an untrained model shows"
                                                        if untrained else "")
                         if len(bad_layers) else "heads differ within every layer"))
     broken = {name: s["nonfinite"] for name, s in stats.sums.items() if s["nonfinite"]}
@@ -352,10 +358,11 @@ def _draw_maps(fig, outcome: Outcome, chosen: list[str], head_ids: list[int]) ->
     maps, tokens = outcome.artifacts["maps"], outcome.artifacts.get("tokens", {})
     axes = fig.subplots(len(chosen), len(head_ids) + 1, squeeze=False)
     prof = outcome.frames["attention_distance"]
+    roles = dict(zip(outcome.frames["attention_layers"].layer, outcome.frames["attention_layers"].role))
     for row, name in zip(axes, chosen):
         for ax, h in zip(row, head_ids):
             image = ax.imshow(maps[name][h].numpy(), cmap="viridis", vmin=0, aspect="auto")
-            ax.set_title(f"{name} h{h}", fontsize=8)
+            ax.set_title(f"{name} ({roles[name]}) h{h}", fontsize=8)
             if name in tokens:
                 _token_axes(ax, tokens[name])
             else:
@@ -364,7 +371,7 @@ def _draw_maps(fig, outcome: Outcome, chosen: list[str], head_ids: list[int]) ->
         fig.colorbar(image, ax=row[len(head_ids) - 1], shrink=0.8, label="attention weight")
         for h, grp in prof[prof.layer == name].groupby("head"):
             row[-1].plot(grp.distance, grp.weight, label=f"h{h}")
-        row[-1].set_title(f"{name}: mass by distance", fontsize=8)
+        row[-1].set_title(f"{name} ({roles[name]}): mass by distance", fontsize=8)
         row[-1].set_xlabel("|query - key| (tokens)", fontsize=7)
         row[-1].set_ylabel("mean attention weight", fontsize=7)
         row[-1].legend(fontsize=7)
@@ -384,7 +391,8 @@ def panel(ax, outcome: Outcome) -> None:
     grid = df.pivot(index="layer_index", columns="head", values="entropy")
     image = ax.imshow(grid.to_numpy(), cmap="magma", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(grid.shape[1]), grid.columns)
-    category_ticks(ax, list(df.drop_duplicates("layer_index").layer), axis="y")
+    layers = df.drop_duplicates("layer_index")
+    category_ticks(ax, [f"{n} ({r})" for n, r in zip(layers.layer, layers.role)], axis="y")
     ax.set(xlabel="head", ylabel="module path", title="attention entropy / log(keys) (1 = uniform)")
     ax.figure.colorbar(image, ax=ax, shrink=0.8, label="normalised entropy")
     if grid.to_numpy().min() >= UNIFORM_ENTROPY:  # one flat block reads as a broken plot without this

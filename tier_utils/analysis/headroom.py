@@ -191,7 +191,7 @@ def _compared_rows(ctx: Context, row_bytes: float) -> tuple[int, str]:
     emulated = [p for p in autocast_precisions() if not native_support(p, ctx.adapter.device)[0]]
     if emulated and n > 1:
         n, why = 1, f"{' and '.join(emulated)} emulated on {ctx.adapter.device.type} (slow)"
-    return n, f" (on {n} of the first batch's {total} sequences: {why})" if n < total else ""
+    return n, f" (on {n} of the first batch's {ctx.adapter.task.rows(total)}: {why})" if n < total else ""
 
 
 def _drift_check(df: pd.DataFrame, prec: str, scope: str = "") -> Check:

@@ -126,7 +126,7 @@ def run(ctx: Context) -> Outcome:
     # Level 0 compares a second clean run with the first: the eval-mode determinism check.
     again = [_log_probs(ctx, b[key], ctx.mask(b), b["labels"]) for b in batches] if 0 in levels else clean
     rows, notes = [], []
-    scope = (f"; {rows_kept} of {total} sequences, as many as fit the {BUDGET_S:g} s budget at "
+    scope = (f"; {rows_kept} of {adapter.task.rows(total)}, as many as fit the {BUDGET_S:g} s budget at "
              f"{per_sequence * passes:.2g} s each for {passes} passes" if rows_kept < total else "")
     for pi, kind in enumerate(kinds):
         if kind == "embedding_noise" and adapter.task.source_embedding(adapter) is None:

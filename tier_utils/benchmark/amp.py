@@ -88,6 +88,7 @@ def amp_benchmark(model, data=None, config: BenchConfig | dict | None = None, *,
     if cfg.memory.lora is not None:  # every row trains the adapters; peft's unload() gives the caller's model back
         adapter = replace(adapter, model=apply_memory(adapter.model, held, task=adapter.task))
     adapter = replace(adapter, memory=held)
+    cfg = replace(cfg, thresholds=cfg.thresholds.for_task(adapter.task))
     try:
         with kept_dtypes(adapter.model.to(dev)):
             return BenchmarkRun(adapter, cfg, dev, data).run()

@@ -2,7 +2,7 @@
 PASS), each setting declared once."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
@@ -59,8 +59,9 @@ class Thresholds:
 
     speedup: float = setting(1.5, "fp32 median step time / this precision's, to PASS", flag="min-speedup",
                              above=0)
-    memory_reduction: float = setting(0.40, "1 - bytes / fp32's bytes, to PASS", flag="min-memory-reduction",
-                                      low=0, below=1)
+    memory_reduction: float | None = setting(None, "1 - bytes / fp32's bytes, to PASS (none: the task's own, "
+                                             "0.40 for a language model)", flag="min-memory-reduction", low=0,
+                                             below=1)
     memory: str = setting("activations", "which memory the reduction applies to", choices=MEMORY_BASES)
     accuracy_diff: float = setting(0.01, "|val accuracy - fp32's| allowed", flag="max-accuracy-diff", above=0)
     parity_tolerance: float = setting(0.05, "relative band around fp32's training-loss curve", above=0)
@@ -71,6 +72,12 @@ class Thresholds:
 
     def __post_init__(self):
         check_fields(self)
+
+    def for_task(self, task) -> Thresholds:
+        """With the task's memory threshold where none was given (Task.amp_memory_reduction: what autocast can
+        save on that kind of model)."""
+        return self if self.memory_reduction is not None else replace(self,
+                                                                      memory_reduction=task.amp_memory_reduction)
 
 
 # BenchConfig's fields that say where a run goes and how it shows, not what it measures.

@@ -271,6 +271,16 @@ class PeakRSS:
             line = next(line for line in f if line.startswith(key + ":"))
         return int(line.split()[1]) * 1024  # kB
 
+    @classmethod
+    def own_peak(cls) -> int | None:
+        """This process's own peak resident memory (VmHWM), None where /proc has none. Not getrusage's
+        ru_maxrss: on Linux it carries a parent's peak over fork and exec, so a child started by a big process
+        reads at least the parent's peak."""
+        try:
+            return cls._status("VmHWM")
+        except (OSError, StopIteration):
+            return None
+
     def __enter__(self) -> PeakRSS:
         import gc
 

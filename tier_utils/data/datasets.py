@@ -232,8 +232,9 @@ def user_texts(data, request: DataRequest, reading: Reading) -> Texts:
 def check_vocabulary(request: DataRequest) -> None:
     tokenizer = request.tokenizer
     if tokenizer.vocab_size > request.vocab_size:
-        fix = (f"build the model with vocab_size>={tokenizer.vocab_size} or pass token tensors"
-               if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
+        fix = (f"pass the tokenizer the model was trained with (tokenizer=, --tokenizer PATH: a folder without "
+               f"tokenizer files gets byte ids), or build the model with vocab_size>={tokenizer.vocab_size}, or pass "
+               "token tensors" if tokenizer.name == BYTES else "pass the tokenizer the model was trained with")
         raise DataError(f"text is tokenized by {tokenizer.name} (vocab {tokenizer.vocab_size}) but the model's vocab "
                         f"is {request.vocab_size}; {fix}")
 

@@ -1,5 +1,6 @@
 """Images for an image classifier: its processing (the model's image processor, or a declared size, mean and std),
-the user's image folders and tables decoded with Pillow, and the bundled shapes drawn on the fly.
+the user's image files decoded with Pillow (data.image_files reads their layout), and the bundled shapes drawn on the
+fly.
 
 An image model's `ImageProcessing` stands where a language model's tokenizer does: it turns the user's raw data
 into the model's inputs (`pixel_values`, (C, S, S) floats), results name it, and a trained folder saves it.
@@ -7,7 +8,6 @@ into the model's inputs (`pixel_values`, (C, S, S) floats), results name it, and
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 from collections.abc import Sequence
@@ -19,13 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..core.errors import DataError, ModelSpecError, one_line
-from .userdata import LABEL_COLUMNS, class_ids, hf_dataset_spec, load_hf_dataset
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-LABELS_FILE = "labels.json"
-PATH_COLUMNS = ("image", "path", "file", "filename", "image_path")
-IMAGE_COLUMNS = ("image", "img", "picture", "photo")  # a `datasets` image column, where no feature types one
-VAL_FOLDERS = ("val", "validation")
 # With no processor and nothing declared: ImageNet-free defaults that map [0, 1] pixels to [-1, 1] (ViT's own).
 DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)
 SHAPES = ("circle", "square", "triangle", "cross")  # the bundled demo's classes
@@ -130,10 +124,10 @@ class ImageFiles(Dataset):
         return len(self.images)
 
     def __getitem__(self, i: int) -> dict:
-        from PIL import Image
-
         item = self.images[i]
-        with Image.open(item) if isinstance(item, (str, Path)) else contextlib.nullcontext(item) as image:
+        if not isinstance(item, (str, Path)):  # a dataset's decoded image
+            return {"pixel_values": self.processing([item])[0], "labels": self.labels[i]}
+        with opened(item) as image:  # checked before training; a file changed since is named too
             return {"pixel_values": self.processing([image])[0], "labels": self.labels[i]}
 
 
@@ -178,188 +172,22 @@ def draw_shape(shape: str, rng: random.Random, side: int = 64):
     return image
 
 
-@dataclass
-class LabelledImages:
-    """What an image source holds: its images (files, or a `datasets` image column) and class ids, its own
-    validation part where it has one, class names."""
-
-    images: Sequence
-    labels: list[int]
-    classes: list[str]
-    name: str
-    val_images: Sequence | None = None
-    val_labels: list[int] | None = None
-    val_how: str = "the folder's own validation split"
-
-
-def is_image_folder(path) -> bool:
-    """A folder holding images and no .txt files (what a language model can't read)."""
-    folder = Path(str(path)).expanduser()
-    return folder.is_dir() and not any(folder.rglob("*.txt")) and any(_images(folder))
-
-
-def _images(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-
-
-def read_images(data, num_classes: int | None) -> LabelledImages:
-    """An image folder (ImageFolder layout, or images with a labels.json), with its own val/ or validation/ split
-    where it has one, or a CSV / JSONL / Parquet table of image path and label; every file checked to decode."""
-    found = image_layout(data)
-    _check_classes(found, num_classes)
-    for files in (found.images, found.val_images):
-        for p in files if isinstance(files, list) else ():  # files; a dataset's column decodes as it is read
-            _check_decodes(p)
-    return found
-
-
-def image_layout(data) -> LabelledImages:
-    """What an image folder or table holds (files, class ids and names), read from its layout alone: nothing is
-    decoded, so the class names are known before a model is loaded for them."""
-    if is_datasets_object(data):
-        return _read_dataset(data if "Dict" in type(data).__name__ else {"train": data}, "the dataset given",
-                             "train", None)
-    if hf_dataset_spec(data) is not None:
-        return _read_dataset(*load_hf_dataset(hf_dataset_spec(data)))
-    path = Path(str(data)).expanduser()
-    if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".parquet"):
-        found = _read_table(path)
-    elif path.is_dir():
-        split = next((path / v for v in VAL_FOLDERS if (path / v).is_dir()), None)
-        found = _read_folder(path / "train" if split is not None and (path / "train").is_dir() else path,
-                             exclude=split)
-        if split is not None:
-            _add_validation(found, _read_folder(split), split)
-    elif path.is_file():
-        raise DataError(f"{path.name} is not an image folder or a table of image paths, but an image classifier reads "
-                        "images; give a folder with one subfolder per class, images with a labels.json, or a "
-                        ".csv/.jsonl of path and label")
-    else:
-        raise DataError(f"data {str(data)!r} not found; give an image folder (one subfolder per class, or images "
-                        "with a labels.json) or a .csv/.jsonl/.parquet of image path and label")
-    return found
-
-
-def _read_folder(folder: Path, exclude: Path | None = None) -> LabelledImages:
-    if (folder / LABELS_FILE).is_file():
-        table = json.loads((folder / LABELS_FILE).read_text())
-        missing = sorted(f for f in table if not (folder / f).is_file())
-        if missing:
-            raise DataError(f"{folder / LABELS_FILE} names {len(missing)} files not in {folder} "
-                            f"({', '.join(missing[:3])}); fix labels.json or add the files")
-        return _labelled([folder / f for f in table], list(table.values()), f"image folder {folder.name} "
-                         f"with {LABELS_FILE}")
-    images = [p for p in _images(folder) if exclude is None or exclude not in p.parents]
-    if not images:
-        if any(folder.rglob("*.txt")):
-            raise DataError(f"{folder} holds text, but an image classifier reads images; give an image folder, or a "
-                            "language model for the text")
-        raise DataError(f"the folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES[:4])}, ...); give a folder "
-                        "with one subfolder of images per class")
-    return _labelled(images, [p.relative_to(folder).parts[0] if p.parent != folder else "" for p in images],
-                     f"image folder {folder.name}")
-
-
-def _add_validation(found: LabelledImages, val: LabelledImages, split: Path) -> None:
-    """The folder's own validation part, its class ids numbered as the training part's."""
-    names = [val.classes[i] for i in val.labels]
-    unknown = sorted(set(names) - set(found.classes))
-    if unknown:
-        raise DataError(f"{split} holds classes the training part has not ({', '.join(unknown[:4])}); give both "
-                        "parts the same class subfolders")
-    found.val_images, found.val_labels = val.images, [found.classes.index(c) for c in names]
-
-
-def _labelled(images: Sequence, values: list, name: str) -> LabelledImages:
-    if "" in values:
-        raise DataError(f"{name} has images outside any class subfolder; put each image in its class's subfolder, "
-                        f"or list them in a {LABELS_FILE}")
-    ids, names = class_ids(values, None, name)
-    return LabelledImages(images, ids.tolist(), names or [str(i) for i in range(int(ids.max()) + 1)], name)
-
-
-def _read_table(path: Path) -> LabelledImages:
-    import pandas as pd
-
-    kind = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(path.suffix.lower(), "json")
-    frame = (pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",") if kind == "csv" else
-             pd.read_parquet(path) if kind == "parquet" else pd.read_json(path, lines=path.suffix.lower() == ".jsonl"))
-    column = next((c for c in PATH_COLUMNS if c in frame.columns), None)
-    label = next((c for c in LABEL_COLUMNS if c in frame.columns), None)
-    if column is None or label is None:
-        raise DataError(f"{path.name} has no image path and label columns ({'/'.join(PATH_COLUMNS[:3])} and "
-                        f"{'/'.join(LABEL_COLUMNS)}; it has {', '.join(map(str, frame.columns[:6]))}), but an "
-                        "image classifier reads images; give a table of image paths and labels")
-    paths = [Path(p) if Path(p).is_absolute() else path.parent / p for p in frame[column].astype(str)]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise DataError(f"{path.name} names {len(missing)} image files that are not there ({', '.join(missing[:3])});"
-                        " paths are read relative to the table's folder")
-    return _labelled(paths, frame[label].tolist(), f"table {path.name}")
-
-
-def is_datasets_object(data) -> bool:
-    """A `datasets` Dataset or DatasetDict given as data (known without importing datasets)."""
-    return type(data).__module__.startswith("datasets.") and hasattr(data, "column_names")
-
-
-def _read_dataset(loaded, name: str, train_split: str, val_split: str | None) -> LabelledImages:
-    """A `datasets` dataset's image and label columns: the image column is the one its features type as an Image
-    (else the first of IMAGE_COLUMNS), a ClassLabel names its classes; its own validation split where it has one."""
-    if train_split not in loaded:
-        raise DataError(f"{name} has no {train_split!r} split; its splits are {', '.join(loaded)}")
-    rows = loaded[train_split]
-    features = getattr(rows, "features", {}) or {}
-    image = next((c for c, f in features.items() if type(f).__name__ == "Image"),
-                 next((c for c in IMAGE_COLUMNS if c in rows.column_names), None))
-    label = next((c for c in LABEL_COLUMNS if c in rows.column_names), None)
-    if image is None or label is None:
-        raise DataError(f"{name} has no image and label columns ({'/'.join(IMAGE_COLUMNS[:2])}, an Image feature, "
-                        f"and {'/'.join(LABEL_COLUMNS)}; it has {', '.join(rows.column_names[:6])}), but an image "
-                        "classifier reads images; give a dataset with an image column and a label column")
-    found = _labelled(rows[image], list(rows[label]), f"{name} [{train_split}]")
-    found.classes = list(getattr(features.get(label), "names", None) or found.classes)  # a ClassLabel's names
-    if val_split is not None:
-        values = list(loaded[val_split][label])
-        unknown = sorted({str(v) for v in values if not isinstance(v, int)} - set(found.classes))
-        if unknown:
-            raise DataError(f"the {val_split!r} split of {name} holds labels the training split has not "
-                            f"({', '.join(unknown[:4])}); give both splits the same classes")
-        found.val_images, found.val_how = loaded[val_split][image], f"the dataset's own {val_split!r} split"
-        found.val_labels = [v if isinstance(v, int) else found.classes.index(str(v)) for v in values]
-    return found
-
-
-def _check_classes(found: LabelledImages, num_classes: int | None) -> None:
-    if len(set(found.labels)) < 2:
-        raise DataError(f"{found.name} holds one class ({found.classes[0] if found.classes else '?'}); a classifier "
-                        "needs at least two: add a subfolder of images per class")
-    if num_classes is not None and len(found.classes) > num_classes:
-        raise DataError(f"{found.name} has {len(found.classes)} classes but the model's head has {num_classes} "
-                        f"and a model built in Python keeps its head; build it with {len(found.classes)} "
-                        f"(num_classes={len(found.classes)}, --model-arg num_classes=N), or give a save_pretrained "
-                        "folder, whose head follows the data")
-
-
-def _check_decodes(path: Path) -> None:
-    from PIL import Image, UnidentifiedImageError
+@contextlib.contextmanager
+def opened(path: Path):
+    """A Pillow image of `path`, any error opening or decoding it (a truncated file, a decompression bomb: Pillow
+    refuses images past its MAX_IMAGE_PIXELS) one line naming the file."""
+    from PIL import Image
 
     try:
-        with Image.open(path) as image:
-            image.verify()  # reads the whole file's structure without decoding its pixels
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise DataError(f"{path} is not an image Pillow can decode ({one_line(exc)[:100]}); replace or remove "
-                        "it") from exc
+        image = Image.open(path)  # UnidentifiedImageError is an OSError
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
+        raise _undecodable(path, exc) from exc
+    with image:
+        try:
+            yield image  # its pixels are decoded where they are first read (a truncated file fails there)
+        except (Image.DecompressionBombError, OSError, SyntaxError) as exc:
+            raise _undecodable(path, exc) from exc
 
 
-def stratified_split(labels: list[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, val) indices: `fraction` of each class held out (at least one of any class with two or more; none
-    for 0)."""
-    rng, train, val = random.Random(seed), [], []
-    for c in sorted(set(labels)):
-        members = [i for i, y in enumerate(labels) if y == c]
-        rng.shuffle(members)
-        k = min(len(members) - 1, max(1, round(len(members) * fraction))) if fraction else 0
-        val += members[:k]
-        train += members[k:]
-    return sorted(train), sorted(val)
+def _undecodable(path: Path, exc: Exception) -> DataError:
+    return DataError(f"{path} is not an image Pillow can decode ({one_line(exc)[:100]}); replace or remove it")

@@ -66,25 +66,25 @@ def _hf_switch(model: nn.Module, on: bool):
                                                                               None)
 
 
-_NONE = object()  # a block with no forward of its own (the class's), or a config with no use_cache
+_NONE = object()  # a block with no forward of its own (the class's)
 
 
 @dataclass(frozen=True)
 class Checkpointing:
     """Activation checkpointing turned on for a model, and what `undo` puts back so the user's module runs as it
     came: each block's own `forward` attribute (none: the class's method), or the transformers switch and the
-    config's `use_cache`. Nothing is kept on the module."""
+    configs' `use_cache`. Nothing is kept on the module."""
 
     model: nn.Module
     how: str  # for the result's words
     forwards: tuple = ()  # (block, the forward it held in its own attributes, or _NONE)
-    use_cache: object = _NONE  # the config's use_cache before (transformers' switch only)
+    use_cache: tuple = ()  # (config, its use_cache before) for each config turned off (transformers' switch only)
 
     def undo(self) -> None:
         if not self.forwards:
             _hf_switch(self.model, False)()
-            if self.use_cache is not _NONE:
-                _config(self.model).use_cache = self.use_cache
+            for config, was in self.use_cache:
+                config.use_cache = was
             return
         for block, own in self.forwards:
             if own is _NONE:
@@ -93,8 +93,15 @@ class Checkpointing:
                 block.forward = own
 
 
-def _config(model: nn.Module):
-    return getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+def _caches_off(model: nn.Module) -> tuple:
+    """Every config in `model` with use_cache on, turned off; (config, True) for each. transformers reads each
+    module's own config (T5's and BART's decoder stacks hold a copy of the model's), and where one says use_cache
+    while checkpointing it logs "`use_cache=True` is incompatible with gradient checkpointing", a red line in a
+    notebook, and turns it off itself: the KV cache is for generation, and no training step reads it."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    for config in configs.values():
+        config.use_cache = False
+    return tuple((c, True) for c in configs.values())
 
 
 def enable_checkpointing(model: nn.Module) -> Checkpointing:
@@ -105,13 +112,8 @@ def enable_checkpointing(model: nn.Module) -> Checkpointing:
     if switch is not None:
         prefix = switch.__name__.split("_")[0]  # activation_checkpointing_kwargs or gradient_checkpointing_kwargs
         switch(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
-        # transformers fills a KV cache no training step reads, and warns that it is incompatible with
-        # checkpointing, while its config's use_cache is on: off while checkpointing, the user's value back after.
-        config = _config(model)
-        was = getattr(config, "use_cache", _NONE)
-        if was is not _NONE:
-            config.use_cache = False
-        return Checkpointing(model, f"{n} blocks, transformers' {switch.__name__} (non-reentrant)", use_cache=was)
+        return Checkpointing(model, f"{n} blocks, transformers' {switch.__name__} (non-reentrant)",
+                             use_cache=_caches_off(model))  # the user's values back at undo
     forwards = []
     for block in repeated_blocks(model):
         forwards.append((block, vars(block).get("forward", _NONE)))

@@ -5,8 +5,10 @@ passed to from_pretrained by `load_quantized`): the full-precision weights are n
 other module (a hand-written GPT, a built-in) has its block `nn.Linear` layers swapped for bitsandbytes'
 `Linear4bit` in place (`quantize_linears`). Either way the embeddings and the output head stay in the base dtype,
 as transformers and peft leave them by default (a tied head is the embedding; the head's logits are where 4-bit
-costs the most accuracy). The compute dtype follows the precision decision (`Precision.compute_dtype`). NF4 without
-double quantisation, transformers' default, so both paths hold the same bytes per weight.
+costs the most accuracy); a classifier's head is named to transformers at load (`llm_int8_skip_modules`, filled
+by models/pretrained.py from the task's head modules), since its own rule misses a head with a bias. The compute
+dtype follows the precision decision (`Precision.compute_dtype`). NF4 without double quantisation, transformers'
+default, so both paths hold the same bytes per weight.
 
 `merge_to_plain` undoes it for `--merge`: the 4-bit weights dequantised, the LoRA adapters merged into them by
 peft's merge_and_unload, the whole model in the base's stored dtype.

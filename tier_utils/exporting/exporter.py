@@ -189,7 +189,8 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     with torch.inference_mode():
         for b, t in shapes:
             batch = _batch(splits, b, t, keys, adapter)
-            label = "x".join(str(n) for n in batch[0].shape[:2])  # padded to the batch's longest, at most t
+            # the batch as padded: to its longest row, at most t
+            label = adapter.task.shape_label(adapter, len(batch[0]), batch[0].shape[1])
             labels.append(label)
             if runner is None:
                 checks += [Check(f"{name} ({label})", "SKIP", detail=skip) for name in ("logits rel max |Δ|",
@@ -197,6 +198,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
                 continue
             checks += _parity(wrapper(*batch).float(), runner(batch).float(), prec.tolerances(), label)
             latency += _latency(wrapper, runner, batch, label, cfg.repeats, fmt)
+    labels = [adapter.task.shape_label(adapter, b, t) for b, t in shapes]
     config = ExportRun(adapter.name, adapter.task.name, fmt, prec.name, prec.reason, inputs=list(keys),
                        trace_shape=list(trace[0].shape), parity_shapes=labels,
                        max_len=adapter.max_len, described=splits.describe(), repeats=cfg.repeats, bytes=len(payload),

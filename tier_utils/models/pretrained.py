@@ -8,8 +8,10 @@ weights are returned with the model: the loader records them (`ModelSource.new_m
 (engine/lora.py)."""
 from __future__ import annotations
 
+import copy
 import warnings
 
+import torch
 import torch.nn as nn
 
 from ..core.errors import ModelSpecError
@@ -26,6 +28,9 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
     logging.set_verbosity_error()  # its load report: what it says is checked below and said in one line
     if task.takes_new_head and "num_labels" in kwargs:  # the user's classes: a head of another size starts anew
         kwargs = {"ignore_mismatched_sizes": True, **kwargs}
+    if kwargs.get("quantization_config") is not None:
+        kwargs = {**kwargs, "quantization_config": _heads_kept_whole(kwargs["quantization_config"], auto, config,
+                                                                     task)}
     try:
         model, info = load(auto.from_pretrained, output_loading_info=True, **kwargs)
     except ValueError as exc:
@@ -49,6 +54,27 @@ def from_pretrained(transformers, task: Task, config, spec: str, load, **kwargs)
         warnings.warn(f"{spec} holds no weights that fit {_few(new)}: {name}'s new head starts at random and is "
                       "trained (the base's weights are the folder's)", stacklevel=4)
     return model, tuple(dict.fromkeys(key.rpartition(".")[0] for key in new))
+
+
+def _heads_kept_whole(quantization, auto, config, task: Task):
+    """bitsandbytes' config with the head kept out of 4-bit (`llm_int8_skip_modules`): transformers' own rule
+    keeps the output embeddings and the module of the model's last parameter *key*, which for a head with a bias is
+    `classifier.bias`, matching no module, so BERT's classifier weight would be quantised and LoRA could not train it
+    ("only Tensors of floating point dtype can require gradients"). Here: the output embeddings, the last parameter's
+    module, and the task's head modules, read off the architecture built on the meta device (no weights)."""
+    if quantization.llm_int8_skip_modules is not None:  # the caller's own choice
+        return quantization
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skeleton = auto.from_config(config)
+    output = skeleton.get_output_embeddings()
+    names = {name for name, m in skeleton.named_modules() if output is not None and m is output}
+    names.add(list(skeleton.named_parameters())[-1][0].rpartition(".")[0])
+    names |= {head for head in task.head_modules if any(n == head or n.startswith(head + ".")
+                                                        for n, _ in skeleton.named_modules())}
+    kept = copy.deepcopy(quantization)
+    kept.llm_int8_skip_modules = sorted(names)
+    return kept
 
 
 def _few(names: list[str], k: int = 3) -> str:

@@ -35,6 +35,7 @@ import torch
 from ..adapter.adapter import resolve_model
 from ..core.budget import ActivationFit, Budget, gib, read_budget
 from ..core.files import jsonable
+from ..core.memory_settings import MemorySettings
 from ..core.precision import resolve_device, resolve_precision
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
@@ -194,6 +195,7 @@ class RanksResult(Result):
     model: dict
     budget: Budget
     metadata: dict
+    at: str = ""  # the length planned, in the task's words ("T=32", "32x32 pixels")
     # The strategies planned (every registered one that runs on torchrun's ranks), decided as the result is made.
     strategies: tuple = field(default_factory=lambda: tuple(strategy_class(n) for n in launched_strategies()))
 
@@ -212,8 +214,17 @@ class RanksResult(Result):
         room = device_room(self.budget)
         return room / n if self.budget.device == "cpu" else room  # CPU ranks share this machine's RAM
 
+    # What every plan here assumes of the memory: no LoRA, QLoRA, checkpointing or 8-bit optimizer is planned per rank.
+    MEMORY = MemorySettings().describe()
+
     @property
     def table(self) -> pd.DataFrame:
+        """At most 12 columns: per mode and rank count, the static bytes a rank holds, its largest batch here and on
+        each card, and the detail; each phase's bytes in full_table() (ranks.csv, the JSON)."""
+        keep = ["mode", "ranks", "static_per_rank_gib", "this_device", *GPU_COLUMNS, "status", "detail"]
+        return self.full_table()[keep[:10] + keep[-2:]]
+
+    def full_table(self) -> pd.DataFrame:
         p, rows = self.plan, []
         for strategy in self.strategies:
             mode = strategy.name
@@ -230,7 +241,7 @@ class RanksResult(Result):
                 row["status"] = "PASS" if here >= 1 else "WARN"
                 process = f", its process's own {gib(self.process_bytes)} included" if self.process_bytes else ""
                 row["detail"] = (f"{mode} on {n} rank(s): {gib(self.rank_bytes(strategy, n, max(here, 1)))} per rank "
-                                 f"at batch {max(here, 1)} per rank, T={p.length} (predicted{process}); this device "
+                                 f"at batch {max(here, 1)} per rank, {self._at()} (predicted{process}); this device "
                                  f"gives each rank {gib(self._here(n))}")
                 rows.append(row)
         return pd.DataFrame(rows)
@@ -247,9 +258,9 @@ class RanksResult(Result):
         return pd.DataFrame(rows)
 
     def headline(self) -> str:
-        return (f"ranks: {self.model['model']} ({self.model['parameters']:,} parameters) at T={self.plan.length}, "
-                f"{self.precision}: per-rank bytes and largest batch per rank under {self._labels(' and ')} "
-                f"(predicted; {MARGIN_NOTE})")
+        return (f"ranks: {self.model['model']} ({self.model['parameters']:,} parameters) at {self._at()}, "
+                f"{self.precision}, {self.MEMORY}: per-rank bytes and largest batch per rank under "
+                f"{self._labels(' and ')} (predicted; {MARGIN_NOTE})")
 
     def overview(self) -> pd.DataFrame:
         return self.table.drop(columns=["detail"])
@@ -265,8 +276,11 @@ class RanksResult(Result):
         def each(column):
             return ", ".join(f"{c.label} {said(s.loc[c.name, column])}" for c in self.strategies)
 
-        return (f"ranks: smallest N that trains at T={self.plan.length} ({self.precision}), predicted: "
+        return (f"ranks: smallest N that trains at {self._at()} ({self.precision}, {self.MEMORY}), predicted: "
                 f"{gpu.replace(' (predicted)', '')} {each(gpu)}; here {each('this_device')}")
+
+    def _at(self) -> str:
+        return self.at or f"T={self.plan.length}"
 
     def _labels(self, between: str) -> str:
         return between.join(c.label for c in self.strategies)
@@ -278,12 +292,13 @@ class RanksResult(Result):
                          "static_bytes": p.static, "root_params": p.root_params, "block_params": p.block_params,
                          "weight_bytes_per_param": p.weight_bytes, "reduce_bytes_per_param": p.reduce_bytes,
                          "process_bytes": self.process_bytes, "activation_fit": p.fit,
-                         "table": self.table, "smallest": self.smallest(), "run_metadata": self.metadata})
+                         "memory": self.MEMORY, "table": self.full_table(), "smallest": self.smallest(),
+                         "run_metadata": self.metadata})
 
     def plot(self):
         from matplotlib.figure import Figure
 
-        t = self.table
+        t = self.full_table()
         fig = Figure(figsize=(8, 4), layout="constrained")
         ax = fig.add_subplot()
         for strategy in self.strategies:
@@ -318,4 +333,4 @@ def plan_ranks(model=DEFAULT_MODEL, config: RanksConfig | dict | None = None, *,
     precision = resolve_precision(cfg.precision, dev, warn=False)
     length = adapter.fit_length(cfg.seq_len or adapter.max_len)
     return RanksResult(rank_plan(adapter, precision, length), cfg.ranks, precision.name, adapter.summary(), budget,
-                       run_metadata(dev, precision.dtype))
+                       run_metadata(dev, precision.dtype), adapter.task.length_words(length))

@@ -272,7 +272,8 @@ def _gradients(adapter: ModelAdapter, run):
     value, got = _backward(adapter, batch)
     chance = adapter.task.chance_loss(adapter)
     status = "FAIL" if not math.isfinite(value) else "WARN" if value > 2 * chance else "PASS"
-    yield Check("gradients: loss on random tokens", status, _sig(value), f"finite, <= 2 ln(C) = {2 * chance:.3g}",
+    yield Check(f"gradients: loss on {adapter.task.random_input}", status, _sig(value),
+                f"finite, <= 2 ln(C) = {2 * chance:.3g}",
                 f"cross-entropy {value:.4g}; a fresh model should be near ln(C) = {chance:.3g}"
                 + ("" if status == "PASS" else "; check the output scale and the init"))
 

@@ -26,7 +26,7 @@ from ..data.datasets import (
     user_texts,
     without_validation,
 )
-from ..data.images import is_image_folder
+from ..data.image_files import is_image_folder
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
 from ..data.userdata import PLAIN, is_user_source
 
@@ -46,6 +46,9 @@ class Task:
     # every timm model carries: an image model), read without importing the library that made it.
     marks: tuple[str, ...] = ()
     peft_task_type = "FEATURE_EXTRACTION"  # peft's TaskType: how LoRA wraps the model
+    # The head's module names in transformers' models of this task (matched as peft and bitsandbytes match them: the
+    # module or its start): a 4-bit load keeps them whole, as LoRA trains them (RoBERTa's classifier is two Linears).
+    head_modules: tuple[str, ...] = ()
     per_token = False  # one prediction per position, (B, T, width) logits; else one per row, (B, width)
     predicts_input_positions = False  # a per-position task's positions are its input's (else its targets')
     has_classes = False  # the output width is the model's number of classes (else its vocabulary)
@@ -79,9 +82,14 @@ class Task:
     # maps over it (noise, blur, brightness; pixel attribution; attention rollout or a gradient saliency map).
     reads_pixels = False
     unit = "token"  # what a throughput counts (`units`)
+    row = "sequence"  # what one row of a batch is, as result lines count them
+    random_input = "random tokens"  # what tier 1's random batches are, in words
+    # The AMP benchmark's memory threshold unless one is given (benchmark Thresholds.memory_reduction): a language
+    # model's activations, dominated by its matmul outputs and logits, halve under bf16/fp16 autocast.
+    amp_memory_reduction = 0.40
     size_names = ("vocab_size", "max_len")  # what the adapter's vocab_size and max_len are called in a summary
     preprocessor_what = "tokenizer"  # what turns the user's raw data into the model's inputs
-    data_hint = "empty: the bundled corpus; or a text file, a folder of .txt, a table, hf-dataset:NAME"  # the panel's
+    data_hint = "empty: the task's bundled demo; or a file, a folder, hf-dataset:NAME"  # the panel's
     augments = False  # whether its training data can be augmented (build_datasets' augment)
     without_preprocessor = "feeding byte ids; pass tokenizer= (--tokenizer) with the tokenizer it was trained with"
 
@@ -138,6 +146,18 @@ class Task:
         """A batch's size in words, as result lines say it."""
         return f"batch {batch} x {length} tokens"
 
+    def rows(self, n: int) -> str:
+        """`n` rows of a batch in words: "4 sequences", "1 image"."""
+        return f"{n} {self.row}{'' if n == 1 else 's'}"
+
+    def length_words(self, length: int) -> str:
+        """The length a plan or measurement ran at, as result lines say it: "T=32"."""
+        return f"T={length}"
+
+    def shape_label(self, adapter, batch: int, length: int) -> str:
+        """A (batch, length) input's short label (an export's parity and latency rows): "4x32"."""
+        return f"{batch}x{length}"
+
     def units(self, batch: dict) -> int:
         """How many of `unit` a batch holds (a throughput's numerator)."""
         return batch[self.input_key].numel()
@@ -175,6 +195,12 @@ class Task:
         """What an attention layer's queries and keys are ("source": the input tokens; "target": an encoder-decoder's
         target tokens) and whether it is causal: every layer of a one-stack model attends over its input."""
         return "source", "source", self.causal_attention
+
+    def attention_kind(self, layer: str) -> str:
+        """An attention layer's role in words, as results name it: "self" ("causal self" where it sees only the
+        past) for a one-stack model; an encoder-decoder's names its stack, and "cross" for target-to-source."""
+        queries, keys, causal = self.attention_role(layer)
+        return "cross" if queries != keys else "causal self" if causal else "self"
 
     def target_mask(self, batch: dict) -> torch.Tensor | None:
         """(B, T) bool: the target positions a decoder reads (None: the task has no target side)."""

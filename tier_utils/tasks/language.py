@@ -23,6 +23,7 @@ class CausalLM(Task):
     auto_class = "AutoModelForCausalLM"
     architectures = ("ForCausalLM", "LMHeadModel")
     peft_task_type = "CAUSAL_LM"
+    data_hint = "empty: the bundled corpus; or a text file, a folder of .txt, a table, hf-dataset:NAME"
     per_token = True
     predicts_input_positions = True
     causal_attention = True
@@ -51,6 +52,9 @@ class Classification(Task):
     auto_class = "AutoModelForSequenceClassification"
     architectures = ("ForSequenceClassification",)
     peft_task_type = "SEQ_CLS"
+    head_modules = ("classifier", "score")  # BERT's, DeBERTa's, RoBERTa's; Llama's, GPT-2's
+    data_hint = ("empty: the bundled corpus' topics; or a table of text and label (.csv/.jsonl/.parquet), "
+                 "hf-dataset:NAME")
     has_classes = True
     takes_new_head = True
     reading = LABELLED

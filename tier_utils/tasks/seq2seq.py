@@ -2,6 +2,8 @@
 and scored on each target token under teacher forcing."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..data.datasets import DataRequest, DataSplits, corpus_name, corpus_split, corpus_topics
@@ -24,6 +26,8 @@ class Seq2Seq(Task):
     aliases = ("text2text", "encoder-decoder")
     auto_class = "AutoModelForSeq2SeqLM"
     peft_task_type = "SEQ_2_SEQ_LM"
+    data_hint = ("empty: the bundled snippets and their capitals; or a table of source and target pairs "
+                 "(.csv/.jsonl/.parquet; or a translation column), hf-dataset:NAME")
     per_token = True
     feeds_targets = True  # the targets make the decoder's inputs
     binds_model = True
@@ -59,6 +63,10 @@ class Seq2Seq(Task):
             return "target", "target", True
         return "source", "source", False
 
+    def attention_kind(self, layer: str) -> str:
+        queries, keys, _ = self.attention_role(layer)
+        return "cross" if queries != keys else "decoder self" if queries == "target" else "encoder self"
+
     def target_mask(self, batch: dict) -> torch.Tensor:
         return self.scored(batch["labels"])
 
@@ -82,10 +90,13 @@ class Seq2Seq(Task):
                 words = corpus[topic].split()
                 step = max(1, len(words) // DEMO_SNIPPETS_PER_TOPIC)
                 sources += [" ".join(words[i:i + 6]) for i in range(0, len(words) - 6, step)]
-            return Pairs.encode(sources, [s.upper() for s in sources], request)
+            with warnings.catch_warnings():  # cut to the lengths asked by design (said in its name): no red lines
+                warnings.filterwarnings("ignore", message=".* were cut to it")
+                return Pairs.encode(sources, [s.upper() for s in sources], request)
 
         return DataSplits(part(train_topics), part(val_topics), "corpus",
-                          f"{corpus_name()}: snippets and the same in capitals", request.tokenizer.name,
+                          f"{corpus_name()}: snippets and the same in capitals, each cut to the lengths asked",
+                          request.tokenizer.name,
                           "whole documentation topics held out (every 5th per topic group), so no text is in both")
 
     def tensors(self, data, request: DataRequest):

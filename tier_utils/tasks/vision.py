@@ -10,18 +10,8 @@ from torch.utils.data import Subset
 from ..core.errors import DataError
 from ..data.collate import PadCollator
 from ..data.datasets import DataRequest, DataSplits, given_splits, is_tensor_data, split_off
-from ..data.images import (
-    SHAPES,
-    DrawnImages,
-    ImageFiles,
-    ImageProcessing,
-    has_image_processor,
-    image_layout,
-    is_datasets_object,
-    load_image_processing,
-    read_images,
-    stratified_split,
-)
+from ..data.image_files import image_layout, is_datasets_object, read_images, stratified_split
+from ..data.images import SHAPES, DrawnImages, ImageFiles, ImageProcessing, has_image_processor, load_image_processing
 from ..data.userdata import is_user_source
 from .base import Task, register_task
 
@@ -41,11 +31,17 @@ class ImageClassification(Task):
     architectures = ("ForImageClassification",)
     marks = ("pretrained_cfg",)  # a timm model: its forward takes the pixels as its first argument
     has_classes = True
+    head_modules = ("classifier",)  # ViT's, Swin's, ConvNeXt's, ResNet's
     takes_new_head = True  # a pretrained backbone fine-tuned on the user's classes: a new head
     input_key = "pixel_values"
     reads_tokens = False
     reads_pixels = True
     unit = "image"
+    row = "image"
+    random_input = "random pixels"
+    # A ViT's activations are mostly saved in fp32 around its bf16 matmuls (layer norms, GELU, the residual stream,
+    # the pixels): autocast saved 19.6% on a ViT-Small at 224 x 224 (bench/RESULTS.md), a true figure that 0.40 FAILed.
+    amp_memory_reduction = 0.15
     size_names = ("channels", "image_size")
     export_inputs = ("pixel_values",)
     preprocessor_what = "image processor"
@@ -99,6 +95,13 @@ class ImageClassification(Task):
 
     def batch_words(self, batch: int, length: int) -> str:
         return f"batch {batch} images of {length} x {length}"
+
+    def length_words(self, length: int) -> str:
+        return f"{length}x{length} pixels"
+
+    def shape_label(self, adapter, batch: int, length: int) -> str:
+        """An image batch is at the model's own side, whatever length the caller planned."""
+        return f"{self.rows(batch)} of {adapter.max_len}x{adapter.max_len}"
 
     def units(self, batch: dict) -> int:
         return len(batch[self.input_key])
@@ -197,7 +200,7 @@ def _file_splits(found, request: DataRequest) -> DataSplits:
         train = Subset(ImageFiles(found.images, found.labels, augmented), keep)
         val = Subset(ImageFiles(found.images, found.labels, processing), held)
         how = f"a seeded stratified {request.val_fraction:.0%} of each class ({len(held)} images)"
-    return DataSplits(train, val, "images", found.name, augmented.name, how, found.classes)
+    return DataSplits(train, val, "images", found.described(), augmented.name, how, found.classes)
 
 
 def image_tokens(model, side: int) -> tuple[int, int] | None:

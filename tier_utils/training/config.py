@@ -24,6 +24,10 @@ NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and Non
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
 
+# What `train --out DIR` writes beside DIR/checkpoints/ (the CLI's files; `all` refuses a folder holding them).
+METRICS_FILE, PLOT_FILE, CHECKPOINTS_FOLDER = "metrics.csv", "training.png", "checkpoints"
+
+
 @dataclass
 class TrainConfig:
     """Every training setting. `max_steps`, when set, wins over `epochs`; counts are optimizer steps.

@@ -8,8 +8,9 @@ tested) from what the real load builds from: a save_pretrained folder's config.j
 model from it, whatever weights the folder holds: a partial download, .bin files only), a hub id's config (a small
 download; offline and not cached, load_model's one line), a peft adapter folder's base, a training checkpoint's
 recorded spec (its tensors, read whole beside the model as it loads, count too; read on the meta device here),
-built-ins, file.py:Name, package.module:Name and hf:<ModelClass>. Where no model builds so: a folder's safetensors
-headers (read without mapping the file), a checkpoint's tensors; else nothing is refused here. What it predicts:
+built-ins, file.py:Name, package.module:Name and hf:<ModelClass>. A folder's safetensors headers (read without
+mapping the files; only those from_pretrained reads) size it where they hold more than its config builds, or where
+no model builds; a checkpoint's tensors; else nothing is refused here. What it predicts:
 - training on the CPU: the mode's static bytes, the planner's count (planning/memory_rows.py mode_static_bytes:
   weights, gradients and the optimizer state per trainable parameter, a frozen one's weight with LoRA); activations come
   on top, so it is a lower bound;
@@ -128,7 +129,8 @@ def _folder(path: Path, spec: str, kwargs: dict) -> Weights | None:
             return None
         return weights_of(base, kwargs) if base else None
     # Read for every folder: a damaged file is one line naming it here, not a traceback once loading has begun.
-    counts = sum((safetensors_counts(f) for f in sorted(path.glob("*.safetensors"))), Counter())
+    counts = sum((safetensors_counts(f) for f in _loaded_files(path)), Counter())
+    headers = Weights(spec, sum(counts.values()), sum(n * d.itemsize for d, n in counts.items()), None)
     built = None
     if (path / "config.json").is_file():
         try:
@@ -138,9 +140,26 @@ def _folder(path: Path, spec: str, kwargs: dict) -> Weights | None:
         except Exception:  # an architecture transformers doesn't know, a bad config: load_model says so
             config = None
         built = _from_config(config, spec, kwargs, folder_dtype(path, config)) if config is not None else None
-    if built is None and counts:
-        return Weights(spec, sum(counts.values()), sum(n * d.itemsize for d, n in counts.items()), None)
-    return built
+    if built is None:
+        return headers if counts else None
+    # The larger: a file holding more than its config builds is mapped whole as it loads (a 128 GiB header beside a
+    # tiny config was "unable to mmap", a traceback past the pre-flight).
+    return replace(headers, task=built.task) if headers.stored_bytes > built.stored_bytes else built
+
+
+def _loaded_files(path: Path) -> list[Path]:
+    """The safetensors files from_pretrained reads: those its index names (stale shards and a peft adapter's file
+    beside them are not), else model.safetensors; every .safetensors in a folder with neither."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):  # not a JSON object: from_pretrained says so
+            named = set()
+        return sorted(path / name for name in named if (path / name).is_file())
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(f for f in path.glob("*.safetensors") if f.name != "adapter_model.safetensors")
 
 
 def _hub(spec: str, kwargs: dict) -> Weights | None:

@@ -52,7 +52,7 @@ from .parts import (
     make_optimization,
     prepare_data,
 )
-from .stopping import StopSignal, Terminated
+from .stopping import StopSignal, Terminated, interrupts_deferred
 from .tracking import open_train_run
 
 
@@ -165,6 +165,7 @@ class _Run:
         bar = progress_bar(total=self.data.total_steps, initial=self.progress.step, desc="train", unit="step",
                            enabled=self.cfg.progress and self.env.is_main)
         interrupted, finished = False, None
+        held = contextlib.ExitStack()  # from a Ctrl-C on: a second one waits until the partial result is made
         try:
             with self.stop.listening():
                 self._loop(bar)
@@ -177,6 +178,7 @@ class _Run:
             interrupted = True
             # Keep the finished steps (a half-done one is lost). Under torchrun the other ranks may
             # never reach another collective, so only what is already on the host is kept there.
+            held.enter_context(interrupts_deferred())
             if self.env.active or self.hist.sync() is None:
                 self._emit(self.progress.step)
         except TrainingDiverged as exc:
@@ -190,7 +192,9 @@ class _Run:
             self.adapter.model.train()
             if self.built.checkpointing:
                 self.built.checkpointing.undo()  # the returned model runs as it came
-        return self._logged(self.result(finished, interrupted=interrupted), "KILLED" if interrupted else "FINISHED")
+        with held:
+            return self._logged(self.result(finished, interrupted=interrupted),
+                                "KILLED" if interrupted else "FINISHED")
 
     def _logged(self, result: TrainResult, status: str) -> TrainResult:
         self.log.rows(self.hist.rows)  # the rows emitted on the way out (interrupt, divergence)

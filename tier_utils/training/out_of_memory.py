@@ -48,10 +48,12 @@ class RanOut:
     total_steps: int | None
     checkpoint: str | None  # the last checkpoint's path (None: no checkpoint folder)
     saved_step: int | None  # the step it holds (None: none written)
+    target_len: int | None = None  # an encoder-decoder's target length, cut apart (None: as long as the source)
 
     def settings(self) -> str:
         accum = f" (x{self.grad_accum} accumulated)" if self.grad_accum > 1 else ""
-        return f"B={self.batch}, T={self.length}{accum}, {self.precision}, {self.memory_words}"
+        target = f", target {self.target_len}" if self.target_len else ""
+        return f"B={self.batch}, T={self.length}{target}{accum}, {self.precision}, {self.memory_words}"
 
 
 def answered(make_run, cfg: TrainConfig, device: torch.device):
@@ -84,12 +86,13 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
 def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
     if run is None:  # building the model on the device, or compiling
         return RanOut(memory_in_use(device), cfg.batch_size, cfg.seq_len, cfg.grad_accum_steps,
-                      canonical_precision(cfg.precision), cfg.memory, cfg.memory.describe(), None, None, None, None)
+                      canonical_precision(cfg.precision), cfg.memory, cfg.memory.describe(), None, None, None, None,
+                      cfg.target_len)
     c = run.cfg  # the run's (its length capped at the model's)
     last = run.checkpoints.last_path
     return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.grad_accum_steps, run.precision.name,
                   c.memory, run.built.memory.describe(), run.progress.step, run.data.total_steps,
-                  str(last) if last is not None else None, run.progress.last_saved)
+                  str(last) if last is not None else None, run.progress.last_saved, c.target_len)
 
 
 def memory_in_use(device: torch.device) -> str:
@@ -115,7 +118,8 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow 
     lora = ran.memory_settings.lora
     optimizers = tuple(dict.fromkeys((DEFAULT_OPTIMIZER.name, ran.memory_settings.optimizer)))  # and the run's
     configs, blocks = plan(adapter, PRECISIONS, ran.length, checkpointing=True,
-                           lora=None if lora else LoraSettings(), budget=budget, optimizers=optimizers)
+                           lora=None if lora else LoraSettings(), budget=budget, optimizers=optimizers,
+                           target_len=ran.target_len)  # an encoder-decoder's targets at their own length
     if lora:  # planned as the model holds them: its base in the dtype it has, its adapters trained
         base = next((p.dtype for p in adapter.model.parameters() if not p.requires_grad and p.is_floating_point()),
                     torch.float32)
@@ -123,7 +127,7 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow 
                                                            optimizer=c.optimizer.name), base, "the run's"))
                    for c in configs]
     fit = FitResult(configs, ran.length, adapter.summary(), budget, run_metadata(device), blocks=blocks,
-                    batch_size=ran.batch)
+                    batch_size=ran.batch, target_len=ran.target_len)
     same = _same_mode(configs, ran)
     parts = [f"fits here (predicted, {gib(room)} usable of {gib(budget.free_bytes)} free per {budget.source})"]
     if same is not None:

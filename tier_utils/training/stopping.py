@@ -1,6 +1,7 @@
 """SIGTERM, as Colab and job schedulers send it before they kill a process: the run finishes the step it is in,
 saves its checkpoint, says where, and returns its partial result; a second SIGTERM stops it at once (the default
-action, which the first restores).
+action, which the first restores). Ctrl-C's KeyboardInterrupt ends the loop; a second one is held off while the
+partial result is written (`interrupts_deferred`).
 
 Under torchrun the ranks agree after every step (one scalar all-reduced), so every rank stops after the same step
 and saves the same checkpoint, whichever of them the signal reached first.
@@ -52,3 +53,18 @@ class StopSignal:
         asked = self.env.all_max(int(self.asked)) if self.env.active else self.asked
         if asked:
             raise Terminated
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C (SIGINT) held off for the block, in the main thread: what an interrupted run keeps (its last rows, its
+    result, metrics.csv and training.png) is written whole, though a second Ctrl-C comes while it is (it left no
+    training.png, and the CLI said only "interrupted"). The user's own handler is back after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, lambda signum, frame: None)  # heard, and the save goes on
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -131,7 +131,7 @@ def test_the_classes_found_are_named_and_hidden_files_skipped(tmp_path):
     ("labels a list", r"labels\.json holds a list, but labels\.json maps each image file to its label"),
     ("labels pairs", r"labels\.json holds a list, but"),
     ("labels of lists", r"labels\.json holds an object with non-label values"),
-    ("no labelled row", r"images\.csv has no row with both an image path and a label"),
+    ("no labelled row", r"images\.csv has no usable row: every row's .label. is missing"),
 ])
 def test_bad_image_files_are_one_line_naming_the_file(tmp_path, case, message):
     image_folder(tmp_path / "set")
@@ -175,8 +175,8 @@ def test_rows_of_a_table_without_a_label_are_dropped_and_counted(tmp_path):
     rows[1], rows[5] = "circle/1.png,", "square/1.png,"  # empty cells pandas reads as NaN: no class "nan"
     table = tmp_path / "images.csv"
     table.write_text("path,label\n" + "\n".join(rows) + "\n")
-    with pytest.warns(UserWarning, match=r"2 of 8 rows of images\.csv have an empty path or label and were dropped "
-                                         r"\(lines 3, 7\)"):
+    with pytest.warns(UserWarning, match=r"images\.csv: dropped 2 of 8 rows whose 'label' is missing, empty or not "
+                                         r"text \(rows 2, 6\)"):
         splits = read(table)
     assert splits.classes == ["circle", "square"] and len(splits.train) + len(splits.val) == 6
 

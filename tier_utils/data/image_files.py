@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 from ..core.errors import DataError, one_line
 from ..core.progress import progress_bar
 from .images import opened
-from .userdata import LABEL_COLUMNS, class_ids, hf_dataset_spec, load_hf_dataset
+from .userdata import LABEL_COLUMNS, class_ids, hf_dataset_spec, load_hf_dataset, read_columns, text_value, usable_rows
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LABELS_FILE = "labels.json"
@@ -159,40 +158,22 @@ def _labelled(images: Sequence, values: list, name: str) -> LabelledImages:
 
 
 def _read_table(path: Path) -> LabelledImages:
-    import pandas as pd
-
-    kind = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(path.suffix.lower(), "json")
-    frame = (pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",") if kind == "csv" else
-             pd.read_parquet(path) if kind == "parquet" else pd.read_json(path, lines=path.suffix.lower() == ".jsonl"))
-    column = next((c for c in PATH_COLUMNS if c in frame.columns), None)
-    label = next((c for c in LABEL_COLUMNS if c in frame.columns), None)
+    """A table of image paths and labels, its cells read as written and a row without both dropped and counted
+    (userdata's one rule: a label "nan" never trains)."""
+    columns = read_columns(path)
+    column = next((c for c in PATH_COLUMNS if c in columns), None)
+    label = next((c for c in LABEL_COLUMNS if c in columns), None)
     if column is None or label is None:
         raise DataError(f"{path.name} has no image path and label columns ({'/'.join(PATH_COLUMNS[:3])} and "
-                        f"{'/'.join(LABEL_COLUMNS)}; it has {', '.join(map(str, frame.columns[:6]))}), but an "
+                        f"{'/'.join(LABEL_COLUMNS)}; it has {', '.join(list(columns)[:6])}), but an "
                         "image classifier reads images; give a table of image paths and labels")
-    frame = _labelled_rows(frame, (column, label), path.name)
-    paths = [Path(p) if Path(p).is_absolute() else path.parent / p for p in frame[column].astype(str)]
+    kept = usable_rows({c: [text_value(v) for v in columns[c]] for c in (column, label)}, path.name)
+    paths = [Path(p) if Path(p).is_absolute() else path.parent / p for p in kept[column]]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise DataError(f"{path.name} names {len(missing)} image files that are not there ({', '.join(missing[:3])});"
                         " paths are read relative to the table's folder")
-    return _labelled(paths, frame[label].tolist(), f"table {path.name}")
-
-
-def _labelled_rows(frame, columns: tuple[str, str], name: str):
-    """The rows with both an image path and a label: a missing or blank cell drops its row (a class "nan" would
-    train), counted in one warning; none left is refused."""
-    blank = frame[list(columns)].isna().any(axis=1)
-    for c in columns:
-        blank |= frame[c].astype(str).str.strip().eq("")
-    if blank.all():
-        raise DataError(f"{name} has no row with both an image path and a label ({' and '.join(columns)}); fill "
-                        "them in")
-    if blank.any():
-        rows = ", ".join(str(i + 2) for i in blank[blank].index[:5])  # +2: the header line and 1-based lines
-        warnings.warn(f"{int(blank.sum())} of {len(frame)} rows of {name} have an empty {' or '.join(columns)} and "
-                      f"were dropped (lines {rows}{', ...' if blank.sum() > 5 else ''})", stacklevel=4)
-    return frame[~blank].reset_index(drop=True)
+    return _labelled(paths, kept[label], f"table {path.name}")
 
 
 def is_datasets_object(data) -> bool:

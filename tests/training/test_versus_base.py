@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 import tier_utils as tu
 from tier_utils import cli
 from tier_utils.core.paired import MIN_PAIRS, ExampleScores, Pairing, paired_verdict
-from tier_utils.models.checkpoint import load_checkpoint
+from tier_utils.models.checkpoint import data_fingerprint, load_checkpoint, same_data
 from tier_utils.training.versus_base import SCORES_FILE
 
 QUICK = dict(precision="fp32", device="cpu", batch_size=8, seq_len=16, progress=False)
@@ -54,8 +54,19 @@ def test_paired_verdicts_judge_the_interval_and_say_when_pairs_are_few():
     assert noise.verdict == "no measurable difference" and noise.low < 0 < noise.high
     few = paired_verdict("loss", before[:10], before[:10] + 0.2)
     assert few.too_few and "fewer than 30 pairs, interval only" in few.describe()
+    assert not paired_verdict("exact_match", [0.0] * 8, [0.0] * 8).too_few  # identical: said at any n
     noisy = before + rng.normal(0, 0.3, 60)
     assert paired_verdict("loss", before, noisy, seed=3) == paired_verdict("loss", before, noisy, seed=3)  # seeded
+
+
+def test_the_validation_hash_sits_beside_the_training_fingerprint_and_old_checkpoints_still_resume():
+    splits = tu.build_datasets(counting_rows(100), seq_len=16)
+    now = data_fingerprint(splits)
+    old = {k: v for k, v in now.items() if k != "val_sha1"}  # a checkpoint written before the validation hash
+    assert same_data(old, now) and same_data(now, now)
+    assert not same_data({**now, "val_sha1": "0" * 40}, now) and not same_data({**old, "sample_sha1": "0"}, now)
+    other = tu.build_datasets(counting_rows(100, seed=2), seq_len=16)
+    assert data_fingerprint(other)["val_sha1"] != now["val_sha1"]
 
 
 def test_ranks_shares_merge_by_example_and_generation_adds_its_few():

@@ -82,7 +82,7 @@ class Verdict:
     high: float
     verdict: str
     worse_share: float
-    too_few: bool
+    too_few: bool  # under MIN_PAIRS pairs that differ (identical scores are no measurable difference at any n)
 
     def describe(self) -> str:
         """"loss −0.42 [−0.47, −0.38], improved (n=320, 3% of examples worse)"."""
@@ -110,11 +110,11 @@ def paired_verdict(metric: str, before, after, seed: int = 0) -> Verdict:
     diff = after - before
     sign = -1.0 if metric in LOWER_IS_BETTER else 1.0  # a gain's sign
     low, high = _interval(before, after, seed) if n > 1 and np.ptp(diff) > 0 else (diff.mean(), diff.mean())
-    verdict = NO_DIFFERENCE
-    if not np.all(diff == 0) and (low > 0 or high < 0):
+    identical, verdict = bool(np.all(diff == 0)), NO_DIFFERENCE
+    if not identical and (low > 0 or high < 0):
         verdict = IMPROVED if (low if sign > 0 else -high) > 0 else REGRESSED
     return Verdict(metric, n, float(before.mean()), float(after.mean()), float(diff.mean()), float(low), float(high),
-                   verdict, float(np.mean(sign * diff < 0)), n < MIN_PAIRS)
+                   verdict, float(np.mean(sign * diff < 0)), n < MIN_PAIRS and not identical)
 
 
 def _interval(before: np.ndarray, after: np.ndarray, seed: int) -> tuple[float, float]:

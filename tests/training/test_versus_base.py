@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 import tier_utils as tu
 from tier_utils import cli
+from tier_utils.core.files import jsonable
 from tier_utils.core.paired import MIN_PAIRS, ExampleScores, Pairing, paired_verdict
 from tier_utils.models.checkpoint import data_fingerprint, load_checkpoint, same_data
 from tier_utils.training.versus_base import SCORES_FILE
@@ -76,6 +77,8 @@ def test_ranks_shares_merge_by_example_and_generation_adds_its_few():
     assert merged.index == [0, 1, 2, 3, 4] and merged.metrics["loss"] == [1, 2, 3, 4, 5]
     more = merged.with_metrics([0, 1], {"chrf": [50.0, 60.0]})
     assert more.metrics["chrf"][:2] == [50, 60] and np.isnan(more.metrics["chrf"][2:]).all()
+    back = ExampleScores.from_dict(json.loads(json.dumps(jsonable(more.to_dict()))))  # as scores.json keeps it
+    assert back.metrics["chrf"][:2] == [50, 60] and np.isnan(back.metrics["chrf"][2:]).all()
 
 
 def test_a_run_that_learns_improves_on_its_base_and_compare_on_itself_finds_no_difference(tmp_path, capsys):
@@ -145,7 +148,7 @@ def test_lora_base_scores_equal_the_initial_weights_scores(tmp_path):
     base_lora = Pairing.from_dict(lora.summary.versus_base["pairing"]).before
     assert base_lora.index == base_full.index
     assert base_lora.metrics["loss"] == pytest.approx(base_full.metrics["loss"], rel=1e-5)
-    assert "LoRA adapters off" in lora.summary.versus_base["base"]
+    assert lora.summary.versus_base["base"].startswith("LoRA's base: the model with its adapters off")
     assert "untrained" not in lora.summary.versus_base["base"]  # no new head
 
 

@@ -60,8 +60,9 @@ class ExampleScores:
 
     @classmethod
     def from_dict(cls, d: dict) -> ExampleScores:
-        return cls(list(d["index"]), {k: [float(v) for v in vs] for k, vs in d["metrics"].items()},
-                   list(d.get("text") or []))
+        # JSON keeps an unscored example's NaN as null
+        return cls(list(d["index"]), {k: [math.nan if v is None else float(v) for v in vs]
+                                      for k, vs in d["metrics"].items()}, list(d.get("text") or []))
 
 
 def _at(values, k: int, missing=math.nan):

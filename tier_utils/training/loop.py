@@ -156,8 +156,7 @@ class _Run:
         self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
-        self.versus = VersusBase.decide(self, built.memory.lora is not None,
-                                        describe_new_head(self.adapter.model, data.splits.classes))
+        self.versus = VersusBase.decide(self, describe_new_head(self.adapter.model, data.splits.classes))
         self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
             "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
             "weights": precision.describe_weights(self.adapter.stored_dtype),
@@ -319,21 +318,13 @@ class _Run:
             self.env.gather(None)  # rank 0 wrote best: every rank waits for it before reading it
             weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
         self.versus.at_end(self.selection.best_step if restored else step)  # the weights returned, before a merge
-        self.versus.save(cfg.checkpoint_dir, self.data.fingerprint, self._settings())
+        self.versus.save(cfg.checkpoint_dir, self.data.fingerprint)
         full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
         name_classes(model, self.data.splits.classes)
         saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full,
                            self.adapter.stored_dtype) if cfg.save_hf is not None and self.env.is_main else None
         return Finished(restored, saved_hf, consolidated)
-
-    def _settings(self) -> dict:
-        """What `compare` names where two runs differ."""
-        cfg = self.cfg
-        return {"precision": self.precision.name, "memory": self.built.memory.describe(), "lr": cfg.lr,
-                "steps": self.progress.step, "global_batch": self.data.global_batch, "seed": cfg.seed,
-                "order": "shuffled each epoch" if cfg.shuffle else "the data's own order", "schedule": cfg.schedule,
-                "eval_batches": cfg.eval_batches}
 
     # -- the result -----------------------------------------------------------------------------------
     def result(self, finished: Finished | None = None, interrupted: bool = False,

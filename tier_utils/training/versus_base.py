@@ -29,7 +29,7 @@ class VersusBase:
     """What the comparison needs of the run, given whole; `seconds` is what it has cost so far."""
 
     run: object  # the training run (loop._Run): its adapter, data, precision, strategy, config and progress
-    lora: bool  # the base is the model with its adapters off (else: the initial weights)
+    lora: str | None  # LoRA or QLoRA: the base is the model with its adapters off (None: the initial weights)
     new_head: str | None  # a head the loader started new: the base scored it untrained
     skipped: str | None  # why the run compares nothing (None: it compares)
     seconds: float = 0.0
@@ -38,8 +38,9 @@ class VersusBase:
     pairing: Pairing | None = field(default=None, repr=False)
 
     @classmethod
-    def decide(cls, run, lora: bool, new_head: str | None) -> VersusBase:
-        cfg = run.cfg
+    def decide(cls, run, new_head: str | None) -> VersusBase:
+        cfg, memory = run.cfg, run.built.memory
+        lora = None if memory.lora is None else "QLoRA's 4-bit" if memory.quantized else "LoRA's"
         skipped = None
         if not cfg.evaluates:
             skipped = "not run: no held-out split (eval_every=never or val_fraction=0)"
@@ -50,7 +51,7 @@ class VersusBase:
     @property
     def base(self) -> str:
         """Which model the base is, in words."""
-        what = ("the model with its LoRA adapters off (peft's disable_adapter)" if self.lora
+        what = (f"{self.lora} base: the model with its adapters off (peft's disable_adapter)" if self.lora
                 else "the initial weights, scored before the first step")
         return what + (f"; its head was untrained ({self.new_head})" if self.new_head else "")
 
@@ -123,7 +124,16 @@ class VersusBase:
         return {"skipped": why, "base": self.base, "seconds": round(self.seconds, 3),
                 "pairing": self.pairing and self.pairing.to_dict()}
 
-    def save(self, folder, fingerprint: dict | None, settings: dict) -> Path | None:
+    def settings(self) -> dict:
+        """What `compare` names where two runs differ."""
+        run = self.run
+        cfg = run.cfg
+        return {"precision": run.precision.name, "memory": run.built.memory.describe(), "lr": cfg.lr,
+                "steps": run.progress.step, "global_batch": run.data.global_batch, "seed": cfg.seed,
+                "order": "shuffled each epoch" if cfg.shuffle else "the data's own order", "schedule": cfg.schedule,
+                "eval_batches": cfg.eval_batches}
+
+    def save(self, folder, fingerprint: dict | None) -> Path | None:
         """scores.json in the checkpoint folder (rank 0): the fine-tune's (and base's) per-example scores, the
         validation split's identity and the settings `compare` names where two runs differ."""
         tuned = self.tuned
@@ -134,7 +144,7 @@ class VersusBase:
                   "tokenizer": run.data.description.tokenizer,
                   "validation": {"sha1": (fingerprint or {}).get("val_sha1"), "examples": len(run.data.splits.val),
                                  "how": run.data.description.validation},
-                  "settings": settings, "tuned": tuned.to_dict(),
+                  "settings": self.settings(), "tuned": tuned.to_dict(),
                   "base": run.progress.base_scores and run.progress.base_scores.to_dict(), "base_is": self.base}
         return write_json(Path(folder) / SCORES_FILE, record)
 

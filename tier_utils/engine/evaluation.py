@@ -19,7 +19,7 @@ def perplexity(loss: float) -> float:
 
 
 def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_sum=None,
-             forwards: int | None = None, example_ids=None, gather=None) -> dict:
+             forwards: int | None = None, example_ids=None, gather=None, grad_mode=torch.inference_mode) -> dict:
     """Validation loss, perplexity (causal LM; NaN otherwise) and top-1 accuracy over every target
     (next tokens, or class labels) of a ModelAdapter in a Precision; top-5 accuracy where a task's classes are more
     than 5 (`top5_accuracy`, absent otherwise); for a one-label-per-row classifier of at most CONFUSION_CLASSES
@@ -32,6 +32,7 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
     with them), so a rank whose share ran out of batches runs uncounted forwards up to that number.
     `example_ids`: the loader's examples' indices in the validation split, in its order; given, `examples` holds each
     scored example's own scores (`example_scores`), gathered from every rank with `gather` (DistEnv.gather).
+    `grad_mode`: inference_mode, or no_grad where a strategy's first forward must make no inference tensors.
     """
     model, device = adapter.model, adapter.device
     model.eval()
@@ -40,7 +41,7 @@ def evaluate(adapter, loader, precision, max_batches: int | None = None, reduce_
     confusion = torch.zeros(classes**2, device=device) if classes and classes <= CONFUSION_CLASSES else None
     done, examples = 0, [] if example_ids is not None else None
     try:
-        with torch.inference_mode():
+        with grad_mode():
             for i, batch in enumerate(loader):
                 if max_batches is not None and i >= max_batches:
                     break

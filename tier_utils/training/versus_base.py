@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from ..core.files import write_json
 from ..core.paired import ExampleScores, Pairing
 from ..engine.evaluation import evaluate
@@ -68,11 +70,11 @@ class VersusBase:
         if "examples" in metrics:
             self.last = step, _with_generation(metrics["examples"], generated)
 
-    def scores(self) -> ExampleScores:
+    def scores(self, grad_mode=torch.inference_mode) -> ExampleScores:
         """The model as it is now, scored per example (every rank runs it: evaluation's collectives)."""
         run = self.run
         metrics = evaluate(run.adapter, run.data.val_loader, run.precision, run.cfg.eval_batches, run.env.all_sum,
-                           run.data.eval_forwards, example_ids=self.example_ids, gather=run.env.gather)
+                           run.data.eval_forwards, self.example_ids, run.env.gather, grad_mode)
         # generation runs in one process (loop._generate)
         generated = generate_and_score(run.adapter, run.data.splits.val, run.precision) \
             if run.adapter.task.generates and run.env.world_size == 1 else None
@@ -96,7 +98,7 @@ class VersusBase:
         if self.skipped or self.lora or p.step or p.base_scores is not None:
             return
         start = time.perf_counter()
-        p.base_scores = self.scores()
+        p.base_scores = self.scores(self.run.strategy.first_eval_mode)  # the first forward of the run
         self.seconds += time.perf_counter() - start
 
     def at_end(self, weights_step: int) -> None:

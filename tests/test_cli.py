@@ -229,7 +229,7 @@ def test_every_verbs_help_says_each_default_once_in_the_users_words(verb):
             assert _METAVAR_STYLE.fullmatch(action.metavar) and action.metavar != action.dest.upper(), action.metavar
     assert "settings." not in text and "(default: none) (default:" not in text
     assert not re.search(r"\w-\n\s+\w", text), "a word wrapped at its hyphen"  # "hf-" / "dataset:NAME"
-    if verb in ("info", "export", "colab"):  # they show no progress bar
+    if verb in ("info", "export", "colab", "compare"):  # they show no progress bar
         assert "--no-progress" not in text
     else:
         assert "--no-progress         turn off what is on by default: progress bars" in text

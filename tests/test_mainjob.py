@@ -58,6 +58,9 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
     last = printed.splitlines()[-1]
     assert data["summary"] == last
     assert last.split(" here: ")[0] in BenchConfig().precisions and last.index(" here: ") < last.index("model checks")
+    # The fine-tune against its base: in the last line (4 validation examples: the interval only), the report's plot.
+    assert " · fine-tune vs base: val loss " in last and "fewer than 30 pairs, interval only (n=4" in last
+    assert "src='train_versus_base.png'" in (out / "index.html").read_text()
     assert f"machine busy: load 99.0 on {data['run_metadata']['cpu_count']} cores" in printed.splitlines()[0]
     assert data["run_metadata"]["load_average_1m"] == 99.0 and data["bench_size"] is None  # grown on a GPU only
     assert data["plan"]["train_steps"] == TINY_SIZES.train.max_steps and data["plan"]["growth"] is None

@@ -44,6 +44,7 @@ from .planning.ranks import RanksConfig, RanksResult, plan_ranks
 from .report import write_report
 from .smoketest.suite import SmokeConfig, SmokeReport, smoke
 from .tasks import Task, build_datasets, register_task
+from .training.comparison import CompareResult, compare
 from .training.config import TrainConfig
 from .training.history import TrainResult
 from .training.loop import train
@@ -66,7 +67,7 @@ __all__ = [
     "TrainConfig", "TrainResult", "TrainingDiverged", "train", "CheckpointError", "load_checkpoint",
     "TrainingOutOfMemory", "HostMemoryShort",
     "BenchConfig", "BenchmarkResult", "Thresholds", "amp_benchmark", "StrategyBenchResult", "strategy_benchmark",
-    "SearchConfig", "SearchResult", "search",
+    "SearchConfig", "SearchResult", "search", "CompareResult", "compare",
     "FitConfig", "FitResult", "fit", "LoraSettings", "MemorySettings", "MemorySettingError",
     "RanksConfig", "RanksResult", "plan_ranks", "LaunchError",
     # export, experiment loggers

@@ -51,6 +51,7 @@ from .planning.planner import FitConfig, fit
 from .planning.ranks import RanksConfig, plan_ranks
 from .presets import FAST, JOB
 from .smoketest.suite import SmokeConfig, smoke
+from .training.comparison import compare
 from .training.config import CHECKPOINTS_FOLDER, METRICS_FILE, PLOT_FILE, TrainConfig
 from .training.loop import train
 from .training.stopping import interrupts_deferred
@@ -106,6 +107,15 @@ def _run_train(args) -> tuple[dict, int]:
               file=sys.stderr)
         code = 130
     return jsonable({**s.to_dict(), "files": [str(f) for f in files]}), code
+
+
+def _run_compare(args) -> tuple[dict, int]:
+    result = compare(args.run_a, args.run_b)
+    _show(result.table)
+    if len(result.differences):
+        _show(result.differences)
+    print(result.summary_line())
+    return result.to_json(), result.exit_code
 
 
 def _run_analyze(args) -> tuple[dict, int]:
@@ -350,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", "--val-fraction", action=KeepsValidation)
     add_data(p, data=False)
     p.set_defaults(run=_run_all)
+
+    p = verbs.add_parser("compare", help="run B against run A on the same validation examples: the paired verdict "
+                                          "per metric, the settings that differ; exit 1 on a measurable loss "
+                                          "regression")
+    for name in ("RUN_A", "RUN_B"):
+        p.add_argument(name.lower(), metavar=name, help="a train --out folder, a checkpoint folder or its scores.json")
+    p.add_argument("--json", metavar="PATH", help="write a machine-readable summary here")
+    p.set_defaults(run=_run_compare)
 
     p = verbs.add_parser("colab", help="point the Colab badges and colab_setup.sh at your fork")
     p.add_argument("--repo", required=True, metavar="USER/NAME", help="your GitHub repository, e.g. alice/tier_utils")

@@ -90,6 +90,12 @@ def test_fsdp_matches_one_process_halves_parameter_bytes_and_consolidates(runs, 
     assert _steps(hist) == pytest.approx(_steps(single.history), rel=1e-5)
     evals = hist.query("kind != 'step'")["val_loss"].tolist()
     assert evals == pytest.approx(single.history.query("kind != 'step'")["val_loss"].tolist(), rel=1e-5)
+    # The fine-tune against its base: each example's scores gathered from both ranks, as one process has them.
+    scores = json.loads((whole / "checkpoints" / "scores.json").read_text())
+    one = single.summary.versus_base["pairing"]
+    assert scores["tuned"]["index"] == one["after"]["index"] == list(range(7))
+    assert scores["base"]["metrics"]["loss"] == pytest.approx(one["before"]["metrics"]["loss"], rel=1e-5)
+    assert scores["tuned"]["metrics"]["loss"] == pytest.approx(one["after"]["metrics"]["loss"], rel=1e-5)
     # A DDP rank holds the whole model, as the single process does; an FSDP rank about half of it.
     whole_bytes = single.summary.param_bytes_per_rank
     assert whole_bytes == sum(p.nbytes for p in single.model.parameters())

@@ -129,6 +129,9 @@ def test_lora_and_qlora_train_the_new_head_and_the_checkpoint_keeps_it(request, 
     trained, start = wrapper.modules_to_save["default"].weight, wrapper.original_module.weight  # copy starts equal
     assert trained.requires_grad and trained.dtype == torch.float32 and not start.requires_grad
     assert not torch.equal(trained.detach(), start.detach().float())  # trained, not left at its random start
+    # Its base (the adapters off, scored against the fine-tune in the base's dtype) had the head at its random start.
+    said = run.summary.versus_base["base"]
+    assert said.startswith("QLoRA's 4-bit base" if memory.quantized else "LoRA's base") and "head was untrained" in said
     saved = load_checkpoint(tmp_path / "last.pt")
     assert f"base_model.model.{head}.weight" in saved["model"]
     assert saved["source"]["lora"]["task_type"] == "SEQ_CLS"

@@ -15,6 +15,7 @@ import torch
 from tiny import TINY_ARGS, tiny
 from torchrun import text_file, torchrun, worker_script
 
+from tier_utils.core.paired import Pairing
 from tier_utils.core.seeding import seed_everything
 from tier_utils.engine.distributed import DistEnv, eval_shard
 from tier_utils.models.checkpoint import load_checkpoint
@@ -51,10 +52,14 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     run = torchrun(["-m", "tier_utils", *_train_args(whole, text, "--json", str(tmp_path / "whole.json"))])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("trained TinyGPT") == 1  # rank 0 alone prints
-    assert sorted(p.name for p in whole.iterdir()) == ["checkpoints", "metrics.csv", "training.png"]
+    assert sorted(p.name for p in whole.iterdir()) == ["checkpoints", "metrics.csv", "regressed.csv", "training.png",
+                                                       "versus_base.csv"]
     summary = json.loads((tmp_path / "whole.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 2 * PER_RANK_BATCH * ACCUM and summary["rank"] == 0
     ddp_hist = pd.read_csv(whole / "metrics.csv")
+    # The fine-tune against its base: every validation example scored once, gathered from both ranks in split order.
+    scores = json.loads((whole / "checkpoints" / "scores.json").read_text())
+    assert scores["tuned"]["index"] == scores["base"]["index"] == list(range(7))
 
     # 2. One process, same global batch in one micro-batch: the same losses step by step (no_sync on
     #    the first micro-batch must still leave every rank with the all-reduced gradient).
@@ -73,6 +78,9 @@ def test_ddp_matches_single_process_only_rank0_writes_and_resumes_exactly(tmp_pa
     # Validation covers the same 7 examples: 4 on rank 0 and 3 on rank 1 vs 1 batch of 7.
     evals = ddp_hist.query("kind != 'step'")["val_loss"].tolist()
     assert evals == pytest.approx(single.history.query("kind != 'step'")["val_loss"].tolist(), abs=1e-5)
+    one = Pairing.from_dict(single.summary.versus_base["pairing"])  # each example's scores as one process has them
+    assert scores["tuned"]["metrics"]["loss"] == pytest.approx(one.after.metrics["loss"], abs=1e-5)
+    assert scores["base"]["metrics"]["loss"] == pytest.approx(one.before.metrics["loss"], abs=1e-5)
 
     # 3. Killed at step 4 (last checkpoint: step 2), then resumed; rank 1 may write nothing in either.
     part = tmp_path / "part"

@@ -124,8 +124,9 @@ def test_eval_in_inference_mode_and_model_back_in_train_mode():
     training = [c for c in probe.calls if c[0]]
     evaluating = [c for c in probe.calls if not c[0]]
     assert len(training) == 3 and all(not inf for _, inf in training)
-    # 3 evaluations, plus train()'s one up-front forward that checks the model runs at all
-    assert len(evaluating) == 3 + 1 and all(inf for _, inf in evaluating)
+    # 3 evaluations, the base's before the first step (compare_base), plus train()'s one up-front forward that checks
+    # the model runs at all
+    assert len(evaluating) == 3 + 1 + 1 and all(inf for _, inf in evaluating)
 
 
 def test_fp32_equals_hand_written_loop():
@@ -484,7 +485,8 @@ def _cli(tmp_path, *extra):
 def test_cli_train_writes_files_and_resumes(tmp_path, capsys):
     out = tmp_path / "out"
     assert _cli(tmp_path, "--max-steps", "3", "--out", str(out), "--json", str(tmp_path / "s.json")) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.csv", "training.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.csv", "regressed.csv", "training.png",
+                                                     "versus_base.csv"]  # the fine-tune against its base
     assert (out / "checkpoints" / "last.pt").is_file()
     assert list(pd.read_csv(out / "metrics.csv").columns) == EXPECTED_COLUMNS
     summary = json.loads((tmp_path / "s.json").read_text())

@@ -55,7 +55,8 @@ def verdict_line(results: dict) -> str:
     benchmark's, whose targets, a 1.5x bf16 speedup, a CPU seldom reaches); `results` by name, each asked its
     `verdict` (None: no verdicts) and what it `judges`. The main job's last line, the report's first, the
     notebooks' summary."""
-    answers = [a for r in results.values() if (a := r.answer())]
+    # The device's answer (the benchmark's mode to use) leads; then the model's (training's fine-tune vs its base).
+    answers = [a for r in sorted(results.values(), key=lambda r: r.judges != "device") if (a := r.answer())]
     model = [r.verdict for r in results.values() if r.verdict and r.judges == "model"]
     device = [r.verdict for r in results.values() if r.verdict and r.judges == "device"]
     return " · ".join([*answers, f"model checks: {worst_status(model) if model else 'none run'}",

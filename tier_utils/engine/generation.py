@@ -69,6 +69,17 @@ def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES) -> Gene
     return Generated(len(rows), chrf, bleu, exact, seconds, decoding, skipped, samples)
 
 
+def sample_scores(pairs: list[tuple[str, str]]) -> dict[str, list[float]]:
+    """Each (reference, written) pair's sacrebleu sentence chrF (absent without sacrebleu) and exact match (0 or 1):
+    a generating task's per-example metrics, from what its samples hold."""
+    exact = [float(w.strip() == r.strip()) for r, w in pairs]
+    try:
+        import sacrebleu
+    except ImportError:
+        return {"exact_match": exact}
+    return {"chrf": [sacrebleu.sentence_chrf(w, [r]).score for r, w in pairs], "exact_match": exact}
+
+
 def _generate(adapter, ids: torch.Tensor, mask: torch.Tensor, longest: int) -> torch.Tensor:
     """The new tokens only, (B, <= longest)."""
     generate = getattr(adapter.model, "generate", None)

@@ -163,8 +163,10 @@ def apply_lora(model: nn.Module, settings: LoraSettings, task: Task | None = Non
 
 def _to_trained_dtype(wrapper: nn.Module, args: tuple) -> tuple:
     """A module trained in full computes in its fp32 copy's dtype, as peft's adapters do: its input may come from a
-    base held in bf16 or fp16 without autocast (an fp32 run over a bf16 base)."""
-    dtype = next(wrapper.modules_to_save.parameters()).dtype
+    base held in bf16 or fp16 without autocast (an fp32 run over a bf16 base). With the adapters off
+    (disable_adapter: the base scored against the fine-tune) its original runs, in the base's dtype."""
+    held = wrapper.original_module if wrapper.disable_adapters else wrapper.modules_to_save
+    dtype = next(held.parameters()).dtype
     return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 

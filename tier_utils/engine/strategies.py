@@ -43,6 +43,8 @@ class Strategy:
     # Each rank holds a shard of the weights: its checkpoints are DCP folders, which reshard on load (a resume on
     # another number of ranks with the same global batch), and `consolidate` writes them as one file.
     sharded = False
+    # The grad mode of an evaluation before the first step (the base a fine-tune is judged against).
+    first_eval_mode: ClassVar = torch.inference_mode
     checkpoint_names = (CHECKPOINT_NAME, BEST_NAME)  # last and best, in checkpoint_dir
     # smoke under this strategy (smoketest/across_ranks.py): the check groups that run on every rank, on the model as
     # this strategy placed it; None: smoke takes no such strategy (one holding the whole model on every rank would
@@ -210,6 +212,9 @@ class FSDP(Strategy):
     label = "FSDP"
     launched = True
     sharded = True
+    # FSDP2 makes its all-gather buffers in the first forward: made under inference_mode, they are inference
+    # tensors that training's in-place copies into them then refuse.
+    first_eval_mode: ClassVar = torch.no_grad
     checkpoint_names = ("last", "best")  # DCP folders
     # Each rank checks the gradients and the memory of its own shards; the checks reading the whole model at once
     # (shapes, stability, init, latency, determinism) run in one process.

@@ -24,7 +24,8 @@ FORMAT = 1
 
 def data_fingerprint(splits) -> dict:
     """What a resume must find again: the data's kind, both split sizes and a hash of three training
-    examples (first, middle, last): cheap for any Dataset, and a changed file or tensor shows."""
+    examples (first, middle, last): cheap for any Dataset, and a changed file or tensor shows; and the validation
+    split's identity, `val_sha1`: a hash of every validation example (what `compare` pairs two runs on)."""
     digest, n = hashlib.sha1(), len(splits.train)
     # An augmented example is drawn from torch's RNG as it is read: reading these must not move the run's RNG (a
     # run with checkpoints would train on other draws than one without).
@@ -32,8 +33,21 @@ def data_fingerprint(splits) -> dict:
         for i in sorted({0, n // 2, n - 1}):
             for key, value in sorted(splits.train[i].items()):
                 digest.update(f"{key}={torch.as_tensor(value).flatten().tolist()};".encode())
+        val = hashlib.sha1()
+        for i in range(len(splits.val)):
+            for key, value in sorted(splits.val[i].items()):
+                tensor = torch.as_tensor(value).contiguous()
+                val.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)};".encode() + tensor.numpy().tobytes())
     return {"source": splits.source, "train_examples": n, "val_examples": len(splits.val),
-            "sample_sha1": digest.hexdigest()}
+            "sample_sha1": digest.hexdigest(), "val_sha1": val.hexdigest()}
+
+
+def same_data(saved: dict | None, now: dict | None) -> bool:
+    """Whether a checkpoint's data fingerprint is this run's; one written before the validation hash was kept is
+    judged on the rest."""
+    if saved is None or now is None:
+        return saved == now
+    return saved == {k: v for k, v in now.items() if k in saved or k != "val_sha1"}
 
 
 def describe_data(info: dict | None) -> str:

@@ -16,12 +16,13 @@ from ..adapter.adapter import ModelAdapter
 from ..core.errors import CheckpointError, OutputError, one_line
 from ..core.hub import HUB_PREFIX
 from ..core.memory_settings import memory_setting
+from ..core.paired import ExampleScores
 from ..core.seeding import rng_state, set_rng_state
 from ..core.threads import resume_threads
 from ..data.tokenizer import BYTES
 from ..engine.lora import lora_record, model_state
 from ..engine.strategies import Strategy, other_format_checkpoint
-from ..models.checkpoint import CHECKPOINT_NAME, describe_data, save_checkpoint
+from ..models.checkpoint import CHECKPOINT_NAME, describe_data, same_data, save_checkpoint
 from .config import TRAJECTORY_FIELDS, TrainConfig
 from .finetune import Selection
 from .history import History
@@ -83,7 +84,8 @@ class RunCheckpoints:
                 "scaler": self.optimization.step.scaler.state_dict(), "rng": rng,
                 "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data.fingerprint, "source": self._source(),
-                "selection": self.selection.state_dict(), "threads": torch.get_num_threads()}
+                "selection": self.selection.state_dict(), "threads": torch.get_num_threads(),
+                "base_scores": self.progress.base_scores and self.progress.base_scores.to_dict()}
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -135,7 +137,7 @@ class RunCheckpoints:
         if differ:
             raise CheckpointError(f"{self.last_path} is from a run with {', '.join(differ)}; resume with the same "
                                   "settings or use a new checkpoint_dir")
-        if state.get("data") != self.data.fingerprint:
+        if not same_data(state.get("data"), self.data.fingerprint):
             raise CheckpointError(f"{self.last_path} was trained on {describe_data(state.get('data'))}, this run has "
                                   f"{describe_data(self.data.fingerprint)}; resume with the same data or use a new "
                                   "checkpoint_dir")
@@ -146,11 +148,13 @@ class RunCheckpoints:
         self.hist.load_state_dict(state["history"])
         self.selection.load_state_dict(state.get("selection"))
         later = self.strategy.read(self.best_path, mmap=True) if self.best_path.exists() else None  # not its weights
-        if later and not self._differences(later) and later["data"] == self.data.fingerprint:
+        if later and not self._differences(later) and same_data(later["data"], self.data.fingerprint):
             self.selection.adopt(later.get("selection"), state["step"])  # this run's, written past last.pt
         p = self.progress
         p.resume_generator = state["loader_generator"]
         p.step = p.last_saved = p.resumed_from = state["step"]
+        if state.get("base_scores"):  # a full fine-tune's base, scored before its first step
+            p.base_scores = ExampleScores.from_dict(state["base_scores"])
         env = self.strategy.env
         set_rng_state(state["rng"][env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
         if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now

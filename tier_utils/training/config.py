@@ -85,6 +85,9 @@ class TrainConfig:
                                                "early stopping", low=0)
     restore_best: bool = setting(False, "end with the weights of the lowest val loss (best.pt), not the last "
                                         "step's")
+    compare_base: bool = setting(True, "score the model the run started from and the fine-tune on the same "
+                                       "validation examples, each example apart, and judge the difference (a "
+                                       "paired bootstrap); off saves its time (two more evaluations)")
     save_hf: str | None = setting(None, "after training, write a transformers model and its tokenizer to this "
                                         "folder with save_pretrained")
     progress: bool = progress_field()
@@ -124,6 +127,7 @@ class TrainConfig:
         self.loggers = logger_names(self.loggers)  # "a,b" or a list -> a checked tuple, before anything runs
         check_switch(self, "compile")
         check_switch(self, "restore_best")
+        check_switch(self, "compare_base")
         check_switch(self, "augment")
         check_switch(self, "reshard_after_forward")
         check_switch(self, "consolidate")

@@ -20,6 +20,7 @@ from ..core.measure import Stats, StepTimer, summarize
 from ..core.plotting import caption, integer_axis, power_of_two_axis, save_png
 from ..core.results import Result
 from ..engine.generation import Generated
+from . import versus_base
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -263,6 +264,9 @@ class TrainSummary:
     # data's class names (None: none known).
     confusion: list | None = None
     classes: list | None = None
+    # The fine-tune against its base (training/versus_base.VersusBase.summary): the paired per-example scores and
+    # each metric's verdict, which model the base is, what it cost, or why it did not run.
+    versus_base: dict | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -344,6 +348,7 @@ class TrainResult(Result):
             ("consolidated", s.consolidated),
             ("weights", s.weights),
             ("save_hf", s.hf_detail and (f"{s.hf_folder}: " if s.hf_folder else "") + s.hf_detail),
+            ("versus_base", versus_base.describe(s.versus_base)),
         ]
         return pd.DataFrame([(k, v) for k, v in rows if v is not None], columns=["metric", "value"])
 
@@ -358,7 +363,23 @@ class TrainResult(Result):
             names = self._class_names()
             counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])
             tables["confusion"] = pd.concat([pd.Series(names, name="true class"), counts], axis=1)
+        if pairing := versus_base.pairing(self.summary.versus_base):  # per metric; the examples that got worse most
+            tables.update(versus_base=pairing.table(), regressed=pairing.worst_table())
         return tables
+
+    def more_plots(self) -> dict:
+        fig = self.plot_versus_base()
+        return {"versus_base": fig} if fig is not None else {}
+
+    def plot_versus_base(self):
+        """Each validation example's score under the base against the fine-tune's (None: no comparison ran)."""
+        pairing = versus_base.pairing(self.summary.versus_base)
+        return pairing and pairing.plot(f"{self.summary.model}: the fine-tune against its base, per example")
+
+    def answer(self) -> str | None:
+        """"fine-tune vs base: val loss −0.42 [−0.47, −0.38], improved (...)" (None: the run evaluates nothing)."""
+        line = versus_base.describe(self.summary.versus_base, cost=False)
+        return line and f"fine-tune vs base: {line}"
 
     def _class_names(self) -> list[str]:
         """The data's class names where they fit the head, else the class ids."""

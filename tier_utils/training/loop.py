@@ -54,6 +54,7 @@ from .parts import (
 )
 from .stopping import StopSignal, Terminated, interrupts_deferred
 from .tracking import open_train_run
+from .versus_base import VersusBase
 
 
 @contextlib.contextmanager
@@ -155,6 +156,7 @@ class _Run:
         self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
+        self.versus = VersusBase.decide(self, describe_new_head(self.adapter.model, data.splits.classes))
         self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
             "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
             "weights": precision.describe_weights(self.adapter.stored_dtype),
@@ -168,6 +170,7 @@ class _Run:
         held = contextlib.ExitStack()  # from a Ctrl-C on: a second one waits until the partial result is made
         try:
             with self.stop.listening():
+                self.versus.at_start()  # a full fine-tune's base: its initial weights, before the first step
                 self._loop(bar)
             self._check_ended()
             finished = self._finish()
@@ -293,12 +296,14 @@ class _Run:
         self._check(self.hist.sync())  # a diverged model is neither evaluated nor checkpointed
         self.hist.close_training_peak()
         metrics = evaluate(self.adapter, self.data.val_loader, self.precision, self.cfg.eval_batches,
-                           self.env.all_sum, self.data.eval_forwards)
+                           self.env.all_sum, self.data.eval_forwards, self.versus.example_ids, self.env.gather)
         self.progress.val_targets = metrics["targets"]
         # Not history columns: the summary's, from the last evaluation.
         self.progress.top5_accuracy, self.progress.confusion = metrics.get("top5_accuracy"), metrics.get("confusion")
         if self.adapter.task.generates:
             self.progress.generated = self._generate()
+        self.versus.evaluated(self.progress.step, metrics, self.progress.generated)
+        metrics.pop("examples", None)  # kept there; on_eval and the history rows get the totals
         self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.progress.step / self.data.steps_per_epoch}
 
@@ -316,6 +321,8 @@ class _Run:
         if cfg.restore_best:
             self.env.gather(None)  # rank 0 wrote best: every rank waits for it before reading it
             weights = restored = restore_best(model, self.selection, step, self.checkpoints.best_path, self.strategy)
+        self.versus.at_end(self.selection.best_step if restored else step)  # the weights returned, before a merge
+        self.versus.save(cfg.checkpoint_dir, self.data.fingerprint)
         full = self.strategy.full_state(model) if (cfg.save_hf or cfg.consolidate) else None  # sharded: gathered
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
         name_classes(model, self.data.splits.classes)
@@ -367,7 +374,7 @@ class _Run:
             quantized=describe_quantized(adapter.model),
             generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
             order=f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch",
-            new_head=describe_new_head(adapter.model, data.splits.classes),
+            new_head=describe_new_head(adapter.model, data.splits.classes), versus_base=self.versus.summary(),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),
                            interrupted, cfg)

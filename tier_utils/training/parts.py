@@ -176,3 +176,6 @@ class Progress:
     top5_accuracy: float | None = None  # the last evaluation's, for a classifier of more than 5 classes
     confusion: list | None = None  # the last evaluation's [true][predicted] counts (engine.evaluation)
     generated: object = None  # a generating task's last evaluation: engine.generation.Generated (None: none ran)
+    # The base's per-example scores (core.paired.ExampleScores; training/versus_base.py): a full fine-tune's are
+    # taken before the first step and kept in its checkpoints (None: not scored yet, or not compared).
+    base_scores: object = None

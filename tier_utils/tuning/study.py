@@ -307,7 +307,8 @@ def search(model=DEFAULT_MODEL, data=None, config: SearchConfig | dict | None = 
         params = _suggest(trial, space)
         # with loggers in the config, each trial is one logged run, named after it
         run_name = f"{base.log_run_name or study_cfg.study_name}-trial-{trial.number}"
-        cfg = dataclasses.replace(base, **params, log_run_name=run_name)
+        # A trial is judged on its val loss alone: no comparison with its base (its time goes to more trials).
+        cfg = dataclasses.replace(base, **params, log_run_name=run_name, compare_base=False)
 
         def report(step: int, metrics: dict) -> None:
             trial.report(metrics["val_loss"], step)

@@ -83,3 +83,43 @@ def test_resume_refuses_a_change_of_grouping_or_packing(tmp_path, changed):
     with pytest.raises(CheckpointError, match=f"{next(iter(changed))}=True \\(this run: False\\)"):
         train(llama(), data, checkpoint_dir=tmp_path / "c", resume=True, **{**run, **changed})
 
+
+
+_RECORD_ROWS = """
+import json
+from tier_utils.engine.step import TrainStep
+real_step = TrainStep.__call__
+
+def recording_step(self, micro):
+    rows = [row[mask.bool()].tolist() for b in micro for row, mask in zip(b["input_ids"], b["attention_mask"])]
+    with open(os.environ["SEEN"] + "." + os.environ.get("RANK", "0"), "a") as f:
+        f.write(json.dumps(rows) + "\\n")
+    return real_step(self, micro)
+
+TrainStep.__call__ = recording_step
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(tmp_path):
+    """Packing before sharding, global batches formed before they are dealt: under torchrun each step's rows over
+    both ranks are the rows of one process's step with twice the batch, and both ranks run every step."""
+    import json
+
+    from torchrun import ok, torchrun, worker_script
+
+    folder, data = tmp_path / "llama", table(tmp_path / "t.csv", n=96)
+    llama().save_pretrained(folder)
+    args = ["--precision", "fp32", "--device", "cpu", "--seq-len", "64", "--max-steps", "6", "--eval-every",
+            "never", "--group-by-length", "--packing", "--no-progress", "--data", data]
+    worker = tmp_path / "worker.py"
+    worker.write_text(worker_script(preamble=_RECORD_ROWS))
+    ok(torchrun([str(worker), "train", "--model", str(folder), "--batch-size", "2", "--out", str(tmp_path / "ddp"),
+                 *args], env_extra={"SEEN": str(tmp_path / "ranks")}))
+    ok(torchrun([str(worker), "train", "--model", str(folder), "--batch-size", "4", "--out", str(tmp_path / "one"),
+                 *args], ranks=1, env_extra={"SEEN": str(tmp_path / "one")}))
+    steps = [[json.loads(line) for line in (tmp_path / f"{name}").read_text().splitlines()]
+             for name in ("ranks.0", "ranks.1", "one.0")]
+    assert len(steps[0]) == len(steps[1]) == len(steps[2]) == 6
+    for r0, r1, one in zip(*steps):
+        assert sorted(r0 + r1) == sorted(one)

@@ -59,9 +59,10 @@ class TrainConfig:
     group_by_length: bool = setting(False, "each batch drawn from rows of similar length (megabatches of 50 "
                                            "batches sorted by length, in an order drawn from the seed): less "
                                            "padding; off: batches of any lengths")
-    packing: bool = setting(False, "a causal LM's examples fitted best-fit-decreasing into rows of seq_len, each "
-                                   "example attending only to itself (a table's texts become one example per row); "
-                                   "a model that can't take per-example positions runs padded, said in one line")
+    packing: bool = setting(False, "a causal LM's examples fitted best-fit-decreasing into rows of the sequence "
+                                   "length, each example attending only to itself (a table's texts become one "
+                                   "example per row); a model that can't take per-example positions runs padded, "
+                                   "said in one line")
     grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", flag="grad-accum", low=1)
     seed: int = setting(0, "initial weights (models built from a spec), data order and dropout", low=0)

@@ -178,10 +178,29 @@ class ModelAdapter:
         if not (self.task.per_token and self.task.predicts_input_positions):
             raise ValueError(f"packing packs a causal LM's examples; {self.name} is a {self.task} model: drop packing "
                              "(--packing)")
-        if not self.packs:
-            warnings.warn(f"packing isn't available for {self.name} ({PACKING_NEEDS}, to keep packed examples apart): "
-                          "running padded", stacklevel=3)
-        return self.packs
+        why = (f"{PACKING_NEEDS}, to keep packed examples apart" if not self.packs else None if self._keeps_apart()
+               else "its forward lets a packed example see the one before it (checked on two examples)")
+        if why:
+            warnings.warn(f"packing isn't available for {self.name} ({why}): running padded", stacklevel=3)
+        return why is None
+
+    def _keeps_apart(self) -> bool:
+        """Two short examples packed in one row: the second gets the logits it has alone. A leak raises nothing, so
+        it is checked on the model itself (a transformers model whose forward builds its mask another way)."""
+        n = min(4, self.max_len // 2)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (1, 2 * n), generator=g).to(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                positions = torch.arange(n, device=self.device).repeat(1, 2)
+                packed = extract_logits(self.forward(ids, position_ids=positions), self.name)
+                alone = self.logits(ids[:, n:])
+        finally:
+            self.model.train(was_training)
+        tolerance = (1e-3 if alone.dtype == torch.float32 else 3e-2) * float(alone.abs().max().clamp_min(1))
+        return bool((packed[0, n:].float() - alone[0].float()).abs().max() <= tolerance)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)

@@ -96,7 +96,8 @@ def tiny_causal(kind: str, attn: str, dtype=torch.float32):
               "qwen2": lambda: tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                               num_attention_heads=4, num_key_value_heads=2,
                                               max_position_embeddings=128, **common),
-              "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)}[kind]()
+              "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
+                                            eos_token_id=0, **common)}[kind]()
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     return adapt(model)
 
@@ -177,3 +178,23 @@ def test_windows_pack_to_themselves_and_a_hand_written_gpt_runs_padded_in_one_li
     assert not isinstance(splits.train, PackedRows)
     with pytest.raises(ValueError, match="packing packs a causal LM's examples"):
         packed(build_datasets(None, "classification", seq_len=16).train, 16)
+
+
+def test_a_transformers_model_whose_forward_drops_the_positions_is_caught_and_runs_padded(tmp_path):
+    """A forward that takes position_ids but builds its mask another way would leak without a sound: the adapter
+    checks two packed examples on the model itself before packing."""
+    from transformers import LlamaForCausalLM
+
+    class Drops(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    leaky = tiny_causal("llama", "sdpa")
+    leaky.model.__class__ = Drops
+    with pytest.warns(UserWarning, match="lets a packed example see the one before it") as said:
+        leaky.datasets(Lengths([3, 5, 4, 6, 2, 7, 3, 2, 5, 4]), 16, packing=True)
+    assert len([w for w in said if "packing" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(tiny_causal("gpt2", "eager").datasets(Lengths([3, 5, 4, 6, 2, 7, 3, 2, 5, 4]), 16,
+                                                                  packing=True).train, PackedRows)

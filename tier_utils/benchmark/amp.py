@@ -217,7 +217,10 @@ class BenchmarkRun:
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
-        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor)
+        padding = self.adapter.task.padding_tally(cfg.seq_len)
+        for batch in speed_batches:
+            padding.add(self.adapter.task.positions(batch))
+        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor, padding.to_dict())
 
     def compile(self, sized: Sized, loaded: Loaded) -> Ready:
         """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
@@ -371,7 +374,7 @@ class BenchmarkRun:
         config = BenchRun(adapter.name, adapter.task.name, adapter.summary()["parameters"],
                           ready.data.splits.describe(),
                           settings=cfg, tokens_per_step=ready.data.tokens_per_step, fit=ready.fit,
-                          lora=describe_lora(adapter.model))
+                          lora=describe_lora(adapter.model), padding=ready.data.padding)
         metadata = {**run_metadata(self.dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                     "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
         result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead, self.log.outcomes)

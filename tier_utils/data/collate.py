@@ -58,3 +58,49 @@ class PadCollator:
             else:
                 out[i, :len(row)] = row
         return out
+
+
+@dataclass
+class PaddingTally:
+    """The positions a run's batches computed and the real tokens among them, counted on the host as each batch is
+    made (no device sync): the share that was padding, and what padding every example to the run's length (as
+    tier_utils did before it padded per batch) would have computed for the same examples."""
+
+    per_row: int = 0  # the positions one example padded to the run's length computes (0: not compared)
+    length: str = ""  # that length in words, e.g. "seq_len 128" or "seq_len 128, target_len 64"
+    computed: int = 0
+    real: int = 0
+    at_length: int = 0  # the same examples' positions, each padded to the run's length
+
+    def add(self, counted: tuple[int, int, int] | None) -> None:
+        """A batch's (positions computed, real tokens, rows), as its task counts them (None: it holds no padding)."""
+        if counted is None:
+            return
+        computed, real, rows = counted
+        self.computed += computed
+        self.real += real
+        self.at_length += rows * self.per_row
+
+    @property
+    def share(self) -> float | None:
+        """The share of computed positions that were padding (None: nothing counted)."""
+        return 1 - self.real / self.computed if self.computed else None
+
+    @property
+    def share_at_length(self) -> float | None:
+        return 1 - self.real / self.at_length if self.at_length else None
+
+    def describe(self) -> str | None:
+        """"padding 9 % of positions per batch (61 % at seq_len 128, every example padded to it)"; the comparison
+        only where it differs (examples at their own length), None where nothing was counted."""
+        if self.share is None:
+            return None
+        said = f"padding {self.share:.0%} of positions per batch"
+        before = self.share_at_length
+        if before is not None and round(before, 2) != round(self.share, 2):
+            said += f" ({before:.0%} at {self.length}, every example padded to it)"
+        return said.replace("%", " %")
+
+    def to_dict(self) -> dict:
+        return {"computed": self.computed, "real": self.real, "share": self.share, "at_length": self.at_length,
+                "share_at_length": self.share_at_length, "length": self.length, "describe": self.describe()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.collate import PaddingTally
 from ..data.datasets import DataRequest, DataSplits, corpus_name, corpus_split, corpus_topics
 from ..data.pairs import Pairs, pair_rows, paired_tensors
 from ..data.userdata import PAIRS
@@ -58,6 +59,16 @@ class Seq2Seq(Task):
         if "decoder" in layer:
             return "target", "target", True
         return "source", "source", False
+
+    def positions(self, batch: dict) -> tuple[int, int, int]:
+        """Both sides: the source's positions and mask, and the targets' positions and scored places."""
+        computed, real, rows = super().positions(batch)
+        labels = batch["labels"]
+        return computed + labels.numel(), real + int(self.scored(labels).sum()), rows
+
+    def padding_tally(self, seq_len: int, target_len: int | None = None) -> PaddingTally:
+        target = target_len or seq_len
+        return PaddingTally(seq_len + target, f"seq_len {seq_len}, target_len {target}")
 
     def target_mask(self, batch: dict) -> torch.Tensor:
         return self.scored(batch["labels"])

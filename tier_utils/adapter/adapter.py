@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.memory_settings import DecidedMemory
 from ..core.precision import dtype_name
+from ..data.collate import LongestBatch, longest_batch
 from ..data.datasets import DEFAULT_VAL_FRACTION, DataSplits
 from ..data.images import has_image_processor
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
@@ -153,6 +154,15 @@ class ModelAdapter:
         an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
                               max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment)
+
+    def longest_batch(self, data, seq_len: int, target_len: int | None = None) -> LongestBatch | None:
+        """The longest batch `data` makes for this model at `seq_len` (and an encoder-decoder's `target_len`), every
+        example read, none held out; None: the task's batches are one shape whatever the data (images)."""
+        if not self.task.reads_tokens:
+            return None
+        splits = self.datasets(data, seq_len, val_fraction=0.0, target_len=target_len)
+        return longest_batch(splits.train, splits.collate, splits.describe().data, self.task.input_key,
+                             "labels" if self.task.own_target_length else None)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)

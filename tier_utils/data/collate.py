@@ -104,3 +104,51 @@ class PaddingTally:
     def to_dict(self) -> dict:
         return {"computed": self.computed, "real": self.real, "share": self.share, "at_length": self.at_length,
                 "share_at_length": self.share_at_length, "length": self.length, "describe": self.describe()}
+
+
+@dataclass(frozen=True)
+class LongestBatch:
+    """The longest batch a dataset's examples make under its collator: what a memory plan sizes a step at when the
+    batches are cut to the data."""
+
+    length: int  # the longest batch's length (the collator's rounding up, never past its limit)
+    longest: int  # the longest example
+    examples: int
+    data: str  # what was read, in words
+    target: int | None = None  # a pair's targets, padded apart (None: no target side of their own)
+    longest_target: int | None = None
+    same_length: bool = False  # every example is one length (corpus windows): the collator stacks them as they are
+
+    def describe(self) -> str:
+        """"T=120, the longest batch the data makes (notes.csv, 2,000 examples: the longest 117 tokens, padded to
+        a multiple of 8 up to the model's length)"."""
+        target = f", target {self.target} (the longest {self.longest_target})" if self.target is not None else ""
+        how = (f"every one {self.longest} tokens" if self.same_length else
+               f"the longest {self.longest} tokens, padded to a multiple of {PAD_MULTIPLE} up to the model's length")
+        return f"T={self.length}{target}, the longest batch the data makes ({self.data}, {self.examples:,} " \
+               f"examples: {how})"
+
+    def to_dict(self) -> dict:
+        return {"length": self.length, "longest": self.longest, "examples": self.examples, "data": self.data,
+                "target": self.target, "longest_target": self.longest_target, "describe": self.describe()}
+
+
+def longest_batch(dataset, collate: PadCollator, data: str, input_key: str = "input_ids",
+                  target_key: str | None = None) -> LongestBatch:
+    """The longest batch `dataset` makes under `collate`: each example read once (its `input_key`, and
+    `target_key`'s own length where the targets are padded apart)."""
+    sizes = {key: set() for key in (input_key, target_key) if key is not None}
+    for i in range(len(dataset)):
+        example = dataset[i]
+        for key, seen in sizes.items():
+            seen.add(len(example[key]))
+
+    def padded(key):  # one length throughout: stacked as it is
+        seen = sizes[key]
+        return max(seen) if len(seen) == 1 else collate.padded_length(max(seen))
+
+    same = all(len(seen) == 1 for seen in sizes.values())
+    if target_key is None:
+        return LongestBatch(padded(input_key), max(sizes[input_key]), len(dataset), data, same_length=same)
+    return LongestBatch(padded(input_key), max(sizes[input_key]), len(dataset), data, padded(target_key),
+                        max(sizes[target_key]), same)

@@ -227,12 +227,14 @@ class BenchmarkRun:
         autocast is timed as compile_s). One that can't compile is skipped when its eager twin is measured anyway,
         else runs eager. The plans still running then are the ones every later step measures."""
         eager_too = "eager" in COMPILE_CHOICES[sized.cfg.compile]
+        # batches cut to the data come in several lengths: one graph over them all, none compiled mid-timing
+        vary = len({b[self.adapter.task.input_key].shape for b in loaded.speed_batches}) > 1
         plans = []
         for p in sized.plans:
             if self.log.runs(p) and p.mode == "compiled":
                 p.precision.convert_module(self.adapter.model, self.adapter.memory)
                 step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
-                                                          sized.cfg.compile_mode, sized.cfg.progress)
+                                                          sized.cfg.compile_mode, sized.cfg.progress, vary)
                 # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
                 # (its log entries all say eager).
                 p = replace(p, adapter=step_adapter, compile=info,

@@ -266,6 +266,7 @@ class TrainSummary:
     # The share of the positions this call's training batches computed that was padding, and what padding every
     # example to seq_len would have made it (data.collate.PaddingTally.to_dict; None: not counted).
     padding: dict | None = None
+    recompiles: int | None = None  # compiled: the compiles after the warm-up (a new batch shape, ...); None: not
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR

@@ -169,7 +169,7 @@ class _Run:
                            enabled=self.cfg.progress and self.env.is_main)
         interrupted, finished = False, None
         try:
-            with self.stop.listening():
+            with self.stop.listening(), self.optimization.watch or contextlib.nullcontext():
                 self._loop(bar)
             self._check_ended()
             finished = self._finish()
@@ -353,7 +353,8 @@ class _Run:
             optimizer=self.built.memory.optimizer.describe(self.optimization.optimizer),
             memory=self.built.memory.to_dict(),
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
-            compile_reason=info.reason if info else "off (compile=False)", padding=self.padding.to_dict(),
+            compile_reason=self.optimization.compile_reason(), padding=self.padding.to_dict(),
+            recompiles=self.optimization.watch and self.optimization.watch.recompiles,
             global_batch=data.global_batch, world_size=env.world_size, strategy=self.strategy.name,
             sharding=self.built.placement, param_bytes_per_rank=sharding.param_bytes(adapter.model),
             consolidated=finished.consolidated and str(finished.consolidated), rank=env.rank,

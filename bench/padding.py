@@ -76,6 +76,9 @@ PACKED_TARGET = 1.1  # issue 57: packed chat data computes <= 1.1 positions per 
 MIN_REPEATS = 3  # below this an IQR says nothing, so no verdict is given
 FP32_LOSS_TOLERANCE = 1e-4  # relative: the same batch in fp32, padding masked (summation order differs)
 BF16_LOSS_TOLERANCE = 2e-2  # relative: bf16 autocast rounds each matmul's output to 8 bits of mantissa
+# relative: grouping and packing put other examples side by side in a step, so the updates differ; after a few steps
+# from the same start the held-out loss moves by less than this (it is no verdict on convergence)
+HELD_OUT_TOLERANCE = 5e-2
 
 
 @dataclass(frozen=True)
@@ -215,10 +218,10 @@ def setups(args, root: Path, device: torch.device) -> list[Setup]:
         splits = adapter.datasets(str(data), shape.seq_len, args.seed, target_len=shape.target_len)
         rows = Subset(splits.train, train_order(splits.train, args.batch_size, max(args.steps), args.seed))
         precision = resolve_precision(args.precision, device, warn=False)
-        # eval_batches=1: train() evaluates at a run's end; one batch keeps it small
+        # eval_every=0: train() evaluates once, at the run's end (outside the timed steps)
         cfg = TrainConfig(precision=precision, batch_size=args.batch_size, seq_len=shape.seq_len,
-                          target_len=shape.target_len, seed=args.seed, eval_every=0, eval_batches=1, progress=False,
-                          device=device)
+                          target_len=shape.target_len, seed=args.seed, eval_every=0, eval_batches=args.eval_batches,
+                          progress=False, device=device)
         found.append(Setup(shape, model, splits, rows, cfg, device))
     return found
 
@@ -235,6 +238,7 @@ def run_train(setup: Setup, steps: int, cfg: TrainConfig | None = None, padded: 
         result = train(adapter, data, replace(cfg or setup.cfg, max_steps=steps))
     finally:
         counted.remove()
+    HELD_OUT.append(result.summary.val_loss)
     return float(result.history.loc[result.history["kind"] == "step", "train_loss"].iloc[0])
 
 
@@ -329,6 +333,7 @@ def skipped(runner: str, shape: Shape) -> str | None:
 # -- counting what each training forward computes -------------------------------------------------------------------
 FORWARDS: list[tuple[int, int]] = []  # (positions computed, real tokens) of each training forward, in order
 FIRST_LOSS: list[float] = []  # the HF Trainer's first step's loss (the model's own, from its output)
+HELD_OUT: list[float] = []  # train()'s held-out loss at a call's end (its evaluation on --eval-batches batches)
 
 
 def positions(kwargs: dict) -> tuple[int, int]:
@@ -372,6 +377,7 @@ def call(runner: str, setup: Setup, steps: int, marks_at: tuple[int, int]) -> tu
     step's loss."""
     FORWARDS.clear()
     FIRST_LOSS.clear()
+    HELD_OUT.clear()
     with step_marks(marks_at, lambda: None) as marks:
         t0 = time.perf_counter()
         loss = RUN[runner](setup, steps)
@@ -388,7 +394,7 @@ def timed(runner: str, setup: Setup, args) -> dict:
     ms = (marks[n2] - marks[n1]) * 1e3
     computed, real = (sum(f[i] for f in forwards[n1:n2]) for i in (0, 1))
     return {"step_ms": ms / (n2 - n1), "ms_per_1k_real": ms / real * 1e3, "positions_per_real": computed / real,
-            "padding_share": 1 - real / computed}
+            "padding_share": 1 - real / computed, "held_out_loss": HELD_OUT[-1] if HELD_OUT else None}
 
 
 def first_losses(setup: Setup, precision_name: str) -> dict:
@@ -446,6 +452,7 @@ def table(found: list[Setup], runners: dict, samples: dict) -> list[dict]:
                          "ms_per_1k_real": per_real.to_dict(), "vs_hf": per_real.median / base.median,
                          "positions_per_real": summarize([x["positions_per_real"] for x in got]).median,
                          "padding_share": summarize([x["padding_share"] for x in got]).median,
+                         "held_out_loss": got[-1]["held_out_loss"],
                          "verdict": verdict(runner, base, per_real, len(got))})
     return rows
 
@@ -474,6 +481,19 @@ def loss_lines(losses: dict) -> list[str]:
     return lines
 
 
+def held_out_lines(rows: list[dict]) -> list[str]:
+    """Grouping or packing against per-batch padding: train()'s held-out loss after N2 steps (the last repeat's)."""
+    lines = []
+    for r in rows:
+        base = next((b for b in rows if b["data"] == r["data"] and b["runner"] == "train()"), None)
+        if r["runner"] in ("train() grouped", "train() packed") and base and base["held_out_loss"] is not None:
+            diff = abs(r["held_out_loss"] - base["held_out_loss"]) / base["held_out_loss"]
+            lines.append(f"held-out loss after the run, {r['data']}: {RUNNERS[r['runner']]} {r['held_out_loss']:.4f}, "
+                         f"per-batch padding {base['held_out_loss']:.4f}, relative difference {diff:.1e}: "
+                         f"{'within' if diff <= HELD_OUT_TOLERANCE else 'OUTSIDE'} {HELD_OUT_TOLERANCE:g}")
+    return lines
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", nargs="+", default=list(SHAPES), choices=[*SHAPES, "chat"])
@@ -485,6 +505,7 @@ def parse(argv):
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches train() scores at a call's end")
     ap.add_argument("--threads", type=int, help="torch threads for every runner (default: train()'s choice)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda where there is one)")
     ap.add_argument("--tiny", action="store_true", help="tiny models and data: does it run")
@@ -531,7 +552,7 @@ def main(argv=None) -> int:
                                                                          if s.shape.target_len else "")
                       for s in found))
     print(markdown(rows))
-    for line in loss_lines(losses):
+    for line in loss_lines(losses) + held_out_lines(rows):
         print(line)
     if args.json:
         write_json(args.json, {"meta": run_metadata(device), "args": vars(args), "rows": rows, "first_losses": losses})

@@ -21,6 +21,7 @@ from ..core.precision import dtype_name
 from ..data.collate import LongestBatch, longest_batch
 from ..data.datasets import DEFAULT_VAL_FRACTION, DataSplits
 from ..data.images import has_image_processor
+from ..data.packing import POSITIONS
 from ..data.tokenizer import BYTES, ByteTokenizer, Tokenizer, is_tokenizer_folder, load_tokenizer
 from ..models.loading import ModelSource, copied, load_model, source_of
 from ..models.stored_dtype import parameters_dtype
@@ -41,6 +42,7 @@ _PROBE_LEN = 8
 # The length tested when a model has no position table and declares no limit (ALiBi, state-space
 # models): twice the default training window, cheap enough for a smoke test.
 DEFAULT_MAX_LEN = 128
+PACKING_NEEDS = "packing needs a transformers model whose forward takes position_ids"
 ADAPTER_KEYWORDS = ("task", "vocab_size", "max_len", "num_classes", "tokenizer")
 # How a forward in the convention of popular GPT training code names its targets: it returns (logits, loss)
 # when given them, and often only the last position's logits without them.
@@ -73,6 +75,10 @@ class ModelAdapter:
     # transformers warns about possible padding on every unmasked call; our windows are unpadded, so such a model
     # gets the mask we know (all ones) instead of a warning its user can't act on.
     fills_mask: bool = False
+    # Whether packed rows can run: a transformers model that takes position_ids builds a block-diagonal causal mask
+    # from per-example positions when given no mask and no cache (transformers' padding-free path, TRL's), so no
+    # example attends to another. Any other forward would let them see each other, silently: those run padded.
+    packs: bool = False
     # What tier_utils knows of the model, carried here into every tier, never on the module: where it came from
     # (the loader's record: spec, tokenizer, the modules it started new), and the memory settings decided for a run
     # that converts it per precision (the benchmark's rows; None: none decided).
@@ -98,16 +104,24 @@ class ModelAdapter:
         changes weights (training) starts from the same ones as every other."""
         return replace(self, model=copied(self.model))
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, **given):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None, position_ids=None,
+                **given):
         """Call the model the way it expects; returns its raw output. `labels` (next tokens) are passed only
         to a model that needs targets to return every position; any id works there, zeros are used if none.
-        `given`: the task's other inputs, given rather than made here (an exported program's decoder inputs)."""
+        `position_ids`: a packed batch's per-example positions (data.packing), passed with no mask and no cache, so
+        the model keeps its examples apart. `given`: the task's other inputs, given rather than made here (an exported
+        program's decoder inputs)."""
         kwargs = {}
         if self.targets_keyword is not None:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
             kwargs[self.targets_keyword] = (labels if labels is not None
                                             else torch.zeros(shape, dtype=torch.long, device=self.device))
-        if attention_mask is None and self.fills_mask and input_ids is not None:
+        if position_ids is not None:
+            if not self.packs:
+                raise AdapterError(f"{self.name} can't keep packed examples apart ({PACKING_NEEDS}); run it padded "
+                                   "(drop packing)")
+            kwargs.update(position_ids=position_ids, use_cache=False)  # a mask or a cache would undo the blocks
+        elif attention_mask is None and self.fills_mask and input_ids is not None:
             kwargs["attention_mask"] = torch.ones_like(input_ids)  # default positions: no position_ids needed
         elif attention_mask is not None and self.takes_attention_mask:
             kwargs["attention_mask"] = attention_mask
@@ -138,7 +152,8 @@ class ModelAdapter:
         """The model's raw output for a batch dict of this task: its targets go in where the task feeds them (a
         seq2seq decoder's teacher-forced inputs; the GPT convention's targets keyword)."""
         labels = batch.get("labels") if self.task.feeds_targets else None
-        return self.forward(batch[self.task.input_key], batch.get("attention_mask"), labels=labels)
+        return self.forward(batch[self.task.input_key], batch.get("attention_mask"), labels=labels,
+                            position_ids=batch.get(POSITIONS))
 
     def batch_logits(self, batch: dict) -> torch.Tensor:
         return extract_logits(self.batch_forward(batch), self.name)
@@ -149,11 +164,25 @@ class ModelAdapter:
         return self.loss(logits, batch["labels"]), logits
 
     def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
-                 target_len: int | None = None, augment: bool = False) -> DataSplits:
+                 target_len: int | None = None, augment: bool = False, packing: bool = False) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
-        an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented."""
+        an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented;
+        `packing`: a causal LM's training examples packed, where this model can keep them apart (else padded, said
+        in one line)."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment)
+                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment,
+                              packing=packing and self._can_pack())
+
+    def _can_pack(self) -> bool:
+        """Packing asked for: a task other than next-token prediction is refused; a model that can't keep packed
+        examples apart is said in one line, and runs padded."""
+        if not (self.task.per_token and self.task.predicts_input_positions):
+            raise ValueError(f"packing packs a causal LM's examples; {self.name} is a {self.task} model: drop packing "
+                             "(--packing)")
+        if not self.packs:
+            warnings.warn(f"packing isn't available for {self.name} ({PACKING_NEEDS}, to keep packed examples apart): "
+                          "running padded", stacklevel=3)
+        return self.packs
 
     def longest_batch(self, data, seq_len: int, target_len: int | None = None) -> LongestBatch | None:
         """The longest batch `data` makes for this model at `seq_len` (and an encoder-decoder's `target_len`), every
@@ -287,6 +316,7 @@ def adapt(model, task: str | None = None, vocab_size: int | None = None, max_len
                            tokens and "attention_mask" in params, "inputs_embeds" in params, "position_ids" in params,
                            max_len_note=note)
     adapter.fills_mask = adapter.takes_attention_mask and hasattr(model, "warn_if_padding_and_no_attention_mask")
+    adapter.packs = adapter.fills_mask and adapter.takes_position_ids
     adapter.targets_keyword = _targets_keyword(adapter, params)
     adapter.task = adapter.task or _probe_task(adapter)
     if length == math.inf:

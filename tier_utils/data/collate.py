@@ -14,7 +14,8 @@ IGNORE = -100  # a target the loss does not score (torch's cross_entropy ignore_
 # Tensor cores multiply in tiles of 8 (16 bits) and a compiled step meets one shape per padded length: rounding the
 # padded length up to a multiple of 8 serves both, at a few positions per row.
 PAD_MULTIPLE = 8
-MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+# Filled with 0: the masks, and a packed row's positions (each pad position then a sequence of its own, unscored).
+MASK_KEYS = ("attention_mask", "decoder_attention_mask", "position_ids")
 LABEL_KEYS = ("labels",)
 
 

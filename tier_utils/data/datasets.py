@@ -186,6 +186,7 @@ class DataRequest:
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
     target_len: int | None = None  # a pair's target side (None: seq_len); the source side is seq_len
     augment: bool = False  # training examples augmented as they are read (a task that augments: ImageClassification)
+    packing: bool = False  # a causal LM's training examples packed into rows (a table's rows read as examples)
 
 
 def synthetic_splits(request: DataRequest, num_classes: int | None = None) -> DataSplits:

@@ -78,6 +78,7 @@ class Texts:
     val_labels: list | None
     name: str
     validation: str | None = None
+    rows: bool = False  # each text is a row of its own (a table's, a dataset's), not part of one running text
 
 
 def is_user_source(data) -> bool:
@@ -168,7 +169,7 @@ def _read_table(path: Path, text_column, label_column, reading: Reading) -> Text
         raise DataError(f"cannot read {path.name} as {kind} ({one_line(exc)[:160]}); check the file") from exc
     columns = {str(c): frame[c].tolist() for c in frame.columns}
     texts, label_values = _columns(columns, path.name, text_column, label_column, reading)
-    return Texts(texts, None, label_values, None, f"table {path.name} ({len(texts)} rows)")
+    return Texts(texts, None, label_values, None, f"table {path.name} ({len(texts)} rows)", rows=True)
 
 
 def _columns(columns: dict, where: str, text_column, label_column, reading: Reading) -> tuple[list[str], list | None]:
@@ -228,7 +229,7 @@ def _read_hf_dataset(spec: str, text_column, label_column, reading: Reading) -> 
     train, train_labels = part(train_split)
     val, val_labels = part(val_split) if val_split else (None, None)
     return Texts(train, val, train_labels, val_labels, f"{name} [{train_split}]",
-                 f"the dataset's own {val_split!r} split" if val_split else None)
+                 f"the dataset's own {val_split!r} split" if val_split else None, rows=True)
 
 
 def load_hf_dataset(spec: str):

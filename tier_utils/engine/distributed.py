@@ -22,6 +22,7 @@ from torch.utils.data import DistributedSampler, Subset
 
 from ..core.errors import LaunchError, RankStopped, TierError, one_line
 from ..core.precision import resolve_device
+from ..data.lengths import length_grouped
 
 # How long a rank waits at one collective for the others before it fails, on gloo and NCCL alike (their defaults: 30
 # and 10 minutes). A rank that stops with a one-line error tells the others at once (`answering_for_ranks`); this is
@@ -142,14 +143,24 @@ class ShardedSampler(DistributedSampler):
 
     One rank sees the order as it is; N ranks with batch b see together exactly what one
     rank with batch N*b sees. `start` skips that many of this rank's samples (resume mid-epoch).
+    `lengths` (grouping by length): the order regrouped into global batches of `group` rows (the batch per rank times
+    the ranks) of similar length before it is dealt, so each rank's batch is a share of one global batch, every rank
+    runs the same steps, and the promise above holds.
     """
 
-    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                 lengths: list[int] | None = None, group: int = 1):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.start = 0
+        self.start, self.lengths, self.group = 0, lengths, group
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
+        if self.lengths is None:
+            return itertools.islice(super().__iter__(), self.start, None)
+        n = len(self.dataset)  # DistributedSampler's own draw, so the order is a function of (seed, epoch) alone
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+                 if self.shuffle else list(range(n)))
+        grouped = length_grouped(order, self.lengths, self.group)[:self.total_size]
+        return itertools.islice(grouped[self.rank::self.num_replicas], self.start, None)
 
     def __len__(self) -> int:
         return self.num_samples - self.start

@@ -27,6 +27,7 @@ from ..data.datasets import (
     without_validation,
 )
 from ..data.images import is_image_folder
+from ..data.packing import packed
 from ..data.tokenizer import BYTE_VOCAB, ByteTokenizer, is_tokenizer_folder
 from ..data.userdata import PLAIN, is_user_source
 
@@ -139,8 +140,10 @@ class Task:
         return f"batch {batch} x {length} tokens"
 
     def units(self, batch: dict) -> int:
-        """How many of `unit` a batch holds (a throughput's numerator)."""
-        return batch[self.input_key].numel()
+        """How many of `unit` a batch holds (a throughput's numerator): its real tokens, the padding not counted (a
+        packed row's too). MFU counts the positions computed, padding included, from the FLOPs of the step."""
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else batch[self.input_key].numel()
 
     def positions(self, batch: dict) -> tuple[int, int, int] | None:
         """(positions the model computes, real tokens among them, rows) of a collated batch on the host: the parts
@@ -309,7 +312,7 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0,
                    max_len: int | None = None, tokenizer=None, target_len: int | None = None,
-                   augment: bool = False) -> DataSplits:
+                   augment: bool = False, packing: bool = False) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
     data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
@@ -321,6 +324,8 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     target_len: a seq2seq pair's target length (None: seq_len, the source's).
     augment: training examples drawn anew each time they are read, where the task augments (an image classifier's
     random resized crop and flip); validation stays as it is. A task that does not is refused in one line.
+    packing: a causal LM's training examples packed into rows of seq_len (data.packing; a table's texts read one
+    example per row); validation stays as examples.
     Validation: the source's own split when it has one; else the last `val_fraction` of the text
     (contiguous) for a causal LM, a seeded random `val_fraction` of the rows for classification; none at all for
     val_fraction=0 (a source's own validation split is then left unused).
@@ -334,6 +339,8 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
         raise DataError(f"augment: the {chosen.name} task has no augmentation (an image classifier's random crop and "
                         "flip); drop augment (--augment)")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
-                          target_len, augment)
+                          target_len, augment, packing)
     splits = replace(chosen.datasets(data, request), collate=chosen.collator(request))
+    if packing:  # before any sampler shards it: every rank draws from the same rows
+        splits = replace(splits, train=packed(splits.train, seq_len))
     return without_validation(splits) if val_fraction == 0 else splits

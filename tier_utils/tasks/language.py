@@ -11,6 +11,7 @@ from ..data.datasets import (
     text_windows,
     token_rows,
 )
+from ..data.packing import text_examples
 from ..data.userdata import LABELLED
 from .base import Task, register_task
 
@@ -40,7 +41,8 @@ class CausalLM(Task):
         return token_rows(data, request)
 
     def from_texts(self, texts, request: DataRequest) -> DataSplits:
-        return text_windows(texts, request)
+        """Running text as windows; a table's separate texts, when packed, as one example per row."""
+        return text_examples(texts, request) if request.packing and texts.rows else text_windows(texts, request)
 
 
 class Classification(Task):

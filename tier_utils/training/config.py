@@ -19,7 +19,7 @@ from ..engine.strategies import DDP, canonical_strategy, strategy_class
 # sharded checkpoint reshards onto another one with the same global batch).
 TRAJECTORY_FIELDS = ("seq_len", "target_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
-                     "shuffle", "val_fraction", "augment")
+                     "shuffle", "val_fraction", "augment", "group_by_length", "packing")
 NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
@@ -56,6 +56,13 @@ class TrainConfig:
         above=0, high=1)
     shuffle: bool = setting(True, "a new order of the training rows each epoch, drawn from the seed (off: the "
                                   "data's own order)")
+    group_by_length: bool = setting(False, "each batch drawn from rows of similar length (megabatches of 50 "
+                                           "batches sorted by length, in an order drawn from the seed): less "
+                                           "padding; off: batches of any lengths")
+    packing: bool = setting(False, "a causal LM's examples fitted best-fit-decreasing into rows of the sequence "
+                                   "length, each example attending only to itself (a table's texts become one "
+                                   "example per row); a model that can't take per-example positions runs padded, "
+                                   "said in one line")
     grad_clip: float | None = setting(1.0, "max total grad norm (none or 0: off)", low=0)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", flag="grad-accum", low=1)
     seed: int = setting(0, "initial weights (models built from a spec), data order and dropout", low=0)
@@ -121,6 +128,8 @@ class TrainConfig:
         check_switch(self, "compile")
         check_switch(self, "restore_best")
         check_switch(self, "augment")
+        check_switch(self, "group_by_length")
+        check_switch(self, "packing")
         check_switch(self, "reshard_after_forward")
         check_switch(self, "consolidate")
         check_fields(self)

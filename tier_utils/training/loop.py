@@ -27,6 +27,7 @@ from ..core.results import run_metadata
 from ..core.settings import merge
 from ..core.threads import chooses_threads
 from ..data.datasets import to_device
+from ..data.packing import PackedRows
 from ..engine import sharding
 from ..engine.distributed import answering_for_ranks
 from ..engine.evaluation import evaluate
@@ -371,7 +372,10 @@ class _Run:
             lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
             generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
-            order=f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch",
+            order=(f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch")
+            + ("; batches grouped by length" if data.sampler.lengths is not None else "")
+            + (f"; examples packed into {len(data.splits.train)} rows" if isinstance(data.splits.train, PackedRows)
+               else ""),
             new_head=describe_new_head(adapter.model, data.splits.classes),
         )
         return TrainResult(history, summary, adapter.model, hist.skipped_total, list(hist.loss_scale_trace),

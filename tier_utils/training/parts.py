@@ -7,9 +7,11 @@ train()'s run object (loop.py) is built complete from them; nothing is set on it
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils.data import Subset
 
 from ..adapter.adapter import ModelAdapter, resolve_model
 from ..core.device import device_facts
@@ -19,6 +21,7 @@ from ..core.precision import Precision
 from ..core.seeding import seed_everything
 from ..data.collate import longest_batch
 from ..data.datasets import DataSplits, in_data_order, make_loader, to_device
+from ..data.lengths import example_lengths, in_length_order
 from ..engine import distributed
 from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, CompileWatch, compile_for_training
@@ -113,10 +116,13 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment, cfg.packing)
     if not cfg.shuffle:
         splits = replace(splits, train=in_data_order(splits.train))
-    sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)
+    groups = grouped_by_length(adapter, cfg)
+    sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle,
+                                         example_lengths(splits.train) if groups else None,
+                                         cfg.batch_size * env.world_size)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * env.world_size
     steps_per_epoch = len(sampler) // cfg.batch_size // cfg.grad_accum_steps
     if steps_per_epoch < 1:
@@ -126,12 +132,32 @@ def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strate
     log_every = cfg.log_every or (1 if total_steps <= FINE_LOG_STEPS else 10)
     loader = make_loader(splits.train, cfg.batch_size, collate=splits.collate, device=device,
                          num_workers=cfg.num_workers, seed=cfg.seed, drop_last=True, sampler=sampler)
-    val_loader = make_loader(distributed.eval_shard(splits.val, env), cfg.batch_size, collate=splits.collate,
-                             shuffle=False, device=device, num_workers=cfg.num_workers, seed=cfg.seed)
+    val = distributed.eval_shard(splits.val, env)
+    val_loader = make_loader(val, cfg.batch_size, collate=splits.collate, shuffle=False, device=device,
+                             num_workers=cfg.num_workers, seed=cfg.seed,
+                             sampler=scored_in_length_order(val, cfg.eval_batches, cfg.batch_size) if groups else None)
     eval_forwards = strategy.eval_forwards(min(len(val_loader), cfg.eval_batches or len(val_loader)))
     return RunData(splits, splits.describe(), data_fingerprint(splits) if cfg.checkpoint_dir is not None else None,
                    sampler, loader, val_loader, eval_forwards, steps_per_epoch, total_steps,
                    max(log_every, math.ceil(total_steps / MAX_STEP_ROWS)), global_batch)
+
+
+def grouped_by_length(adapter: ModelAdapter, cfg: TrainConfig) -> bool:
+    """Whether this run groups its batches by length: asked for, and its examples have lengths (an image model's
+    are all one size: said in one line)."""
+    if cfg.group_by_length and not adapter.task.reads_tokens:
+        warnings.warn(f"group_by_length: a {adapter.task} model's examples are all one size; nothing to group",
+                      stacklevel=3)
+    return cfg.group_by_length and adapter.task.reads_tokens
+
+
+def scored_in_length_order(val, eval_batches: int | None, batch_size: int) -> list[int]:
+    """The validation order with grouping: the rows an evaluation scores chosen as without it (its first
+    `eval_batches` batches), then put longest first among themselves; sorting the whole set would score only the
+    shortest rows."""
+    chosen = min(len(val), (eval_batches or len(val)) * batch_size)
+    return in_length_order(list(range(chosen)), example_lengths(Subset(val, range(chosen)))) + list(
+        range(chosen, len(val)))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ def test_corpus_windows_have_no_padding_and_no_comparison():
     assert result.summary.padding["describe"] == "padding 0 % of positions per batch"
 
 
+@pytest.mark.slow  # a whole benchmark run (its memory, timing and accuracy steps)
 def test_the_benchmark_states_the_padding_share_of_its_batches():
     result = amp_benchmark(tiny("tiny-encoder", seed=0), (Examples(LENGTHS * 4), Examples(LENGTHS)),
                            precisions=["fp32"], batch_size=4, seq_len=32, untimed_steps=1, timed_steps=1, repeats=1,
@@ -99,6 +100,7 @@ class OomEncoder(TinyEncoder):
         return super().forward(input_ids, **kwargs)
 
 
+@pytest.mark.slow  # the answer's prediction probes every mode
 def test_the_out_of_memory_answer_plans_at_the_longest_batch_the_data_makes(monkeypatch):
     monkeypatch.setenv("TIER_UTILS_FREE_MEMORY", str(2**30))
     torch.manual_seed(0)

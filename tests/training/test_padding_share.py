@@ -1,12 +1,15 @@
 """Every training and benchmark result says the share of the positions it computed that was padding, and what
 padding each example to seq_len would have made it (issue 57): counted exactly on a hand-built dataset."""
+import json
+
 import pytest
 import torch
-from tiny import tiny
+from tiny import TINY_ARGS, tiny
 from torch.utils.data import Dataset
 
 from tier_utils import TinyEncoder
 from tier_utils.benchmark.amp import amp_benchmark
+from tier_utils.cli import main
 from tier_utils.core.errors import TrainingOutOfMemory
 from tier_utils.planning.planner import fit
 from tier_utils.smoketest.suite import smoke
@@ -111,3 +114,17 @@ def test_the_out_of_memory_answer_plans_at_the_longest_batch_the_data_makes(monk
     line = str(caught.value)
     assert line.startswith("out of memory after 1 of 4 steps at B=4, T=32, fp32")
     assert "fits here (predicted at T=16, the longest batch the data makes (the Datasets given, 8 examples" in line
+
+
+def test_fit_and_smoke_take_data_on_the_command_line(tmp_path, capsys):
+    table = tmp_path / "sentences.csv"
+    table.write_text("text,label\n" + "".join(f"{'word ' * n}end,{n % 2}\n" for n in (1, 3, 2, 1) * 3))
+    common = ["--model", "tiny-encoder", *TINY_ARGS, "--device", "cpu", "--no-progress", "--data", str(table)]
+    assert main(["fit", *common, "--seq-len", "32", "--precisions", "fp32", "--no-checkpointing", "--lora", "0",
+                 "--validate", "off", "--json", str(tmp_path / "fit.json")]) == 0
+    planned = json.loads((tmp_path / "fit.json").read_text())
+    longest = planned["from_data"]["longest"]  # the byte tokenizer: one token per character
+    assert planned["seq_len"] == -(-longest // 8) * 8 < 32  # its longest row, rounded up to a multiple of 8
+    assert "the longest batch the data makes" in capsys.readouterr().out
+    assert main(["smoke", *common, "--checks", "memory", "--batch-sizes", "2", "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["seq_lens"] == [planned["seq_len"]]

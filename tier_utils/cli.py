@@ -65,7 +65,7 @@ def _run_info(args) -> tuple[dict, int]:
 
 
 def _run_smoke(args) -> tuple[dict, int]:
-    report = smoke(args.model, settings_from(args, SmokeConfig), model_kwargs=model_kwargs(args))
+    report = smoke(args.model, settings_from(args, SmokeConfig), data=data_of(args), model_kwargs=model_kwargs(args))
     if report.rank != 0:  # sharded under torchrun: rank 0's report holds every rank's rows
         args.json = None
         return None, 0 if report.passed else 1
@@ -189,7 +189,7 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_fit(args) -> tuple[dict, int]:
-    result = fit(args.model, settings_from(args, FitConfig), model_kwargs=model_kwargs(args))
+    result = fit(args.model, settings_from(args, FitConfig), data=data_of(args), model_kwargs=model_kwargs(args))
     width = shutil.get_terminal_size((FALLBACK_WIDTH, 24)).columns
     print(textwrap.fill(result.headline(), width))
     table = result.overview()  # indexed by mode: every row says which
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("smoke", help="tier 1: shapes, gradient flow, stability, init, memory, latency, determinism")
     add_common(p, SmokeConfig)
     add_settings(p, SmokeConfig, ("batch_sizes", "seq_lens", "checks", "strategy"))
+    p.add_argument("--data", default=None, metavar="SOURCE", help="add the longest batch this data makes to the "
+                   "memory and latency lengths (default: no data read): " + DATA_HELP.split(" (default")[0])
+    add_data(p, data=False)
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
@@ -334,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, FitConfig, precision=False)
     add_settings(p, FitConfig, ("batch_size", "seq_len", "target_len", "precisions", "checkpointing", "lora",
                                 "optimizers", "validate"))
+    p.add_argument("--data", default=None, metavar="SOURCE", help="plan at the longest batch this data makes at "
+                   "--seq-len (default: no data read, the plan is at --seq-len): " + DATA_HELP.split(" (default")[0])
+    add_data(p, data=False)
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "

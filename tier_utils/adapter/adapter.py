@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..core.errors import AdapterError, ModelForwardError, ModelSpecError, describe
 from ..core.memory_settings import DecidedMemory
 from ..core.precision import dtype_name
+from ..data.collate import LongestBatch, longest_batch
 from ..data.datasets import DEFAULT_VAL_FRACTION, DataSplits
 from ..data.images import has_image_processor
 from ..data.packing import POSITIONS
@@ -201,6 +202,15 @@ class ModelAdapter:
             self.model.train(was_training)
         tolerance = (1e-3 if alone.dtype == torch.float32 else 3e-2) * float(alone.abs().max().clamp_min(1))
         return bool((packed[0, n:].float() - alone[0].float()).abs().max() <= tolerance)
+
+    def longest_batch(self, data, seq_len: int, target_len: int | None = None) -> LongestBatch | None:
+        """The longest batch `data` makes for this model at `seq_len` (and an encoder-decoder's `target_len`), every
+        example read, none held out; None: the task's batches are one shape whatever the data (images)."""
+        if not self.task.reads_tokens:
+            return None
+        splits = self.datasets(data, seq_len, val_fraction=0.0, target_len=target_len)
+        return longest_batch(splits.train, splits.collate, splits.describe().data, self.task.input_key,
+                             "labels" if self.task.own_target_length else None)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)

@@ -218,19 +218,24 @@ class BenchmarkRun:
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
         floor = Plan(f"{base.name} floor", "eager", base.precision, self.adapter, batches=short)
-        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor)
+        padding = self.adapter.task.padding_tally(cfg.seq_len)
+        for batch in speed_batches:
+            padding.add(self.adapter.task.positions(batch))
+        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor, padding.to_dict())
 
     def compile(self, sized: Sized, loaded: Loaded) -> Ready:
         """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
         autocast is timed as compile_s). One that can't compile is skipped when its eager twin is measured anyway,
         else runs eager. The plans still running then are the ones every later step measures."""
         eager_too = "eager" in COMPILE_CHOICES[sized.cfg.compile]
+        # batches cut to the data come in several lengths: one graph over them all, none compiled mid-timing
+        vary = len({b[self.adapter.task.input_key].shape for b in loaded.speed_batches}) > 1
         plans = []
         for p in sized.plans:
             if self.log.runs(p) and p.mode == "compiled":
                 p.precision.convert_module(self.adapter.model, self.adapter.memory)
                 step_adapter, info = compile_for_training(self.adapter, p.precision, loaded.speed_batches[0],
-                                                          sized.cfg.compile_mode, sized.cfg.progress)
+                                                          sized.cfg.compile_mode, sized.cfg.progress, vary)
                 # Not compiled and measured eager anyway: skipped; else it runs eager, before any outcome names it
                 # (its log entries all say eager).
                 p = replace(p, adapter=step_adapter, compile=info,
@@ -372,7 +377,7 @@ class BenchmarkRun:
         config = BenchRun(adapter.name, adapter.task.name, adapter.summary()["parameters"],
                           ready.data.splits.describe(),
                           settings=cfg, tokens_per_step=ready.data.tokens_per_step, fit=ready.fit,
-                          lora=describe_lora(adapter.model))
+                          lora=describe_lora(adapter.model), padding=ready.data.padding)
         metadata = {**run_metadata(self.dev), "float32_matmul_precision": torch.get_float32_matmul_precision(),
                     "load_average_1m": load_average(), "stored_dtype": dtype_name(adapter.stored_dtype)}
         result = BenchmarkResult(config, metadata, flops, records, verdicts, overhead, self.log.outcomes)

@@ -62,12 +62,15 @@ class BenchRun:
     tokens_per_step: int
     fit: BatchFit
     lora: dict | None = None  # engine.lora.describe_lora of the model every row trained (None: no LoRA)
+    # The share of the speed batches' positions that was padding (data.collate.PaddingTally.to_dict; None: not
+    # counted), the same for every row: each times the same batches.
+    padding: dict | None = None
 
     def to_dict(self) -> dict:
         """The JSON's "config": the data's and the settings' fields flat beside the model's."""
         return {"model": self.model, "task": self.task, "parameters": self.parameters, **self.described.to_dict(),
                 **self.settings.to_dict(), "tokens_per_step": self.tokens_per_step, "fit": self.fit.to_dict(),
-                "lora_detail": self.lora}
+                "lora_detail": self.lora, "padding": self.padding}
 
 
 # The steps of a benchmark run (amp.py's BenchmarkRun, a method each) that can skip or stop a plan, in order.
@@ -178,6 +181,7 @@ class Loaded:
     tokens_per_step: int
     start: dict
     floor: Plan
+    padding: dict | None = None  # the speed batches' padding share (data.collate.PaddingTally.to_dict)
 
 
 @dataclass(frozen=True)

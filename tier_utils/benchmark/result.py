@@ -82,6 +82,7 @@ class BenchmarkResult(Result):
         rows = [r for r in self.records if r.memory_row is not None]
         return (f"benchmark {run.model}: {self.verdict} ({status_counts(self.verdicts['status'])})"
                 f" at {task_named(run.task).batch_words(s.batch_size, s.seq_len)} on {self.metadata['device_name']}"
+                + (f" ({run.padding['describe']})" if run.padding and run.padding["describe"] else "")
                 + (f"; {run.fit.reason}" if run.fit.reason else "")
                 + f"; weights stored {self.metadata['stored_dtype']}, held in the runs as {held or 'none ran'}"
                 + f"; the precision rows train {s.memory.describe(run.lora and run.lora['base_dtype'])}"

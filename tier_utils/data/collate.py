@@ -59,3 +59,97 @@ class PadCollator:
             else:
                 out[i, :len(row)] = row
         return out
+
+
+@dataclass
+class PaddingTally:
+    """The positions a run's batches computed and the real tokens among them, counted on the host as each batch is
+    made (no device sync): the share that was padding, and what padding every example to the run's length (as
+    tier_utils did before it padded per batch) would have computed for the same examples."""
+
+    per_row: int = 0  # the positions one example padded to the run's length computes (0: not compared)
+    length: str = ""  # that length in words, e.g. "seq_len 128" or "seq_len 128, target_len 64"
+    computed: int = 0
+    real: int = 0
+    at_length: int = 0  # the same examples' positions, each padded to the run's length
+
+    def add(self, counted: tuple[int, int, int] | None) -> None:
+        """A batch's (positions computed, real tokens, rows), as its task counts them (None: it holds no padding)."""
+        if counted is None:
+            return
+        computed, real, rows = counted
+        self.computed += computed
+        self.real += real
+        self.at_length += rows * self.per_row
+
+    @property
+    def share(self) -> float | None:
+        """The share of computed positions that were padding (None: nothing counted)."""
+        return 1 - self.real / self.computed if self.computed else None
+
+    @property
+    def share_at_length(self) -> float | None:
+        return 1 - self.real / self.at_length if self.at_length else None
+
+    def describe(self) -> str | None:
+        """"padding 9 % of positions per batch (61 % at seq_len 128, every example padded to it)"; the comparison
+        only where it differs (examples at their own length), None where nothing was counted."""
+        if self.share is None:
+            return None
+        said = f"padding {self.share:.0%} of positions per batch"
+        before = self.share_at_length
+        if before is not None and round(before, 2) != round(self.share, 2):
+            said += f" ({before:.0%} at {self.length}, every example padded to it)"
+        return said.replace("%", " %")
+
+    def to_dict(self) -> dict:
+        return {"computed": self.computed, "real": self.real, "share": self.share, "at_length": self.at_length,
+                "share_at_length": self.share_at_length, "length": self.length, "describe": self.describe()}
+
+
+@dataclass(frozen=True)
+class LongestBatch:
+    """The longest batch a dataset's examples make under its collator: what a memory plan sizes a step at when the
+    batches are cut to the data."""
+
+    length: int  # the longest batch's length (the collator's rounding up, never past its limit)
+    longest: int  # the longest example
+    examples: int
+    data: str  # what was read, in words
+    target: int | None = None  # a pair's targets, padded apart (None: no target side of their own)
+    longest_target: int | None = None
+    same_length: bool = False  # every example is one length (corpus windows): the collator stacks them as they are
+
+    def describe(self) -> str:
+        """"T=120, the longest batch the data makes (notes.csv, 2,000 examples: the longest 117 tokens, padded to
+        a multiple of 8 up to the model's length)"."""
+        target = f", target {self.target} (the longest {self.longest_target})" if self.target is not None else ""
+        how = (f"every one {self.longest} tokens" if self.same_length else
+               f"the longest {self.longest} tokens, padded to a multiple of {PAD_MULTIPLE} up to the model's length")
+        return f"T={self.length}{target}, the longest batch the data makes ({self.data}, {self.examples:,} " \
+               f"examples: {how})"
+
+    def to_dict(self) -> dict:
+        return {"length": self.length, "longest": self.longest, "examples": self.examples, "data": self.data,
+                "target": self.target, "longest_target": self.longest_target, "describe": self.describe()}
+
+
+def longest_batch(dataset, collate: PadCollator, data: str, input_key: str = "input_ids",
+                  target_key: str | None = None) -> LongestBatch:
+    """The longest batch `dataset` makes under `collate`: each example read once (its `input_key`, and
+    `target_key`'s own length where the targets are padded apart)."""
+    sizes = {key: set() for key in (input_key, target_key) if key is not None}
+    for i in range(len(dataset)):
+        example = dataset[i]
+        for key, seen in sizes.items():
+            seen.add(len(example[key]))
+
+    def padded(key):  # one length throughout: stacked as it is
+        seen = sizes[key]
+        return max(seen) if len(seen) == 1 else collate.padded_length(max(seen))
+
+    same = all(len(seen) == 1 for seen in sizes.values())
+    if target_key is None:
+        return LongestBatch(padded(input_key), max(sizes[input_key]), len(dataset), data, same_length=same)
+    return LongestBatch(padded(input_key), max(sizes[input_key]), len(dataset), data, padded(target_key),
+                        max(sizes[target_key]), same)

@@ -31,6 +31,7 @@ from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
+from ..data.collate import LongestBatch
 from ..engine.activation_checkpointing import repeated_blocks
 from ..engine.step import make_optimizer
 from ..models.builtins import DEFAULT_MODEL
@@ -207,12 +208,18 @@ class FitResult(Result):
     speed_source: str = ""  # where measured_speedups were measured, in words
     target_len: int | None = None  # an encoder-decoder's target length, counted apart (None: one length)
     length_words: str = ""  # the length axis where it is not tokens (an image model's resolution and its tokens)
+    # fit(data=...): the longest batch the data makes, which the plan is at (None: the length asked, no data read)
+    from_data: LongestBatch | None = None
 
     def lengths(self) -> str:
         """The planned length in words: T (an image model's resolution and its tokens), and an encoder-decoder's
         target length where it was given apart."""
         return (f"T={self.seq_len}" + (f" ({self.length_words})" if self.length_words else "")
                 + (f", target {self.target_len}" if self.target_len else ""))
+
+    def data_words(self) -> str:
+        """"; planned at T=120, the longest batch the data makes (...)" where the plan was sized to data, else ""."""
+        return f"; planned at {self.from_data.describe()}" if self.from_data else ""
 
     def largest(self, c: ModeRow, room: float) -> int:
         return c.largest_batch(self.seq_len, room)
@@ -301,7 +308,7 @@ class FitResult(Result):
         return (f"fit {self.model['model']} ({self.model['parameters']:,} parameters) at B={self.batch_size}, "
                 f"{self.lengths()} on {self.metadata['device_name']}: every mode's step (predicted) and largest "
                 f"batch; GPU columns predicted ({MARGIN_NOTE}); measured with probes sized to "
-                f"{self.budget.describe()}")
+                f"{self.budget.describe()}{self.data_words()}")
 
     # The overview's columns about this device; the rest are the GPUs' (predicted), each headed by the card.
     HERE_COLUMNS = ("status", "step GiB", "here", "validated")
@@ -326,7 +333,7 @@ class FitResult(Result):
         return (f"fit at B={self.batch_size}, {self.lengths()}: cheapest mode that fits here "
                 f"{_named(cheapest['this_device'])} (predicted, {self.budget.describe()}); "
                 f"{self._fastest_here(fastest['this_device'], cheapest['this_device'])}; cheapest / fastest "
-                f"predicted on {gpus}")
+                f"predicted on {gpus}{self.data_words()}")
 
     def _fastest_here(self, here: ModeRow | None, cheapest: ModeRow | None) -> str:
         """"fastest here bf16: 1.45× fp32, IQR range 1.30–1.60×, measured ...", or that no mode was measurably
@@ -351,6 +358,7 @@ class FitResult(Result):
     def to_json(self) -> dict:
         return jsonable({"status": self.status, "batch_size": self.batch_size, "seq_len": self.seq_len,
                          "target_len": self.target_len, "length": self.length_words,
+                         "from_data": self.from_data and self.from_data.to_dict(),
                          "model": self.model, "budget": self.budget.to_dict(), "margin": MARGIN_NOTE,
                          "gpus_mib": gpus_mib(), "checkpointed_blocks": self.blocks,
                          "cheapest": {k: c.name if c else None for k, c in self.cheapest().items()},
@@ -380,11 +388,14 @@ def _named(c: ModeRow | None) -> str:
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts
-def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kwargs: dict | None = None,
+def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, data=None, model_kwargs: dict | None = None,
         **overrides) -> FitResult:
     """What fits where, and what it costs: every mode (each precision, each also with activation checkpointing,
     and LoRA) at `batch_size` x `seq_len`: its training step's bytes (predicted), the largest batch here and on
-    common GPUs (predicted), and the cheapest mode that fits on each. It reads no data.
+    common GPUs (predicted), and the cheapest mode that fits on each.
+
+    data: None (no data read: the plan is at seq_len) or anything `train` takes: then the plan is at the longest
+    batch that data makes at seq_len (each batch is padded to its longest row), and the result says so.
 
     model: an nn.Module, an adapter or a load_model spec (`model_kwargs` build it).
     config / overrides: a FitConfig (or dict) and/or its field names as keywords; validate (None: on a GPU
@@ -397,11 +408,14 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, model_kw
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), adapter.target_length(cfg.target_len)
+    from_data = adapter.longest_batch(data, length, target) if data is not None else None
+    if from_data is not None:  # the batches are cut to the data: its longest one is what must fit
+        length, target = from_data.length, target if from_data.target is None else from_data.target
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,
                            cfg.optimizers, target)
     predicted = FitResult(configs, length, adapter.summary(), budget, run_metadata(dev), blocks=blocks,
                           batch_size=cfg.batch_size, target_len=target,
-                          length_words=adapter.task.describe_length(adapter, length))
+                          length_words=adapter.task.describe_length(adapter, length), from_data=from_data)
     asked = cfg.validate or ("on" if dev.type == "cuda" else "off")
     if asked == "off":
         return predicted

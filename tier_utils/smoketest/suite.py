@@ -27,6 +27,7 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, problem_rows, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
+from ..data.collate import LongestBatch
 from ..engine.quantization import quantized_summary
 from ..engine.strategies import canonical_strategy, resolve_strategy, smoke_strategies
 from ..models.builtins import DEFAULT_MODEL
@@ -85,6 +86,7 @@ class SmokeReport(Result):
     sharding: str | None = None  # strategy="fsdp": how the model was sharded (sharding.Sharding.describe)
     rank: int = 0  # this process's torchrun rank, of world_size
     world_size: int = 1
+    from_data: LongestBatch | None = None  # smoke(data=...): the longest batch the data makes, one of seq_lens
 
     @property
     def table(self) -> pd.DataFrame:
@@ -118,7 +120,8 @@ class SmokeReport(Result):
         counts = ", ".join(f"{sum(c.status == s for c in self.checks)} {s}" for s in ("PASS", "WARN", "FAIL", "SKIP"))
         return (f"smoke {self.model.get('model')}: {self.status} ({counts}) in {self.seconds:.1f} s on "
                 f"{self.metadata['device_name']}, {self.precision.name}"
-                + (f", sharded over {self.world_size} ranks (rows per rank)" if self.sharding else ""))
+                + (f", sharded over {self.world_size} ranks (rows per rank)" if self.sharding else "")
+                + (f"; memory and latency at {self.from_data.describe()}" if self.from_data else ""))
 
     def summary_line(self) -> str:
         return self.headline()  # it says the verdict and counts each status
@@ -134,7 +137,7 @@ class SmokeReport(Result):
                          "latency_samples_ms": self.latency, "memory": self.memory,
                          "budget": self.budget.to_dict() if self.budget else None,
                          "activation_fit": asdict(self.activation_fit) if self.activation_fit else None,
-                         "sharding": self.sharding,
+                         "sharding": self.sharding, "from_data": self.from_data and self.from_data.to_dict(),
                          "parameters": self.parameters if self.parameters is not None else []})
 
     def plot(self):
@@ -194,10 +197,12 @@ def _plot_memory(ax, memory: list, model: dict) -> None:
 
 
 @chooses_threads  # the run's torch thread count, chosen as it starts
-def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, model_kwargs: dict | None = None,
-          **overrides) -> SmokeReport:
+def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, data=None,
+          model_kwargs: dict | None = None, **overrides) -> SmokeReport:
     """Run the tier 1 checks on `model` (an nn.Module, an adapter or any load_model spec, built with
-    `model_kwargs`). It reads no data: every check runs on random token batches.
+    `model_kwargs`). Every check runs on random token batches; `data` (anything `train` takes; None: none read)
+    adds the longest batch that data makes at the longest of seq_lens to the memory and latency grid (without
+    seq_lens: that length alone), and the report says so.
 
     config / overrides: a SmokeConfig (or dict) and/or its field names as keywords. batch_sizes and seq_lens
     (default: the model's max length) set the memory and latency grid; precision is the autocast used for
@@ -210,13 +215,13 @@ def smoke(model=DEFAULT_MODEL, config: SmokeConfig | dict | None = None, *, mode
     cfg = merge(SmokeConfig, config, overrides, "smoke")
     strategy = resolve_strategy(cfg.strategy, cfg.device, "smoke") if cfg.strategy else None  # no torchrun: one line
     try:
-        return _smoke(model, cfg, model_kwargs or {}, strategy, start)
+        return _smoke(model, cfg, model_kwargs or {}, strategy, start, data)
     finally:
         if strategy is not None:
             strategy.close()
 
 
-def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) -> SmokeReport:
+def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float, data=None) -> SmokeReport:
     env = strategy and strategy.env
     groups = list(cfg.checks or CHECK_GROUPS)
     batch_sizes = list(cfg.batch_sizes)
@@ -233,6 +238,9 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) 
         budget = shared_budget(budget, env)
     lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
                       for t in cfg.seq_lens or (adapter.max_len,)})
+    from_data = adapter.longest_batch(data, lengths[-1]) if data is not None else None
+    if from_data is not None:  # the length training on it meets at most (batches are cut to the data)
+        lengths = sorted({*(lengths if cfg.seq_lens else ()), from_data.length})
     summary = {**adapter.summary(), **quantized_summary(adapter.model)}  # a 4-bit base is run, and named, as loaded
     checks = {name: CHECK_GROUPS[name] for name in groups}
     # The summary, taken before, stays unsharded.
@@ -245,7 +253,7 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float) 
     rows = gathered(ran, strategy) if env is not None else [row for _, rows in ran for row in rows]
     return SmokeReport(rows, summary, prec, run.metadata, batch_sizes, lengths, **found,
                        seconds=time.perf_counter() - start, budget=budget, sharding=sharded,
-                       rank=env.rank if env else 0, world_size=env.world_size if env else 1)
+                       rank=env.rank if env else 0, world_size=env.world_size if env else 1, from_data=from_data)
 
 
 def _run_groups(adapter, run: SmokeRun, checks: dict, progress: bool) -> tuple[list[tuple[str, list[Check]]], dict]:

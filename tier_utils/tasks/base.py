@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ..core.budget import profile_sizes
 from ..core.errors import AdapterError, DataError
 from ..core.registry import Registry
-from ..data.collate import IGNORE, PadCollator
+from ..data.collate import IGNORE, PadCollator, PaddingTally
 from ..data.datasets import (
     DEFAULT_VAL_FRACTION,
     DataRequest,
@@ -164,6 +164,18 @@ class Task:
         packed row's too). MFU counts the positions computed, padding included, from the FLOPs of the step."""
         mask = batch.get("attention_mask")
         return int(mask.sum()) if mask is not None else batch[self.input_key].numel()
+
+    def positions(self, batch: dict) -> tuple[int, int, int] | None:
+        """(positions the model computes, real tokens among them, rows) of a collated batch on the host: the parts
+        of its padding share (the mask's ones are real); None: its batches hold no padding (images)."""
+        if not self.reads_tokens:
+            return None
+        ids, mask = batch[self.input_key], batch.get("attention_mask")
+        return ids.numel(), int(mask.sum()) if mask is not None else ids.numel(), len(ids)
+
+    def padding_tally(self, seq_len: int, target_len: int | None = None) -> PaddingTally:
+        """An empty count of a run's padding, comparing with every example padded to `seq_len`."""
+        return PaddingTally(seq_len, f"seq_len {seq_len}")
 
     def width(self, adapter) -> int:
         """How many values one prediction scores: the classes, or the vocabulary."""

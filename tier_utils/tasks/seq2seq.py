@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from ..data.collate import PaddingTally
 from ..data.datasets import DataRequest, DataSplits, corpus_name, corpus_split, corpus_topics
 from ..data.pairs import Pairs, pair_rows, paired_tensors
 from ..data.userdata import PAIRS
@@ -66,6 +67,16 @@ class Seq2Seq(Task):
     def attention_kind(self, layer: str) -> str:
         queries, keys, _ = self.attention_role(layer)
         return "cross" if queries != keys else "decoder self" if queries == "target" else "encoder self"
+
+    def positions(self, batch: dict) -> tuple[int, int, int]:
+        """Both sides: the source's positions and mask, and the targets' positions and scored places."""
+        computed, real, rows = super().positions(batch)
+        labels = batch["labels"]
+        return computed + labels.numel(), real + int(self.scored(labels).sum()), rows
+
+    def padding_tally(self, seq_len: int, target_len: int | None = None) -> PaddingTally:
+        target = target_len or seq_len
+        return PaddingTally(seq_len + target, f"seq_len {seq_len}, target_len {target}")
 
     def target_mask(self, batch: dict) -> torch.Tensor:
         return self.scored(batch["labels"])

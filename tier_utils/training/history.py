@@ -267,6 +267,10 @@ class TrainSummary:
     # The fine-tune against its base (training/versus_base.VersusBase.summary): the paired per-example scores and
     # each metric's verdict, which model the base is, what it cost, or why it did not run.
     versus_base: dict | None = None
+    # The share of the positions this call's training batches computed that was padding, and what padding every
+    # example to seq_len would have made it (data.collate.PaddingTally.to_dict; None: not counted).
+    padding: dict | None = None
+    recompiles: int | None = None  # compiled: the compiles after the warm-up (a new batch shape, ...); None: not
 
     def to_dict(self) -> dict:
         return {**asdict(self), **{k: getattr(self, k) and getattr(self, k).to_dict()  # with their IQR
@@ -332,6 +336,7 @@ class TrainResult(Result):
             ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),
             ("tokens_per_s", spread(s.tokens_per_s, f"{s.unit}s/s")),
             ("step_time_ms", spread(s.step_time_ms, "ms")),
+            ("padding", s.padding and s.padding["describe"]),
             ("optimizer", s.optimizer),
             ("lr_schedule", s.lr_schedule),
             ("order", s.order),
@@ -413,6 +418,8 @@ class TrainResult(Result):
         line = f"train: {s.steps} steps, global batch {s.global_batch}, {s.precision} ({self.held()}), {losses}"
         if t := s.tokens_per_s:
             line += f" · {t.median:,.0f} {s.unit}s/s median (IQR {t.iqr:,.0f}, n={t.n})"
+        if s.padding and s.padding["describe"]:
+            line += f" · {s.padding['describe']}"
         if s.diverged_at_step is not None:
             line += f" · FAIL: {s.diverged}"
         return line

@@ -153,6 +153,9 @@ class _Run:
         self.hist = History(self.device, self.env.all_mean if self.env.active else None)
         self.selection = Selection(cfg.early_stop_patience, cfg.early_stop_min_delta)
         self.progress = Progress()
+        # This call's batches: the share of their positions that was padding (the batching helper's real-token
+        # throughput, Task.units, may count from the same masks once it lands)
+        self.padding = self.adapter.task.padding_tally(cfg.seq_len, cfg.target_len)
         self.stop = StopSignal(self.env)
         self.checkpoints = RunCheckpoints(cfg, strategy, precision.name, self.adapter, data, optimization, self.hist,
                                           self.selection, self.progress)
@@ -170,7 +173,7 @@ class _Run:
         interrupted, finished = False, None
         held = contextlib.ExitStack()  # from a Ctrl-C on: a second one waits until the partial result is made
         try:
-            with self.stop.listening():
+            with self.stop.listening(), self.optimization.watch or contextlib.nullcontext():
                 self.versus.at_start()  # a full fine-tune's base: its initial weights, before the first step
                 self._loop(bar)
             self._check_ended()
@@ -222,7 +225,7 @@ class _Run:
             batches = iter(loader)
             for _ in range(pos, data.steps_per_epoch):
                 with self.hist.timer.region():
-                    micro = [to_device(next(batches), self.device) for _ in range(accum)]
+                    micro = [self._counted(next(batches)) for _ in range(accum)]
                     lr = self.optimization.optimizer.param_groups[0]["lr"]
                     out = step_fn(micro)
                     p.step += 1
@@ -236,6 +239,11 @@ class _Run:
                 # SIGTERM during this step (on any rank): save and stop after it, or under torchrun after the next
                 # step where _after_step synced the history
                 self.stop.check(p.step % data.stride == 0 or p.step % data.steps_per_epoch == 0)
+
+    def _counted(self, batch: dict) -> dict:
+        """The batch on the device, its padding counted first on the host (no device sync)."""
+        self.padding.add(self.adapter.task.positions(batch))
+        return to_device(batch, self.device)
 
     def _after_step(self, bar) -> None:
         cfg, s, spe = self.cfg, self.progress.step, self.data.steps_per_epoch
@@ -357,7 +365,8 @@ class _Run:
             optimizer=self.built.memory.optimizer.describe(self.optimization.optimizer),
             memory=self.built.memory.to_dict(),
             compiled=bool(info and info.compiled), compile_s=info.compile_s if info else None,
-            compile_reason=info.reason if info else "off (compile=False)",
+            compile_reason=self.optimization.compile_reason(), padding=self.padding.to_dict(),
+            recompiles=self.optimization.watch and self.optimization.watch.recompiles,
             global_batch=data.global_batch, world_size=env.world_size, strategy=self.strategy.name,
             sharding=self.built.placement, param_bytes_per_rank=sharding.param_bytes(adapter.model),
             consolidated=finished.consolidated and str(finished.consolidated), rank=env.rank,

@@ -29,6 +29,7 @@ from ..core.memory_settings import DecidedMemory, LoraSettings, MemorySettings
 from ..core.optimizers import DEFAULT_OPTIMIZER
 from ..core.precision import PRECISIONS, canonical_precision
 from ..core.results import run_metadata
+from ..data.collate import LongestBatch, longest_batch
 from ..planning.planner import FitResult, ModeRow, device_room, plan
 from .config import TrainConfig
 
@@ -40,6 +41,7 @@ class RanOut:
     memory: str  # the device and its memory in use out of its total, as the error came
     batch: int
     length: int
+    target_len: int | None  # an encoder-decoder's target length apart (None: the source's)
     grad_accum: int
     precision: str
     memory_settings: MemorySettings  # the run's memory settings (LoRA, the optimizer's state, checkpointing)
@@ -48,7 +50,16 @@ class RanOut:
     total_steps: int | None
     checkpoint: str | None  # the last checkpoint's path (None: no checkpoint folder)
     saved_step: int | None  # the step it holds (None: none written)
-    target_len: int | None = None  # an encoder-decoder's target length, cut apart (None: as long as the source)
+    # The longest batch the run's training data makes (None: not read, before the data was): what the prediction
+    # plans at, since each batch is padded to its own longest row, not to seq_len
+    from_data: LongestBatch | None = None
+
+    def planned(self) -> tuple[int, int | None]:
+        """(length, target length) the prediction plans at: the data's longest batch where it was read."""
+        if self.from_data is None:
+            return self.length, self.target_len
+        target = self.target_len if self.from_data.target is None else self.from_data.target
+        return self.from_data.length, target
 
     def settings(self) -> str:
         accum = f" (x{self.grad_accum} accumulated)" if self.grad_accum > 1 else ""
@@ -85,14 +96,15 @@ def answered(make_run, cfg: TrainConfig, device: torch.device):
 
 def _ran_out(run, cfg: TrainConfig, device: torch.device) -> RanOut:
     if run is None:  # building the model on the device, or compiling
-        return RanOut(memory_in_use(device), cfg.batch_size, cfg.seq_len, cfg.grad_accum_steps,
-                      canonical_precision(cfg.precision), cfg.memory, cfg.memory.describe(), None, None, None, None,
-                      cfg.target_len)
-    c = run.cfg  # the run's (its length capped at the model's)
+        return RanOut(memory_in_use(device), cfg.batch_size, cfg.seq_len, cfg.target_len, cfg.grad_accum_steps,
+                      canonical_precision(cfg.precision), cfg.memory, cfg.memory.describe(), None, None, None, None)
+    c, task, splits = run.cfg, run.adapter.task, run.data.splits  # the run's (its length capped at the model's)
     last = run.checkpoints.last_path
-    return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.grad_accum_steps, run.precision.name,
-                  c.memory, run.built.memory.describe(), run.progress.step, run.data.total_steps,
-                  str(last) if last is not None else None, run.progress.last_saved, c.target_len)
+    longest = longest_batch(splits.train, splits.collate, run.data.description.data, task.input_key,
+                            "labels" if task.own_target_length else None) if task.reads_tokens else None
+    return RanOut(memory_in_use(device), c.batch_size, c.seq_len, c.target_len, c.grad_accum_steps,
+                  run.precision.name, c.memory, run.built.memory.describe(), run.progress.step, run.data.total_steps,
+                  str(last) if last is not None else None, run.progress.last_saved, longest)
 
 
 def memory_in_use(device: torch.device) -> str:
@@ -117,28 +129,30 @@ def what_fits(adapter, ran: RanOut, device: torch.device) -> tuple[str, ModeRow 
     # A LoRA run's model already has its adapters: planned as it is, its trainable parameters are theirs.
     lora = ran.memory_settings.lora
     optimizers = tuple(dict.fromkeys((DEFAULT_OPTIMIZER.name, ran.memory_settings.optimizer)))  # and the run's
-    configs, blocks = plan(adapter, PRECISIONS, ran.length, checkpointing=True,
+    length, target = ran.planned()
+    configs, blocks = plan(adapter, PRECISIONS, length, checkpointing=True,
                            lora=None if lora else LoraSettings(), budget=budget, optimizers=optimizers,
-                           target_len=ran.target_len)  # an encoder-decoder's targets at their own length
+                           target_len=target)
     if lora:  # planned as the model holds them: its base in the dtype it has, its adapters trained
         base = next((p.dtype for p in adapter.model.parameters() if not p.requires_grad and p.is_floating_point()),
                     torch.float32)
         configs = [replace(c, memory=DecidedMemory(replace(ran.memory_settings, checkpointing=c.checkpointing,
                                                            optimizer=c.optimizer.name), base, "the run's"))
                    for c in configs]
-    fit = FitResult(configs, ran.length, adapter.summary(), budget, run_metadata(device), blocks=blocks,
-                    batch_size=ran.batch, target_len=ran.target_len)
+    fit = FitResult(configs, length, adapter.summary(), budget, run_metadata(device), blocks=blocks,
+                    batch_size=ran.batch, target_len=target)
     same = _same_mode(configs, ran)
-    parts = [f"fits here (predicted, {gib(room)} usable of {gib(budget.free_bytes)} free per {budget.source})"]
+    at = f" at {ran.from_data.describe()}" if ran.from_data is not None else ""
+    parts = [f"fits here (predicted{at}, {gib(room)} usable of {gib(budget.free_bytes)} free per {budget.source})"]
     if same is not None:
-        largest = same.largest_batch(ran.length, room)
+        largest = same.largest_batch(length, room)
         parts.append(f"{same.name} up to B={largest}" if largest else f"not even B=1 in {same.name}")
         if largest >= ran.batch:
             parts.append(f"the prediction has B={ran.batch} fitting, so something else holds this memory (another "
                          "process or notebook, fragmentation): free it, or take a smaller batch")
     cheapest = fit.cheapest()["this_device"]
     parts.append(f"at B={ran.batch} the cheapest mode that fits is {cheapest.name}" if cheapest is not None else
-                 f"no mode fits B={ran.batch}" + _most(configs, ran.length, room))
+                 f"no mode fits B={ran.batch}" + _most(configs, length, room))
     return "; ".join(parts[:1]) + ": " + "; ".join(parts[1:]), cheapest
 
 

@@ -19,11 +19,12 @@ from ..core.errors import DataError
 from ..core.memory_settings import DecidedMemory, resolve_memory
 from ..core.precision import Precision
 from ..core.seeding import seed_everything
+from ..data.collate import longest_batch
 from ..data.datasets import DataSplits, in_data_order, make_loader, to_device
 from ..data.lengths import example_lengths, in_length_order
 from ..engine import distributed
 from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
-from ..engine.compiling import CompileInfo, compile_for_training
+from ..engine.compiling import CompileInfo, CompileWatch, compile_for_training
 from ..engine.quantization import apply_memory, load_quantized, require_adapters
 from ..engine.step import TrainStep, make_optimizer
 from ..engine.strategies import Strategy
@@ -167,6 +168,14 @@ class Optimization:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: TrainStep
     compiled: CompileInfo | None  # None: compile off
+    watch: CompileWatch | None = None  # compiled: the recompiles while training, and any fall back to eager
+
+    def compile_reason(self) -> str:
+        """How the step was compiled, its recompiles while training and any fall back to eager."""
+        if self.compiled is None:
+            return "off (compile=False)"
+        said = self.watch and self.watch.describe()
+        return f"{self.compiled.reason}; {said}" if said else self.compiled.reason
 
 
 def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precision: Precision,
@@ -183,9 +192,16 @@ def make_optimization(built: BuiltModel, data: RunData, cfg: TrainConfig, precis
         shaped = next(iter(make_loader(data.splits.train, cfg.batch_size, collate=data.splits.collate, shuffle=False,
                                        device=device)))
         stepped, info = compile_for_training(stepped, precision, to_device(shaped, device), cfg.compile_mode,
-                                             cfg.progress and strategy.env.is_main)
+                                             cfg.progress and strategy.env.is_main, lengths_vary(built.adapter, data))
     step = TrainStep(stepped, precision, optimizer, scheduler, cfg.grad_clip, strategy=strategy)
-    return Optimization(optimizer, scheduler, step, info)
+    return Optimization(optimizer, scheduler, step, info, CompileWatch() if info and info.compiled else None)
+
+
+def lengths_vary(adapter: ModelAdapter, data: RunData) -> bool:
+    """Whether the run's batches come in more than one length: its examples are not all one length."""
+    task, splits = adapter.task, data.splits
+    return task.reads_tokens and not longest_batch(splits.train, splits.collate, "", task.input_key,
+                                                   "labels" if task.own_target_length else None).same_length
 
 
 @dataclass

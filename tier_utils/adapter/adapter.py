@@ -148,11 +148,12 @@ class ModelAdapter:
         return self.loss(logits, batch["labels"]), logits
 
     def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
-                 target_len: int | None = None, augment: bool = False) -> DataSplits:
+                 target_len: int | None = None, augment: bool = False, chat=None) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
         an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
-                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment)
+                              max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment,
+                              chat=chat)
 
     def embeddings(self) -> nn.Embedding | None:
         return input_embedding(self.model)

@@ -1,6 +1,7 @@
 """The language tasks of decoder and encoder models: next-token prediction and sequence classification."""
 from __future__ import annotations
 
+from ..data.chat_reading import read_chat
 from ..data.datasets import (
     DataRequest,
     DataSplits,
@@ -32,6 +33,11 @@ class CausalLM(Task):
     has_perplexity = True
     export_inputs = ("input_ids",)
     prediction = "next token"
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """Chat and instruction rows (messages, ShareGPT, prompt-completion, Alpaca) as one example per row with the
+        answer scored (data/chat.py); running text as windows, as before."""
+        return read_chat(data, request) or super().datasets(data, request)
 
     def demo(self, request: DataRequest) -> DataSplits:
         return corpus_windows(request)

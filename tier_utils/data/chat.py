@@ -95,6 +95,7 @@ class Encoded:
     scored: list[bool]
     prompt: list[int]  # the last answer's prompt (with the generation prompt)
     reference: str  # the last answer
+    question: str  # what the last answer answers, as the samples table shows it (the last user turn)
     truncated: bool = False
 
 
@@ -122,7 +123,8 @@ def encode_dialogue(hf, dialogue: Dialogue, loss_on: str, ends: set[int]) -> Enc
         end = _prefix(full, render(hf, messages[:i + 1], False), i + 1)
         end = next((p + 1 for p in range(end - 1, start - 1, -1) if full[p] in ends), end)
         scored[start:end] = [True] * (end - start)
-    return Encoded(full, scored, prompt, messages[last]["content"])
+    question = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+    return Encoded(full, scored, prompt, messages[last]["content"], question)
 
 
 def encode_completion(hf, row: Completion, loss_on: str) -> Encoded:
@@ -137,7 +139,7 @@ def encode_completion(hf, row: Completion, loss_on: str) -> Encoded:
     full = list(hf(row.prompt + completion)["input_ids"])
     start = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
     scored = [loss_on == "all" or i >= start for i in range(len(full))]
-    return Encoded(full, scored, prompt, row.completion)
+    return Encoded(full, scored, prompt, row.completion, row.prompt)
 
 
 def fitted(hf, example: Dialogue | Completion, loss_on: str, limit: int, ends: set[int]) -> Encoded | None:

@@ -86,7 +86,7 @@ class ChatReading:
     counts: str  # the rows left out or cut ("": none)
     example: str  # example 0 rendered, its scored part between [[ ]]
     ends_scored: bool  # every training example's last scored target is an end token
-    prompts: list  # (prompt ids, reference) of the first held-out examples
+    prompts: list  # (prompt ids, the question in words, reference) of the first held-out examples
     data: ChatData | None = None
 
     @classmethod
@@ -108,7 +108,7 @@ class ChatReading:
         return cls(data.format.name, fmt_scored, template, [hf.decode([t]) for t in end_ids], end_ids,
                    scored / max(total, 1), data.counts(), marked(hf, first.ids, data.examples.labels[0].tolist()),
                    bool(last_targets) and last_targets <= ends and scored > 0,
-                   [(torch.tensor(e.prompt, dtype=torch.long), e.reference) for e in held], data)
+                   [(torch.tensor(e.prompt, dtype=torch.long), e.question, e.reference) for e in held], data)
 
     def describe(self) -> str:
         ends = " / ".join(self.end_markers) or "none"

@@ -83,7 +83,8 @@ class RunCheckpoints:
                 "scaler": self.optimization.step.scaler.state_dict(), "rng": rng,
                 "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data.fingerprint, "source": self._source(),
-                "selection": self.selection.state_dict(), "threads": torch.get_num_threads()}
+                "selection": self.selection.state_dict(), "threads": torch.get_num_threads(),
+                "base_answers": self.progress.base_answers}
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -151,6 +152,7 @@ class RunCheckpoints:
         p = self.progress
         p.resume_generator = state["loader_generator"]
         p.step = p.last_saved = p.resumed_from = state["step"]
+        p.base_answers = state.get("base_answers")
         env = self.strategy.env
         set_rng_state(state["rng"][env.rank % len(state["rng"])])  # resharded onto more ranks: rank 0's
         if "threads" in state:  # a checkpoint from before the count was saved: the count chosen now

@@ -253,6 +253,9 @@ class TrainSummary:
     # A generating task's last evaluation (engine.generation.Generated.to_dict: chrF, BLEU, exact match, samples),
     # or {"skipped": why}; None: the task generates nothing.
     generation: dict | None = None
+    # Chat or instruction data (data.chat_reading.ChatReading.to_dict): the format, which tokens were scored and
+    # their share, the template and its end of turn, the rows left out, example 0 with its scored part marked.
+    chat: dict | None = None
     diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
     unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
@@ -320,6 +323,8 @@ class TrainResult(Result):
             # NaN where the task has none (a classifier): no row, rather than "nan"
             ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
+            ("chat data", s.chat and f"{s.chat['format']} format, {s.chat['scored']} scored "
+                          f"({s.chat['scored_share']:.0%} of the tokens)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),
             ("top-5 accuracy", None if s.top5_accuracy is None else f"{s.top5_accuracy:.4f}"),
@@ -353,7 +358,8 @@ class TrainResult(Result):
     def more_tables(self) -> dict[str, pd.DataFrame]:
         """What a generating model wrote at the last evaluation: source, target, generated."""
         samples = (self.summary.generation or {}).get("samples")
-        tables = {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        # Columns as the samples name them: source, target, generated; chat: prompt, reference, base, generated.
+        tables = {"samples": pd.DataFrame(samples, columns=list(samples[0]))} if samples else {}
         if self.summary.confusion:
             names = self._class_names()
             counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])

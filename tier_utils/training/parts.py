@@ -112,7 +112,7 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment, cfg.chat)
     if not cfg.shuffle:
         splits = replace(splits, train=in_data_order(splits.train))
     sampler = distributed.ShardedSampler(splits.train, env.world_size, env.rank, cfg.seed, cfg.shuffle)
@@ -176,3 +176,4 @@ class Progress:
     top5_accuracy: float | None = None  # the last evaluation's, for a classifier of more than 5 classes
     confusion: list | None = None  # the last evaluation's [true][predicted] counts (engine.evaluation)
     generated: object = None  # a generating task's last evaluation: engine.generation.Generated (None: none ran)
+    base_answers: list | None = None  # chat data: the model's answers before the first step (kept by a resume)

@@ -96,6 +96,7 @@ class Encoded:
     prompt: list[int]  # the last answer's prompt (with the generation prompt)
     reference: str  # the last answer
     question: str  # what the last answer answers, as the samples table shows it (the last user turn)
+    ends: list[int] = field(default_factory=list)  # where each answer's end token is (its position in ids)
     truncated: bool = False
 
 
@@ -112,19 +113,20 @@ def encode_dialogue(hf, dialogue: Dialogue, loss_on: str, ends: set[int]) -> Enc
     token; every token for loss_on="all"."""
     messages = dialogue.messages
     full = render(hf, messages, False)
-    scored = [loss_on == "all"] * len(full)
+    scored, found = [loss_on == "all"] * len(full), []
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prompt = render(hf, messages[:last], True)
     _prefix(full, prompt, last)
     for i in range(dialogue.first_scored, len(messages)):
-        if messages[i]["role"] != "assistant" or loss_on == "all":
+        if messages[i]["role"] != "assistant":
             continue
         start = _prefix(full, render(hf, messages[:i], True), i)
         end = _prefix(full, render(hf, messages[:i + 1], False), i + 1)
         end = next((p + 1 for p in range(end - 1, start - 1, -1) if full[p] in ends), end)
+        found += [end - 1] if full[end - 1] in ends else []
         scored[start:end] = [True] * (end - start)
     question = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
-    return Encoded(full, scored, prompt, messages[last]["content"], question)
+    return Encoded(full, scored, prompt, messages[last]["content"], question, found)
 
 
 def encode_completion(hf, row: Completion, loss_on: str) -> Encoded:
@@ -139,7 +141,8 @@ def encode_completion(hf, row: Completion, loss_on: str) -> Encoded:
     full = list(hf(row.prompt + completion)["input_ids"])
     start = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
     scored = [loss_on == "all" or i >= start for i in range(len(full))]
-    return Encoded(full, scored, prompt, row.completion, row.prompt)
+    ends = [len(full) - 1] if full[-1] == hf.eos_token_id else []  # a tokenizer that appends no other token
+    return Encoded(full, scored, prompt, row.completion, row.prompt, ends)
 
 
 def fitted(hf, example: Dialogue | Completion, loss_on: str, limit: int, ends: set[int]) -> Encoded | None:

@@ -1,8 +1,8 @@
 """The bundled chat demo, made offline in seconds: a tiny Llama-shaped model built from a config, a byte-level BPE
 tokenizer trained on the demo's own text (the `tokenizers` library, at run time) and the Jinja chat template shipped
 with the package (tier_utils/assets/chat_template.jinja, whose turns end with `<|end|>`), saved as a transformers
-folder beside a `chat.jsonl` of conversations. The task: repeat or reverse a few words, which a tiny model learns in
-seconds on a CPU, so the samples table shows the answers change.
+folder beside a `chat.jsonl` of conversations. The task: short questions with one right answer each (opposites,
+colours, sounds), which a tiny model learns in seconds on a CPU, so the samples table shows the answers change.
 
 The byte-level built-ins are not the demo's model: they have no chat template and no EOS, and TinyGPT ignores the
 attention mask.
@@ -17,7 +17,15 @@ from pathlib import Path
 TEMPLATE = Path(__file__).resolve().parent.parent / "assets" / "chat_template.jinja"
 END_OF_TURN = "<|end|>"
 SPECIAL = ("<s>", END_OF_TURN, "<pad>", "<|system|>", "<|user|>", "<|assistant|>")
-WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "bird", "star", "rain")
+OPPOSITES = {"hot": "cold", "up": "down", "big": "small", "day": "night", "fast": "slow", "open": "closed",
+             "light": "dark", "old": "new", "full": "empty", "early": "late"}
+COLOURS = {"the sky": "blue", "grass": "green", "snow": "white", "a lemon": "yellow", "coal": "black",
+           "a tomato": "red", "an orange": "orange", "a plum": "purple"}
+SOUNDS = {"a dog": "woof woof", "a cat": "meow", "a cow": "moo", "a duck": "quack quack", "a sheep": "baa",
+          "an owl": "hoot hoot"}
+QUESTIONS = ([(f"What is the opposite of {k}?", v) for k, v in OPPOSITES.items()]
+             + [(f"What colour is {k}?", v) for k, v in COLOURS.items()]
+             + [(f"What does {k} say?", v) for k, v in SOUNDS.items()])
 SYSTEM = "You answer in a few words."
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -39,18 +47,14 @@ class ChatDemo:
 
 
 def demo_rows(n: int = 240, seed: int = 0) -> list[dict]:
-    """Conversations in TRL's messages format: repeat or reverse two or three words; every third has a system
+    """Conversations in TRL's messages format, each question with one right answer; every third has a system
     prompt, every fifth a second exchange."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         messages = [{"role": "system", "content": SYSTEM}] if i % 3 == 0 else []
-        for _ in range(2 if i % 5 == 0 else 1):
-            words = rng.sample(WORDS, rng.choice((2, 3)))
-            verb = rng.choice(("repeat", "reverse"))
-            answer = words if verb == "repeat" else words[::-1]
-            messages += [{"role": "user", "content": f"{verb}: {' '.join(words)}"},
-                         {"role": "assistant", "content": " ".join(answer)}]
+        for question, answer in rng.sample(QUESTIONS, 2 if i % 5 == 0 else 1):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         rows.append({"messages": messages})
     return rows
 

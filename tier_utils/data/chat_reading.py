@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..core.errors import DataError
-from .chat import MARK, MAX_PROMPTS, ChatData, hf_of, special_ids, usable_rows
+from .chat import MARK, MAX_PROMPTS, ChatData, hf_of, usable_rows
 from .chat_formats import Unusable, recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
@@ -92,13 +92,16 @@ class ChatReading:
     @classmethod
     def of(cls, data: ChatData, request: DataRequest, train, val) -> ChatReading:
         hf, options = hf_of(request.tokenizer), request.chat
-        ends, last_targets, scored, total = special_ids(hf), set(), 0, 0
+        end_ids, ends_scored, scored, total = set(), True, 0, 0
         for i in range(len(train)):
             labels = train[i]["labels"]
-            kept = labels[labels != -100]
-            scored, total = scored + len(kept), total + len(labels)
-            last_targets.add(int(kept[-1]) if len(kept) else -1)
-        end_ids = sorted(t for t in last_targets if t in ends)
+            scored, total = scored + int((labels != -100).sum()), total + len(labels)
+            encoded = (train.dataset if isinstance(train, Subset) else train).encoded[
+                train.indices[i] if isinstance(train, Subset) else i]
+            end_ids.update(encoded.ids[p] for p in encoded.ends)
+            # each answer's end token a scored target (position p is the target of input p - 1)
+            ends_scored &= bool(encoded.ends) and all(encoded.scored[p] for p in encoded.ends)
+        end_ids = sorted(end_ids)
         first = data.examples.encoded[0]
         held = [(val.dataset if isinstance(val, Subset) else val).encoded[j]
                 for j in (val.indices if isinstance(val, Subset) else range(len(val)))][:MAX_PROMPTS]
@@ -107,7 +110,7 @@ class ChatReading:
             "none (string prompt-completion is not templated)"
         return cls(data.format.name, fmt_scored, template, [hf.decode([t]) for t in end_ids], end_ids,
                    scored / max(total, 1), data.counts(), marked(hf, first.ids, data.examples.labels[0].tolist()),
-                   bool(last_targets) and last_targets <= ends and scored > 0,
+                   ends_scored and scored > 0,
                    [(torch.tensor(e.prompt, dtype=torch.long), e.question, e.reference) for e in held], data)
 
     def describe(self) -> str:

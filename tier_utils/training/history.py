@@ -360,6 +360,8 @@ class TrainResult(Result):
         samples = (self.summary.generation or {}).get("samples")
         # Columns as the samples name them: source, target, generated; chat: prompt, reference, base, generated.
         tables = {"samples": pd.DataFrame(samples, columns=list(samples[0]))} if samples else {}
+        if self.summary.chat:  # the reading of chat data, with example 0's scored part marked
+            tables["chat_example"] = pd.DataFrame([{k: self.summary.chat[k] for k in ("format", "scored", "example")}])
         if self.summary.confusion:
             names = self._class_names()
             counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
 from ..core.errors import DataError, one_line
 from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, Unusable, recognized_format
 from .collate import IGNORE
-from .datasets import DataRequest, DataSplits, split_off
 
 FIRST_ROWS = 5  # the unusable rows said by number
 MAX_PROMPTS = 16  # held-out prompts generated from at each evaluation
@@ -249,28 +248,3 @@ def chat_examples(rows: list[dict], tokenizer, *, data_format: str = "auto", los
 def warn_counts(data: ChatData, where: str) -> None:
     if data.counts():
         warnings.warn(f"{where}: {data.counts()}", stacklevel=3)
-
-
-def chat_splits(rows: list[dict], val_rows: list[dict] | None, name: str, validation: str | None,
-                request: DataRequest, message_column: str | None = None) -> DataSplits:
-    """Rows (and the source's own validation rows) as train and validation examples, read in the request's
-    format; the result names the format, the template and the share of tokens scored."""
-    from .chat_reading import ChatReading
-
-    options = request.chat
-    kw = dict(data_format=options.data_format, loss_on=options.loss_on, chat_template=options.chat_template,
-              seq_len=request.seq_len)
-    data = chat_examples(rows, request.tokenizer, where=name, **kw)
-    warn_counts(data, name)
-    if val_rows is not None:
-        val_data = chat_examples(val_rows, request.tokenizer, where=f"{name} [validation]", **kw)
-        warn_counts(val_data, f"{name} [validation]")
-        train, val, how = data.examples, val_data.examples, validation
-    else:
-        train, val = split_off(data.examples, request.val_fraction, request.seed) if request.val_fraction else (
-            data.examples, Subset(data.examples, []))
-        how = (f"a seeded random {request.val_fraction:.0%} of the rows ({len(val)} examples)"
-               if request.val_fraction else "none asked for (every example trains, and nothing is evaluated)")
-    reading = ChatReading.of(data, request, train, val)
-    return DataSplits(train, val, "chat", f"{name}, {reading.describe()}", request.tokenizer.name, how,
-                      chat=reading)

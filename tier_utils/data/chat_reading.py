@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..core.errors import DataError
-from .chat import MARK, MAX_PROMPTS, ChatData, hf_of, usable_rows
+from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, hf_of, usable_rows, warn_counts
 from .chat_formats import Unusable, recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
@@ -132,10 +132,31 @@ class ChatReading:
                             "whose turns end with a special token (--chat-template FILE)")
 
 
+def chat_splits(rows: list[dict], val_rows: list[dict] | None, name: str, validation: str | None,
+                request: DataRequest, message_column: str | None = None) -> DataSplits:
+    """Rows (and the source's own validation rows) as train and validation examples, read in the request's
+    format; the result names the format, the template and the share of tokens scored."""
+    options = request.chat
+    kw = dict(data_format=options.data_format, loss_on=options.loss_on, chat_template=options.chat_template,
+              seq_len=request.seq_len)
+    data = chat_examples(rows, request.tokenizer, where=name, **kw)
+    warn_counts(data, name)
+    if val_rows is not None:
+        val_data = chat_examples(val_rows, request.tokenizer, where=f"{name} [validation]", **kw)
+        warn_counts(val_data, f"{name} [validation]")
+        train, val, how = data.examples, val_data.examples, validation
+    else:
+        train, val = split_off(data.examples, request.val_fraction, request.seed) if request.val_fraction else (
+            data.examples, Subset(data.examples, []))
+        how = (f"a seeded random {request.val_fraction:.0%} of the rows ({len(val)} examples)"
+               if request.val_fraction else "none asked for (every example trains, and nothing is evaluated)")
+    reading = ChatReading.of(data, request, train, val)
+    return DataSplits(train, val, "chat", f"{name}, {reading.describe()}", request.tokenizer.name, how,
+                      chat=reading)
+
+
 def read_chat(data, request: DataRequest) -> DataSplits | None:
     """`data` as chat examples where its rows are in a chat or instruction format; None: running text."""
-    from .chat import chat_splits
-
     rows = chat_rows(data, request)
     if rows is None:
         return None

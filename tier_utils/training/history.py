@@ -323,8 +323,6 @@ class TrainResult(Result):
             # NaN where the task has none (a classifier): no row, rather than "nan"
             ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
-            ("chat data", s.chat and f"{s.chat['format']} format, {s.chat['scored']} scored "
-                          f"({s.chat['scored_share']:.0%} of the tokens)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),
             ("top-5 accuracy", None if s.top5_accuracy is None else f"{s.top5_accuracy:.4f}"),

@@ -37,7 +37,7 @@ class Generated:
     def describe(self) -> str:
         scores = (f"chrF {self.chrf:.1f} · BLEU {self.bleu:.1f}" if self.skipped is None
                   else f"chrF and BLEU SKIPPED ({self.skipped})")
-        return (f"{scores} · exact match {self.exact_match:.0%} on {self.n} held-out examples ({self.decoding}, "
+        return (f"{scores} · exact match {self.exact_match:.0%} on {self.n} validation sources ({self.decoding}, "
                 f"{self.seconds:.1f} s)")
 
 

@@ -142,10 +142,10 @@ def test_a_message_column_is_never_read_as_its_python_text(tok, tmp_path):
     splits = build_datasets(DataSource(str(data), text_column="chat"), "causal-lm", **request)
     assert splits.chat.format == "messages" and "{'role'" not in tok.decode(splits.train[0]["input_ids"])
     # forced to running text, or read by a classifier: one line, never str() of the list
-    with pytest.raises(DataError, match="holds lists"):
+    with pytest.raises(DataError, match="missing, empty or not text"):
         build_datasets(DataSource(str(data), text_column="chat"), "causal-lm", **request,
                        chat=__import__("tier_utils.data.chat_formats").data.chat_formats.ChatOptions("text"))
-    with pytest.raises(DataError, match="holds lists"):
+    with pytest.raises(DataError, match="missing, empty or not text"):
         build_datasets(DataSource(str(data), text_column="chat", label_column="chat"), "classification",
                        **request)
 

@@ -221,3 +221,24 @@ def test_the_demo_learns_its_answers_in_seconds(demo):
                    eval_every=100, progress=False, device="cpu", precision="fp32")
     generation = result.summary.generation
     assert generation["exact_match"] >= 0.5, result.more_tables()["samples"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "datasets"])
+def test_chat_rows_are_recognised_in_every_table_kind_and_a_datasets_folder(tok, tmp_path, kind):
+    rows = [{"messages": TURNS[:2]}, {"messages": TURNS}] * 5
+    where = tmp_path / f"chat.{kind}"
+    if kind == "jsonl":
+        where.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        where.write_text(json.dumps(rows))
+    elif kind == "parquet":
+        pytest.importorskip("pyarrow")
+        __import__("pandas").DataFrame(rows).to_parquet(where)
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(rows).save_to_disk(str(where))
+    splits = build_datasets(str(where), "causal-lm", vocab_size=len(tok), tokenizer=HFTokenizer(tok), val_fraction=0)
+    end = tok.convert_tokens_to_ids(END_OF_TURN)
+    assert splits.chat.format == "messages" and len(splits.train) == 10
+    runs = sorted(scored_runs(splits.train[i]) for i in range(10))
+    assert runs[0] == [ids(tok, "red cat") + [end]]

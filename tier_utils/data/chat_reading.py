@@ -21,10 +21,10 @@ from .userdata import Rows, read_rows
 def chat_rows(data, request: DataRequest) -> Rows | None:
     """The rows of `data` where they are chat or instruction rows in the request's format (named, or recognised
     from the columns); None where the data is running text (read as before)."""
-    rows = read_rows(data)
+    column, forced = getattr(data, "text_column", None), request.chat.data_format
+    rows = read_rows(data, lambda names: column in names or not recognized_format(names, forced).plain)
     if rows is None or not rows.train:
         return None
-    column = getattr(data, "text_column", None)
     listed = column is not None and column in rows.train[0] and any(
         isinstance(r.get(column), list) or getattr(r.get(column), "ndim", 0) for r in rows.train)
     fmt = recognized_format(rows.train[0].keys(), request.chat.data_format, column if listed else None)

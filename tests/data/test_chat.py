@@ -242,3 +242,13 @@ def test_chat_rows_are_recognised_in_every_table_kind_and_a_datasets_folder(tok,
     assert splits.chat.format == "messages" and len(splits.train) == 10
     runs = sorted(scored_runs(splits.train[i]) for i in range(10))
     assert runs[0] == [ids(tok, "red cat") + [end]]
+
+
+def test_a_template_without_an_end_token_is_refused_before_a_run(tok):
+    plain = demo_tokenizer(demo_rows())
+    plain.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}assistant: {% endif %}")
+    splits = build_datasets([{"messages": TURNS}] * 4, "causal-lm", seq_len=64, vocab_size=len(plain),
+                            tokenizer=HFTokenizer(plain), val_fraction=0)
+    with pytest.raises(DataError, match="the answers' end token is not scored, so the model would never learn to stop"):
+        splits.chat.check()

@@ -33,6 +33,8 @@ class CausalLM(Task):
     has_perplexity = True
     export_inputs = ("input_ids",)
     prediction = "next token"
+    data_hint = ("empty: the bundled corpus; or a text file, a folder of .txt, a table, chat or instruction rows "
+                 "(messages, prompt-completion, Alpaca .jsonl), hf-dataset:NAME")
 
     def datasets(self, data, request: DataRequest) -> DataSplits:
         """Chat and instruction rows (messages, ShareGPT, prompt-completion, Alpaca) as one example per row with the

@@ -145,7 +145,7 @@ def test_a_message_column_is_never_read_as_its_python_text(tok, tmp_path):
     with pytest.raises(DataError, match="missing, empty or not text"):
         build_datasets(DataSource(str(data), text_column="chat"), "causal-lm", **request,
                        chat=__import__("tier_utils.data.chat_formats").data.chat_formats.ChatOptions("text"))
-    with pytest.raises(DataError, match="missing, empty or not text"):
+    with pytest.raises(DataError, match="holds chat or instruction rows, which a classifier cannot read"):
         build_datasets(DataSource(str(data), text_column="chat", label_column="chat"), "classification",
                        **request)
 

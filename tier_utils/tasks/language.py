@@ -1,7 +1,8 @@
 """The language tasks of decoder and encoder models: next-token prediction and sequence classification."""
 from __future__ import annotations
 
-from ..data.chat_reading import read_chat
+from ..core.errors import DataError
+from ..data.chat_reading import chat_rows, read_chat
 from ..data.datasets import (
     DataRequest,
     DataSplits,
@@ -62,6 +63,15 @@ class Classification(Task):
     has_classes = True
     takes_new_head = True
     reading = LABELLED
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """Labelled text, as before; chat and instruction rows are refused in one line (they train a causal LM)."""
+        rows = chat_rows(data, request)
+        if rows is not None:
+            raise DataError(f"{rows.name} holds chat or instruction rows, which a classifier cannot read; give a "
+                            "causal LM (or, for prompt-completion and Alpaca rows, a seq2seq model), or a table of "
+                            "text and labels")
+        return super().datasets(data, request)
 
     def demo(self, request: DataRequest) -> DataSplits:
         return corpus_snippets(request)

@@ -286,7 +286,7 @@ def test_each_evaluation_scores_what_the_model_writes(monkeypatch):
     assert made["n"] == 16 and len(made["samples"]) == 16 and 0 <= made["exact_match"] <= 1
     assert made["decoding"] == "greedy, at most 16 new tokens" and made["seconds"] > 0
     first = made["samples"][0]
-    assert first["target"] == first["source"].upper()  # the bundled demo: the snippet in capitals
+    assert first["reference"] == first["prompt"].upper()  # the bundled demo: the snippet in capitals
     if made["skipped"] is None:
         assert 0 <= made["chrf"] <= 100 and 0 <= made["bleu"] <= 100
     row = result.table.set_index("metric").loc["generation", "value"]

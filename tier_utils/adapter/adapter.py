@@ -164,14 +164,15 @@ class ModelAdapter:
         return self.loss(logits, batch["labels"]), logits
 
     def datasets(self, data, seq_len: int, seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
-                 target_len: int | None = None, augment: bool = False, packing: bool = False) -> DataSplits:
+                 target_len: int | None = None, augment: bool = False, packing: bool = False,
+                 chat=None) -> DataSplits:
         """`data` (anything build_datasets takes) as this model's task, vocabulary, tokenizer and length; `target_len`:
         an encoder-decoder's target length (None: seq_len); `augment`: an image model's training images augmented;
         `packing`: a causal LM's training examples packed, where this model can keep them apart (else padded, said
-        in one line)."""
+        in one line); `chat`: how chat and instruction rows are read (data.chat_formats.ChatOptions)."""
         return build_datasets(data, self.task, seq_len, self.vocab_size, self.num_classes, val_fraction, seed,
                               max_len=self.max_len, tokenizer=self.tokenizer, target_len=target_len, augment=augment,
-                              packing=packing and self._can_pack())
+                              packing=packing and self._can_pack(), chat=chat)
 
     def _can_pack(self) -> bool:
         """Packing asked for: a task other than next-token prediction is refused; a model that can't keep packed

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..core.errors import DataError
+from .chat_formats import ChatOptions
 from .collate import PadCollator
 from .tokenizer import BYTE_VOCAB, BYTES, ByteTokenizer, Tokenizer
 from .userdata import Reading, Texts, class_ids, is_user_source, read_source, usable_rows
@@ -161,6 +162,9 @@ class DataSplits:
     classes: list[str] | None = None  # label names, where the labels were text
     # What makes a batch of its examples: the task's collator (build_datasets sets it), padding to the batch's longest.
     collate: PadCollator = field(default_factory=PadCollator)
+    # Chat or instruction rows: their reading (data.chat_reading.ChatReading: format, template, scored share, the
+    # held-out prompts generation answers); None for any other data.
+    chat: object = None
 
     def describe(self) -> DataDescription:
         """What every result records about its data."""
@@ -187,6 +191,7 @@ class DataRequest:
     target_len: int | None = None  # a pair's target side (None: seq_len); the source side is seq_len
     augment: bool = False  # training examples augmented as they are read (a task that augments: ImageClassification)
     packing: bool = False  # a causal LM's training examples packed into rows (a table's rows read as examples)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # how chat and instruction rows are read
 
 
 def synthetic_splits(request: DataRequest, num_classes: int | None = None) -> DataSplits:

@@ -190,6 +190,41 @@ def read_columns(path: Path) -> dict[str, list]:
     return columns
 
 
+@dataclass
+class Rows:
+    """A table's or dataset's rows as dicts of their cells (chat and instruction data: one example per row), the
+    source's own validation rows where it has them, its name and how validation was made."""
+
+    train: list[dict]
+    val: list[dict] | None
+    name: str
+    validation: str | None = None
+    message_column: str | None = None  # --text-column naming a column of message lists
+
+
+def read_rows(data, wants=lambda columns: True) -> Rows | None:
+    """The rows of a table (its cells read as written: `read_columns`), a `datasets` dataset or a list of dicts,
+    where `wants(column names)`; None for any other data (running text: files, folders, strings)."""
+    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
+        return Rows(data, None, f"{len(data)} rows given") if wants(data[0].keys()) else None
+    if not is_user_source(data):
+        return None
+    spec, path = hf_dataset_spec(data), Path(str(data).strip()).expanduser()
+    if spec is not None:
+        loaded, name, train_split, val_split = load_hf_dataset(spec)
+        if not wants(loaded[train_split].column_names):  # a dataset of running text is never turned into rows
+            return None
+        return Rows(loaded[train_split].to_list(), loaded[val_split].to_list() if val_split else None,
+                    f"{name} [{train_split}]", f"the dataset's own {val_split!r} split" if val_split else None)
+    if not (path.is_file() and path.suffix.lower() in TABLE_SUFFIXES):
+        return None
+    columns = read_columns(path)
+    if not wants(columns.keys()):
+        return None
+    rows = [dict(zip(columns, cells)) for cells in zip(*columns.values())]
+    return Rows(rows, None, f"table {path.name} ({len(rows)} rows)")
+
+
 def _json_columns(path: Path) -> dict[str, list]:
     """JSON Lines (one object a line) or a JSON list of objects, with json's own types."""
     text = path.read_text(encoding="utf-8")

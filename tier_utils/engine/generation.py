@@ -9,7 +9,7 @@ reproducible, so two evaluations differ only by what the model learnt.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,7 +27,8 @@ class Generated:
     seconds: float
     decoding: str
     skipped: str | None = None  # why chrF and BLEU were not scored
-    samples: list[dict] = field(default_factory=list)  # {"source", "target", "generated"}
+    # {"prompt", "reference", "generated"} (a pair's source and target); chat data: also the base's answer, "base"
+    samples: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"n": self.n, "chrf": self.chrf, "bleu": self.bleu, "exact_match": self.exact_match,
@@ -65,7 +66,7 @@ def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES) -> Gene
     exact = sum(w.strip() == t.strip() for w, t in zip(written, targets)) / len(rows)
     decoding = f"greedy, at most {longest} new tokens" + (", the model's generation config"
                                                          if callable(getattr(model, "generate", None)) else "")
-    samples = [{"source": s, "target": t, "generated": w} for s, t, w in zip(sources, targets, written)]
+    samples = [{"prompt": s, "reference": t, "generated": w} for s, t, w in zip(sources, targets, written)]
     return Generated(len(rows), chrf, bleu, exact, seconds, decoding, skipped, samples)
 
 
@@ -113,3 +114,51 @@ def _sacrebleu(written: list[str], targets: list[str]) -> tuple[float | None, fl
     except ImportError:
         return None, None, "sacrebleu is not installed: pip install 'tier_utils[seq2seq]'"
     return (sacrebleu.corpus_chrf(written, [targets]).score, sacrebleu.corpus_bleu(written, [targets]).score, None)
+
+
+ANSWER_MARGIN = 8  # new tokens past the longest reference answer: room to overshoot and still be seen to stop
+
+
+def answer_prompts(adapter, splits, precision, n: int = MAX_SAMPLES) -> tuple[list[str], int]:
+    """A decoder-only model's greedy answers to the first `n` held-out chat prompts (`splits.chat.prompts`, each
+    with the template's generation prompt), batched with the prompts padded on the LEFT, at most the longest
+    reference's length plus a margin, stopping at the end token (the model's generation config, which holds it);
+    `generate()` returns prompt + answer, so the prompt is sliced off. Returns (answers, the new-token limit)."""
+    prompts = splits.chat.prompts[:n]
+    tok = adapter.tokenizer
+    limit = max(len(tok.encode(ref)) for _, _, ref in prompts) + ANSWER_MARGIN
+    left = replace(splits.collate, side="left")
+    rows = [ids for ids, _, _ in prompts]
+    ids = left.pad(rows, left.pad_id).to(adapter.device)
+    mask = left.pad([torch.ones(len(r), dtype=torch.long) for r in rows], 0).to(adapter.device)
+    model, was_training = adapter.model, adapter.model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), precision.autocast():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=limit, do_sample=False,
+                                 num_beams=1, pad_token_id=left.pad_id)
+    finally:
+        model.train(was_training)
+    ends = set(splits.chat.end_ids)
+    answers = []
+    for row in out[:, ids.shape[1]:].cpu().tolist():
+        stop = next((i for i, t in enumerate(row) if t in ends), len(row))
+        answers.append(_text(tok, row[:stop]))
+    return answers, limit
+
+
+def score_answers(adapter, splits, precision, base: list[str] | None) -> Generated:
+    """The held-out chat prompts answered now, scored against their references like a seq2seq model's targets
+    (exact match, chrF, BLEU), with the base model's answers (generated before the first step) beside them."""
+    start = time.perf_counter()
+    written, limit = answer_prompts(adapter, splits, precision)
+    seconds = time.perf_counter() - start
+    held = splits.chat.prompts[:len(written)]
+    prompts, references = [question for _, question, _ in held], [ref for _, _, ref in held]
+    chrf, bleu, skipped = _sacrebleu(written, references)
+    exact = sum(w.strip() == r.strip() for w, r in zip(written, references)) / len(written)
+    base = base or [None] * len(written)
+    samples = [{"prompt": p, "reference": r, "base": b, "generated": w}
+               for p, r, b, w in zip(prompts, references, base, written)]
+    decoding = f"greedy, at most {limit} new tokens, stopping at the end of turn, prompts padded on the left"
+    return Generated(len(written), chrf, bleu, exact, seconds, decoding, skipped, samples)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..core.budget import profile_sizes
 from ..core.errors import AdapterError, DataError
 from ..core.registry import Registry
+from ..data.chat_formats import ChatOptions
 from ..data.collate import IGNORE, PadCollator, PaddingTally
 from ..data.datasets import (
     DEFAULT_VAL_FRACTION,
@@ -338,7 +339,7 @@ def task_of_output(logits: torch.Tensor) -> Task | None:
 def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: int = BYTE_VOCAB,
                    num_classes: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = 0,
                    max_len: int | None = None, tokenizer=None, target_len: int | None = None,
-                   augment: bool = False, packing: bool = False) -> DataSplits:
+                   augment: bool = False, packing: bool = False, chat: ChatOptions | None = None) -> DataSplits:
     """Datasets for a task (a registered name or a Task) from any supported source.
 
     data: None (the task's bundled demo: the corpus as windows or as labelled snippets), "synthetic", a text file,
@@ -348,6 +349,7 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
     `(N, seq_len + 1)` tokens for a causal LM, `(input_ids, labels)` for classification.
     tokenizer: turns text into ids (None: bytes); its ids must fit `vocab_size`.
     target_len: a seq2seq pair's target length (None: seq_len, the source's).
+    chat: how chat and instruction rows are read (data.chat_formats.ChatOptions: format, loss_on, chat_template).
     augment: training examples drawn anew each time they are read, where the task augments (an image classifier's
     random resized crop and flip); validation stays as it is. A task that does not is refused in one line.
     packing: a causal LM's training examples packed into rows of seq_len (data.packing; a table's texts read one
@@ -365,7 +367,7 @@ def build_datasets(data=None, task="causal-lm", seq_len: int = 64, vocab_size: i
         raise DataError(f"augment: the {chosen.name} task has no augmentation (an image classifier's random crop and "
                         "flip); drop augment (--augment)")
     request = DataRequest(seq_len, vocab_size, num_classes, val_fraction, seed, max_len, tokenizer or ByteTokenizer(),
-                          target_len, augment, packing)
+                          target_len, augment, packing, chat or ChatOptions())
     splits = replace(chosen.datasets(data, request), collate=chosen.collator(request))
     if packing:  # before any sampler shards it: every rank draws from the same rows
         splits = replace(splits, train=packed(splits.train, seq_len))

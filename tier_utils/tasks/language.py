@@ -1,6 +1,8 @@
 """The language tasks of decoder and encoder models: next-token prediction and sequence classification."""
 from __future__ import annotations
 
+from ..core.errors import DataError
+from ..data.chat_reading import chat_rows, read_chat
 from ..data.datasets import (
     DataRequest,
     DataSplits,
@@ -34,6 +36,13 @@ class CausalLM(Task):
     has_perplexity = True
     export_inputs = ("input_ids",)
     prediction = "next token"
+    data_hint = ("empty: the bundled corpus; or a text file, a folder of .txt, a table, chat or instruction rows "
+                 "(messages, prompt-completion, Alpaca .jsonl), hf-dataset:NAME")
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """Chat and instruction rows (messages, ShareGPT, prompt-completion, Alpaca) as one example per row with the
+        answer scored (data/chat.py); running text as windows, as before."""
+        return read_chat(data, request) or super().datasets(data, request)
 
     def demo(self, request: DataRequest) -> DataSplits:
         return corpus_windows(request)
@@ -60,6 +69,15 @@ class Classification(Task):
     has_classes = True
     takes_new_head = True
     reading = LABELLED
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """Labelled text, as before; chat and instruction rows are refused in one line (they train a causal LM)."""
+        rows = chat_rows(data, request)
+        if rows is not None:
+            raise DataError(f"{rows.name} holds chat or instruction rows, which a classifier cannot read; give a "
+                            "causal LM (or, for prompt-completion and Alpaca rows, a seq2seq model), or a table of "
+                            "text and labels")
+        return super().datasets(data, request)
 
     def demo(self, request: DataRequest) -> DataSplits:
         return corpus_snippets(request)

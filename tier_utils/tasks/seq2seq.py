@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from ..data.chat_reading import chat_rows, instruction_pairs
 from ..data.collate import PaddingTally
 from ..data.datasets import DataRequest, DataSplits, corpus_name, corpus_split, corpus_topics
 from ..data.pairs import Pairs, pair_rows, paired_tensors
@@ -91,6 +92,11 @@ class Seq2Seq(Task):
         probe of the source side alone), the source is its own target, so every length check sees T_target = T."""
         target = labels if labels is not None else input_ids
         return {"decoder_input_ids": decoder_inputs(adapter.model, target)}
+
+    def datasets(self, data, request: DataRequest) -> DataSplits:
+        """Prompt-completion and Alpaca rows as pairs (instruction + input as the source); other pairs as before."""
+        rows = chat_rows(data, request)
+        return instruction_pairs(rows, request) if rows is not None else super().datasets(data, request)
 
     def demo(self, request: DataRequest) -> DataSplits:
         train_topics, val_topics = corpus_split()

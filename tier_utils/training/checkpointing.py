@@ -85,7 +85,8 @@ class RunCheckpoints:
                 "loader_generator": self._epoch_start_generator(), "config": self.cfg.to_dict(),
                 "history": self.hist.state_dict(), "data": self.data.fingerprint, "source": self._source(),
                 "selection": self.selection.state_dict(), "threads": torch.get_num_threads(),
-                "base_scores": self.progress.base_scores and self.progress.base_scores.to_dict()}
+                "base_scores": self.progress.base_scores and self.progress.base_scores.to_dict(),
+                "base_answers": self.progress.base_answers}
 
     def _source(self) -> dict | None:
         """How `load_model(checkpoint)` rebuilds the model: its spec and arguments, and the tokenizer this run
@@ -153,6 +154,7 @@ class RunCheckpoints:
         p = self.progress
         p.resume_generator = state["loader_generator"]
         p.step = p.last_saved = p.resumed_from = state["step"]
+        p.base_answers = state.get("base_answers")
         if state.get("base_scores"):  # a full fine-tune's base, scored before its first step
             p.base_scores = ExampleScores.from_dict(state["base_scores"])
         env = self.strategy.env

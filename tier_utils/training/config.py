@@ -10,6 +10,8 @@ from ..core.loggers import logger_names
 from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
+from ..data.chat import read_template
+from ..data.chat_formats import DATA_FORMATS, LOSS_ON, ChatOptions
 from ..data.datasets import DEFAULT_VAL_FRACTION
 from ..engine.compiling import compile_mode_setting
 from ..engine.schedules import DEFAULT_DECAY_FRACTION, DEFAULT_FINAL_FRACTION, SCHEDULES, Schedule
@@ -19,7 +21,8 @@ from ..engine.strategies import DDP, canonical_strategy, strategy_class
 # sharded checkpoint reshards onto another one with the same global batch).
 TRAJECTORY_FIELDS = ("seq_len", "target_len", "epochs", "max_steps", "lr", "weight_decay", "warmup_steps", "grad_clip",
                      "grad_accum_steps", "seed", "memory", "schedule", "final_lr_fraction", "decay_fraction",
-                     "shuffle", "val_fraction", "augment", "group_by_length", "packing")
+                     "shuffle", "val_fraction", "augment", "group_by_length", "packing",
+                     "data_format", "loss_on", "chat_template")
 NEVER = "never"  # eval_every's spelling for a run with no evaluation (0 and None keep their documented meaning)
 FINE_LOG_STEPS = 100  # log_every=None: runs this short get a history row per step (their warm-up shows)
 
@@ -75,6 +78,13 @@ class TrainConfig:
     augment: bool = setting(False, "an image model's training images randomly cropped (a quarter to all of the "
                                    "image, resized back) and flipped left-right, drawn anew each time one is read "
                                    "(validation images stay as they are)")
+    data_format: str = setting("auto", "how table or dataset rows are read: auto (from the columns), messages, "
+                                       "sharegpt, prompt-completion, alpaca, or text (running text)",
+                               choices=DATA_FORMATS)
+    loss_on: str = setting("answer", "chat and instruction data: the tokens the loss scores: answer (the assistant "
+                                     "turns or the completion) or all", choices=LOSS_ON)
+    chat_template: str | None = setting(None, "a Jinja chat template file for chat data (none: the tokenizer's "
+                                              "own); written into save_hf's folder")
     eval_every: int | str | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's "
                                                f"end; {NEVER}: no evaluation, and no validation split)", low=0,
                                            words=(NEVER,))
@@ -150,6 +160,8 @@ class TrainConfig:
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
         self._check_validation()
+        if self.chat_template is not None:
+            read_template(self.chat_template)  # not a Jinja file: one line, before anything is written
         _ = self.lr_schedule  # decided here, once: a setting its shape has no use for is refused before the run
 
     @property
@@ -166,6 +178,11 @@ class TrainConfig:
     def held_out(self) -> float:
         """The share the data reader holds out for validation where the data has no split of its own."""
         return (DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction) if self.evaluates else 0.0
+
+    @property
+    def chat(self) -> ChatOptions:
+        """How chat and instruction rows are read."""
+        return ChatOptions(self.data_format, self.loss_on, self.chat_template)
 
     @cached_property
     def lr_schedule(self) -> Schedule:

@@ -254,6 +254,9 @@ class TrainSummary:
     # A generating task's last evaluation (engine.generation.Generated.to_dict: chrF, BLEU, exact match, samples),
     # or {"skipped": why}; None: the task generates nothing.
     generation: dict | None = None
+    # Chat or instruction data (data.chat_reading.ChatReading.to_dict): the format, which tokens were scored and
+    # their share, the template and its end of turn, the rows left out, example 0 with its scored part marked.
+    chat: dict | None = None
     diverged: str | None = None  # TrainingDiverged's line: the step, and the likeliest cause the run saw
     unit: str = "token"  # what tokens_per_s counts (the task's unit: an image classifier's images)
     top5_accuracy: float | None = None  # a classifier of more than 5 classes: the label among its 5 best guesses
@@ -363,7 +366,10 @@ class TrainResult(Result):
     def more_tables(self) -> dict[str, pd.DataFrame]:
         """What a generating model wrote at the last evaluation: source, target, generated."""
         samples = (self.summary.generation or {}).get("samples")
-        tables = {"samples": pd.DataFrame(samples, columns=["source", "target", "generated"])} if samples else {}
+        # Columns as the samples name them: prompt, reference, generated; chat: prompt, reference, base, generated.
+        tables = {"samples": pd.DataFrame(samples, columns=list(samples[0]))} if samples else {}
+        if self.summary.chat:  # the reading of chat data, with example 0's scored part marked
+            tables["chat_example"] = pd.DataFrame([{k: self.summary.chat[k] for k in ("format", "scored", "example")}])
         if self.summary.confusion:
             names = self._class_names()
             counts = pd.DataFrame(self.summary.confusion, columns=[f"predicted {n}" for n in names])

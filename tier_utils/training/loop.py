@@ -36,6 +36,7 @@ from ..engine.lora import describe_lora
 from ..engine.quantization import describe_quantized
 from ..engine.strategies import Strategy, resolve_strategy
 from ..models.heads import sized_to_data
+from .chat_run import base_answers, chat_generation, start_chat
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
 from .divergence import divergence_error, ended_nonfinite
@@ -137,6 +138,8 @@ def _start(model, model_kwargs: dict, data, cfg: TrainConfig, on_eval, strategy:
     built = build_model(model, model_kwargs, cfg, precision, strategy, device)
     cfg = fitted_config(cfg, built.adapter)
     run_data = prepare_data(built.adapter, data, cfg, strategy, device)
+    if run_data.splits.chat is not None:  # checked and shown before anything is written
+        start_chat(built.adapter, run_data.splits, cfg.progress and strategy.env.is_main)
     return _Run(cfg, precision, strategy, built, run_data, make_optimization(built, run_data, cfg, precision, strategy),
                 on_eval)
 
@@ -161,6 +164,9 @@ class _Run:
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
         self.versus = VersusBase.decide(self, describe_new_head(self.adapter.model, data.splits.classes))
+        if data.splits.chat is not None and cfg.evaluates and self.progress.base_answers is None and \
+                self.env.world_size == 1:  # the base's answers, once: a resume keeps the checkpoint's
+            self.progress.base_answers = base_answers(self.adapter, data.splits, precision)
         self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
             "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
             "weights": precision.describe_weights(self.adapter.stored_dtype),
@@ -309,7 +315,7 @@ class _Run:
         self.progress.val_targets = metrics["targets"]
         # Not history columns: the summary's, from the last evaluation.
         self.progress.top5_accuracy, self.progress.confusion = metrics.get("top5_accuracy"), metrics.get("confusion")
-        if self.adapter.task.generates:
+        if self.adapter.task.generates or self.data.splits.chat is not None:
             self.progress.generated = self._generate()
         self.versus.evaluated(self.progress.step, metrics, self.progress.generated)
         metrics.pop("examples", None)  # kept there; on_eval and the history rows get the totals
@@ -321,6 +327,8 @@ class _Run:
         needs every rank, and the scores are the same anywhere), else why not."""
         if self.env.world_size > 1:
             return f"generation runs in one process; not under torchrun ({self.env.world_size} ranks)"
+        if self.data.splits.chat is not None:
+            return chat_generation(self.adapter, self.data.splits, self.precision, self.progress.base_answers)
         return generate_and_score(self.adapter, self.data.splits, self.precision)
 
     def _finish(self) -> Finished:
@@ -382,7 +390,8 @@ class _Run:
             activation_checkpointing=self.built.checkpointing and self.built.checkpointing.how,
             lora=describe_lora(adapter.model),
             quantized=describe_quantized(adapter.model),
-            generation=_generation(self.progress.generated), lr_schedule=cfg.lr_schedule.describe(),
+            generation=_generation(self.progress.generated), chat=data.splits.chat and data.splits.chat.to_dict(),
+            lr_schedule=cfg.lr_schedule.describe(),
             order=(f"shuffled each epoch from seed {cfg.seed}" if cfg.shuffle else "the data's own order, every epoch")
             + ("; batches grouped by length" if data.sampler.lengths is not None else "")
             + (f"; examples packed into {len(data.splits.train)} rows" if isinstance(data.splits.train, PackedRows)

@@ -116,7 +116,8 @@ class RunData:
 def prepare_data(adapter: ModelAdapter, data, cfg: TrainConfig, strategy: Strategy,
                  device: torch.device) -> RunData:
     env = strategy.env
-    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment, cfg.packing)
+    splits = adapter.datasets(data, cfg.seq_len, cfg.seed, cfg.held_out, cfg.target_len, cfg.augment, cfg.packing,
+                              cfg.chat)
     if not cfg.shuffle:
         splits = replace(splits, train=in_data_order(splits.train))
     groups = grouped_by_length(adapter, cfg)
@@ -221,3 +222,4 @@ class Progress:
     # The base's per-example scores (core.paired.ExampleScores; training/versus_base.py): a full fine-tune's are
     # taken before the first step and kept in its checkpoints (None: not scored yet, or not compared).
     base_scores: object = None
+    base_answers: list | None = None  # chat data: the model's answers before the first step (kept by a resume)

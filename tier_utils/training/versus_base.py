@@ -156,7 +156,7 @@ def _with_generation(scores: ExampleScores, generated) -> ExampleScores:
     few of the split), from the (reference, written) pairs its samples hold; as they are where none ran."""
     if not isinstance(generated, Generated):
         return scores
-    pairs = [(s["target"], s["generated"]) for s in generated.samples]
+    pairs = [(s["reference"], s["generated"]) for s in generated.samples]
     return scores.with_metrics(list(range(len(pairs))), sample_scores(pairs))
 
 

@@ -315,14 +315,19 @@ class _Run:
         self.progress.val_targets = metrics["targets"]
         # Not history columns: the summary's, from the last evaluation.
         self.progress.top5_accuracy, self.progress.confusion = metrics.get("top5_accuracy"), metrics.get("confusion")
-        if self.adapter.task.generates or self.data.splits.chat is not None:
-            self.progress.generated = self._generate()
+        if self.generates:
+            self.progress.generated = self.generation()
         self.versus.evaluated(self.progress.step, metrics, self.progress.generated)
         metrics.pop("examples", None)  # kept there; on_eval and the history rows get the totals
         self.selection.update(self.progress.step, metrics["val_loss"])  # every rank sees the same all-reduced loss
         return {**metrics, "epoch": self.progress.step / self.data.steps_per_epoch}
 
-    def _generate(self) -> Generated | str:
+    @property
+    def generates(self) -> bool:
+        """Whether each evaluation writes answers: a generating task's (seq2seq), or a causal LM's on chat data."""
+        return self.adapter.task.generates or self.data.splits.chat is not None
+
+    def generation(self) -> Generated | str:
         """What the model writes for a few validation sources, scored: in one process (a sharded model's forward
         needs every rank, and the scores are the same anywhere), else why not."""
         if self.env.world_size > 1:

@@ -19,7 +19,7 @@ import torch
 from ..core.files import write_json
 from ..core.paired import ExampleScores, Pairing
 from ..engine.evaluation import evaluate
-from ..engine.generation import Generated, _text, generate_and_score, sample_scores
+from ..engine.generation import Generated, _text, sample_scores
 
 SCORES_FILE = "scores.json"  # beside the checkpoints: what `compare` reads
 SCORES_FORMAT = 1
@@ -75,10 +75,7 @@ class VersusBase:
         run = self.run
         metrics = evaluate(run.adapter, run.data.val_loader, run.precision, run.cfg.eval_batches, run.env.all_sum,
                            run.data.eval_forwards, self.example_ids, run.env.gather, grad_mode)
-        # generation runs in one process (loop._generate)
-        generated = generate_and_score(run.adapter, run.data.splits.val, run.precision) \
-            if run.adapter.task.generates and run.env.world_size == 1 else None
-        return _with_generation(metrics["examples"], generated)
+        return _with_generation(metrics["examples"], run.generation() if run.generates else None)
 
     def _named(self, scores: ExampleScores) -> ExampleScores:
         """The scores with each example's text: its input decoded with the model's tokenizer (none for an image)."""

@@ -124,3 +124,25 @@ def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(
     assert len(steps[0]) == len(steps[1]) == len(steps[2]) == 6
     for r0, r1, one in zip(*steps):
         assert sorted(r0 + r1) == sorted(one)
+
+
+def test_per_example_scores_stay_with_their_examples_when_validation_is_put_in_length_order(tmp_path):
+    """Grouping reads the scored validation rows longest first: the fine-tune's per-example scores (versus its base,
+    and compare's) must still name the example each came from."""
+    import json
+
+    from tier_utils.adapter.adapter import adapt
+    from tier_utils.tasks import CAUSAL_LM
+    from tier_utils.training.versus_base import SCORES_FILE
+
+    run = dict(RUN, max_steps=2, eval_every=0, eval_batches=None, checkpoint_every=None)
+    result = train(llama(), table(tmp_path / "t.csv", n=60), checkpoint_dir=tmp_path / "c", **run)
+    tuned = json.loads((tmp_path / "c" / SCORES_FILE).read_text())["tuned"]
+    adapter = adapt(result.model.eval())
+    val = adapter.datasets(table(tmp_path / "t.csv", n=60), 64, packing=True).val
+    assert len({len(val[i]["input_ids"]) for i in range(len(val))}) > 1  # lengths differ: the order changed
+    with torch.no_grad():
+        for i, loss in zip(tuned["index"], tuned["metrics"]["loss"]):
+            row = val[i]
+            alone = CAUSAL_LM.loss(adapter.logits(row["input_ids"][None]), row["labels"][None])
+            assert loss == pytest.approx(alone.item(), rel=1e-4), i

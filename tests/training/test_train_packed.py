@@ -102,7 +102,8 @@ TrainStep.__call__ = recording_step
 
 
 @pytest.mark.slow
-def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(tmp_path, strategy):
     """Packing before sharding, global batches formed before they are dealt: under torchrun each step's rows over
     both ranks are the rows of one process's step with twice the batch, and both ranks run every step."""
     import json
@@ -115,8 +116,8 @@ def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(
             "never", "--group-by-length", "--packing", "--no-progress", "--data", data]
     worker = tmp_path / "worker.py"
     worker.write_text(worker_script(preamble=_RECORD_ROWS))
-    ok(torchrun([str(worker), "train", "--model", str(folder), "--batch-size", "2", "--out", str(tmp_path / "ddp"),
-                 *args], env_extra={"SEEN": str(tmp_path / "ranks")}))
+    ok(torchrun([str(worker), "train", "--model", str(folder), "--batch-size", "2", "--out", str(tmp_path / "two"),
+                 "--strategy", strategy, *args], env_extra={"SEEN": str(tmp_path / "ranks")}))
     ok(torchrun([str(worker), "train", "--model", str(folder), "--batch-size", "4", "--out", str(tmp_path / "one"),
                  *args], ranks=1, env_extra={"SEEN": str(tmp_path / "one")}))
     steps = [[json.loads(line) for line in (tmp_path / f"{name}").read_text().splitlines()]

@@ -195,7 +195,7 @@ class ModelAdapter:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.no_grad():  # not inference_mode: this may be a sharded model's first forward (FSDP2's buffers)
                 positions = torch.arange(n, device=self.device).repeat(1, 2)
                 packed = extract_logits(self.forward(ids, position_ids=positions), self.name)
                 alone = self.logits(ids[:, n:])

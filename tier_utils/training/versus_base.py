@@ -59,11 +59,13 @@ class VersusBase:
 
     @property
     def example_ids(self) -> list[int] | None:
-        """This rank's validation examples' indices in its loader's order (eval_shard's); None: nothing compared."""
+        """This rank's validation examples' indices in its loader's order (eval_shard's share, in the order its sampler
+        reads it: grouping by length reorders the scored rows); None: nothing compared."""
         if self.skipped:
             return None
         env, n = self.run.env, len(self.run.data.splits.val)
-        return list(range(env.rank, n, env.world_size) if env.active else range(n))
+        share = list(range(env.rank, n, env.world_size) if env.active else range(n))
+        return [share[i] for i in self.run.data.val_loader.sampler]
 
     def evaluated(self, step: int, metrics: dict, generated) -> None:
         """An evaluation's per-example scores, kept: the last one's are the fine-tune's."""

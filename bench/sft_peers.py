@@ -73,6 +73,7 @@ from tier_utils.training.loop import train  # noqa: E402
 RUNNERS = {"trl": "TRL SFTTrainer", "tier_utils": "tier_utils.train"}
 LOSS_TOLERANCE = 1e-5  # the first-step loss, fp32, same batch and weights
 IGNORE = -100
+SHOWN_TARGETS = 8  # of an example's differing targets, in its line
 # The demo's template (tier_utils/assets/chat_template.jinja) with each assistant turn's answer and end-of-turn token
 # inside {% generation %}, which TRL's assistant_only_loss reads through transformers' return_assistant_tokens_mask.
 # The newline the template writes after <|end|> stays outside, as tier_utils leaves it unscored. Whitespace is written
@@ -285,8 +286,10 @@ def compare(setup: Setup, tokenizer, shown: int = 3) -> Agreement:
             side, token = ("TRL", a) if b == IGNORE else ("train()", b) if a == IGNORE else ("both", a)
             found.only.setdefault(side, Counter())[f"{name(token)} after {name(ids[p])}"] += 1
         if diff and len(found.first) < shown:
-            found.first.append(f"example {number}: targets {[p for p, _, _ in diff]} of {len(labels)} differ ("
-                               f"TRL {[trl_labels[p] for p, _, _ in diff]}, train() {[labels[p] for p, _, _ in diff]})")
+            cut = "" if len(diff) <= SHOWN_TARGETS else f", the first {SHOWN_TARGETS} of {len(diff)}"
+            diff = diff[:SHOWN_TARGETS]
+            found.first.append(f"example {number}: targets {[p for p, _, _ in diff]} of {len(labels)} differ{cut} "
+                               f"(TRL {[a for _, a, _ in diff]}, train() {[b for _, _, b in diff]})")
     return found
 
 

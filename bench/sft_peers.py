@@ -31,9 +31,11 @@ Checked and printed, per format:
 The script exits 1 when a check fails.
 Timed (--time; by default prompt-completion and messages): whole training calls of S and L steps (--steps S L) from
 a fresh model to the trained one (set-up included: TRL's dataset preparation, train()'s reading of the rows),
-step = (t_L - t_S) / (L - S), fixed cost = t_S - S x step; interleaved repeats (the one-step checks warm both runners
-up first), the runners' order rotated each repeat; both log every step; the verdict is the AMP benchmark's noise rule
-as bench/peers.py gives it. One torch thread by default (--threads).
+step = (t_L - t_S) / (L - S), fixed cost = t_S - S x step; beside it the step within the L-step call, between the
+ends of steps S and L (bench/peers.py's optimizer-step marks), which the fixed cost's jitter does not reach;
+interleaved repeats (the one-step checks warm both runners up first), the runners' order rotated each repeat; both
+log every step; the verdicts are the AMP benchmark's noise rule as bench/peers.py gives it. One torch thread by
+default (--threads).
 
     python bench/sft_peers.py                                      # the demo's model, 5 repeats, steps 2 and 12
     python bench/sft_peers.py --width 256 --layers 4 --json sft_peers.json
@@ -57,7 +59,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/peers.py, whose helpers time the peers alike
-from peers import MIN_REPEATS, optimization, quiet_peers, verdict  # noqa: E402
+from peers import MIN_REPEATS, optimization, quiet_peers, step_marks, verdict  # noqa: E402
 
 from tier_utils.adapter.adapter import adapt  # noqa: E402
 from tier_utils.core.files import write_json  # noqa: E402
@@ -186,12 +188,16 @@ def run_train(model, setup: Setup, steps: int) -> list[float]:
 RUN = {"trl": run_trl, "tier_utils": run_train}
 
 
-def timed_call(runner: str, setup: Setup, steps: int) -> tuple[float, list[float]]:
-    """Seconds of one whole call from a fresh model with the initial weights to the trained one; its step losses."""
+def timed_call(runner: str, setup: Setup, steps: int, marked: tuple = ()) -> tuple[float, list[float], dict]:
+    """Seconds of one whole call from a fresh model with the initial weights to the trained one; its step losses;
+    {step: seconds into the call} at the end of the optimizer steps `marked` (bench/peers.py's step_marks: torch's
+    global optimizer post-step hook, which both runners' AdamW calls)."""
     model = fresh_model(setup)
-    t0 = time.perf_counter()
-    losses = RUN[runner](model, setup, steps)
-    return time.perf_counter() - t0, losses
+    with step_marks(marked, lambda: None) as marks:
+        t0 = time.perf_counter()
+        losses = RUN[runner](model, setup, steps)
+        seconds = time.perf_counter() - t0
+    return seconds, losses, {step: t - t0 for step, t in marks.items()}
 
 
 def trl_scored(setup: Setup) -> list[tuple[list[int], list[int]]]:
@@ -294,55 +300,66 @@ def compare(setup: Setup, tokenizer, shown: int = 3) -> Agreement:
 
 
 def measure(setups: list[Setup], args) -> dict:
-    """{(format, runner): {"step_ms", "fixed_s", "first_loss", "last_loss"}}: per repeat, each runner's whole calls
-    of S and then L steps, the runners' order rotated each repeat (the first-step checks before it warm both up)."""
+    """{(format, runner): {"step_ms", "in_call_ms", "fixed_s", "first_loss", "last_loss"}}: per repeat, each
+    runner's whole calls of S and then L steps, the runners' order rotated each repeat (the first-step checks before
+    it warm both up); in_call_ms: the L-step call's own steps S+1..L, from the marks at the ends of steps S and L."""
     short, long = args.steps
-    samples = {(s.name, r): {"step_ms": [], "fixed_s": [], "first_loss": [], "last_loss": []}
+    samples = {(s.name, r): {"step_ms": [], "in_call_ms": [], "fixed_s": [], "first_loss": [], "last_loss": []}
                for s in setups for r in RUNNERS}
     runners = list(RUNNERS)
     for rep in range(args.repeats):
         order = runners[rep % 2:] + runners[:rep % 2]
         for setup in setups:
-            calls = {(r, n): timed_call(r, setup, n) for n in (short, long) for r in order}
+            calls = {(r, n): timed_call(r, setup, n, (short, long)) for n in (short, long) for r in order}
             for runner in order:
-                (t_short, first), (t_long, last) = calls[(runner, short)], calls[(runner, long)]
+                (t_short, first, _), (t_long, last, marks) = calls[(runner, short)], calls[(runner, long)]
+                if set(marks) != {short, long}:
+                    raise RuntimeError(f"{RUNNERS[runner]} did not reach optimizer steps {short} and {long} "
+                                       f"(marked: {sorted(marks)})")
                 step = (t_long - t_short) / (long - short)
                 tally = samples[(setup.name, runner)]
                 tally["step_ms"].append(step * 1e3)
+                tally["in_call_ms"].append((marks[long] - marks[short]) / (long - short) * 1e3)
                 tally["fixed_s"].append(t_short - short * step)
                 tally["first_loss"].append(first[0])
                 tally["last_loss"].append(last[-1])
     return samples
 
 
+def apart(tallies: dict, key: str) -> float:
+    """The largest difference between the runners' `key` in the same repeat."""
+    return max(abs(a - b) for a, b in zip(*(t[key] for t in tallies.values())))
+
+
 def table(setups: list[Setup], samples: dict) -> list[dict]:
     rows = []
     for setup in setups:
-        base = summarize(samples[(setup.name, "trl")]["step_ms"])
-        first = {r: samples[(setup.name, r)]["first_loss"][-1] for r in RUNNERS}
-        last = {r: samples[(setup.name, r)]["last_loss"][-1] for r in RUNNERS}
-        for runner in RUNNERS:
-            tally = samples[(setup.name, runner)]
-            stats = summarize(tally["step_ms"])
-            rows.append({"format": setup.name, "runner": runner, "step_ms": stats.to_dict(),
-                         "vs_trl": stats.median / base.median, "fixed_s": summarize(tally["fixed_s"]).to_dict(),
-                         "first_step_loss": first[runner], "last_step_loss": last[runner],
-                         "first_loss_difference": abs(first["trl"] - first["tier_utils"]),
-                         "last_loss_difference": abs(last["trl"] - last["tier_utils"]),
-                         "first_losses_across_repeats": max(tally["first_loss"]) - min(tally["first_loss"]),
-                         # peers.verdict: the AMP benchmark's noise rule, worded as bench/peers.py words it
-                         "verdict": "the baseline" if runner == "trl" else verdict(runner, base, stats)})
+        tallies = {r: samples[(setup.name, r)] for r in RUNNERS}
+        base = {key: summarize(tallies["trl"][key]) for key in ("step_ms", "in_call_ms")}
+        for runner, tally in tallies.items():
+            row = {"format": setup.name, "runner": runner, "fixed_s": summarize(tally["fixed_s"]).to_dict(),
+                   "first_step_loss": tally["first_loss"][-1], "last_step_loss": tally["last_loss"][-1],
+                   "first_loss_difference": apart(tallies, "first_loss"),
+                   "last_loss_difference": apart(tallies, "last_loss")}
+            for key in ("step_ms", "in_call_ms"):
+                stats = summarize(tally[key])
+                # peers.verdict: the AMP benchmark's noise rule, worded as bench/peers.py words it
+                row[key] = {**stats.to_dict(), "vs_trl": stats.median / base[key].median,
+                            "verdict": "the baseline" if runner == "trl" else verdict(runner, base[key], stats)}
+            rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], steps) -> str:
-    lines = [f"| format | runner | ms per step, median (min–max) | vs TRL | fixed cost, s | first-step loss | loss at "
-             f"step {steps[1]} | verdict |", "|---|---|---|---|---|---|---|---|"]
+    short, long = steps
+    lines = [f"| format | runner | ms per step, whole calls: (t{long} − t{short}) / {long - short}, median (min–max) | "
+             f"vs TRL | ms per step within the {long}-step call, median (min–max) | vs TRL | fixed cost, s | "
+             f"first-step loss | loss at step {long} |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ms, fixed = r["step_ms"], r["fixed_s"]
-        lines.append(f"| {r['format']} | {RUNNERS[r['runner']]} | {ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f}) "
-                     f"| {r['vs_trl']:.2f}× | {fixed['median']:.2f} | {r['first_step_loss']:.6f} | "
-                     f"{r['last_step_loss']:.6f} | {r['verdict']} |")
+        cells = [f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f}) | {s['vs_trl']:.2f}× ({s['verdict']})"
+                 for s in (r["step_ms"], r["in_call_ms"])]
+        lines.append(f"| {r['format']} | {RUNNERS[r['runner']]} | {' | '.join(cells)} | {r['fixed_s']['median']:.2f} | "
+                     f"{r['first_step_loss']:.6f} | {r['last_step_loss']:.6f} |")
     return "\n".join(lines)
 
 
@@ -440,11 +457,12 @@ def report(found: list[Setup], agreements: list[Agreement], losses: dict, rows: 
               f"{loss['difference']:.2g} ({'agree' if held else 'DIFFERENT' if a.agrees else 'other tokens scored'})")
     if rows:
         short, long = args.steps
-        print(f"step time: {args.repeats} interleaved repeats of whole calls of {short} and {long} steps, step = "
-              f"(t{long} - t{short}) / {long - short}; fixed cost = t{short} - {short} steps")
+        print(f"step time: {args.repeats} interleaved repeats of whole calls of {short} and {long} steps; per step "
+              f"from the two calls, and within the {long}-step call between the ends of steps {short} and {long}; "
+              f"fixed cost = t{short} less {short} steps (verdicts need {MIN_REPEATS} repeats)")
         print(markdown(rows, args.steps))
-        if args.repeats < MIN_REPEATS:
-            print(f"(fewer than {MIN_REPEATS} repeats: no verdict)")
+        print(f"the two runners' losses, largest difference over the repeats, at step 1 / at step {long}: " + "; ".join(
+            f"{r['format']} {r['first_loss_difference']:.2g} / {r['last_loss_difference']:.2g}" for r in rows[::2]))
     return ok
 
 

@@ -46,6 +46,7 @@ def test_trl_and_train_score_the_same_tokens_and_start_at_the_same_loss(sft_peer
     assert checked[DEFAULT]["scored"] == checked["conversational-prompt-completion"]["scored"]
     assert [(r["format"], r["runner"]) for r in report["rows"]] == [
         (f, r) for f in sft_peers.TIMED for r in sft_peers.RUNNERS]
+    assert all(r["in_call_ms"]["median"] > 0 for r in report["rows"])  # both runners' steps 1 and 2 were marked
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in sft_peers.RUNNERS.values())
 

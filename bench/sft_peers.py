@@ -485,9 +485,10 @@ def main(argv=None) -> int:
         losses = {s.name: first_step_losses(s) for s in found}
         timed = [s for s in found if s.name in args.time and args.repeats]
         rows = table(timed, measure(timed, args)) if timed else []
+        meta = run_metadata(torch.device("cpu"))  # inside the run: its thread count and why
     ok = report(found, agreements, losses, rows, args, threads)
     if args.json:
-        write_json(args.json, {"meta": run_metadata(torch.device("cpu")), "versions": versions(), "args": vars(args),
+        write_json(args.json, {"meta": meta, "versions": versions(), "args": vars(args),
                                "scored_tokens": [{**vars(a), "only": {k: dict(v) for k, v in a.only.items()},
                                                   "agrees": a.agrees} for a in agreements],
                                "first_step_loss": losses, "rows": rows})

@@ -14,12 +14,13 @@ formats made from the same conversations (--formats), each with the TRL setting 
 `assistant_only_loss` needs a template that marks the assistant's turns: MARKED_TEMPLATE below, the demo's template
 with `{% generation %}` around each answer and its `<|end|>` (not the newline after it), checked to render every row
 exactly as the demo's own template does; train() reads the rows with the demo's own template.
-One initial state_dict is loaded into a fresh model for every call (a Llama from the demo's config; --width/--layers
-make it bigger), fp32 on both sides, the rows in their own order (TRL's sequential sampler; train()'s shuffle off),
-AdamW from `make_optimizer`, TrainConfig's schedule over the call's steps and clipping at 1.0 (bench/peers.py's
-`optimization`, handed to TRL), gradient checkpointing off, each batch padded on the right to a multiple of 8 with an
-attention mask on both sides. TRL's sequences are one token longer than train()'s (it shifts inside the model's
-forward; tier_utils' examples come shifted), so the padded widths may differ; the scored positions cannot.
+On the CPU (TRL's use_cpu, train()'s device="cpu"), one initial state_dict is loaded into a fresh model for every
+call (a Llama from the demo's config; --width/--layers make it bigger), fp32 on both sides, the rows in their own
+order (TRL's sequential sampler; train()'s shuffle off), AdamW from `make_optimizer`, TrainConfig's schedule over the
+call's steps and clipping at 1.0 (bench/peers.py's `optimization`, handed to TRL), gradient checkpointing off, each
+batch padded on the right to a multiple of 8 with an attention mask on both sides. TRL's sequences are one token
+longer than train()'s (it shifts inside the model's forward; tier_utils' examples come shifted), so the padded widths
+may differ; the scored positions cannot.
 
 Checked and printed, per format:
 - the scored tokens, example by example: TRL's collated `labels` (its completion_mask / assistant_masks folded in
@@ -116,7 +117,7 @@ VARIANTS = {
     "conversational-prompt-completion-trl-default": Variant(conversational_prompt_completion, {}, after_end=True),
     "messages": Variant(lambda row: row, {"assistant_only_loss": True}),
 }
-TIMED = ("prompt-completion", "messages")  # --formats' default for the timing (every variant is checked)
+TIMED = ("prompt-completion", "messages")  # --time's default (every variant in --formats is checked)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class VersusBase:
         if not cfg.evaluates:
             skipped = "not run: no held-out split (eval_every=never or val_fraction=0)"
         elif not cfg.compare_base:
-            skipped = "off (compare_base=False, --no-compare-base)"
+            skipped = "off (compare_base=False: --no-compare-base, or a search trial)"
         return cls(run, lora, new_head, skipped)
 
     @property

@@ -10,6 +10,7 @@ import vision_files
 
 import tier_utils
 from tier_utils.cli import main
+from tier_utils.core.paired import Pairing
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,11 @@ def test_a_pretrained_classifier_takes_the_datas_classes_and_trains_the_new_head
     assert list(confusion["true class"]) == ["circle", "cross", "square"] and "predicted cross" in confusion
     assert confusion.iloc[:, 1:].to_numpy().sum() == result.summary.val_targets
     assert [t.get_text() for t in result.plot_confusion().axes[0].get_yticklabels()] == ["circle", "cross", "square"]
+    # Against its base (LoRA's adapters off: the new head at its random start), each image named by its file.
+    assert "head was untrained" in result.summary.versus_base["base"]
+    after = Pairing.from_dict(result.summary.versus_base["pairing"]).after
+    assert after.text and all(t.split("/")[0] in ("circle", "cross", "square") and t.endswith(".png")
+                              for t in after.text)
 
 
 def test_top5_accuracy_reaches_the_summary_of_a_classifier_of_more_than_5_classes():

@@ -169,6 +169,6 @@ def test_a_resume_keeps_the_base_scores_and_off_says_so(tmp_path):
     assert before.metrics == ExampleScores.from_dict(kept).metrics  # scored before step 1, not after step 2
     assert before.metrics == Pairing.from_dict(whole.summary.versus_base["pairing"]).before.metrics
     off = tu.train(tiny(seed=0), counting_rows(200), **QUICK, max_steps=1, compare_base=False)
-    assert off.summary.versus_base["skipped"].startswith("off") and off.answer().endswith("--no-compare-base)")
+    assert off.summary.versus_base["skipped"].startswith("off") and "--no-compare-base" in off.answer()
     never = tu.train(tiny(seed=0), counting_rows(200), **QUICK, max_steps=1, eval_every="never")
     assert "no held-out split" in never.answer()

@@ -73,6 +73,10 @@ class ExportError(TierError, ValueError):
     """The model could not be exported (an unsupported op or construct) or the export was asked wrongly."""
 
 
+class CompareError(TierError, ValueError):
+    """Two runs `compare` cannot pair: not a run folder, or runs of other models, tokenizers or validation data."""
+
+
 class SearchStorageError(TierError, ValueError):
     """The storage URL given to `search` could not be opened."""
 

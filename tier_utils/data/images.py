@@ -130,6 +130,12 @@ class ImageFiles(Dataset):
         with opened(item) as image:  # checked before training; a file changed since is named too
             return {"pixel_values": self.processing([image])[0], "labels": self.labels[i]}
 
+    def example_source(self, i: int) -> str | None:
+        """Where example `i` was read from, as the regressed examples name it: its file under its class folder
+        (None: a `datasets` row, which has no file)."""
+        item = self.images[i]
+        return f"{Path(item).parent.name}/{Path(item).name}" if isinstance(item, (str, Path)) else None
+
 
 class DrawnImages(Dataset):
     """Images drawn on the fly from a seed per index (nothing stored): the bundled shapes, one of SHAPES on a

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.errors import TierError
+from ..core.errors import CompareError
 from ..core.files import jsonable
 from ..core.paired import MIN_PAIRS, ExampleScores, Pairing
 from ..core.results import Result
 from .versus_base import SCORES_FILE
-
-
-class CompareError(TierError, ValueError):
-    """Two runs compare cannot pair: not a run folder, or runs of different models, tokenizers or validation data."""
 
 
 @dataclass(frozen=True)

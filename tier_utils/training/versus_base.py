@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch.utils.data import Subset
 
 from ..core.files import write_json
 from ..core.paired import ExampleScores, Pairing
@@ -47,7 +48,7 @@ class VersusBase:
         if not cfg.evaluates:
             skipped = "not run: no held-out split (eval_every=never or val_fraction=0)"
         elif not cfg.compare_base:
-            skipped = "off (compare_base=False, --no-compare-base)"
+            skipped = "off (compare_base=False: --no-compare-base, or a search trial)"
         return cls(run, lora, new_head, skipped)
 
     @property
@@ -83,7 +84,7 @@ class VersusBase:
         """The scores with each example's text: its input decoded with the model's tokenizer (none for an image)."""
         adapter, val = self.run.adapter, self.run.data.splits.val
         if not adapter.task.reads_tokens or adapter.tokenizer is None:
-            return scores
+            return replace(scores, text=[_source(val, i) for i in scores.index])
         texts = []
         for i in scores.index:
             row = val[i]
@@ -148,6 +149,14 @@ class VersusBase:
                   "settings": self.settings(), "tuned": tuned.to_dict(),
                   "base": run.progress.base_scores and run.progress.base_scores.to_dict(), "base_is": self.base}
         return write_json(Path(folder) / SCORES_FILE, record)
+
+
+def _source(dataset, i: int) -> str | None:
+    """Where a validation example was read from, where its Dataset says (an image's file), through Subsets."""
+    while isinstance(dataset, Subset):
+        dataset, i = dataset.dataset, dataset.indices[i]
+    where = getattr(dataset, "example_source", None)
+    return where(i) if callable(where) else None
 
 
 def _with_generation(scores: ExampleScores, generated) -> ExampleScores:

@@ -280,6 +280,19 @@ class TrainSummary:
                                    for k in ("tokens_per_s", "step_time_ms")}}
 
 
+def _fig(v) -> str:
+    """2,442 rather than 2.442e+03; 0.1235 for small figures."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _spread(t, unit: str) -> str | None:
+    return f"{_fig(t.median)} {unit} median (IQR {_fig(t.iqr)}, n={t.n} rows)" if t else None
+
+
+def _number(v, fmt: str) -> str | None:
+    return None if v is None else format(v, fmt)
+
+
 @dataclass(repr=False)
 class TrainResult(Result):
     """What `train()` returns (also attached, partial, to `TrainingDiverged.result`)."""
@@ -302,16 +315,6 @@ class TrainResult(Result):
         """The summary to read at a glance, as (metric, value) rows of text; `.summary` and the JSON
         keep every figure as numbers (quartiles, run metadata, ...)."""
         s = self.summary
-
-        def fig(v):  # 2,442 rather than 2.442e+03; 0.1235 for small figures
-            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-
-        def spread(t, unit):
-            return f"{fig(t.median)} {unit} median (IQR {fig(t.iqr)}, n={t.n} rows)" if t else None
-
-        def number(v, fmt):
-            return None if v is None else format(v, fmt)
-
         rows = [
             ("model", f"{s.model} ({s.parameters:,} parameters, {s.task})"),
             ("new_head", s.new_head),
@@ -326,10 +329,10 @@ class TrainResult(Result):
             ("strategy", None if s.sharding is None else f"{s.strategy} over {s.world_size} rank(s)"),
             ("sharding", s.sharding),
             ("param_bytes_per_rank", None if s.sharding is None else f"{s.param_bytes_per_rank:,} (rank {s.rank})"),
-            ("train_loss", number(s.train_loss, ".4f")),
-            ("val_loss", number(s.val_loss, ".4f")),
+            ("train_loss", _number(s.train_loss, ".4f")),
+            ("val_loss", _number(s.val_loss, ".4f")),
             # NaN where the task has none (a classifier): no row, rather than "nan"
-            ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else number(s.perplexity, ".4g")),
+            ("perplexity", None if s.perplexity is None or math.isnan(s.perplexity) else _number(s.perplexity, ".4g")),
             ("accuracy", None if s.accuracy is None else f"{s.accuracy:.4f} (n={s.val_targets} targets)"),
             ("generation", s.generation and (s.generation.get("skipped") if "n" not in s.generation
                                              else Generated(**s.generation).describe())),
@@ -337,8 +340,8 @@ class TrainResult(Result):
             ("best_val_loss", None if s.best_step is None else f"{s.best_val_loss:.4f} at step {s.best_step}"
                                                                + (f" ({s.best_checkpoint})" * bool(s.best_checkpoint))),
             ("early_stop", s.early_stop_reason and f"at step {s.early_stopped_at_step}: {s.early_stop_reason}"),
-            ("tokens_per_s", spread(s.tokens_per_s, f"{s.unit}s/s")),
-            ("step_time_ms", spread(s.step_time_ms, "ms")),
+            ("tokens_per_s", _spread(s.tokens_per_s, f"{s.unit}s/s")),
+            ("step_time_ms", _spread(s.step_time_ms, "ms")),
             ("padding", s.padding and s.padding["describe"]),
             ("optimizer", s.optimizer),
             ("lr_schedule", s.lr_schedule),
@@ -348,7 +351,7 @@ class TrainResult(Result):
             ("lora", s.lora and s.lora["detail"]),
             ("quantized", s.quantized),
             ("compile_reason", s.compile_reason),
-            ("compile_s", number(s.compile_s, ".1f")),
+            ("compile_s", _number(s.compile_s, ".1f")),
             ("skipped_steps", s.skipped_steps),
             ("diverged_at_step", s.diverged_at_step),
             ("interrupted", True if s.interrupted else None),

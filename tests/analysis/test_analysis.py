@@ -67,9 +67,9 @@ def test_table_and_frame_columns_are_exact(gpt_report):
     assert list(report.table.analysis.unique()) == list(ANALYSES)
     assert set(report.table.status) <= {"PASS", "WARN", "FAIL", "SKIP"}
     f = report.frames
-    assert list(f["attention"].columns) == ["layer", "layer_index", "head", "entropy", "max_weight", "mean_distance",
-                                            "pattern", "rows"]
-    assert list(f["attention_layers"].columns) == ["layer", "heads", "collapsed_heads", "head_similarity_tv",
+    assert list(f["attention"].columns) == ["layer", "role", "layer_index", "head", "entropy", "max_weight",
+                                            "mean_distance", "pattern", "rows"]
+    assert list(f["attention_layers"].columns) == ["layer", "role", "heads", "collapsed_heads", "head_similarity_tv",
                                                    "collapsed"]
     assert list(f["attention_distance"].columns) == ["layer", "head", "distance", "weight"]
     assert list(f["robustness"].columns) == ["perturbation", "level", "n", "agreement", "kl", "logit_drift",

@@ -21,17 +21,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..core.errors import DataError, one_line
-from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, Unusable, recognized_format
+from ..core.errors import DataError, TemplateError, UnusableRow, one_line
+from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, recognized_format
 from .collate import IGNORE
 
 FIRST_ROWS = 5  # the unusable rows said by number
 MAX_PROMPTS = 16  # held-out prompts generated from at each evaluation
 MARK = ("[[", "]]")  # the scored part of the example shown at a run's start
-
-
-class TemplateError(DataError):
-    """A chat template that cannot be used as it is (none, not Jinja, prefixes that don't render as prefixes)."""
 
 
 def hf_of(tokenizer):
@@ -211,7 +207,7 @@ def usable_rows(rows: list[dict], fmt: ChatFormat, convert) -> tuple[list, dict[
     for number, row in enumerate(rows):
         try:
             out.append(convert(row))
-        except Unusable as exc:
+        except UnusableRow as exc:
             unusable[number] = str(exc)
     if not out:
         first = ", ".join(f"row {r}: {why}" for r, why in list(unusable.items())[:FIRST_ROWS])

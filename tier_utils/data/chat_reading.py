@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Subset
 
-from ..core.errors import DataError
+from ..core.errors import DataError, UnusableRow
 from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, hf_of, usable_rows, warn_counts
-from .chat_formats import Unusable, recognized_format
+from .chat_formats import recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
 from .userdata import Rows, read_rows
@@ -44,7 +44,7 @@ def instruction_pairs(rows: Rows, request: DataRequest) -> DataSplits:
     def convert(row):
         source, target = fmt.pair(row)
         if not target.strip():
-            raise Unusable("an empty target")
+            raise UnusableRow("an empty target")
         return source, target
 
     pairs, unusable = usable_rows(rows.train + (rows.val or []), fmt, convert)

@@ -183,17 +183,14 @@ class ChatData:
 
     examples: ChatExamples
     format: ChatFormat
-    unusable: dict[int, str] = field(default_factory=dict)  # row number -> why
+    unusable: dict[int, str] = field(default_factory=dict)  # row number (from 1) -> why
     truncated: int = 0  # conversations that lost turns from the front to fit
     dropped: int = 0  # examples whose last answer alone did not fit
     templated: bool = True  # rendered through the chat template (string prompt-completion is not)
 
     def counts(self) -> str:
         """The rows left out and cut, in one clause ("": none)."""
-        said = []
-        if self.unusable:
-            first = ", ".join(f"{r} ({why})" for r, why in list(self.unusable.items())[:FIRST_ROWS])
-            said.append(f"{len(self.unusable)} unusable rows skipped (first: {first})")
+        said = [unusable_clause(self.unusable)] if self.unusable else []
         if self.truncated:
             said.append(f"{self.truncated} conversations lost turns from the front to fit")
         if self.dropped:
@@ -201,10 +198,16 @@ class ChatData:
         return "; ".join(said)
 
 
+def unusable_clause(unusable: dict[int, str]) -> str:
+    """The rows left out, in one clause: how many, and the first by number (from 1) with why."""
+    first = ", ".join(f"{r} ({why})" for r, why in list(unusable.items())[:FIRST_ROWS])
+    return f"{len(unusable)} unusable rows skipped (first rows: {first})"
+
+
 def usable_rows(rows: list[dict], fmt: ChatFormat, convert) -> tuple[list, dict[int, str]]:
-    """`convert(row)` for each row, the unusable ones counted by row number with why."""
+    """`convert(row)` for each row, the unusable ones counted by row number (from 1) with why."""
     out, unusable = [], {}
-    for number, row in enumerate(rows):
+    for number, row in enumerate(rows, 1):
         try:
             out.append(convert(row))
         except UnusableRow as exc:

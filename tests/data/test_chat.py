@@ -101,11 +101,11 @@ def test_unusable_rows_are_counted_with_their_numbers_and_none_left_is_one_line(
             {"messages": [TURNS[0], {"role": "assistant", "content": " "}]}, good]
     data = chat_examples(rows, tok)
     assert len(data.examples) == 2
-    assert list(data.unusable) == [1, 2, 3, 4]
+    assert list(data.unusable) == [2, 3, 4, 5]  # numbered from 1, as the table readers number them
     said = data.counts()
-    assert "4 unusable rows" in said and "1 (no assistant turn)" in said and "'wizard'" in said
+    assert "4 unusable rows" in said and "first rows: 2 (no assistant turn)" in said and "'wizard'" in said
     assert "not text" in said and "empty answer" in said
-    with pytest.raises(DataError, match="no usable messages row.*row 0: a message cell that is not a list"):
+    with pytest.raises(DataError, match="no usable messages row.*row 1: a message cell that is not a list"):
         chat_examples([{"messages": "hello"}, {"messages": 3}], tok)
 
 

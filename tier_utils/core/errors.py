@@ -49,6 +49,14 @@ class DataError(TierError, ValueError):
     """The data given does not fit the model or the task."""
 
 
+class TemplateError(DataError):
+    """A chat template that cannot be used as it is: none, not Jinja, prefixes that don't render as prefixes."""
+
+
+class UnusableRow(DataError):
+    """One chat or instruction row that cannot become an example: the reader counts it and reads on."""
+
+
 class OutputError(TierError, ValueError):
     """An output file or folder cannot be written; checked before any work starts."""
 

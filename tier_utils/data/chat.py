@@ -21,17 +21,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..core.errors import DataError, one_line
-from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, Unusable, recognized_format
+from ..core.errors import DataError, TemplateError, UnusableRow, one_line
+from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, recognized_format
 from .collate import IGNORE
 
 FIRST_ROWS = 5  # the unusable rows said by number
 MAX_PROMPTS = 16  # held-out prompts generated from at each evaluation
 MARK = ("[[", "]]")  # the scored part of the example shown at a run's start
-
-
-class TemplateError(DataError):
-    """A chat template that cannot be used as it is (none, not Jinja, prefixes that don't render as prefixes)."""
 
 
 def hf_of(tokenizer):
@@ -187,17 +183,14 @@ class ChatData:
 
     examples: ChatExamples
     format: ChatFormat
-    unusable: dict[int, str] = field(default_factory=dict)  # row number -> why
+    unusable: dict[int, str] = field(default_factory=dict)  # row number (from 1) -> why
     truncated: int = 0  # conversations that lost turns from the front to fit
     dropped: int = 0  # examples whose last answer alone did not fit
     templated: bool = True  # rendered through the chat template (string prompt-completion is not)
 
     def counts(self) -> str:
         """The rows left out and cut, in one clause ("": none)."""
-        said = []
-        if self.unusable:
-            first = ", ".join(f"{r} ({why})" for r, why in list(self.unusable.items())[:FIRST_ROWS])
-            said.append(f"{len(self.unusable)} unusable rows skipped (first: {first})")
+        said = [unusable_clause(self.unusable)] if self.unusable else []
         if self.truncated:
             said.append(f"{self.truncated} conversations lost turns from the front to fit")
         if self.dropped:
@@ -205,13 +198,19 @@ class ChatData:
         return "; ".join(said)
 
 
+def unusable_clause(unusable: dict[int, str]) -> str:
+    """The rows left out, in one clause: how many, and the first by number (from 1) with why."""
+    first = ", ".join(f"{r} ({why})" for r, why in list(unusable.items())[:FIRST_ROWS])
+    return f"{len(unusable)} unusable rows skipped (first rows: {first})"
+
+
 def usable_rows(rows: list[dict], fmt: ChatFormat, convert) -> tuple[list, dict[int, str]]:
-    """`convert(row)` for each row, the unusable ones counted by row number with why."""
+    """`convert(row)` for each row, the unusable ones counted by row number (from 1) with why."""
     out, unusable = [], {}
-    for number, row in enumerate(rows):
+    for number, row in enumerate(rows, 1):
         try:
             out.append(convert(row))
-        except Unusable as exc:
+        except UnusableRow as exc:
             unusable[number] = str(exc)
     if not out:
         first = ", ".join(f"row {r}: {why}" for r, why in list(unusable.items())[:FIRST_ROWS])

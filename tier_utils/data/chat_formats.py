@@ -3,22 +3,18 @@ precisions): which columns mark it, how one row becomes a conversation (or TRL's
 and how it reads as a source-target pair for a sequence-to-sequence model. Nothing outside a format's class tests its
 name: the readers ask the format they were handed.
 
-A row that cannot be used raises `Unusable` with the reason; the reader counts them and says the first row numbers.
+A row that cannot be used raises `UnusableRow` with the reason; the reader counts them and says the first row numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.errors import DataError
+from ..core.errors import DataError, UnusableRow
 from ..core.registry import Registry
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 AUTO = "auto"  # --data-format's default: recognised from the columns
-
-
-class Unusable(Exception):
-    """A row that cannot become an example: its message says why, in a few words."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +48,9 @@ def text_of(content) -> str:
         return content
     parts = plain_list(content)
     if parts is None:
-        raise Unusable("content that is not text")
+        raise UnusableRow("content that is not text")
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
-        raise Unusable("a content part that is not text")
+        raise UnusableRow("a content part that is not text")
     return "".join(p["text"] for p in parts)
 
 
@@ -63,14 +59,14 @@ def checked_turns(value, role_key: str = "role", content_key: str = "content", r
     that is not a dict makes the row unusable."""
     turns = plain_list(value)
     if turns is None:
-        raise Unusable("a message cell that is not a list")
+        raise UnusableRow("a message cell that is not a list")
     out = []
     for turn in turns:
         if not isinstance(turn, dict) or role_key not in turn:
-            raise Unusable(f"a turn without {role_key!r}")
+            raise UnusableRow(f"a turn without {role_key!r}")
         role = roles.get(turn[role_key]) if roles else turn[role_key]
         if role not in ROLES:
-            raise Unusable(f"an unknown role {turn[role_key]!r}")
+            raise UnusableRow(f"an unknown role {turn[role_key]!r}")
         out.append({"role": role, "content": text_of(turn.get(content_key))})
     return out
 
@@ -79,9 +75,9 @@ def with_answer(messages: list[dict], first_scored: int = 0) -> Dialogue:
     """A conversation that holds an answer to learn: an assistant turn (from `first_scored` on), none empty."""
     answers = [m for m in messages[first_scored:] if m["role"] == "assistant"]
     if not answers:
-        raise Unusable("no assistant turn")
+        raise UnusableRow("no assistant turn")
     if any(not m["content"].strip() for m in answers):
-        raise Unusable("an empty answer")
+        raise UnusableRow("an empty answer")
     return Dialogue(messages, first_scored)
 
 
@@ -134,10 +130,10 @@ class PromptCompletion(ChatFormat):
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
             if not completion.strip():
-                raise Unusable("an empty completion")
+                raise UnusableRow("an empty completion")
             return Completion(prompt, completion)
         if isinstance(prompt, str) or isinstance(completion, str):
-            raise Unusable("a prompt and a completion of different kinds (one text, one messages)")
+            raise UnusableRow("a prompt and a completion of different kinds (one text, one messages)")
         turns = checked_turns(prompt)
         return with_answer(turns + checked_turns(completion), len(turns))
 
@@ -159,18 +155,18 @@ class Alpaca(ChatFormat):
     def source(self, row: dict) -> str:
         instruction, given = row["instruction"], row.get("input")
         if not isinstance(instruction, str) or not instruction.strip():
-            raise Unusable("an empty instruction")
+            raise UnusableRow("an empty instruction")
         return f"{instruction}\n\n{given}" if isinstance(given, str) and given.strip() else instruction
 
     def example(self, row: dict) -> Dialogue:
         output = row["output"]
         if not isinstance(output, str):
-            raise Unusable("an output that is not text")
+            raise UnusableRow("an output that is not text")
         return with_answer([{"role": "user", "content": self.source(row)}, {"role": "assistant", "content": output}])
 
     def pair(self, row: dict) -> tuple[str, str]:
         if not isinstance(row["output"], str) or not row["output"].strip():
-            raise Unusable("an empty output")
+            raise UnusableRow("an empty output")
         return self.source(row), row["output"]
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Subset
 
-from ..core.errors import DataError
-from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, hf_of, usable_rows, warn_counts
-from .chat_formats import Unusable, recognized_format
+from ..core.errors import DataError, UnusableRow
+from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, hf_of, unusable_clause, usable_rows, warn_counts
+from .chat_formats import recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
 from .userdata import Rows, read_rows
@@ -44,15 +44,14 @@ def instruction_pairs(rows: Rows, request: DataRequest) -> DataSplits:
     def convert(row):
         source, target = fmt.pair(row)
         if not target.strip():
-            raise Unusable("an empty target")
+            raise UnusableRow("an empty target")
         return source, target
 
     pairs, unusable = usable_rows(rows.train + (rows.val or []), fmt, convert)
     if unusable:
-        first = ", ".join(f"{r} ({why})" for r, why in list(unusable.items())[:5])
-        warnings.warn(f"{rows.name}: {len(unusable)} unusable rows skipped (first: {first})", stacklevel=3)
+        warnings.warn(f"{rows.name}: {unusable_clause(unusable)}", stacklevel=3)
     data = Pairs.encode([s for s, _ in pairs], [t for _, t in pairs], request, rows.name)
-    n_train = len(rows.train) - sum(r < len(rows.train) for r in unusable)
+    n_train = len(rows.train) - sum(r <= len(rows.train) for r in unusable)
     if rows.val is not None:
         train, val, how = Subset(data, range(n_train)), Subset(data, range(n_train, len(data))), rows.validation
     else:

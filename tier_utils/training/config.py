@@ -84,7 +84,7 @@ class TrainConfig:
     loss_on: str = setting("answer", "chat and instruction data: the tokens the loss scores: answer (the assistant "
                                      "turns or the completion) or all", choices=LOSS_ON)
     chat_template: str | None = setting(None, "a Jinja chat template file for chat data (none: the tokenizer's "
-                                              "own); written into save_hf's folder")
+                                              "own); the saved transformers folder keeps it")
     eval_every: int | str | None = setting(50, "steps between evaluations (none or 0: epoch ends and the run's "
                                                f"end; {NEVER}: no evaluation, and no validation split)", low=0,
                                            words=(NEVER,))

@@ -32,8 +32,9 @@ def llama_bf16(tmp_path_factory):
 def test_the_benchmark_runs_every_precision_over_a_4bit_model_and_names_qlora(llama_bf16):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tokenizer in the folder: byte ids
+        # force: fp16 runs on a CPU without native fp16 too (this test is about the 4-bit base, not the CPU)
         result = amp_benchmark(str(llama_bf16), memory=QLORA, untimed_steps=1, timed_steps=1, repeats=1,
-                               accuracy_steps=2, eval_batches=1, **SMALL)
+                               accuracy_steps=2, eval_batches=1, force=True, **SMALL)
     ran = [r.precision for r in result.records if r.ran]
     assert {"fp32", "bf16", "fp16"} <= set(ran), ran  # fp16 autocast over the bf16 base included
     assert f"the precision rows train {QLORA_WORDS}" in result.summary_line()

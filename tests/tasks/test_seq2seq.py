@@ -406,7 +406,7 @@ def test_the_main_job_reports_an_encoder_decoder_with_what_it_wrote(folders, nam
                      "--no-progress", "--json", str(tmp_path / "all.json")])
     assert code == 0, capsys.readouterr().err  # a healthy model passes its own checks
     samples = (out / "train_samples.csv").read_text().splitlines()
-    assert samples[0] == "source,target,generated" and len(samples) > 1
+    assert samples[0] == "prompt,reference,generated" and len(samples) > 1
     page = (out / "index.html").read_text()
     assert "train_samples" in page and ("ForConditionalGeneration") in page
     summary = json.loads((tmp_path / "all.json").read_text())

@@ -4,6 +4,9 @@ The token-embedding output is swapped (by a forward hook) for a leaf tensor, the
 of the model's own prediction is differentiated with respect to it, and each token's saliency is
 sum_d(grad * embedding). Target: the next token after the last real position for a causal LM,
 the predicted class for a classifier. Positive saliency supports the prediction, negative opposes it.
+A per-position batch whose labels score only some real positions (a chat answer, a completion) attributes its
+answer instead: the sum of the scored positions' target log-probabilities, teacher-forced, over the input tokens,
+each named a prompt or an answer token; the finding is the share that falls on the prompt.
 An image model's first images get integrated gradients of their predicted class's logit over their pixels
 (analysis/pixels.py), drawn as a heat map over each; the share of the logit's change they miss says how far
 to trust them.
@@ -58,8 +61,20 @@ def _leaf_embeddings(embedding):
         handle.remove()
 
 
-def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """((B, T) gradient x input per token, zero on padding; (B,) target token/class ids)."""
+def scored_answers(task, batch: dict, mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) bool: the real positions whose next token the labels score, for a batch of a task that predicts its
+    input's positions whose labels leave some real positions unscored (-100: a chat answer's prompt, a completion's
+    prompt); None where every real position is scored (plain text) or the labels are not per input position."""
+    labels = batch.get("labels")
+    if not task.per_token or task.own_target_length or labels is None or labels.shape != mask.shape:
+        return None
+    scored = (labels != -100) & mask
+    return scored if scored.any() and (mask & ~scored).any() else None
+
+
+def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """((B, T) gradient x input per token, zero on padding; (B,) target token/class ids; (B, T) the scored
+    positions where the answer is attributed (`scored_answers`), else None)."""
     adapter = ctx.adapter
     ids, mask = batch["input_ids"], ctx.mask(batch)
     task = adapter.task
@@ -67,15 +82,21 @@ def saliency(ctx: Context, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = adapter.batch_logits(batch).float()
     if not leaves:
         raise RuntimeError(f"{adapter.name}'s forward never called its token embedding")
-    if task.per_token:  # each row's last prediction
-        logits = logits[torch.arange(len(ids), device=ids.device), task.last_prediction(batch, mask)]
-    logp = F.log_softmax(logits, dim=-1)
-    target = logp.argmax(-1)
+    answer = None if mask is None else scored_answers(task, batch, mask)
+    if answer is not None:  # the answer's own tokens, teacher-forced: the sum of their log-probs
+        target = batch["labels"].clamp_min(0)
+        objective = (F.log_softmax(logits, dim=-1).gather(2, target[..., None]).squeeze(-1) * answer).sum()
+    else:
+        if task.per_token:  # each row's last prediction
+            logits = logits[torch.arange(len(ids), device=ids.device), task.last_prediction(batch, mask)]
+        logp = F.log_softmax(logits, dim=-1)
+        target = logp.argmax(-1)
+        objective = logp.gather(1, target[:, None]).sum()
     # Each row's target depends only on its own row, so one backward gives every row's gradient.
     source = leaves[task.source_call]
-    (grad,) = torch.autograd.grad(logp.gather(1, target[:, None]).sum(), source)
+    (grad,) = torch.autograd.grad(objective, source)
     sal = (grad.float() * source.detach().float()).sum(-1)
-    return sal * mask, target
+    return sal * mask, target, answer
 
 
 def run(ctx: Context) -> Outcome:
@@ -92,7 +113,7 @@ def _over_tokens(ctx: Context) -> Outcome:
     rows, start = len(ctx.batches[0]["input_ids"]), time.perf_counter()
     batch = head(ctx.batches[0], 1)
     with SavedTensorMeter(adapter.model) as meter:
-        sal, target = saliency(ctx, batch)
+        sal, target, answer = saliency(ctx, batch)
     n = affordable_repeats(time.perf_counter() - start, BUDGET_S, rows)
     by_memory = rows if ctx.budget is None else max(1, int(ctx.budget.limit // max(1, meter.bytes)))
     scope = ""
@@ -103,7 +124,7 @@ def _over_tokens(ctx: Context) -> Outcome:
     n = min(n, by_memory)
     if n > 1:
         batch = head(ctx.batches[0], n)
-        sal, target = saliency(ctx, batch)
+        sal, target, answer = saliency(ctx, batch)
     mask = ctx.mask(batch)
     if not torch.isfinite(sal).all():
         return Outcome([Check("saliency", "FAIL", None, None, "gradient x input is NaN/inf: the backward pass "
@@ -113,6 +134,8 @@ def _over_tokens(ctx: Context) -> Outcome:
     if not (total > 0).any():
         return Outcome([Check("saliency", "WARN", 0.0, None, "gradient x input is zero everywhere: no gradient "
                               "reaches the token embeddings (detached or frozen path)")])
+    if answer is not None:
+        return _over_prompt(ctx, batch, sal, answer, scope)
     lengths = mask.sum(1)
     if adapter.task.per_token:
         pos = torch.arange(sal.size(1), device=sal.device)
@@ -128,19 +151,47 @@ def _over_tokens(ctx: Context) -> Outcome:
         what = (f"the top {TOP_SHARE:.0%} of tokens hold {share.mean():.0%} of |grad x input| for the predicted "
                 f"class (mean over {len(sal)} sequences)")
         threshold = f"share on top {TOP_SHARE:.0%} tokens"
-    n = int(lengths[0])
-    tokens = batch["input_ids"][0, :n].tolist()
-    s0 = sal[0, :n].cpu()
-    label = adapter.tokenizer.label  # decoded tokens of the model's own vocabulary
-    table = pd.DataFrame({"position": range(n), "token": tokens, "text": [label(t) for t in tokens],
-                          "saliency": s0.tolist(), "share": (s0.abs() / s0.abs().sum().clamp_min(1e-30)).tolist()},
-                         columns=COLUMNS)
+    table, label = _example_table(ctx, batch, sal), adapter.tokenizer.label
     top = table.nlargest(3, "share")
     target0 = int(target[0])
     goal = adapter.task.name_target(target0, label)
     detail = f"{what}{scope}; example 0 ({goal}) leans most on " + ", ".join(
         f"{r.text!r}@{r.position}" for r in top.itertuples())
     return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), threshold, detail)],
+                   {"attribution": table}, {"target": goal})
+
+
+def _example_table(ctx: Context, batch: dict, sal: torch.Tensor) -> pd.DataFrame:
+    """Example 0's real tokens with their saliency and share of |saliency|."""
+    n = int(ctx.mask(batch)[0].sum())
+    tokens = batch["input_ids"][0, :n].tolist()
+    s0 = sal[0, :n].cpu()
+    label = ctx.adapter.tokenizer.label  # decoded tokens of the model's own vocabulary
+    return pd.DataFrame({"position": range(n), "token": tokens, "text": [label(t) for t in tokens],
+                         "saliency": s0.tolist(), "share": (s0.abs() / s0.abs().sum().clamp_min(1e-30)).tolist()},
+                        columns=COLUMNS)
+
+
+def _over_prompt(ctx: Context, batch: dict, sal: torch.Tensor, answer: torch.Tensor, scope: str) -> Outcome:
+    """The answer's attribution: each input token is an answer token where the position before it is scored (the
+    answer fed back, teacher-forced), else a prompt token (the template's markers included); the finding is the
+    share of |grad x input| on the prompt's tokens."""
+    mask = ctx.mask(batch)
+    fed_back = torch.zeros_like(answer)
+    fed_back[:, 1:] = answer[:, :-1]
+    prompt = mask & ~fed_back
+    mag = sal.abs()
+    share = (mag * prompt).sum(1) / mag.sum(1).clamp_min(1e-30)
+    table, label = _example_table(ctx, batch, sal), ctx.adapter.tokenizer.label
+    table["part"] = ["answer" if a else "prompt" for a in fed_back[0, : len(table)].tolist()]
+    targets = batch["labels"][0][answer[0]].tolist()
+    goal = f"the answer {''.join(label(t) for t in targets)!r}"
+    top = table[table.part == "prompt"].nlargest(3, "share")
+    detail = (f"{share.mean():.0%} of |grad x input| for the answer (the sum of its scored tokens' log-probs, "
+              f"teacher-forced) falls on the prompt's tokens (mean over {len(sal)} sequences){scope}; example 0 "
+              f"({goal}: {len(targets)} scored tokens over {int(prompt[0].sum())} prompt tokens) leans most on "
+              + ", ".join(f"{r.text!r}@{r.position}" for r in top.itertuples()))
+    return Outcome([Check("saliency", "PASS", round(float(share.mean()), 4), "share on the prompt's tokens", detail)],
                    {"attribution": table}, {"target": goal})
 
 

@@ -1,6 +1,8 @@
 """The `all` main job (API and CLI), end to end with tiny sizes."""
 import json
+import shutil
 import warnings
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -13,6 +15,7 @@ from tier_utils.cli import main
 from tier_utils.core.errors import TrainingDiverged
 from tier_utils.core.precision import SlowPrecisionWarning
 from tier_utils.core.results import Result
+from tier_utils.data.chat_demo import chat_demo
 from tier_utils.mainjob import run_all
 from tier_utils.models.loading import load_model
 from tier_utils.presets import Preset
@@ -233,3 +236,55 @@ def test_the_main_job_builds_the_adapter_once_and_hands_it_to_every_tier(tmp_pat
     assert all(got[name] is adapter for name in ("analyze", "amp_benchmark", "fit", "plan_ranks"))
     trained = got["train"]
     assert trained.model is not adapter.model and source_of(trained.model) is adapter.source is not None
+
+
+@pytest.fixture(scope="module")
+def bare_chat(tmp_path_factory):
+    """The chat demo with its model copied into a folder whose tokenizer has no chat template of its own."""
+    demo = chat_demo(tmp_path_factory.mktemp("chat"), n=40)
+    bare = demo.model.parent / "bare"
+    shutil.copytree(demo.model, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    return demo, bare
+
+
+@pytest.mark.slow  # a Llama through every tier: ~30-60 s on 2 busy cores
+def test_all_reads_chat_data_with_the_given_template_and_loss_in_every_tier(bare_chat, tmp_path, monkeypatch,
+                                                                              capsys):
+    demo, bare = bare_chat
+    monkeypatch.setattr(mainjob, "FAST", replace(TINY_SIZES, seq_len=48))  # the demo's conversations fit in 48
+    out, summary = tmp_path / "report", tmp_path / "all.json"
+    code = main(["all", "--model", str(bare), "--data", str(demo.data), "--chat-template", str(demo.template),
+                 "--loss-on", "all", "--out", str(out), "--fast", "--no-progress", "--json", str(summary)])
+    data = json.loads(summary.read_text())
+    assert code == (1 if data["model_status"] == "FAIL" else 0)
+    chat = json.loads((out / "train.json").read_text())["summary"]["chat"]
+    assert chat["format"] == "messages" and chat["scored_share"] == 1.0 and chat["template"] == str(demo.template)
+    # The analysis and the benchmark read the data the same way (the bare tokenizer would refuse them otherwise).
+    read = "messages format, every token scored (100% of the tokens), chat template "
+    for tier in ("analysis", "amp_benchmark"):
+        assert read in (out / f"{tier}.json").read_text()
+    assert read in data["run_metadata"]["data"] and read in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given,line", [
+    ((), "has no chat template; give one with --chat-template FILE"),
+    (("--loss-on", "most"), "argument --loss-on: invalid choice: 'most'"),
+    (("--data-format", "chatml"), "argument --data-format: invalid choice: 'chatml'"),
+    (("--chat-template", "{here}/chat.jsonl"), "holds no Jinja"),
+])
+def test_all_refuses_bad_chat_settings_in_one_line_writing_nothing(bare_chat, tmp_path, capsys, given, line):
+    demo, bare = bare_chat
+    out = tmp_path / "report"
+    given = [g.format(here=demo.data.parent) for g in given]
+    try:  # argparse's refusals exit; the others return the code
+        code = main(["all", "--model", str(bare), "--data", str(demo.data), *given, "--out", str(out), "--fast",
+                     "--no-progress"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and line in err and not out.exists()

@@ -217,7 +217,8 @@ def _run_all(args) -> tuple[dict, int]:
     print(f"all: smoke, analysis, training, AMP benchmark · {machine_load()}", file=sys.stderr)
     result = run_all(args.model, args.out, data=data_of(args), precision=args.precision, device=args.device,
                      fast=args.fast, batch_size=args.batch_size, seed=args.seed, progress=args.progress,
-                     model_kwargs=model_kwargs(args), memory=memory_of(args))
+                     model_kwargs=model_kwargs(args), memory=memory_of(args), data_format=args.data_format,
+                     loss_on=args.loss_on, chat_template=args.chat_template)
     print(result.summary_text())
     return result.to_json(), 1 if result.model_status == "FAIL" else 0
 
@@ -307,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, precision=False)
     add_data(p)
     # --device and --no-progress come with add_common; the benchmark's loggers are the API's only.
-    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds", "memory", *BENCH_RUN_ONLY})
+    add_settings(p, BenchConfig, {f.name for f in fields(BenchConfig)} - {"thresholds", "memory", "chat",
+                                                                           *BENCH_RUN_ONLY})
     add_settings(p, Thresholds)
     add_memory(p, checkpointing=False)  # --activation-checkpointing: each precision's checkpointed rows
     p.set_defaults(run=_run_bench)
@@ -363,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                        whole),
         "seed": "initial weights and training data order"})
     add_memory(p)
+    add_settings(p, TrainConfig, ("data_format", "loss_on", "chat_template"))  # chat rows, read so in every tier
     p.add_argument("--eval-every", "--val-fraction", action=KeepsValidation)
     add_data(p, data=False)
     p.set_defaults(run=_run_all)

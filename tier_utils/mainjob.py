@@ -146,7 +146,8 @@ def _rows_block(rows: pd.DataFrame, width: int) -> list[str]:
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
             progress: bool = TrainConfig.progress, model_kwargs: dict | None = None,
-            memory: MemorySettings | str | None = None) -> AllResult:
+            memory: MemorySettings | str | None = None, data_format: str = TrainConfig.data_format,
+            loss_on: str = TrainConfig.loss_on, chat_template: str | None = TrainConfig.chat_template) -> AllResult:
     """Tier 1, tier 2, a short training run and the AMP benchmark on one model, then `write_report`.
 
     model: a load_model spec (`model_kwargs` build it) or an nn.Module; every tier starts from the same
@@ -154,16 +155,15 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     tier 2 analyses the shipped trained demo model (`tiny-gpt-trained`) and the report names it.
     Run lengths: presets.JOB, or presets.FAST with fast=True; `batch_size` replaces the preset's.
     memory: the memory settings training and the benchmark run in (MemorySettings, or full/lora/qlora/adamw8bit;
-    docs/precision.md); with checkpointing the benchmark adds checkpointed rows. Training
+    docs/precision.md); with checkpointing the benchmark adds checkpointed rows. data_format, loss_on, chat_template:
+    how chat rows are read (TrainConfig's), the same in every tier that reads the data. Training
     that diverges is recorded as FAIL with its partial history; a model whose forward raises gets smoke and
     analysis FAIL rows and no training or benchmark; bad input raises as in each tier. Ctrl-C raises KeyboardInterrupt
     (the CLI exits 130) and writes no report.
     """
     writable_dir(out_dir, "out_dir")  # before an hour of work, not after it
     _not_a_training_run(Path(out_dir))
-    preset = FAST if fast else JOB
-    if batch_size is not None:
-        preset = replace(preset, batch_size=batch_size)
+    preset = _job_preset(fast, batch_size, data_format=data_format, loss_on=loss_on, chat_template=chat_template)
     torch.manual_seed(seed)
     base = load_model(model, **sized_to_data(model, model_kwargs or {}, data))  # a classifier's head: the data's
     # Tier 2 on fresh weights only shows what an untrained model does: with the default model left as is,
@@ -205,6 +205,16 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     return AllResult(results, statuses, seconds, index, meta, grown or None, plan)
 
 
+def _job_preset(fast: bool, batch_size: int | None, **chat) -> Preset:
+    """FAST or JOB, with `batch_size` for its own where given, and the chat reading (TrainConfig's data_format,
+    loss_on, chat_template) in its TrainConfig: checked there (an unknown value, a file that is no template: one
+    line, before any work), then every tier's config carries it (Preset.train_config, analysis_config,
+    bench_config)."""
+    preset = FAST if fast else JOB
+    preset = replace(preset, train=replace(preset.train, **chat))
+    return preset if batch_size is None else replace(preset, batch_size=batch_size)
+
+
 def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[ModelAdapter | torch.nn.Module, Preset, dict]:
     """The model's adapter, the preset with its window fitted to the model (no warning), and what the report names:
     model, tokenizer, data. Bad data fails here, before any tier runs; a model whose forward raises is handed on as
@@ -213,7 +223,7 @@ def _fit_to_model(base, data, preset: Preset, seed: int) -> tuple[ModelAdapter |
     try:
         adapter = adapt(base)
         preset = replace(preset, seq_len=min(preset.seq_len, adapter.max_len))
-        described = adapter.datasets(data, preset.seq_len, seed).describe()
+        described = adapter.datasets(data, preset.seq_len, seed, chat=preset.train.chat).describe()
     except ModelForwardError:
         return base, preset, ran_on
     return adapter, preset, {**ran_on, "tokenizer": described.tokenizer, "data": described.data,

@@ -1,7 +1,8 @@
 """Run lengths for the main job (`all`) and the notebooks, as the tiers' own config objects.
 
 A preset is one batch shape (`batch_size` x `seq_len`) that every tier runs at, plus each tier's lengths at
-that shape: a TrainConfig (steps, evaluations), a BenchConfig (repeats, accuracy steps), how many batches the
+that shape: a TrainConfig (steps, evaluations, and how chat rows are read, which the analysis and the benchmark
+read the data with too), a BenchConfig (repeats, accuracy steps), how many batches the
 analysis reads and, for the notebooks, the size of a built-in model. The shape (and, where a notebook's RunConfig
 decided them, the precision and device) is declared once, here, and stamped into each tier's config by
 `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`, `fit_config()` and `ranks_config()`.
@@ -47,7 +48,8 @@ class Preset:
     def analysis_config(self, **given) -> AnalysisConfig:
         """The analysis over `analysis_batches` batches of the preset's shape; `given` on top."""
         return AnalysisConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len,
-                                 "n_batches": self.analysis_batches, **self._decided("precision", "device"), **given})
+                                 "n_batches": self.analysis_batches, "chat": self.train.chat,
+                                 **self._decided("precision", "device"), **given})
 
     def train_config(self, **given) -> TrainConfig:
         """The preset's training settings at its shape, with `given` TrainConfig fields on top."""
@@ -57,7 +59,7 @@ class Preset:
     def bench_config(self, **given) -> BenchConfig:
         """The preset's benchmark settings at its shape, with `given` BenchConfig fields on top."""
         return replace(self.bench, **{"batch_size": self.batch_size, "seq_len": self.seq_len,
-                                      **self._decided("device"), **given})
+                                      "chat": self.train.chat, **self._decided("device"), **given})
 
     def fit_config(self, **given) -> FitConfig:
         """The fit planner at the preset's shape; `given` on top."""

@@ -23,6 +23,7 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, failed_check, problem_rows, run_metadata, status_counts
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
+from ..data.chat_formats import ChatOptions
 from ..data.datasets import DataDescription, DataSplits, make_loader, to_device
 from ..engine.quantization import quantized_summary
 from ..engine.strategies import refuse_placed
@@ -61,6 +62,7 @@ class AnalysisConfig:
     n_batches: int = setting(2, "validation batches to analyse", low=1)
     seq_len: int = setting(64, "tokens per example (capped at the model's max)", low=1)
     progress: bool = progress_field()
+    chat: ChatOptions = setting(factory=ChatOptions)  # how chat rows are read (TrainConfig's, where a job decided it)
 
     def __post_init__(self):
         if self.analyses is not None:  # None stays "all", as the CLI's default shows it
@@ -70,10 +72,11 @@ class AnalysisConfig:
 
 
 def real_batches(adapter, data, batch_size: int, n_batches: int, seq_len: int,
-                 device) -> tuple[list[dict], DataSplits]:
+                 device, chat: ChatOptions | None = None) -> tuple[list[dict], DataSplits]:
     """Up to `n_batches` validation batches for the adapter's task (the bundled corpus when data is None), and the
-    splits they came from (what the data was, its class names); the sizes are AnalysisConfig's, checked there."""
-    splits = adapter.datasets(data, adapter.fit_length(seq_len))
+    splits they came from (what the data was, its class names); the sizes are AnalysisConfig's, checked there;
+    `chat`: how chat rows are read."""
+    splits = adapter.datasets(data, adapter.fit_length(seq_len), chat=chat)
     loader = make_loader(splits.val, batch_size, collate=splits.collate, shuffle=True, device=device, seed=0)
     batches = [to_device(b, device) for b in itertools.islice(loader, n_batches)]
     if not batches:
@@ -218,7 +221,7 @@ def analyze(model=DEFAULT_MODEL, data=None, config: AnalysisConfig | dict | None
                               AnalysedBatches(None, 0, cfg.batch_size, 0),
                               run_metadata(dev, prec.dtype))
     module = adapter.model.to(dev)
-    batches, splits = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev)
+    batches, splits = real_batches(adapter, data, cfg.batch_size, cfg.n_batches, cfg.seq_len, dev, cfg.chat)
     ctx = Context(adapter, batches, prec, read_budget(dev), splits.classes)
     outcomes, seconds = {}, {}
     was_training = module.training

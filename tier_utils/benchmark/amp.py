@@ -212,7 +212,7 @@ class BenchmarkRun:
         """Step "load": the splits, the same speed batches for every plan, the floor step's (eager, baseline
         precision, one short sequence: almost all fixed per-step cost, i.e. launches), and the fp32 start."""
         cfg, base = sized.cfg, sized.plans[0]
-        splits = self.adapter.datasets(self.data, cfg.seq_len)
+        splits = self.adapter.datasets(self.data, cfg.seq_len, chat=cfg.chat)
         speed_batches = tuple(same_batches(splits, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
         start = _start(base.precision.convert_module(self.adapter.model, self.adapter.memory))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}

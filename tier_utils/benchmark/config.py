@@ -13,6 +13,7 @@ from ..core.memory_settings import MEMORY_CHOICES, MemorySettings, memory_settin
 from ..core.optimizers import OPTIMIZERS
 from ..core.precision import PRECISIONS
 from ..core.settings import check_fields, check_switch, device_field, precision_list, progress_field, setting
+from ..data.chat_formats import ChatOptions
 from ..engine.compiling import compile_mode_setting
 from ..engine.strategies import launched_strategies
 
@@ -112,6 +113,7 @@ class BenchConfig:
     # Every row trains under these (LoRA and its base, QLoRA, the optimizer's state); checkpointing is the
     # activation_checkpointing rows' (each precision again with it).
     memory: MemorySettings = setting(factory=MemorySettings)
+    chat: ChatOptions = setting(factory=ChatOptions)  # how chat rows are read (TrainConfig's, where a job decided it)
     # benchmark/memory_rows.py: the precision auto picks here, because the rows are timed interleaved with the
     # precisions' (a precision measured faster in this run is not known before they run).
     memory_rows: tuple = setting((), "memory settings to measure beside the full fine-tune, one row each in the "

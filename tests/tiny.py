@@ -2,6 +2,7 @@
 
 A module, not only fixtures, because parametrize lists and CLI argument lists are built at import time."""
 import torch
+from torch.utils.data import Dataset
 
 from tier_utils import load_model
 
@@ -16,3 +17,18 @@ def tiny(spec="tiny-gpt", seed=None, **kwargs):
         torch.manual_seed(seed)
     kwargs = {**TINY, **kwargs}
     return load_model(spec, **kwargs) if isinstance(spec, str) else spec(**kwargs)
+
+
+class LengthExamples(Dataset):
+    """Classifier examples at their own lengths (token ids 1..n, label i % 2): batches padded per batch."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        n = self.lengths[i]
+        return {"input_ids": torch.arange(1, n + 1), "attention_mask": torch.ones(n, dtype=torch.long),
+                "labels": torch.tensor(i % 2)}

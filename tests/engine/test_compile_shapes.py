@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
+from tiny import LengthExamples as Examples
 from tiny import tiny
-from torch.utils.data import Dataset
 
 from tier_utils.engine import compiling
 from tier_utils.engine.compiling import CompileFallbackWarning
@@ -17,21 +17,6 @@ from tier_utils.training.loop import train
 LENGTHS = [3, 5, 8, 9, 12, 17, 20, 30] * 2  # batches of 4 padded to 8, 16, 24 or 32
 RUN = dict(max_steps=4, batch_size=4, seq_len=32, eval_every=0, eval_batches=1, precision="fp32", progress=False,
            device="cpu", compile=True)
-
-
-class Examples(Dataset):
-    """Classifier examples at their own lengths."""
-
-    def __init__(self, lengths):
-        self.lengths = lengths
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __getitem__(self, i):
-        n = self.lengths[i]
-        return {"input_ids": torch.arange(1, n + 1), "attention_mask": torch.ones(n, dtype=torch.long),
-                "labels": torch.tensor(i % 2)}
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from tiny import TINY_ARGS, tiny
-from torch.utils.data import Dataset
+from tiny import LengthExamples as Examples
 
 from tier_utils import TinyEncoder
 from tier_utils.benchmark.amp import amp_benchmark
@@ -16,21 +16,6 @@ from tier_utils.smoketest.suite import smoke
 from tier_utils.training.loop import train
 
 LENGTHS = [3, 5, 8, 9]  # one batch of 4: padded to 16 (the longest, 9, rounded up to a multiple of 8)
-
-
-class Examples(Dataset):
-    """Classifier examples at their own lengths."""
-
-    def __init__(self, lengths):
-        self.lengths = lengths
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __getitem__(self, i):
-        n = self.lengths[i]
-        return {"input_ids": torch.arange(1, n + 1), "attention_mask": torch.ones(n, dtype=torch.long),
-                "labels": torch.tensor(i % 2)}
 
 
 def test_train_states_the_padding_share_of_its_batches_and_at_seq_len():

@@ -204,7 +204,7 @@ def unusable_clause(unusable: dict[int, str]) -> str:
     return f"{len(unusable)} unusable rows skipped (first rows: {first})"
 
 
-def usable_rows(rows: list[dict], fmt: ChatFormat, convert) -> tuple[list, dict[int, str]]:
+def converted_rows(rows: list[dict], fmt: ChatFormat, convert) -> tuple[list, dict[int, str]]:
     """`convert(row)` for each row, the unusable ones counted by row number (from 1) with why."""
     out, unusable = [], {}
     for number, row in enumerate(rows, 1):
@@ -230,7 +230,7 @@ def chat_examples(rows: list[dict], tokenizer, *, data_format: str = "auto", los
     fmt = recognized_format(rows[0].keys() if rows else (), options.data_format)
     if fmt.plain:
         raise DataError(f"{where} are running text, not chat or instruction rows; read them as text")
-    examples, unusable = usable_rows(rows, fmt, fmt.example)
+    examples, unusable = converted_rows(rows, fmt, fmt.example)
     templating = any(isinstance(e, Dialogue) for e in examples)
     hf = templated(tokenizer, chat_template) if templating else hf_of(tokenizer)
     ends = special_ids(hf)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..core.errors import DataError, UnusableRow
-from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, hf_of, unusable_clause, usable_rows, warn_counts
+from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, converted_rows, hf_of, unusable_clause, warn_counts
 from .chat_formats import recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
@@ -47,7 +47,7 @@ def instruction_pairs(rows: Rows, request: DataRequest) -> DataSplits:
             raise UnusableRow("an empty target")
         return source, target
 
-    pairs, unusable = usable_rows(rows.train + (rows.val or []), fmt, convert)
+    pairs, unusable = converted_rows(rows.train + (rows.val or []), fmt, convert)
     if unusable:
         warnings.warn(f"{rows.name}: {unusable_clause(unusable)}", stacklevel=3)
     data = Pairs.encode([s for s, _ in pairs], [t for _, t in pairs], request, rows.name)

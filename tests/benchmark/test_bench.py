@@ -242,7 +242,7 @@ def test_json_schema_exact_keys(forced_fp16):
                                   "tokens_per_step", "untimed_steps", "timed_steps", "repeats", "accuracy_steps",
                                   "eval_batches", "lr", "weight_decay", "grad_clip", "seed", "force", "compile",
                                   "compile_mode", "thresholds", "fit", "activation_checkpointing", "memory",
-                                  "lora_detail", "strategy", "memory_rows", "padding"}
+                                  "lora_detail", "strategy", "memory_rows", "padding", "chat"}
     assert set(doc["config"]["thresholds"]) == {"speedup", "memory_reduction", "memory", "accuracy_diff",
                                                 "parity_tolerance", "min_repeats", "max_fixed_share", "min_mfu"}
     assert {"device", "device_name", "torch", "float32_matmul_precision", "load_average_1m",

@@ -16,6 +16,7 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 AUTO = "auto"  # --data-format's default: recognised from the columns
 
+MESSAGES_COLUMN = "messages"  # where a message list is read from (a column named otherwise is read as it)
 
 @dataclass(frozen=True)
 class Dialogue:
@@ -105,10 +106,10 @@ class ChatFormat:
 class Messages(ChatFormat):
     """TRL's conversational layout: `messages`, a list of {role, content}."""
 
-    name, aliases, columns = "messages", ("conversational", "chatml"), ("messages",)
+    name, aliases, columns = "messages", ("conversational", "chatml"), (MESSAGES_COLUMN,)
 
     def example(self, row: dict) -> Dialogue:
-        return with_answer(checked_turns(row["messages"]))
+        return with_answer(checked_turns(row[MESSAGES_COLUMN]))
 
 
 class ShareGPT(ChatFormat):

@@ -12,7 +12,7 @@ from torch.utils.data import Subset
 
 from ..core.errors import DataError, UnusableRow
 from .chat import MARK, MAX_PROMPTS, ChatData, chat_examples, converted_rows, hf_of, unusable_clause, warn_counts
-from .chat_formats import recognized_format
+from .chat_formats import MESSAGES_COLUMN, recognized_format
 from .datasets import DataRequest, DataSplits, split_off
 from .pairs import Pairs
 from .userdata import Rows, read_rows
@@ -30,8 +30,8 @@ def chat_rows(data, request: DataRequest) -> Rows | None:
     fmt = recognized_format(rows.train[0].keys(), request.chat.data_format, column if listed else None)
     if fmt.plain:
         return None
-    if listed and column != "messages":  # --text-column naming a column of message lists: read as messages
-        rename = lambda part: [{**r, "messages": r[column]} for r in part]  # noqa: E731
+    if listed and column != MESSAGES_COLUMN:  # --text-column naming a column of message lists: read as messages
+        rename = lambda part: [{**r, MESSAGES_COLUMN: r[column]} for r in part]  # noqa: E731
         rows = replace(rows, train=rename(rows.train), val=rows.val and rename(rows.val))
     return replace(rows, message_column=column if listed else None)
 

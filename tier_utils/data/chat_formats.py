@@ -15,8 +15,8 @@ from ..core.registry import Registry
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 AUTO = "auto"  # --data-format's default: recognised from the columns
-
 MESSAGES_COLUMN = "messages"  # where a message list is read from (a column named otherwise is read as it)
+
 
 @dataclass(frozen=True)
 class Dialogue:

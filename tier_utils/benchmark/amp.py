@@ -8,6 +8,7 @@ interleaved across precisions so drift on a shared machine hits all of them alik
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -213,7 +214,8 @@ class BenchmarkRun:
         precision, one short sequence: almost all fixed per-step cost, i.e. launches), and the fp32 start."""
         cfg, base = sized.cfg, sized.plans[0]
         splits = self.adapter.datasets(self.data, cfg.seq_len, chat=cfg.chat)
-        speed_batches = tuple(same_batches(splits, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev))
+        speed_batches = tuple(same_batches(splits, cfg.untimed_steps + cfg.timed_steps, cfg, self.dev,
+                                           self.adapter.task.reads_tokens))
         start = _start(base.precision.convert_module(self.adapter.model, self.adapter.memory))
         short = tuple({k: v[:1, :FLOOR_TOKENS] if v.dim() > 1 else v[:1] for k, v in b.items()}
                       for b in speed_batches)
@@ -221,7 +223,11 @@ class BenchmarkRun:
         padding = self.adapter.task.padding_tally(cfg.seq_len)
         for batch in speed_batches:
             padding.add(self.adapter.task.positions(batch))
-        return Loaded(splits, speed_batches, self.adapter.task.units(speed_batches[0]), start, floor, padding.to_dict())
+        # batches cut to the data hold different counts of real tokens: a repeat's throughput is the timed steps'
+        # tokens over their time, so the mean over the timed batches, never one batch's count
+        timed = speed_batches[cfg.untimed_steps:]
+        return Loaded(splits, speed_batches, sum(self.adapter.task.units(b) for b in timed) / len(timed), start, floor,
+                      padding.to_dict())
 
     def compile(self, sized: Sized, loaded: Loaded) -> Ready:
         """Step "compile": each compiled plan compiled for its precision's weight dtype (its warm-up under its
@@ -247,24 +253,39 @@ class BenchmarkRun:
         return Ready(tuple(plans), measured, sized.cfg, sized.fit, loaded)
 
     def count_flops(self, ready: Ready) -> dict:
-        """Step "flops": one forward + backward of the baseline (fp32 where it fits), counted once: precision
-        changes no FLOP count, and the baseline is what fits here. Nothing is timed on a loss that is not finite
-        (its speed would be a verdict on NaN): a non-finite first loss stops every plan."""
+        """Step "flops": one forward + backward of the baseline (fp32 where it fits) on the first batch and on each
+        batch shape the timed steps meet, counted once per shape: precision changes no FLOP count, and the baseline
+        is what fits here. Batches cut to the data differ in length, so the step's figure (MFU's numerator) is the
+        mean over the timed batches, never one batch's. Nothing is timed on a loss that is not finite (its speed
+        would be a verdict on NaN): a non-finite first loss stops every plan."""
         base, adapter = ready.base, self.adapter
+        batches = ready.data.speed_batches
+        timed = batches[ready.cfg.untimed_steps:]
         first = []
 
-        def forward_backward():
+        def forward_backward(batch):
             with base.precision.autocast():
-                first.append(adapter.forward_loss(ready.data.speed_batches[0])[0])
-            first[0].backward()
+                loss = adapter.forward_loss(batch)[0]
+            loss.backward()
+            first.append(loss.detach())
 
         # a compiled plan may have left it in another dtype
         base.precision.convert_module(adapter.model, adapter.memory)
-        flops = count_flops(forward_backward) if self.log.runs(base) else {"per_step": None, "by_op": {}}
+        if not self.log.runs(base):
+            return {"per_step": None, "by_op": {}}
+        shapes = {}  # a batch of each shape, the first batch's first
+        for batch in (batches[0], *timed):
+            shapes.setdefault(_shape(batch), batch)
+        counted = {key: count_flops(lambda b=batch: forward_backward(b)) for key, batch in shapes.items()}
         adapter.model.zero_grad(set_to_none=True)
-        why = nonfinite(base.name, first[0], "on the first batch") if self.log.runs(base) else None
-        for p in ready.measured if why else ():
-            self.log.stop(p, "flops", why)
+        share = Counter(_shape(b) for b in timed)
+        ops = {op for c in counted.values() for op in c["by_op"]}
+        flops = {"per_step": sum(counted[k]["per_step"] * n for k, n in share.items()) / len(timed),
+                 "by_op": {op: sum(counted[k]["by_op"].get(op, 0) * n for k, n in share.items()) / len(timed)
+                           for op in ops}}
+        if why := nonfinite(base.name, first[0], "on the first batch"):
+            for p in ready.measured:
+                self.log.stop(p, "flops", why)
         return flops
 
     def measure_memory(self, ready: Ready) -> tuple[Measured, ...]:
@@ -391,3 +412,8 @@ class BenchmarkRun:
 def interleave(items: list, repeats: int) -> list[tuple[int, object]]:
     """(repeat, item) in interleaved order: a, b, c, a, b, c, ... never all of a first."""
     return [(r, item) for r in range(repeats) for item in items]
+
+
+def _shape(batch: dict) -> tuple:
+    """A batch's tensors' shapes: what its FLOP count depends on."""
+    return tuple((key, tuple(value.shape)) for key, value in batch.items())

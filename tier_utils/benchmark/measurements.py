@@ -7,12 +7,15 @@ import contextlib
 import gc
 
 import torch
+from torch.utils.data import RandomSampler, Subset
 
+from ..core.errors import DataError
 from ..core.measure import SavedTensorMeter, StepTimer, static_memory
 from ..core.optimizers import DEFAULT_OPTIMIZER
 from ..core.precision import dtype_name
 from ..core.seeding import rng_state, set_rng_state
 from ..data.datasets import make_loader, to_device
+from ..data.lengths import example_lengths, in_length_order, scored_in_length_order
 from ..engine.activation_checkpointing import checkpointing_on, kept_inputs
 from ..engine.evaluation import evaluate
 from ..engine.lora import load_model_state
@@ -52,17 +55,27 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def same_batches(splits, n: int, cfg: BenchConfig, device):
-    """The same `n` training batches, in the same order, for every call; cycles a small dataset; on `device`."""
-    loader = make_loader(splits.train, cfg.batch_size, collate=splits.collate, shuffle=True, seed=cfg.seed,
-                         drop_last=True, device=device)
-    produced = 0
-    while produced < n:
-        for batch in loader:
-            yield to_device(batch, device)
-            produced += 1
-            if produced == n:
-                return
+def same_batches(splits, n: int, cfg: BenchConfig, device, by_length: bool):
+    """The same `n` training batches, in the same order, for every call, on `device`: rows drawn as training draws
+    them (a seeded shuffle, each pass over the set a new one, whole batches only; a small set cycles), then, where
+    examples have lengths (`by_length`), put longest first among themselves, so a batch holds rows of like length and
+    pads little. Which rows are benched never depends on their length: sorting the whole set would bench only its
+    shortest rows (issue 57). Longest first, the memory steps and the compile warm-up meet the largest batch."""
+    train = splits.train
+    if len(train) < cfg.batch_size:
+        raise DataError(f"batch_size={cfg.batch_size} is larger than the dataset ({len(train)} examples); use a "
+                        "smaller batch size")
+    sampler = RandomSampler(train, generator=torch.Generator().manual_seed(cfg.seed))
+    whole = len(train) // cfg.batch_size * cfg.batch_size  # drop_last: every batch full
+    rows: list[int] = []
+    while len(rows) < n * cfg.batch_size:
+        rows += list(sampler)[:whole]
+    rows = rows[:n * cfg.batch_size]
+    if by_length:
+        distinct = sorted(set(rows))
+        rows = in_length_order(rows, dict(zip(distinct, example_lengths(Subset(train, distinct)))))
+    for k in range(n):
+        yield to_device(splits.collate([train[i] for i in rows[k * cfg.batch_size:(k + 1) * cfg.batch_size]]), device)
 
 
 def fresh_step(adapter, prec, start, cfg: BenchConfig, total_steps: int = 0, track_scale: bool = True,
@@ -147,7 +160,8 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
                        count_rounding=True)
     curve, scales, skipped, attempts, diverged_at, why = [], [], 0, 0, None, None
     rounded = updated = 0
-    for i, batch in enumerate(same_batches(splits, cfg.accuracy_steps, cfg, adapter.device)):
+    for i, batch in enumerate(same_batches(splits, cfg.accuracy_steps, cfg, adapter.device,
+                                            adapter.task.reads_tokens)):
         while True:
             rng = rng_state() if prec.needs_scaler else None
             out = step([batch])
@@ -171,8 +185,9 @@ def _accuracy_run(adapter, prec, start, splits, cfg: BenchConfig, bar, step_adap
             bar.update(cfg.accuracy_steps - i - 1)
             break
         curve.append(out.loss.item())  # not timed: a sync per step is fine here
+    order = scored_in_length_order(splits.val, cfg.eval_batches, cfg.batch_size) if adapter.task.reads_tokens else None
     val = evaluate(adapter, make_loader(splits.val, cfg.batch_size, collate=splits.collate, shuffle=False,
-                                        device=adapter.device), prec, cfg.eval_batches)
+                                        device=adapter.device, sampler=order), prec, cfg.eval_batches)
     return {"steps": len(curve), "attempts": attempts, "loss_curve": curve, "val_loss": val["val_loss"],
             "val_accuracy": val["accuracy"], "val_targets": val["targets"], "diverged_at": diverged_at,
             "diverged_reason": why, "loss_scale": scales if prec.needs_scaler else None,

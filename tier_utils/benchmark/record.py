@@ -59,7 +59,7 @@ class BenchRun:
     parameters: int
     described: DataDescription
     settings: BenchConfig
-    tokens_per_step: int
+    tokens_per_step: float  # real tokens, the mean over the timed batches
     fit: BatchFit
     lora: dict | None = None  # engine.lora.describe_lora of the model every row trained (None: no LoRA)
     # The share of the speed batches' positions that was padding (data.collate.PaddingTally.to_dict; None: not
@@ -178,7 +178,7 @@ class Loaded:
 
     splits: object
     speed_batches: tuple
-    tokens_per_step: int
+    tokens_per_step: float  # real tokens, the mean over the timed batches
     start: dict
     floor: Plan
     padding: dict | None = None  # the speed batches' padding share (data.collate.PaddingTally.to_dict)

@@ -23,7 +23,7 @@ class BenchmarkResult(Result):
 
     config: BenchRun
     metadata: dict
-    flops: dict  # {"per_step": int, "by_op": {op: flops}} of one fp32 forward + backward
+    flops: dict  # {"per_step": FLOPs, "by_op": {op: FLOPs}} of one fp32 forward + backward, mean over the timed batches
     records: list[PrecisionRecord]
     checks: list
     overhead: dict | None  # fp32's floor step and launch_bound()'s diagnosis; None when fp32 was not timed

@@ -5,7 +5,7 @@ Both only reorder: which rows train in an epoch, or which rows are scored, is de
 """
 from __future__ import annotations
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 # Batches per megabatch: the order is drawn at random, then each run of this many batches is sorted by length and cut
 # into batches, so a batch holds rows of similar length while the epoch's order stays random (transformers' rule).
@@ -39,3 +39,12 @@ def in_length_order(indices: list[int], lengths: list[int]) -> list[int]:
     """Chosen rows, longest first (the stable sort keeps equal lengths in their order): batches cut from them pad
     least. Only the order of rows already chosen changes, never which rows are chosen."""
     return sorted(indices, key=lambda i: -lengths[i])
+
+
+def scored_in_length_order(val, eval_batches: int | None, batch_size: int) -> list[int]:
+    """A validation order that cuts padding (training's with grouping, the benchmark's): the rows an evaluation
+    scores chosen as without it (its first `eval_batches` batches), then put longest first among themselves; sorting
+    the whole set would score only the shortest rows."""
+    chosen = min(len(val), (eval_batches or len(val)) * batch_size)
+    return in_length_order(list(range(chosen)), example_lengths(Subset(val, range(chosen)))) + list(
+        range(chosen, len(val)))

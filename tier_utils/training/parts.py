@@ -11,7 +11,6 @@ import warnings
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils.data import Subset
 
 from ..adapter.adapter import ModelAdapter, resolve_model
 from ..core.device import device_facts
@@ -21,7 +20,7 @@ from ..core.precision import Precision
 from ..core.seeding import seed_everything
 from ..data.collate import longest_batch
 from ..data.datasets import DataSplits, in_data_order, make_loader, to_device
-from ..data.lengths import example_lengths, in_length_order
+from ..data.lengths import example_lengths, scored_in_length_order
 from ..engine import distributed
 from ..engine.activation_checkpointing import Checkpointing, enable_checkpointing, require_blocks
 from ..engine.compiling import CompileInfo, CompileWatch, compile_for_training
@@ -150,15 +149,6 @@ def grouped_by_length(adapter: ModelAdapter, cfg: TrainConfig) -> bool:
         warnings.warn(f"group_by_length: a {adapter.task} model's examples are all one size; nothing to group",
                       stacklevel=3)
     return cfg.group_by_length and adapter.task.reads_tokens
-
-
-def scored_in_length_order(val, eval_batches: int | None, batch_size: int) -> list[int]:
-    """The validation order with grouping: the rows an evaluation scores chosen as without it (its first
-    `eval_batches` batches), then put longest first among themselves; sorting the whole set would score only the
-    shortest rows."""
-    chosen = min(len(val), (eval_batches or len(val)) * batch_size)
-    return in_length_order(list(range(chosen)), example_lengths(Subset(val, range(chosen)))) + list(
-        range(chosen, len(val)))
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,9 @@ def browser():
 
 
 # JupyterLab's own commands, through the app object it exposes (expose_app_in_browser).
-_NOTEBOOK = "const nb = window.jupyterapp.shell.currentWidget;"
+# Until JupyterLab has booted (seconds on a loaded machine) the app object is not there yet: nb is then undefined, and
+# the kernel's status reads null, so _wait goes on waiting instead of the script raising.
+_NOTEBOOK = "const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
 _FIND_CELL = _NOTEBOOK + """
 const i = nb.content.widgets.findIndex(c => c.model.sharedModel.getSource().includes(arguments[0]));
 """

@@ -27,7 +27,11 @@ def test_left_padding_the_limit_and_rows_of_one_length():
     assert left["input_ids"].shape == (2, 12)  # 16 would pass the model's max length
     assert left["input_ids"][0, -3:].tolist() == [1, 2, 3] and left["attention_mask"][0, :9].eq(0).all()
     same = PadCollator()(rows(5, 5))
-    assert same["input_ids"].shape == (2, 5)  # nothing to pad: stacked as they are, not rounded up
+    assert same["input_ids"].shape == (2, 8)  # rows of one length (a grouped batch) are rounded up too
+    assert same["labels"][:, 5:].eq(-100).all() and same["attention_mask"].sum().item() == 10
+    assert PadCollator()(rows(8, 8))["input_ids"].shape == (2, 8)
+    images = [{"pixel_values": torch.rand(3, 5, 5), "labels": torch.tensor(1)}] * 2
+    assert PadCollator()(images)["pixel_values"].shape == (2, 3, 5, 5)  # not token rows: stacked as they are
     assert PadCollator(limit=10).padded_length(10) == 10 and PadCollator(limit=4).padded_length(6) == 6
 
 

@@ -25,8 +25,9 @@ class PadCollator:
 
     pad_id: what pads token ids (the tokenizer's pad id; a pad that is the EOS is fine: labels are padded with -100
     by place, never masked by id). side: "right" or "left". limit: the longest a padded row may be (the model's max
-    length), so rounding up to `multiple` never passes it. Rows that are already all one length (corpus windows,
-    images) are stacked as they are."""
+    length), so rounding up to `multiple` never passes it. Token rows are rounded up even when all one length (a
+    grouped batch; corpus windows at a seq_len that is no multiple of 8); anything else of one shape (images, a
+    classifier's labels) is stacked as it is."""
 
     pad_id: int = 0
     side: str = "right"
@@ -39,7 +40,10 @@ class PadCollator:
     def _batch(self, key: str, values: list) -> torch.Tensor:
         if not torch.is_tensor(values[0]):
             return default_collate(values)
-        if all(v.shape == values[0].shape for v in values):
+        # Token rows (1-D integer tensors) are rounded up even when they are all one length (a length-grouped batch
+        # of like rows), as transformers' pad_to_multiple_of does; anything else of one shape is stacked as it is.
+        tokens = values[0].dim() == 1 and not values[0].is_floating_point()
+        if not tokens and all(v.shape == values[0].shape for v in values):
             return torch.stack(values)
         fill = IGNORE if key in LABEL_KEYS else 0 if key in MASK_KEYS else self.pad_id
         return self.pad(values, fill)
@@ -118,7 +122,7 @@ class LongestBatch:
     data: str  # what was read, in words
     target: int | None = None  # a pair's targets, padded apart (None: no target side of their own)
     longest_target: int | None = None
-    same_length: bool = False  # every example is one length (corpus windows): the collator stacks them as they are
+    same_length: bool = False  # every example is one length (corpus windows): nothing to cut to the data
 
     def describe(self) -> str:
         """"T=120, the longest batch the data makes (notes.csv, 2,000 examples: the longest 117 tokens, padded to
@@ -144,9 +148,8 @@ def longest_batch(dataset, collate: PadCollator, data: str, input_key: str = "in
         for key, seen in sizes.items():
             seen.add(len(example[key]))
 
-    def padded(key):  # one length throughout: stacked as it is
-        seen = sizes[key]
-        return max(seen) if len(seen) == 1 else collate.padded_length(max(seen))
+    def padded(key):
+        return collate.padded_length(max(sizes[key]))
 
     same = all(len(seen) == 1 for seen in sizes.values())
     if target_key is None:

@@ -2,9 +2,10 @@
 the optimizer they all use (the LR schedule: engine/schedules.py).
 
 `TrainStep.__call__` is the whole step, top to bottom: zero the gradients; per micro-batch, forward + loss under
-the precision's context (autocast for the mixed modes) and backward through the GradScaler; unscale; clip; the
-optimizer step (skipped by fp16's scaler on overflow); the scaler's update; the schedule. It asks the precision and
-the strategy objects, never a name, and knows nothing of the loops around it.
+the precision's context (autocast for the mixed modes), weighted by its share of the step's scored targets, and
+backward through the GradScaler; unscale; clip; the optimizer step (skipped by fp16's scaler on overflow); the
+scaler's update; the schedule. It asks the precision and the strategy objects, never a name, and knows nothing of the
+loops around it.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ MIN_LOSS_SCALE = 1.0
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # mean loss over the micro-batches, detached, still on the device
+    # The step's loss, detached, on the device: the mean over its scored targets. Under DDP/FSDP, this rank's share
+    # of it times the world size: the mean over the ranks (what the history logs) is the step's loss.
+    loss: torch.Tensor
     grad_norm: torch.Tensor  # total norm before clipping; non-finite when the gradients overflowed
     skipped: bool | None  # fp16 with track_scale only (deciding it needs a host sync); else None
     scale_before: float | None
@@ -85,14 +88,16 @@ class TrainStep:
     def __call__(self, micro_batches: list[dict]) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
+        weights = self._weights(micro_batches)
         total = torch.zeros((), device=self.adapter.device)
-        for i, batch in enumerate(micro_batches):
+        for i, (batch, weight) in enumerate(zip(micro_batches, weights)):
             # DDP/FSDP sync gradients on the last micro-batch only; a compiled module hands the strategy's calls
             # (no_sync, set_requires_gradient_sync) to the one it wraps
             with self.strategy.no_sync(self.adapter.model, i < n - 1):
                 with self.precision.forward_context():  # autocast for the mixed modes; nothing for fp32 and true
                     loss, _ = self.adapter.forward_loss(batch)
-                self.scaler.scale(loss / n).backward()  # fp16 mixed: scaled so small gradients survive fp16
+                loss = loss * weight
+                self.scaler.scale(loss).backward()  # fp16 mixed: scaled so small gradients survive fp16
             total += loss.detach().float()
         self.scaler.unscale_(self.optimizer)  # the gradients' true scale, before clipping measures them
         grad_norm = self.strategy.clip_gradients(self.params, self.grad_clip)
@@ -106,7 +111,17 @@ class TrainStep:
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         rounding = rounded_away(self.params, before, self.optimizer) if before is not None and not skipped else None
-        return StepOutput(total / n, grad_norm.detach(), skipped, scale_before, scale_after, rounding)
+        return StepOutput(total, grad_norm.detach(), skipped, scale_before, scale_after, rounding)
+
+    def _weights(self, micro_batches: list[dict]) -> list[torch.Tensor]:
+        """Each micro-batch's share of the step's scored targets over every rank, times the world size (DDP and
+        FSDP average the ranks' gradients). A micro-batch's loss is the mean over its own targets; so weighted, the
+        step's gradient is that of the mean over all of them, as one batch of every rank's rows would give, however
+        unevenly batches cut to the data hold targets (transformers' num_items_in_batch). On the device: no sync."""
+        counts = [self.adapter.task.scored(batch["labels"]).sum().float() for batch in micro_batches]
+        env = self.strategy.env
+        everywhere = env.all_sum(torch.stack(counts).sum()).clamp_min(1)
+        return [count * env.world_size / everywhere for count in counts]
 
 
 # The rounded-away count compares at most this many elements of each parameter, evenly spaced through it (all

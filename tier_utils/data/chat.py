@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from ..core.errors import DataError, TemplateError, UnusableRow, one_line
-from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, recognized_format
+from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, read_template, recognized_format
 from .collate import IGNORE
 
 FIRST_ROWS = 5  # the unusable rows said by number
@@ -37,20 +36,6 @@ def hf_of(tokenizer):
         raise TemplateError("chat data needs the model's own tokenizer with a chat template; the byte-level built-ins "
                             "have none: give a transformers model folder (or --tokenizer FOLDER)")
     return hf
-
-
-def read_template(path) -> str:
-    """A Jinja chat template file's text; a file that is not one is a one-line TemplateError."""
-    where = Path(str(path)).expanduser()
-    if not where.is_file():
-        raise TemplateError(f"--chat-template {path} is not a file; give a Jinja chat template file")
-    try:
-        text = where.read_text("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TemplateError(f"--chat-template {path} is not a text file; give a Jinja chat template") from exc
-    if "{%" not in text and "{{" not in text:
-        raise TemplateError(f"--chat-template {path} holds no Jinja ({{% %}} / {{{{ }}}}); give a chat template file")
-    return text
 
 
 def templated(tokenizer, template_file: str | None):

@@ -1,6 +1,5 @@
 """The `all` main job (API and CLI), end to end with tiny sizes."""
 import json
-import shutil
 import warnings
 from dataclasses import replace
 
@@ -8,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 from test_report import Fake, FakeBench
-from tiny import TINY, TINY_ARGS, tiny
+from tiny import TINY, TINY_ARGS, tiny, without_template
 
 from tier_utils import BenchConfig, TrainConfig, mainjob
 from tier_utils.cli import main
@@ -242,13 +241,7 @@ def test_the_main_job_builds_the_adapter_once_and_hands_it_to_every_tier(tmp_pat
 def bare_chat(tmp_path_factory):
     """The chat demo with its model copied into a folder whose tokenizer has no chat template of its own."""
     demo = chat_demo(tmp_path_factory.mktemp("chat"), n=40)
-    bare = demo.model.parent / "bare"
-    shutil.copytree(demo.model, bare)
-    config = json.loads((bare / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    (bare / "chat_template.jinja").unlink(missing_ok=True)
-    return demo, bare
+    return demo, without_template(demo.model, demo.model.parent / "bare")
 
 
 @pytest.mark.slow  # a Llama through every tier: ~30-60 s on 2 busy cores
@@ -288,3 +281,19 @@ def test_all_refuses_bad_chat_settings_in_one_line_writing_nothing(bare_chat, tm
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and line in err and not out.exists()
+
+
+def test_a_job_says_each_warning_once_though_its_tiers_reset_pythons_registry():
+    def reading(text):  # a tier: its own catch_warnings resets Python's once-per-place registry, then it reads
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.warn(text, stacklevel=1)
+
+    cut = "chat.jsonl: 4 conversations lost turns from the front to fit"
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("default")
+        with mainjob.each_warning_once():
+            for text in (cut, cut, "another line", cut):
+                reading(text)
+        reading(cut)  # the next job says it again
+    assert [str(w.message) for w in got] == [cut, "another line", cut]

@@ -11,10 +11,12 @@ from tier_utils.cli import main
 from tier_utils.core.errors import DataError
 from tier_utils.data.chat import chat_examples
 from tier_utils.data.chat_demo import END_OF_TURN, TEMPLATE, chat_demo, demo_rows, demo_tokenizer
+from tier_utils.data.chat_formats import ChatOptions
 from tier_utils.data.collate import PadCollator
 from tier_utils.data.tokenizer import HFTokenizer
 from tier_utils.data.userdata import DataSource
 from tier_utils.tasks import build_datasets
+from tier_utils.training.finetune import save_hf
 
 pytest.importorskip("transformers")
 SYSTEM = {"role": "system", "content": "You answer in a few words."}
@@ -145,7 +147,7 @@ def test_a_message_column_is_never_read_as_its_python_text(tok, tmp_path):
     # forced to running text, or read by a classifier: one line, never str() of the list
     with pytest.raises(DataError, match="missing, empty or not text"):
         build_datasets(DataSource(str(data), text_column="chat"), "causal-lm", **request,
-                       chat=__import__("tier_utils.data.chat_formats").data.chat_formats.ChatOptions("text"))
+                       chat=ChatOptions("text"))
     with pytest.raises(DataError, match="holds chat or instruction rows, which a classifier cannot read"):
         build_datasets(DataSource(str(data), text_column="chat", label_column="chat"), "classification",
                        **request)
@@ -184,6 +186,20 @@ def test_a_tokenizer_without_a_template_names_chat_template(tok, tmp_path):
     plain.write_text("no jinja here")
     with pytest.raises(DataError, match="holds no Jinja"):
         chat_examples([{"messages": TURNS[:2]}], bare, chat_template=str(plain))
+
+
+def test_a_chat_template_file_leaves_the_callers_tokenizer_as_it_was_and_the_saved_folder_keeps_it(demo, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bare = demo_tokenizer(demo_rows())
+    bare.chat_template = None  # the caller's, passed in from Python
+    splits = build_datasets([{"messages": TURNS[:2]}] * 4, "causal-lm", seq_len=64, vocab_size=len(bare),
+                            tokenizer=HFTokenizer(bare), val_fraction=0, chat=ChatOptions(chat_template=str(TEMPLATE)))
+    assert len(splits.train) == 4 and bare.chat_template is None  # rendered by a copy carrying the template
+    model = AutoModelForCausalLM.from_pretrained(demo.model)
+    said = save_hf(model, HFTokenizer(bare), tmp_path / "hf", "final weights", chat_template=str(TEMPLATE))
+    assert "saved" in said and bare.chat_template is None
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == TEMPLATE.read_text()
 
 
 @pytest.mark.parametrize("args, needle", [

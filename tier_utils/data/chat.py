@@ -14,6 +14,7 @@ never gets a second one.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,12 +39,20 @@ def hf_of(tokenizer):
     return hf
 
 
+def with_template(hf, template_file: str | None):
+    """`hf`, or with `template_file` given a copy of it carrying that chat template: a shallow copy (the vocabulary is
+    shared), so a tokenizer the caller passed in keeps its own template."""
+    if template_file is None:
+        return hf
+    copied = copy.copy(hf)
+    copied.chat_template = read_template(template_file)
+    return copied
+
+
 def templated(tokenizer, template_file: str | None):
-    """The transformers tokenizer, its chat template set from `template_file` where one is given (so save_pretrained
-    writes it beside the model); none at all is a one-line TemplateError naming --chat-template."""
-    hf = hf_of(tokenizer)
-    if template_file is not None:
-        hf.chat_template = read_template(template_file)
+    """The transformers tokenizer the rows render with, its chat template `template_file`'s where one is given (on a
+    copy: save_hf writes it into the saved folder); none at all is a one-line TemplateError naming --chat-template."""
+    hf = with_template(hf_of(tokenizer), template_file)
     if not getattr(hf, "chat_template", None):
         raise TemplateError(f"the tokenizer {getattr(hf, 'name_or_path', '') or type(hf).__name__} has no chat "
                             "template; give one with --chat-template FILE (a Jinja file; chat_template= in the API)")

@@ -283,6 +283,22 @@ def test_all_refuses_bad_chat_settings_in_one_line_writing_nothing(bare_chat, tm
     assert err.startswith("error: ") and line in err and not out.exists()
 
 
+def test_all_plans_fit_at_the_longest_batch_its_chat_data_makes(bare_chat, tmp_path, monkeypatch):
+    demo, bare = bare_chat
+    for name in ("smoke", "analyze", "amp_benchmark", "plan_ranks", "_train"):  # fit alone runs
+        monkeypatch.setattr(mainjob, name, lambda *a, **k: Fake(["PASS"], with_plot=False))
+    monkeypatch.setattr(mainjob, "FAST", replace(TINY_SIZES, seq_len=128))  # longer than any demo conversation
+    real_fit = mainjob.fit  # as the job calls it, on its fp32 row alone (no LoRA, no 4-bit base to import)
+    monkeypatch.setattr(mainjob, "fit", lambda model, config, **k: real_fit(
+        model, replace(config, precisions=("fp32",), checkpointing=False, lora=None, optimizers=("adamw",)), **k))
+    result = run_all(str(bare), tmp_path / "report", data=str(demo.data), fast=True, progress=False, device="cpu",
+                     chat_template=str(demo.template))  # the bare tokenizer: fit reads the rows with it, or refuses
+    planned = result.results["fit"]
+    assert planned.from_data is not None and planned.seq_len == planned.from_data.length < 128
+    said = f"planned at T={planned.seq_len}, the longest batch the data makes"
+    assert said in planned.summary_line() and said in (tmp_path / "report" / "index.html").read_text()
+
+
 def test_a_job_says_each_warning_once_though_its_tiers_reset_pythons_registry():
     def reading(text):  # a tier: its own catch_warnings resets Python's once-per-place registry, then it reads
         with warnings.catch_warnings():

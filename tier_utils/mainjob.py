@@ -199,7 +199,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     memory = memory_setting(memory)  # train's and the benchmark's
     grown = {}  # the benchmark's grown batch on a GPU (grow_batch's choice), for the summary and JSON
     # In the order they run, each given the results so far: the benchmark before training (the trained copy the
-    # report keeps is not held beside it), fit after it (its fastest mode here is what the benchmark measured).
+    # report keeps is not held beside it), fit after it (with the speeds it measured, at the data's longest batch).
     tiers = [
         JobTier("smoke", lambda done: smoke(adapter, preset.smoke_config(precision=prec, device=dev,
                                                                           progress=progress)), 0, reads_data=False),
@@ -210,7 +210,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         JobTier("train", lambda done: _train(adapter.copied(), data, preset.train_config(
             precision=prec, device=dev, seed=seed, progress=progress, memory=memory)), 2),
         JobTier("fit", lambda done: _measured(fit(adapter, preset.fit_config(device=dev, validate=plan.fit_validate,
-                                                                          progress=progress)), done), 3),
+                                                                          progress=progress), data=data), done), 3),
         JobTier("ranks", lambda done: plan_ranks(adapter, seq_len=preset.seq_len, precision=prec, device=dev,
                                                  progress=progress), 4),
     ]

@@ -1,6 +1,5 @@
 """The `all` main job (API and CLI), end to end with tiny sizes."""
 import json
-import shutil
 import warnings
 from dataclasses import replace
 
@@ -8,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 from test_report import Fake, FakeBench
-from tiny import TINY, TINY_ARGS, tiny
+from tiny import TINY, TINY_ARGS, tiny, without_template
 
 from tier_utils import BenchConfig, TrainConfig, mainjob
 from tier_utils.cli import main
@@ -242,13 +241,7 @@ def test_the_main_job_builds_the_adapter_once_and_hands_it_to_every_tier(tmp_pat
 def bare_chat(tmp_path_factory):
     """The chat demo with its model copied into a folder whose tokenizer has no chat template of its own."""
     demo = chat_demo(tmp_path_factory.mktemp("chat"), n=40)
-    bare = demo.model.parent / "bare"
-    shutil.copytree(demo.model, bare)
-    config = json.loads((bare / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    (bare / "chat_template.jinja").unlink(missing_ok=True)
-    return demo, bare
+    return demo, without_template(demo.model, demo.model.parent / "bare")
 
 
 @pytest.mark.slow  # a Llama through every tier: ~30-60 s on 2 busy cores
@@ -288,3 +281,35 @@ def test_all_refuses_bad_chat_settings_in_one_line_writing_nothing(bare_chat, tm
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and line in err and not out.exists()
+
+
+def test_all_plans_fit_at_the_longest_batch_its_chat_data_makes(bare_chat, tmp_path, monkeypatch):
+    demo, bare = bare_chat
+    for name in ("smoke", "analyze", "amp_benchmark", "plan_ranks", "_train"):  # fit alone runs
+        monkeypatch.setattr(mainjob, name, lambda *a, **k: Fake(["PASS"], with_plot=False))
+    monkeypatch.setattr(mainjob, "FAST", replace(TINY_SIZES, seq_len=128))  # longer than any demo conversation
+    real_fit = mainjob.fit  # as the job calls it, on its fp32 row alone (no LoRA, no 4-bit base to import)
+    monkeypatch.setattr(mainjob, "fit", lambda model, config, **k: real_fit(
+        model, replace(config, precisions=("fp32",), checkpointing=False, lora=None, optimizers=("adamw",)), **k))
+    result = run_all(str(bare), tmp_path / "report", data=str(demo.data), fast=True, progress=False, device="cpu",
+                     chat_template=str(demo.template))  # the bare tokenizer: fit reads the rows with it, or refuses
+    planned = result.results["fit"]
+    assert planned.from_data is not None and planned.seq_len == planned.from_data.length < 128
+    said = f"planned at T={planned.seq_len}, the longest batch the data makes"
+    assert said in planned.summary_line() and said in (tmp_path / "report" / "index.html").read_text()
+
+
+def test_a_job_says_each_warning_once_though_its_tiers_reset_pythons_registry():
+    def reading(text):  # a tier: its own catch_warnings resets Python's once-per-place registry, then it reads
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.warn(text, stacklevel=1)
+
+    cut = "chat.jsonl: 4 conversations lost turns from the front to fit"
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("default")
+        with mainjob.each_warning_once():
+            for text in (cut, cut, "another line", cut):
+                reading(text)
+        reading(cut)  # the next job says it again
+    assert [str(w.message) for w in got] == [cut, "another line", cut]

@@ -1,6 +1,9 @@
 """The tiny model most tests build (1 layer, 2 heads, 32 wide, 32 tokens: quick on 2 CPU cores), defined once.
 
 A module, not only fixtures, because parametrize lists and CLI argument lists are built at import time."""
+import json
+import shutil
+
 import torch
 from torch.utils.data import Dataset
 
@@ -32,3 +35,14 @@ class LengthExamples(Dataset):
         n = self.lengths[i]
         return {"input_ids": torch.arange(1, n + 1), "attention_mask": torch.ones(n, dtype=torch.long),
                 "labels": torch.tensor(i % 2)}
+
+
+def without_template(model_folder, into):
+    """A copy of a transformers model folder (the chat demo's) whose tokenizer has no chat template: a run on chat
+    data then needs --chat-template."""
+    shutil.copytree(model_folder, into)
+    config = json.loads((into / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (into / "tokenizer_config.json").write_text(json.dumps(config))
+    (into / "chat_template.jinja").unlink(missing_ok=True)
+    return into

@@ -35,11 +35,13 @@ from .options import (
     DATA_HELP,
     KeepsValidation,
     Parser,
+    add_chat,
     add_common,
     add_data,
     add_memory,
     add_parameters,
     add_settings,
+    chat_of,
     data_of,
     memory_of,
     model_kwargs,
@@ -65,7 +67,8 @@ def _run_info(args) -> tuple[dict, int]:
 
 
 def _run_smoke(args) -> tuple[dict, int]:
-    report = smoke(args.model, settings_from(args, SmokeConfig), data=data_of(args), model_kwargs=model_kwargs(args))
+    report = smoke(args.model, settings_from(args, SmokeConfig, chat=chat_of(args)), data=data_of(args),
+                   model_kwargs=model_kwargs(args))
     if report.rank != 0:  # sharded under torchrun: rank 0's report holds every rank's rows
         args.json = None
         return None, 0 if report.passed else 1
@@ -119,7 +122,8 @@ def _run_compare(args) -> tuple[dict, int]:
 
 
 def _run_analyze(args) -> tuple[dict, int]:
-    report = analyze(args.model, data_of(args), settings_from(args, AnalysisConfig), model_kwargs=model_kwargs(args))
+    report = analyze(args.model, data_of(args), settings_from(args, AnalysisConfig, chat=chat_of(args)),
+                     model_kwargs=model_kwargs(args))
     _show(report.table.drop(columns="threshold"))
     d = report.data
     read = f"{d.described.data} (tokenizer {d.described.tokenizer})" if d.described else "no data (it did not run)"
@@ -132,7 +136,7 @@ def _run_analyze(args) -> tuple[dict, int]:
 def _run_bench(args) -> tuple[dict, int]:
     # Thresholds' memory is --memory (which bytes a reduction counts); BenchConfig's is the memory settings.
     config = settings_from(args, BenchConfig, thresholds=settings_from(args, Thresholds),
-                           memory=memory_of(args))  # --device, --no-progress too
+                           memory=memory_of(args), chat=chat_of(args))  # --device, --no-progress too
     if config.strategy is not None:
         return _run_strategy_bench(args, config)
     result = amp_benchmark(args.model, data_of(args), config, model_kwargs=model_kwargs(args))
@@ -189,7 +193,8 @@ def _run_export(args) -> tuple[dict, int]:
 
 
 def _run_fit(args) -> tuple[dict, int]:
-    result = fit(args.model, settings_from(args, FitConfig), data=data_of(args), model_kwargs=model_kwargs(args))
+    result = fit(args.model, settings_from(args, FitConfig, chat=chat_of(args)), data=data_of(args),
+                 model_kwargs=model_kwargs(args))
     width = shutil.get_terminal_size((FALLBACK_WIDTH, 24)).columns
     print(textwrap.fill(result.headline(), width))
     table = result.overview()  # indexed by mode: every row says which
@@ -283,12 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="SOURCE", help="add the longest batch this data makes to the "
                    "memory and latency lengths (default: no data read): " + DATA_HELP.split(" (default")[0])
     add_data(p, data=False)
+    add_chat(p)
     p.set_defaults(run=_run_smoke)
 
     p = verbs.add_parser("analyze", help="tier 2: attention, robustness, attribution, precision headroom, op dtypes")
     add_common(p, AnalysisConfig)
     add_settings(p, AnalysisConfig, ("analyses", "batch_size", "n_batches", "seq_len"))
     add_data(p)
+    add_chat(p)
     p.set_defaults(run=_run_analyze)
 
     p = verbs.add_parser("train", help="train with AMP, metrics, checkpoints and exact resume (torchrun-ready)")
@@ -312,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                            *BENCH_RUN_ONLY})
     add_settings(p, Thresholds)
     add_memory(p, checkpointing=False)  # --activation-checkpointing: each precision's checkpointed rows
+    add_chat(p)
     p.set_defaults(run=_run_bench)
 
     p = verbs.add_parser("search", help="tier 3: Optuna search over lr, weight decay, warm-up, batch size on val loss")
@@ -342,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="SOURCE", help="plan at the longest batch this data makes at "
                    "--seq-len (default: no data read, the plan is at --seq-len): " + DATA_HELP.split(" (default")[0])
     add_data(p, data=False)
+    add_chat(p)
     p.set_defaults(run=_run_fit)
 
     p = verbs.add_parser("ranks", help="per rank under DDP and FSDP for N ranks: bytes held, the largest batch per "
@@ -365,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                        whole),
         "seed": "initial weights and training data order"})
     add_memory(p)
-    add_settings(p, TrainConfig, ("data_format", "loss_on", "chat_template"))  # chat rows, read so in every tier
+    add_chat(p)  # chat rows, read so in every tier
     p.add_argument("--eval-every", "--val-fraction", action=KeepsValidation)
     add_data(p, data=False)
     p.set_defaults(run=_run_all)

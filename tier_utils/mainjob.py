@@ -5,8 +5,10 @@ returns an `AllResult`; the page itself is `report.py`'s.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -141,8 +143,27 @@ def _rows_block(rows: pd.DataFrame, width: int) -> list[str]:
     return [f"  {line}  {d}" for line, d in zip(lines, details)]
 
 
+@contextlib.contextmanager
+def each_warning_once():
+    """Within it, a warning already said is not said again. Every tier of the job reads the data anew (its own split),
+    and each reading says what it left out or cut; Python's once-per-place registry doesn't keep them to one, since
+    every catch_warnings a tier enters resets it."""
+    said = set()
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def once(message, category, *args, **kwargs):
+            if (str(message), category) not in said:
+                said.add((str(message), category))
+                show(message, category, *args, **kwargs)
+
+        warnings.showwarning = once
+        yield
+
+
 @chooses_threads  # one thread count for every tier, chosen as the job starts
 @holds_lock("out_dir")  # one run per report folder
+@each_warning_once()  # the data's lines (rows left out, conversations cut) once, not once per tier that reads it
 def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=TrainConfig.precision,
             device=TrainConfig.device, fast: bool = False, batch_size: int | None = None, seed: int = TrainConfig.seed,
             progress: bool = TrainConfig.progress, model_kwargs: dict | None = None,
@@ -178,7 +199,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
     memory = memory_setting(memory)  # train's and the benchmark's
     grown = {}  # the benchmark's grown batch on a GPU (grow_batch's choice), for the summary and JSON
     # In the order they run, each given the results so far: the benchmark before training (the trained copy the
-    # report keeps is not held beside it), fit after it (its fastest mode here is what the benchmark measured).
+    # report keeps is not held beside it), fit after it (with the speeds it measured, at the data's longest batch).
     tiers = [
         JobTier("smoke", lambda done: smoke(adapter, preset.smoke_config(precision=prec, device=dev,
                                                                           progress=progress)), 0, reads_data=False),
@@ -189,7 +210,7 @@ def run_all(model=DEFAULT_MODEL, out_dir="runs/report", *, data=None, precision=
         JobTier("train", lambda done: _train(adapter.copied(), data, preset.train_config(
             precision=prec, device=dev, seed=seed, progress=progress, memory=memory)), 2),
         JobTier("fit", lambda done: _measured(fit(adapter, preset.fit_config(device=dev, validate=plan.fit_validate,
-                                                                          progress=progress)), done), 3),
+                                                                          progress=progress), data=data), done), 3),
         JobTier("ranks", lambda done: plan_ranks(adapter, seq_len=preset.seq_len, precision=prec, device=dev,
                                                  progress=progress), 4),
     ]

@@ -17,6 +17,7 @@ from dataclasses import fields
 from .core.errors import LoraError, MemorySettingError
 from .core.inputs import whole_number
 from .core.memory_settings import LoraSettings, MemorySettings
+from .data.chat_formats import ChatOptions
 from .models.builtins import DEFAULT_MODEL
 from .training.config import TrainConfig
 
@@ -251,6 +252,16 @@ def add_data(parser, data: bool = True) -> None:
                         help="its label column, for a classifier (default: label, labels or class; for a seq2seq "
                              "pair's target: target, output, tgt, summary or answer; in a translation column, the "
                              "target language)")
+
+
+def add_chat(parser) -> None:
+    """--data-format, --loss-on, --chat-template: TrainConfig's fields, for every verb that reads chat rows."""
+    add_settings(parser, TrainConfig, [f.name for f in fields(ChatOptions)])
+
+
+def chat_of(args) -> ChatOptions:
+    """How the parsed options say chat rows are read; a bad value (a file that is no template): one line."""
+    return settings_from(args, ChatOptions)
 
 
 def data_of(args):

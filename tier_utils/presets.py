@@ -1,8 +1,8 @@
 """Run lengths for the main job (`all`) and the notebooks, as the tiers' own config objects.
 
 A preset is one batch shape (`batch_size` x `seq_len`) that every tier runs at, plus each tier's lengths at
-that shape: a TrainConfig (steps, evaluations, and how chat rows are read, which the analysis and the benchmark
-read the data with too), a BenchConfig (repeats, accuracy steps), how many batches the
+that shape: a TrainConfig (steps, evaluations, and how chat rows are read, which the analysis, the benchmark and
+fit read the data with too), a BenchConfig (repeats, accuracy steps), how many batches the
 analysis reads and, for the notebooks, the size of a built-in model. The shape (and, where a notebook's RunConfig
 decided them, the precision and device) is declared once, here, and stamped into each tier's config by
 `smoke_config()`, `analysis_config()`, `train_config()`, `bench_config()`, `fit_config()` and `ranks_config()`.
@@ -62,9 +62,9 @@ class Preset:
                                       "chat": self.train.chat, **self._decided("device"), **given})
 
     def fit_config(self, **given) -> FitConfig:
-        """The fit planner at the preset's shape; `given` on top."""
-        return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, **self._decided("device"),
-                            **given})
+        """The fit planner at the preset's shape, reading the data's chat rows as training does; `given` on top."""
+        return FitConfig(**{"batch_size": self.batch_size, "seq_len": self.seq_len, "chat": self.train.chat,
+                            **self._decided("device"), **given})
 
     def ranks_config(self, **given) -> RanksConfig:
         """The per-rank planner (DDP and FSDP over 1, 2, 4, 8 ranks) at the preset's length; `given` on top."""

@@ -5,15 +5,18 @@ import json
 import warnings
 
 import pytest
+from tiny import without_template
 
 from tier_utils.cli import main
 from tier_utils.core.errors import DataError
 from tier_utils.data.chat import chat_examples
-from tier_utils.data.chat_demo import END_OF_TURN, chat_demo, demo_rows, demo_tokenizer
+from tier_utils.data.chat_demo import END_OF_TURN, TEMPLATE, chat_demo, demo_rows, demo_tokenizer
+from tier_utils.data.chat_formats import ChatOptions
 from tier_utils.data.collate import PadCollator
 from tier_utils.data.tokenizer import HFTokenizer
 from tier_utils.data.userdata import DataSource
 from tier_utils.tasks import build_datasets
+from tier_utils.training.finetune import save_hf
 
 pytest.importorskip("transformers")
 SYSTEM = {"role": "system", "content": "You answer in a few words."}
@@ -144,7 +147,7 @@ def test_a_message_column_is_never_read_as_its_python_text(tok, tmp_path):
     # forced to running text, or read by a classifier: one line, never str() of the list
     with pytest.raises(DataError, match="missing, empty or not text"):
         build_datasets(DataSource(str(data), text_column="chat"), "causal-lm", **request,
-                       chat=__import__("tier_utils.data.chat_formats").data.chat_formats.ChatOptions("text"))
+                       chat=ChatOptions("text"))
     with pytest.raises(DataError, match="holds chat or instruction rows, which a classifier cannot read"):
         build_datasets(DataSource(str(data), text_column="chat", label_column="chat"), "classification",
                        **request)
@@ -185,6 +188,20 @@ def test_a_tokenizer_without_a_template_names_chat_template(tok, tmp_path):
         chat_examples([{"messages": TURNS[:2]}], bare, chat_template=str(plain))
 
 
+def test_a_chat_template_file_leaves_the_callers_tokenizer_as_it_was_and_the_saved_folder_keeps_it(demo, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bare = demo_tokenizer(demo_rows())
+    bare.chat_template = None  # the caller's, passed in from Python
+    splits = build_datasets([{"messages": TURNS[:2]}] * 4, "causal-lm", seq_len=64, vocab_size=len(bare),
+                            tokenizer=HFTokenizer(bare), val_fraction=0, chat=ChatOptions(chat_template=str(TEMPLATE)))
+    assert len(splits.train) == 4 and bare.chat_template is None  # rendered by a copy carrying the template
+    model = AutoModelForCausalLM.from_pretrained(demo.model)
+    said = save_hf(model, HFTokenizer(bare), tmp_path / "hf", "final weights", chat_template=str(TEMPLATE))
+    assert "saved" in said and bare.chat_template is None
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == TEMPLATE.read_text()
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--data", "{rows_not_lists}"], "no usable messages row"),
     (["--data", "{chat}", "--chat-template", "{plain}"], "holds no Jinja"),
@@ -211,6 +228,50 @@ def test_bad_chat_input_through_the_cli_is_one_line_and_writes_nothing(demo, tmp
     assert code == 2 and needle in err, err
     assert not out.exists() or not any(out.rglob("*.pt"))
     assert len([line for line in err.splitlines() if line.startswith(("error", "usage"))]) >= 1
+
+
+# Each verb that reads --data, at its cheapest: the chat flags are the ones `train` takes, passed to its data reading.
+READING_VERBS = {
+    "smoke": ["--checks", "memory", "--batch-sizes", "1"],
+    "analyze": ["--analyses", "attention", "--n-batches", "1", "--batch-size", "2"],
+    "fit": ["--precisions", "fp32", "--no-checkpointing", "--lora", "0", "--optimizers", "adamw"],
+    "bench": ["--precisions", "fp32", "--repeats", "1", "--timed-steps", "1", "--untimed-steps", "0",
+              "--accuracy-steps", "1", "--eval-batches", "1", "--batch-size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def bare_demo(demo, tmp_path_factory):
+    """The demo's model, its tokenizer without a chat template (its rows read only with --chat-template), and 24 of
+    its rows."""
+    folder = tmp_path_factory.mktemp("bare")
+    data = folder / "chat.jsonl"
+    data.write_text("".join(demo.data.read_text().splitlines(keepends=True)[:24]))
+    return without_template(demo.model, folder / "model"), data
+
+
+@pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.slow) if v == "bench" else v
+                                  for v in READING_VERBS])  # bench's run: seconds of repeats
+def test_every_verb_reading_data_takes_the_chat_flags(bare_demo, tmp_path, capsys, verb):
+    model, data = bare_demo
+    common = [verb, "--model", str(model), "--data", str(data), "--device", "cpu", "--no-progress",
+              *READING_VERBS[verb]]
+    plain = tmp_path / "plain.txt"
+    plain.write_text("no jinja here")
+    report = tmp_path / "out.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        refused = [main([*common, "--json", str(report), *bad]) for bad in (["--chat-template", str(plain)], [])]
+        err = capsys.readouterr().err
+        assert refused == [2, 2] and "holds no Jinja" in err and "has no chat template" in err, err
+        assert not report.exists()  # refused in one line each, nothing written
+        code = main([*common, "--json", str(report), "--chat-template", str(TEMPLATE), "--loss-on", "all",
+                     "--data-format", "messages"])
+    said = report.read_text()
+    assert code == 0 and str(TEMPLATE) in said and "messages format, every token scored" in said, said[-2000:]
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--loss-on", "half"])
+    assert exc.value.code == 2 and "invalid choice: 'half'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch
 from styles import GPT
 
 from tier_utils.adapter.adapter import adapt
+from tier_utils.core.errors import DataError
 from tier_utils.data.collate import PadCollator
 from tier_utils.data.lengths import in_length_order, length_grouped
 from tier_utils.data.packing import PackedRows, best_fit_decreasing, packed
@@ -162,6 +163,19 @@ def test_a_table_packs_one_example_per_row_and_stays_windows_without_packing(tmp
     lengths = [len(rows.train[i]["input_ids"]) for i in range(len(rows.train))]
     assert max(lengths) <= 32 and sum(lengths) == sum(len(rows.train.examples[k]["input_ids"])
                                                       for b in rows.train.bins for k in b)
+
+
+def test_a_packed_tables_one_token_rows_are_dropped_counted_and_none_left_is_one_line(tmp_path):
+    path = tmp_path / "t.csv"
+    texts = ["hello world"] * 8
+    texts[2] = texts[6] = "x"  # one byte, one token: no (input, next-token) pair
+    pd.DataFrame({"text": texts}).to_csv(path, index=False)
+    with pytest.warns(UserWarning, match=r"dropped 2 of 8 rows whose 'text' has under two tokens .*\(rows 3, 7\)"):
+        splits = build_datasets(str(path), "causal-lm", seq_len=32, val_fraction=0.25, packing=True)
+    assert isinstance(splits.train, PackedRows) and len(splits.train.examples) + len(splits.val) == 6
+    pd.DataFrame({"text": ["x", "y"]}).to_csv(path, index=False)
+    with pytest.raises(DataError, match="has no usable row: every row's 'text' has under two tokens"):
+        build_datasets(str(path), "causal-lm", seq_len=32, packing=True)
 
 
 def test_windows_pack_to_themselves_and_a_hand_written_gpt_runs_padded_in_one_line(tmp_path):

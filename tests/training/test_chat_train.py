@@ -1,12 +1,11 @@
 """Training on chat data (issue 58): a resume keeps the base's answers and refuses another reading, a saved folder
 answers the same in plain transformers (with a --chat-template written into it), LoRA and QLoRA run on chat data,
 and `all` gives the three-tier report with the samples table."""
-import json
-import shutil
 import warnings
 
 import pytest
 import torch
+from tiny import without_template
 
 from tier_utils import train
 from tier_utils.cli import main
@@ -48,12 +47,7 @@ def test_a_resume_keeps_the_base_answers_and_refuses_another_reading(demo, tmp_p
 
 
 def test_the_saved_folder_answers_the_same_in_plain_transformers_with_its_chat_template(demo, tmp_path, capsys):
-    bare = tmp_path / "bare"
-    shutil.copytree(demo.model, bare)
-    config = json.loads((bare / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (bare / "tokenizer_config.json").write_text(json.dumps(config))
-    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    bare = without_template(demo.model, tmp_path / "bare")
     out = tmp_path / "hf"
     result = quiet_train(str(bare), str(demo.data), max_steps=6, eval_every=6, save_hf=str(out),
                          chat_template=str(TEMPLATE), **{**RUN, "progress": True})
@@ -104,10 +98,13 @@ def test_qlora_trains_on_chat_data(demo):
 def test_all_on_chat_data_gives_the_three_tier_report_with_the_samples_table(demo, tmp_path, capsys):
     out = tmp_path / "report"
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("always")  # every line shown: the job itself says each once
         code = main(["all", "--model", str(demo.model), "--data", str(demo.data), "--fast", "--device", "cpu",
                      "--no-progress", "--out", str(out)])
-    assert code in (0, 1), capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code in (0, 1), err
+    # every tier reads the data; the conversations cut to fit FAST's 32 tokens are said once
+    assert err.count("conversations lost turns from the front to fit") == 1, err
     page = (out / "index.html").read_text()
     assert "train_samples" in page and "base" in page and "reference" in page
     assert (out / "train_samples.csv").exists() and (out / "train_chat_example.csv").exists()

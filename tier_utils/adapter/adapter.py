@@ -204,12 +204,13 @@ class ModelAdapter:
         tolerance = (1e-3 if alone.dtype == torch.float32 else 3e-2) * float(alone.abs().max().clamp_min(1))
         return bool((packed[0, n:].float() - alone[0].float()).abs().max() <= tolerance)
 
-    def longest_batch(self, data, seq_len: int, target_len: int | None = None) -> LongestBatch | None:
+    def longest_batch(self, data, seq_len: int, target_len: int | None = None, chat=None) -> LongestBatch | None:
         """The longest batch `data` makes for this model at `seq_len` (and an encoder-decoder's `target_len`), every
-        example read, none held out; None: the task's batches are one shape whatever the data (images)."""
+        example read, none held out, chat rows read as `chat` says; None: the task's batches are one shape whatever
+        the data (images)."""
         if not self.task.reads_tokens:
             return None
-        splits = self.datasets(data, seq_len, val_fraction=0.0, target_len=target_len)
+        splits = self.datasets(data, seq_len, val_fraction=0.0, target_len=target_len, chat=chat)
         return longest_batch(splits.train, splits.collate, splits.describe().data, self.task.input_key,
                              "labels" if self.task.own_target_length else None)
 

@@ -14,15 +14,15 @@ never gets a second one.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from ..core.errors import DataError, TemplateError, UnusableRow, one_line
-from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, recognized_format
+from .chat_formats import ChatFormat, ChatOptions, Completion, Dialogue, read_template, recognized_format
 from .collate import IGNORE
 
 FIRST_ROWS = 5  # the unusable rows said by number
@@ -39,26 +39,20 @@ def hf_of(tokenizer):
     return hf
 
 
-def read_template(path) -> str:
-    """A Jinja chat template file's text; a file that is not one is a one-line TemplateError."""
-    where = Path(str(path)).expanduser()
-    if not where.is_file():
-        raise TemplateError(f"--chat-template {path} is not a file; give a Jinja chat template file")
-    try:
-        text = where.read_text("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TemplateError(f"--chat-template {path} is not a text file; give a Jinja chat template") from exc
-    if "{%" not in text and "{{" not in text:
-        raise TemplateError(f"--chat-template {path} holds no Jinja ({{% %}} / {{{{ }}}}); give a chat template file")
-    return text
+def with_template(hf, template_file: str | None):
+    """`hf`, or with `template_file` given a copy of it carrying that chat template: a shallow copy (the vocabulary is
+    shared), so a tokenizer the caller passed in keeps its own template."""
+    if template_file is None:
+        return hf
+    copied = copy.copy(hf)
+    copied.chat_template = read_template(template_file)
+    return copied
 
 
 def templated(tokenizer, template_file: str | None):
-    """The transformers tokenizer, its chat template set from `template_file` where one is given (so save_pretrained
-    writes it beside the model); none at all is a one-line TemplateError naming --chat-template."""
-    hf = hf_of(tokenizer)
-    if template_file is not None:
-        hf.chat_template = read_template(template_file)
+    """The transformers tokenizer the rows render with, its chat template `template_file`'s where one is given (on a
+    copy: save_hf writes it into the saved folder); none at all is a one-line TemplateError naming --chat-template."""
+    hf = with_template(hf_of(tokenizer), template_file)
     if not getattr(hf, "chat_template", None):
         raise TemplateError(f"the tokenizer {getattr(hf, 'name_or_path', '') or type(hf).__name__} has no chat "
                             "template; give one with --chat-template FILE (a Jinja file; chat_template= in the API)")

@@ -8,8 +8,9 @@ A row that cannot be used raises `UnusableRow` with the reason; the reader count
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..core.errors import DataError, UnusableRow
+from ..core.errors import DataError, TemplateError, UnusableRow
 from ..core.registry import Registry
 
 ROLES = ("system", "user", "assistant")
@@ -220,6 +221,20 @@ def recognized_format(columns, forced: str = AUTO, message_column: str | None = 
 LOSS_ON = ("answer", "all")
 
 
+def read_template(path) -> str:
+    """A Jinja chat template file's text; a file that is not one is a one-line TemplateError."""
+    where = Path(str(path)).expanduser()
+    if not where.is_file():
+        raise TemplateError(f"--chat-template {path} is not a file; give a Jinja chat template file")
+    try:
+        text = where.read_text("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TemplateError(f"--chat-template {path} is not a text file; give a Jinja chat template") from exc
+    if "{%" not in text and "{{" not in text:
+        raise TemplateError(f"--chat-template {path} holds no Jinja ({{% %}} / {{{{ }}}}); give a chat template file")
+    return text
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """How chat and instruction rows are read (TrainConfig's data_format, loss_on, chat_template, decided once):
@@ -234,3 +249,5 @@ class ChatOptions:
         format_named(self.data_format)  # an unknown one: one line, before any work
         if self.loss_on not in LOSS_ON:
             raise DataError(f"unknown loss_on {self.loss_on!r} (--loss-on); use one of: {', '.join(LOSS_ON)}")
+        if self.chat_template is not None:
+            read_template(self.chat_template)  # not a Jinja file: one line, before anything is read or written

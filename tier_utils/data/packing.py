@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, Subset
 from ..core.errors import DataError
 from .datasets import DataRequest, DataSplits, split_off
 from .lengths import example_lengths
-from .userdata import Texts
+from .userdata import Texts, usable_rows
 
 POSITIONS = "position_ids"  # a packed row's per-example positions: the key that marks a batch as packed
 
@@ -101,15 +101,16 @@ class CausalExamples(Dataset):
 
 def text_examples(texts: Texts, request: DataRequest) -> DataSplits:
     """A causal LM's table (or dataset) read as separate texts, for packing: one example per row, cut to seq_len + 1
-    tokens (a row of one token predicts nothing and is dropped). The source's own validation rows, else a seeded
-    random `val_fraction` of the rows."""
+    tokens. A row of one token makes no (input, next-token) pair: dropped by the readers' one rule (counted, the
+    first row numbers said; none left is refused). The source's own validation rows, else a seeded random
+    `val_fraction` of the rows."""
     tokenizer = request.tokenizer
-    encode = [tokenizer.encode(t)[:request.seq_len + 1] for t in texts.train + (texts.val or [])]
-    kept = [i for i, t in enumerate(encode) if len(t) > 1]
-    data = CausalExamples([encode[i] for i in kept])
-    if not len(data):
-        raise DataError(f"{texts.name} has no row of two or more tokens to learn from; fill its text column")
-    n_train = sum(i < len(texts.train) for i in kept)
+    rows = texts.train + (texts.val or [])
+    encoded = [tokenizer.encode(t)[:request.seq_len + 1] for t in rows]
+    kept = usable_rows({"text": [t if len(t) > 1 else None for t in encoded], "row": list(range(len(rows)))},
+                       texts.name, "has under two tokens (nothing to predict)")
+    data = CausalExamples(kept["text"])
+    n_train = sum(row < len(texts.train) for row in kept["row"])
     if texts.val is not None:
         train, val, how = Subset(data, range(n_train)), Subset(data, range(n_train, len(data))), texts.validation
     else:

@@ -278,21 +278,20 @@ def text_value(value) -> str | None:
     return None
 
 
-def usable_rows(values: dict[str, list], where: str) -> dict[str, list]:
+def usable_rows(values: dict[str, list], where: str, why: str = "is missing, empty or not text") -> dict[str, list]:
     """The one rule for every reader: a row whose value in any of `values`' columns is None (missing, empty, blank or
-    of the wrong type, as the reader decided) is dropped, with one line per column naming it, the count and the first
-    row numbers (from 1); no row left is refused in one line."""
+    of the wrong type, as the reader decided; `why` says it) is dropped, with one line per column naming it, the count
+    and the first row numbers (from 1); no row left is refused in one line."""
     n = len(next(iter(values.values())))
     bad = {c: [i for i, v in enumerate(column) if v is None] for c, column in values.items()}
     dropped = sorted({i for rows in bad.values() for i in rows})
     if len(dropped) == n:
         columns = " and ".join(repr(c) for c, rows in bad.items() if rows)
-        raise DataError(f"{where} has no usable row: every row's {columns} is missing, empty or not text; fill it, or "
-                        "name another column")
+        raise DataError(f"{where} has no usable row: every row's {columns} {why}; fill it, or name another column")
     for column, rows in bad.items():
         if rows:
-            warnings.warn(f"{where}: dropped {len(rows)} of {n} rows whose {column!r} is missing, empty or not text "
-                          f"(rows {_first(rows)}); the other rows train", stacklevel=4)
+            warnings.warn(f"{where}: dropped {len(rows)} of {n} rows whose {column!r} {why} (rows {_first(rows)}); "
+                          "the other rows train", stacklevel=4)
     keep = set(range(n)) - set(dropped)
     return {c: [v for i, v in enumerate(column) if i in keep] for c, column in values.items()}
 

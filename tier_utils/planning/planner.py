@@ -31,6 +31,7 @@ from ..core.progress import progress_bar
 from ..core.results import Result, run_metadata
 from ..core.settings import check_fields, check_switch, device_field, merge, precision_list, progress_field, setting
 from ..core.threads import chooses_threads
+from ..data.chat_formats import ChatOptions
 from ..data.collate import LongestBatch
 from ..engine.activation_checkpointing import repeated_blocks
 from ..engine.step import make_optimizer
@@ -73,6 +74,7 @@ class FitConfig:
                                                 "on a GPU, off elsewhere)", choices=VALIDATE_CHOICES)
     validate_seconds: float = setting(60.0, "validation's time cap: the rows left after it stay predicted", above=0)
     progress: bool = progress_field()
+    chat: ChatOptions = setting(factory=ChatOptions)  # how the data's chat rows are read
 
     def __post_init__(self):
         self.precisions = precision_list(self.precisions)
@@ -408,7 +410,7 @@ def fit(model=DEFAULT_MODEL, config: FitConfig | dict | None = None, *, data=Non
     budget = read_budget(dev)  # before any probe of ours
     adapter.require_trainable()
     length, target = adapter.fit_length(cfg.seq_len or adapter.max_len), adapter.target_length(cfg.target_len)
-    from_data = adapter.longest_batch(data, length, target) if data is not None else None
+    from_data = adapter.longest_batch(data, length, target, cfg.chat) if data is not None else None
     if from_data is not None:  # the batches are cut to the data: its longest one is what must fit
         length, target = from_data.length, target if from_data.target is None else from_data.target
     configs, blocks = plan(adapter, cfg.precisions, length, cfg.checkpointing, cfg.progress, cfg.lora, budget,

@@ -27,6 +27,7 @@ from ..core.progress import progress_bar
 from ..core.results import Check, Result, checks_table, failed_check, problem_rows, run_metadata
 from ..core.settings import check_fields, device_field, merge, precision_field, progress_field, setting
 from ..core.threads import chooses_threads
+from ..data.chat_formats import ChatOptions
 from ..data.collate import LongestBatch
 from ..engine.quantization import quantized_summary
 from ..engine.strategies import canonical_strategy, resolve_strategy, smoke_strategies
@@ -49,6 +50,7 @@ class SmokeConfig:
                                          "memory checks on every rank (none: one process, the whole model)")
     device: str | torch.device | None = device_field()
     progress: bool = progress_field()
+    chat: ChatOptions = setting(factory=ChatOptions)  # how the data's chat rows are read
 
     def __post_init__(self):
         self.batch_sizes = _positive_ints(self.batch_sizes, "batch_sizes")
@@ -238,7 +240,7 @@ def _smoke(model, cfg: SmokeConfig, model_kwargs: dict, strategy, start: float, 
         budget = shared_budget(budget, env)
     lengths = sorted({adapter.fit_length(t, "seq_lens entry")  # capped to the model: the report records these
                       for t in cfg.seq_lens or (adapter.max_len,)})
-    from_data = adapter.longest_batch(data, lengths[-1]) if data is not None else None
+    from_data = adapter.longest_batch(data, lengths[-1], chat=cfg.chat) if data is not None else None
     if from_data is not None:  # the length training on it meets at most (batches are cut to the data)
         lengths = sorted({*(lengths if cfg.seq_lens else ()), from_data.length})
     summary = {**adapter.summary(), **quantized_summary(adapter.model)}  # a 4-bit base is run, and named, as loaded

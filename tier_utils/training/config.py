@@ -10,7 +10,6 @@ from ..core.loggers import logger_names
 from ..core.memory_settings import MemorySettings, memory_setting
 from ..core.precision import Precision, canonical_precision, precision_setting
 from ..core.settings import check_fields, check_switch, device_field, precision_field, progress_field, setting
-from ..data.chat import read_template
 from ..data.chat_formats import DATA_FORMATS, LOSS_ON, ChatOptions
 from ..data.datasets import DEFAULT_VAL_FRACTION
 from ..engine.compiling import compile_mode_setting
@@ -160,8 +159,7 @@ class TrainConfig:
         if self.restore_best and self.checkpoint_dir is None:
             raise ValueError("restore_best needs checkpoint_dir=DIR, where best.pt is kept")
         self._check_validation()
-        if self.chat_template is not None:
-            read_template(self.chat_template)  # not a Jinja file: one line, before anything is written
+        _ = self.chat  # ChatOptions checks the three (a file that is no template): one line, before anything is written
         _ = self.lr_schedule  # decided here, once: a setting its shape has no use for is refused before the run
 
     @property

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..core.errors import CheckpointError, ModelSpecError, OutputError, one_line
-from ..data.tokenizer import BYTES
+from ..data.chat import hf_of, with_template
+from ..data.tokenizer import BYTES, HFTokenizer
 from ..engine.lora import is_lora, merged_copy
 from ..engine.quantization import merge_to_plain, quantized_layers
 from ..engine.sharding import unsharded_class
@@ -136,11 +137,12 @@ def describe_new_head(model, classes: list[str] | None) -> str | None:
 
 
 def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_dict: dict | None = None,
-            stored_dtype=None) -> str:
+            stored_dtype=None, chat_template: str | None = None) -> str:
     """Write `model` (and its tokenizer, when it has files) as a save_pretrained folder; returns what was written,
     e.g. "final weights (step 60); tokenizer saved". A LoRA model writes peft's adapter folder, or with `merge`
     the base with the adapters folded in (a 4-bit base: dequantised, in `stored_dtype`, the dtype the base was
-    stored in). `state_dict`: a sharded model's gathered weights."""
+    stored in). `state_dict`: a sharded model's gathered weights; `chat_template`: the Jinja file the chat rows were
+    rendered with, written into the folder with the tokenizer."""
     folder = Path(folder).expanduser()
     if state_dict is not None:  # a sharded model: its gathered weights in an unsharded copy of its class
         model = unsharded_class(model)(model.config)
@@ -153,6 +155,8 @@ def save_hf(model, tokenizer, folder, weights: str, merge: bool = False, state_d
     if tokenizer.name == BYTES:
         said = "tokenizer: bytes, nothing to save (load_model(folder) feeds byte ids)"
     else:
+        if chat_template is not None:  # the rows were rendered by a copy carrying it: the model's tokenizer has it not
+            tokenizer = HFTokenizer(with_template(hf_of(tokenizer), chat_template), tokenizer.name)
         try:
             tokenizer.save(folder)
             said = f"tokenizer {tokenizer.name} saved"

@@ -349,7 +349,8 @@ class _Run:
         consolidated = self.checkpoints.consolidate(full, weights) if cfg.consolidate else None
         name_classes(model, self.data.splits.classes)
         saved_hf = save_hf(model, self.adapter.tokenizer, cfg.save_hf, weights, cfg.merge, full,
-                           self.adapter.stored_dtype) if cfg.save_hf is not None and self.env.is_main else None
+                           self.adapter.stored_dtype, cfg.chat_template) \
+            if cfg.save_hf is not None and self.env.is_main else None
         return Finished(restored, saved_hf, consolidated)
 
     # -- the result -----------------------------------------------------------------------------------

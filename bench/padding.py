@@ -564,13 +564,14 @@ def table(found: list[Setup], runners: dict, samples: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| data | runner | ms per step, median (min–max) | ms per 1,000 real tokens, median (min–max) | "
-             "vs the baseline per real token | positions per real token (padding) | verdict |",
+    lines = ["| data | runner | ms per step, median [IQR q1–q3] (min–max) | ms per 1,000 real tokens, median [IQR "
+             "q1–q3] (min–max) | vs the baseline per real token | positions per real token (padding) | verdict |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         ms, per = r["step_ms"], r["ms_per_1k_real"]
-        lines.append(f"| {r['data']} | {RUNNERS[r['runner']]} | {ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f}) "
-                     f"| {per['median']:.2f} ({per['min']:.2f}–{per['max']:.2f}) | {r['vs_baseline']:.2f}× | "
+        lines.append(f"| {r['data']} | {RUNNERS[r['runner']]} | {ms['median']:.1f} [{ms['q1']:.1f}–{ms['q3']:.1f}] "
+                     f"({ms['min']:.1f}–{ms['max']:.1f}) | {per['median']:.2f} [{per['q1']:.2f}–{per['q3']:.2f}] "
+                     f"({per['min']:.2f}–{per['max']:.2f}) | {r['vs_baseline']:.2f}× | "
                      f"{r['positions_per_real']:.2f} ({r['padding_share']:.0%}) | {r['verdict']} |")
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
-"""bench/padding.py, train() beside the HF Trainer on long-tailed data (issue 57): at tiny sizes each runner has its
-row with the positions it computed per real token, train() and the HF Trainer take the same first step's loss, and
-its verdicts follow the benchmark's noise rule against the HF Trainer's default row."""
+"""bench/padding.py, train() beside the HF Trainer (and, on chat data, TRL's SFTTrainer) on long-tailed data (issue
+57): at tiny sizes each runner has its row with the positions it computed per real token, train() and the baseline
+take the same first step's loss, and its verdicts follow the benchmark's noise rule against the baseline's row."""
 import importlib.util
 import json
 import sys

@@ -152,18 +152,20 @@ def trl_tokenizer(setup: Setup):
     return tokenizer
 
 
-def sft_trainer(model, setup: Setup, steps: int, out: str):
-    """TRL's SFTTrainer over the rows in order, with the shared optimizer, schedule and clipping, fp32."""
+def sft_trainer(model, setup: Setup, steps: int, out: str, **settings):
+    """TRL's SFTTrainer over the rows in order, with the shared optimizer, schedule and clipping, fp32 on the CPU;
+    `settings`: SFTConfig settings that replace these (bench/padding.py's bf16, max_length, packing)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     cfg = setup.cfg
-    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=cfg.batch_size,
-                     max_grad_norm=cfg.grad_clip, learning_rate=cfg.lr, seed=cfg.seed, bf16=False, fp16=False,
-                     gradient_checkpointing=False, use_cpu=True, train_sampling_strategy="sequential",
-                     dataloader_drop_last=True, max_length=None, pad_to_multiple_of=8, logging_steps=1,
-                     report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
-                     **setup.variant.trl_flags)
+    args = SFTConfig(**{**dict(output_dir=out, max_steps=steps, per_device_train_batch_size=cfg.batch_size,
+                               max_grad_norm=cfg.grad_clip, learning_rate=cfg.lr, seed=cfg.seed, bf16=False,
+                               fp16=False, gradient_checkpointing=False, use_cpu=True,
+                               train_sampling_strategy="sequential", dataloader_drop_last=True, max_length=None,
+                               pad_to_multiple_of=8, logging_steps=1, report_to="none", save_strategy="no",
+                               eval_strategy="no", disable_tqdm=True),
+                        **setup.variant.trl_flags, **settings})
     return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(setup.rows),
                       processing_class=trl_tokenizer(setup), optimizers=optimization(model, setup, steps))
 

@@ -125,8 +125,9 @@ def test_two_ranks_grouped_and_packed_take_the_global_batches_one_process_takes(
     assert len(steps[0]) == len(steps[1]) == len(steps[2]) == 6
     for r0, r1, one in zip(*steps):
         assert sorted(r0 + r1) == sorted(one)
-    # The ranks' packed rows hold different counts of scored tokens; the loss, the mean over both ranks' tokens, and
-    # so every update are one process's (a mean of the ranks' means would differ from the first step)
+    # The loss is the mean over both ranks' scored tokens (each rank's share weighted by the count summed across
+    # them): one process's, step by step. (An untrained model scores every token near log(vocab), so a mean of the
+    # ranks' means would agree here too: tests/engine/test_step_weights.py tells those apart.)
     two, one = (pd.read_csv(tmp_path / name / "metrics.csv").query("kind == 'step'")["train_loss"].tolist()
                 for name in ("two", "one"))
     assert len(two) == 6 and two == pytest.approx(one, abs=1e-5)

@@ -179,7 +179,7 @@ def _run_search(args) -> tuple[dict, int]:
 
 
 def _run_export(args) -> tuple[dict, int]:
-    result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig),
+    result = export(args.model, args.out, data_of(args), settings_from(args, ExportConfig, chat=chat_of(args)),
                     model_kwargs=model_kwargs(args))
     c, m = result.config, result.metadata
     print(f"exported {c.model} ({c.task}) to {result.path} ({c.format}, {c.precision}, {c.bytes:,} bytes; "
@@ -330,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "seed"),
                  defaults=vars(SearchConfig().trial))
     add_memory(p)
+    add_chat(p)  # TrainConfig's fields: each trial reads chat rows so
     p.set_defaults(run=_run_search)
 
     p = verbs.add_parser("export", help="export to ONNX or a torch.export program (.pt2) with a parity check "
@@ -339,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings(p, ExportConfig, ("format", "precision", "repeats"))
     p.add_argument("--data", default=None, metavar="SOURCE", help="the parity batches' text: " + DATA_HELP)
     add_data(p, data=False)
+    add_chat(p)
     p.set_defaults(run=_run_export)
 
     p = verbs.add_parser("fit", help="every mode (precision, activation checkpointing, LoRA over each base, QLoRA, "

@@ -231,13 +231,18 @@ def test_bad_chat_input_through_the_cli_is_one_line_and_writes_nothing(demo, tmp
 
 
 # Each verb that reads --data, at its cheapest: the chat flags are the ones `train` takes, passed to its data reading.
+RUNS_HERE = ["--device", "cpu", "--no-progress"]
 READING_VERBS = {
-    "smoke": ["--checks", "memory", "--batch-sizes", "1"],
-    "analyze": ["--analyses", "attention", "--n-batches", "1", "--batch-size", "2"],
-    "fit": ["--precisions", "fp32", "--no-checkpointing", "--lora", "0", "--optimizers", "adamw"],
-    "bench": ["--precisions", "fp32", "--repeats", "1", "--timed-steps", "1", "--untimed-steps", "0",
+    "smoke": [*RUNS_HERE, "--checks", "memory", "--batch-sizes", "1"],
+    "analyze": [*RUNS_HERE, "--analyses", "attention", "--n-batches", "1", "--batch-size", "2"],
+    "fit": [*RUNS_HERE, "--precisions", "fp32", "--no-checkpointing", "--lora", "0", "--optimizers", "adamw"],
+    "bench": [*RUNS_HERE, "--precisions", "fp32", "--repeats", "1", "--timed-steps", "1", "--untimed-steps", "0",
               "--accuracy-steps", "1", "--eval-batches", "1", "--batch-size", "2"],
+    "export": ["--format", "pt2", "--repeats", "1"],  # its --out is added where it runs: the artifact's path
+    "search": [*RUNS_HERE, "--trials", "1", "--max-steps", "1", "--batch-size", "2", "--eval-batches", "1",
+               "--precision", "fp32"],
 }
+SLOW_VERBS = ("bench", "export")  # seconds of repeats, a capture and its parity timings
 
 
 @pytest.fixture(scope="module")
@@ -250,12 +255,13 @@ def bare_demo(demo, tmp_path_factory):
     return without_template(demo.model, folder / "model"), data
 
 
-@pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.slow) if v == "bench" else v
-                                  for v in READING_VERBS])  # bench's run: seconds of repeats
-def test_every_verb_reading_data_takes_the_chat_flags(bare_demo, tmp_path, capsys, verb):
+@pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.slow) if v in SLOW_VERBS else v
+                                  for v in READING_VERBS])
+def test_every_verb_reading_data_takes_the_chat_flags(demo, bare_demo, tmp_path, capsys, verb):
     model, data = bare_demo
-    common = [verb, "--model", str(model), "--data", str(data), "--device", "cpu", "--no-progress",
-              *READING_VERBS[verb]]
+    data = demo.data if verb == "search" else data  # a trial's batch may be 32: more rows than the 24
+    artifact = ["--out", str(tmp_path / "model.pt2")] if verb == "export" else []
+    common = [verb, "--model", str(model), "--data", str(data), *artifact, *READING_VERBS[verb]]
     plain = tmp_path / "plain.txt"
     plain.write_text("no jinja here")
     report = tmp_path / "out.json"

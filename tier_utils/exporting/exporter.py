@@ -30,6 +30,7 @@ from ..core.precision import BASELINE, Precision, Tolerances, precision_setting,
 from ..core.results import Check, Result, checks_table, run_metadata
 from ..core.settings import check_fields, merge, setting
 from ..core.threads import chooses_threads
+from ..data.chat_formats import ChatOptions
 from ..data.datasets import DataDescription, make_loader
 from ..engine.quantization import merge_to_plain, quantized_layers
 
@@ -55,6 +56,7 @@ class ExportConfig:
     precision: str | Precision = setting(BASELINE, "the dtype the weights are exported in")
     example: torch.Tensor | dict | None = setting(None, "token ids (B, T) or a batch dict to trace with")
     repeats: int = setting(10, "timed forwards per shape and runner", low=1)
+    chat: ChatOptions = setting(factory=ChatOptions)  # how the data's chat rows are read
 
     def __post_init__(self):
         self.format = str(self.format).lower()
@@ -178,7 +180,7 @@ def export(model, path, data=None, config: ExportConfig | dict | None = None, *,
     keys = adapter.task.export_inputs
     t_trace = min(16, adapter.max_len)
     shapes = [(1, max(2, t_trace // 2)), (4, min(adapter.max_len, 64))]
-    splits = adapter.datasets(data, max(s[1] for s in shapes))
+    splits = adapter.datasets(data, max(s[1] for s in shapes), chat=cfg.chat)
     trace = (_example(cfg.example, keys, adapter) if cfg.example is not None
              else _batch(splits, 2, t_trace, keys, adapter))
     program = _capture(wrapper, trace, adapter, fmt)

@@ -108,3 +108,28 @@ def test_all_on_chat_data_gives_the_three_tier_report_with_the_samples_table(dem
     page = (out / "index.html").read_text()
     assert "train_samples" in page and "base" in page and "reference" in page
     assert (out / "train_samples.csv").exists() and (out / "train_chat_example.csv").exists()
+
+
+@pytest.mark.slow  # two torchrun ranks
+def test_two_ddp_ranks_answer_the_held_out_prompts_as_one_process_does(demo, tmp_path):
+    """Under DDP every rank holds the whole model: the base's answers and each evaluation's are written there too,
+    the same on every rank, and scored as one process scores them."""
+    import json
+
+    from torchrun import ok, torchrun
+
+    args = ["train", "--model", str(demo.model), "--data", str(demo.data), "--batch-size", "4", "--seq-len", "64",
+            "--lr", "1e-2", "--max-steps", "4", "--eval-every", "4", "--precision", "fp32", "--device", "cpu",
+            "--no-progress"]
+    ok(torchrun(["-m", "tier_utils", *args, "--strategy", "ddp", "--out", str(tmp_path / "two"), "--json",
+                 str(tmp_path / "two.json")]))
+    two = json.loads((tmp_path / "two.json").read_text())
+    one = quiet_train(str(demo.model), str(demo.data), max_steps=4, eval_every=4, **{**RUN, "batch_size": 8})
+    samples = two["generation"]["samples"]
+    assert len(samples) == len(one.summary.generation["samples"]) == 12
+    assert all(isinstance(s["base"], str) and isinstance(s["generated"], str) for s in samples)
+    # The base answers come from the same start in both: equal. (The fine-tunes' answers may differ by a step's
+    # summation order, so only that they are there.)
+    assert [s["base"] for s in samples] == [s["base"] for s in one.summary.generation["samples"]]
+    after = two["versus_base"]["pairing"]["after"]["metrics"]  # the fine-tune against its base, per answer too
+    assert len(after["chrf"]) == len(after["exact_match"]) == 12

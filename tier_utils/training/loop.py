@@ -165,7 +165,7 @@ class _Run:
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
         self.versus = VersusBase.decide(self, describe_new_head(self.adapter.model, data.splits.classes))
         if data.splits.chat is not None and cfg.evaluates and self.progress.base_answers is None and \
-                self.env.world_size == 1:  # the base's answers, once: a resume keeps the checkpoint's
+                not strategy.sharded:  # the base's answers, once: a resume keeps the checkpoint's
             self.progress.base_answers = base_answers(self.adapter, data.splits, precision)
         self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
             "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
@@ -328,10 +328,11 @@ class _Run:
         return self.adapter.task.generates or self.data.splits.chat is not None
 
     def generation(self) -> Generated | str:
-        """What the model writes for a few validation sources, scored: in one process (a sharded model's forward
-        needs every rank, and the scores are the same anywhere), else why not."""
-        if self.env.world_size > 1:
-            return f"generation runs in one process; not under torchrun ({self.env.world_size} ranks)"
+        """What the model writes for a few validation sources, scored, where every rank holds the whole model (one
+        process, DDP: each rank writes the same answers from its own copy, so none waits on another); else why not."""
+        if self.strategy.sharded:
+            return (f"generation runs where every rank holds the whole model (one process, DDP); not under "
+                    f"{self.strategy.label}, whose forward needs every rank's shards")
         if self.data.splits.chat is not None:
             return chat_generation(self.adapter, self.data.splits, self.precision, self.progress.base_answers)
         return generate_and_score(self.adapter, self.data.splits, self.precision)

@@ -54,8 +54,9 @@ def test_all_cli_runs_every_tier_and_writes_the_report(tmp_path, tiny_sizes, cap
                  "fit at B=4, T=16: cheapest mode that fits here", "ranks: smallest N that trains at T=16",
                  "benchmark TinyGPT: ", "model checks: ", " at batch 4 x 16 tokens"):
         assert head in printed
-    # fit's fastest here is what the benchmark measured in the same run; the last line leads with the answer
-    assert ("fastest here " in printed or "no mode was measurably faster here (closest: " in printed) and \
+    # fit's fastest here is what the benchmark measured in the same run; the last line leads with the answer. (On a
+    # CPU without native bf16/fp16 no other mode runs: "no mode was measurably faster here (no other mode ran".)
+    assert ("fastest here " in printed or "no mode was measurably faster here (" in printed) and \
         "measured by this run's benchmark at batch 4 x 16" in printed
     last = printed.splitlines()[-1]
     assert data["summary"] == last

@@ -429,3 +429,21 @@ def test_a_translation_column_of_dicts_reads_the_two_languages_named(tmp_path, c
                  "--no-progress", "--out", str(tmp_path / "run")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "translation column has no es; its languages are de, en, fr" in err[0]
+
+
+@pytest.mark.slow  # two torchrun ranks
+def test_two_fsdp_ranks_write_and_score_the_targets_in_step(tmp_path):
+    """A sharded encoder-decoder's ranks generate in step (each forward needs every shard): the built-in greedy loop
+    runs its whole length on every rank, and the run scores what it wrote as one process does."""
+    import json
+
+    from torchrun import ok, torchrun
+
+    args = ["train", "--model", "tiny-seq2seq", *[a for k, v in SMALL.items() for a in ("--model-arg", f"{k}={v}")],
+            "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4", "--seq-len", "16",
+            "--precision", "fp32", "--device", "cpu", "--no-progress", "--strategy", "fsdp", "--out",
+            str(tmp_path / "run"), "--json", str(tmp_path / "run.json")]
+    ok(torchrun(["-m", "tier_utils", *args]))
+    made = json.loads((tmp_path / "run.json").read_text())["generation"]
+    assert made["n"] == 16 and len(made["samples"]) == 16 and made["seconds"] > 0
+    assert all(s["reference"] == s["prompt"].upper() for s in made["samples"])  # the bundled pairs, in capitals

@@ -111,9 +111,11 @@ def test_all_on_chat_data_gives_the_three_tier_report_with_the_samples_table(dem
 
 
 @pytest.mark.slow  # two torchrun ranks
-def test_two_ddp_ranks_answer_the_held_out_prompts_as_one_process_does(demo, tmp_path):
-    """Under DDP every rank holds the whole model: the base's answers and each evaluation's are written there too,
-    the same on every rank, and scored as one process scores them."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_answer_the_held_out_prompts_as_one_process_does(demo, tmp_path, strategy):
+    """Under DDP every rank writes the answers from its own copy; under FSDP the ranks generate in step (each
+    forward needs every shard). The base's answers and each evaluation's are written either way, the same on every
+    rank, and scored as one process scores them."""
     import json
 
     from torchrun import ok, torchrun
@@ -121,7 +123,7 @@ def test_two_ddp_ranks_answer_the_held_out_prompts_as_one_process_does(demo, tmp
     args = ["train", "--model", str(demo.model), "--data", str(demo.data), "--batch-size", "4", "--seq-len", "64",
             "--lr", "1e-2", "--max-steps", "4", "--eval-every", "4", "--precision", "fp32", "--device", "cpu",
             "--no-progress"]
-    ok(torchrun(["-m", "tier_utils", *args, "--strategy", "ddp", "--out", str(tmp_path / "two"), "--json",
+    ok(torchrun(["-m", "tier_utils", *args, "--strategy", strategy, "--out", str(tmp_path / "two"), "--json",
                  str(tmp_path / "two.json")]))
     two = json.loads((tmp_path / "two.json").read_text())
     one = quiet_train(str(demo.model), str(demo.data), max_steps=4, eval_every=4, **{**RUN, "batch_size": 8})

@@ -41,9 +41,9 @@ class Generated:
                 f"{self.seconds:.1f} s)")
 
 
-def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES) -> Generated:
+def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES, synced: bool = False) -> Generated:
     """Greedy generation on the first `n` validation pairs of `splits` (Pairs rows: input_ids, attention_mask,
-    labels), batched by the task's collator."""
+    labels), batched by the task's collator; `synced`: every rank generates in step (see `_grad_mode`)."""
     rows = [splits.val[i] for i in range(min(n, len(splits.val)))]
     batch = splits.collate(rows)
     ids, mask, labels = (batch[k].to(adapter.device) for k in ("input_ids", "attention_mask", "labels"))
@@ -52,8 +52,8 @@ def generate_and_score(adapter, splits, precision, n: int = MAX_SAMPLES) -> Gene
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), precision.autocast():
-            out = _generate(adapter, ids, mask, longest)
+        with _grad_mode(synced), precision.autocast():
+            out = _generate(adapter, ids, mask, longest, synced)
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
@@ -81,11 +81,20 @@ def sample_scores(pairs: list[tuple[str, str]]) -> dict[str, list[float]]:
     return {"chrf": [sacrebleu.sentence_chrf(w, [r]).score for r, w in pairs], "exact_match": exact}
 
 
-def _generate(adapter, ids: torch.Tensor, mask: torch.Tensor, longest: int) -> torch.Tensor:
-    """The new tokens only, (B, <= longest)."""
+def _grad_mode(synced: bool):
+    """Generation's grad mode. A sharded model (FSDP) needs every rank in each forward, so the ranks generate in step
+    (`synced`), under no_grad: FSDP2 makes its all-gather buffers in its first forward, and inference tensors made
+    there would refuse training's in-place copies later."""
+    return torch.no_grad() if synced else torch.inference_mode()
+
+
+def _generate(adapter, ids: torch.Tensor, mask: torch.Tensor, longest: int, synced: bool = False) -> torch.Tensor:
+    """The new tokens only, (B, <= longest); `synced`: every rank runs every step (transformers' synced_gpus; the
+    loop below its whole length), since each forward needs them all."""
     generate = getattr(adapter.model, "generate", None)
     if callable(generate):
-        return generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, num_beams=1)
+        return generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, num_beams=1,
+                        synced_gpus=synced)
     from ..tasks.seq2seq import decoder_inputs
 
     eos = adapter.tokenizer.eos_id
@@ -97,7 +106,7 @@ def _generate(adapter, ids: torch.Tensor, mask: torch.Tensor, longest: int) -> t
         nxt = logits[:, -1].argmax(-1)
         out = torch.cat([out, nxt[:, None]], 1)
         done |= nxt == eos if eos is not None else done
-        if done.all():
+        if done.all() and not synced:
             break
     return out[:, 1:]
 
@@ -119,7 +128,7 @@ def _sacrebleu(written: list[str], targets: list[str]) -> tuple[float | None, fl
 ANSWER_MARGIN = 8  # new tokens past the longest reference answer: room to overshoot and still be seen to stop
 
 
-def answer_prompts(adapter, splits, precision, n: int = MAX_SAMPLES) -> tuple[list[str], int]:
+def answer_prompts(adapter, splits, precision, n: int = MAX_SAMPLES, synced: bool = False) -> tuple[list[str], int]:
     """A decoder-only model's greedy answers to the first `n` held-out chat prompts (`splits.chat.prompts`, each
     with the template's generation prompt), batched with the prompts padded on the LEFT, at most the longest
     reference's length plus a margin, stopping at the end token (the model's generation config, which holds it);
@@ -134,9 +143,9 @@ def answer_prompts(adapter, splits, precision, n: int = MAX_SAMPLES) -> tuple[li
     model, was_training = adapter.model, adapter.model.training
     model.eval()
     try:
-        with torch.inference_mode(), precision.autocast():
+        with _grad_mode(synced), precision.autocast():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=limit, do_sample=False,
-                                 num_beams=1, pad_token_id=left.pad_id)
+                                 num_beams=1, pad_token_id=left.pad_id, synced_gpus=synced)
     finally:
         model.train(was_training)
     ends = set(splits.chat.end_ids)
@@ -147,11 +156,11 @@ def answer_prompts(adapter, splits, precision, n: int = MAX_SAMPLES) -> tuple[li
     return answers, limit
 
 
-def score_answers(adapter, splits, precision, base: list[str] | None) -> Generated:
+def score_answers(adapter, splits, precision, base: list[str] | None, synced: bool = False) -> Generated:
     """The held-out chat prompts answered now, scored against their references like a seq2seq model's targets
     (exact match, chrF, BLEU), with the base model's answers (generated before the first step) beside them."""
     start = time.perf_counter()
-    written, limit = answer_prompts(adapter, splits, precision)
+    written, limit = answer_prompts(adapter, splits, precision, synced=synced)
     seconds = time.perf_counter() - start
     held = splits.chat.prompts[:len(written)]
     prompts, references = [question for _, question, _ in held], [ref for _, _, ref in held]

@@ -38,15 +38,15 @@ def cannot_generate(adapter) -> str | None:
     return None
 
 
-def base_answers(adapter, splits, precision) -> list[str] | None:
+def base_answers(adapter, splits, precision, synced: bool = False) -> list[str] | None:
     """The model's answers before training, for the samples table (None: it cannot generate, or nothing is held
-    out)."""
+    out); `synced`: a sharded model's ranks generate in step."""
     if cannot_generate(adapter) or not splits.chat.prompts:
         return None
-    return answer_prompts(adapter, splits, precision)[0]
+    return answer_prompts(adapter, splits, precision, synced=synced)[0]
 
 
-def chat_generation(adapter, splits, precision, base: list[str] | None) -> Generated | str:
+def chat_generation(adapter, splits, precision, base: list[str] | None, synced: bool = False) -> Generated | str:
     """This evaluation's answers beside the base's, scored; or why there are none."""
     why = cannot_generate(adapter) or (None if splits.chat.prompts else "no held-out prompts")
-    return why or score_answers(adapter, splits, precision, base)
+    return why or score_answers(adapter, splits, precision, base, synced)

@@ -164,9 +164,9 @@ class _Run:
                                           self.selection, self.progress)
         self.checkpoints.resume()  # it restores the RNG states: nothing after it draws from them
         self.versus = VersusBase.decide(self, describe_new_head(self.adapter.model, data.splits.classes))
-        if data.splits.chat is not None and cfg.evaluates and self.progress.base_answers is None and \
-                not strategy.sharded:  # the base's answers, once: a resume keeps the checkpoint's
-            self.progress.base_answers = base_answers(self.adapter, data.splits, precision)
+        if data.splits.chat is not None and cfg.evaluates and self.progress.base_answers is None:
+            # the base's answers, once: a resume keeps the checkpoint's
+            self.progress.base_answers = base_answers(self.adapter, data.splits, precision, strategy.sharded)
         self.log = open_train_run(cfg, self.env.is_main, self.progress.resumed_from is not None, {
             "model": built.name, "precision": precision.name, "precision_reason": precision.reason,
             "weights": precision.describe_weights(self.adapter.stored_dtype),
@@ -328,14 +328,13 @@ class _Run:
         return self.adapter.task.generates or self.data.splits.chat is not None
 
     def generation(self) -> Generated | str:
-        """What the model writes for a few validation sources, scored, where every rank holds the whole model (one
-        process, DDP: each rank writes the same answers from its own copy, so none waits on another); else why not."""
-        if self.strategy.sharded:
-            return (f"generation runs where every rank holds the whole model (one process, DDP); not under "
-                    f"{self.strategy.label}, whose forward needs every rank's shards")
+        """What the model writes for a few validation sources, scored, on every rank alike: under DDP each rank
+        writes the same answers from its own copy; a sharded model's (FSDP) ranks generate in step, since each
+        forward needs them all."""
+        synced = self.strategy.sharded
         if self.data.splits.chat is not None:
-            return chat_generation(self.adapter, self.data.splits, self.precision, self.progress.base_answers)
-        return generate_and_score(self.adapter, self.data.splits, self.precision)
+            return chat_generation(self.adapter, self.data.splits, self.precision, self.progress.base_answers, synced)
+        return generate_and_score(self.adapter, self.data.splits, self.precision, synced=synced)
 
     def _finish(self) -> Finished:
         """At a run's end (finished or stopped early): the best weights back if restore_best, then save_hf."""

@@ -48,9 +48,10 @@ def test_the_benchmark_runs_every_precision_over_a_4bit_model_and_names_qlora(ll
     assert _measured(Plan(), {"amp_benchmark": result}).endswith(f", training {QLORA_WORDS}, fp32 adapters, AdamW")
 
 
-def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16):
+def test_a_4bit_layer_follows_fp16_autocast_over_a_bf16_base(llama_bf16, monkeypatch):
     """bitsandbytes returns its input's dtype: bf16 activations met fp16 autocast's cat in the rotary embedding
     ("Unexpected floating ScalarType in at::autocast::prioritize") before the layer's output followed autocast."""
+    monkeypatch.setenv("TIER_UTILS_CPU_FLAGS", "avx512_bf16")  # a CPU with native bf16 keeps the base bf16
     from tier_utils.core.device import device_facts
     from tier_utils.core.memory_settings import resolve_memory
     from tier_utils.core.precision import resolve_precision

@@ -305,11 +305,7 @@ def run_train(setup: Setup, steps: int, cfg: TrainConfig | None = None, padded: 
     s = setup.splits
     data = (PaddedTo(s.train, setup.shape.seq_len, setup.shape.target_len), s.val) if padded else (s.train, s.val)
     adapter = resolve_model(str(setup.folder))
-    counted = counting(adapter.model)
-    try:
-        result = train(adapter, data, replace(cfg or setup.cfg, max_steps=steps))
-    finally:
-        counted.remove()
+    result = counted(adapter.model, lambda: train(adapter, data, replace(cfg or setup.cfg, max_steps=steps)))
     HELD_OUT.append(result.summary.val_loss)
     return float(result.history.loc[result.history["kind"] == "step", "train_loss"].iloc[0])
 
@@ -366,11 +362,7 @@ def run_hf(setup: Setup, steps: int, grouped: bool = False) -> float:
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
                           optimizers=(optimizer, cfg.lr_schedule.scheduler(optimizer, steps)))
         trainer.remove_callback(PrinterCallback)
-        counted = counting(model)
-        try:
-            trainer.train()
-        finally:
-            counted.remove()
+        counted(model, trainer.train)
     return FIRST_LOSS.pop() if FIRST_LOSS else math.nan
 
 
@@ -397,11 +389,7 @@ def run_trl(setup: Setup, steps: int, packed: bool = False) -> float:
         warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer = sft_trainer(model, peer, steps, out, **settings)
         trainer.remove_callback(PrinterCallback)
-        counted = counting(model)
-        try:
-            trainer.train()
-        finally:
-            counted.remove()
+        counted(model, trainer.train)
     return FIRST_LOSS.pop() if FIRST_LOSS else math.nan
 
 
@@ -452,9 +440,10 @@ def positions(kwargs: dict) -> tuple[int, int]:
     return computed, real
 
 
-def counting(model: torch.nn.Module):
-    """A forward pre-hook recording each training forward's positions (not a probe's or an evaluation's), and a
-    hook keeping the first training forward's loss where the model computed one (the HF Trainer's)."""
+def counted(model: torch.nn.Module, run):
+    """`run()` (a whole training call) with a forward pre-hook recording each training forward's positions (not a
+    probe's or an evaluation's) and a hook keeping the first training forward's loss where the model computed one (a
+    peer's); returns what `run` returns."""
     def before(module, args, kwargs):
         if module.training and torch.is_grad_enabled():
             FORWARDS.append(positions({**dict(zip(("input_ids",), args)), **kwargs}))
@@ -466,13 +455,11 @@ def counting(model: torch.nn.Module):
 
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
                model.register_forward_hook(after, with_kwargs=True)]
-
-    class Handles:
-        @staticmethod
-        def remove():
-            for h in handles:
-                h.remove()
-    return Handles()
+    try:
+        return run()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------
